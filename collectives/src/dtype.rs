@@ -1,0 +1,164 @@
+//! Element types a collective can carry, and the [`Element`] trait that maps Rust types onto them.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The data types of NCCL (`ncclDataType_t`), with nccl-tests' names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum DataType {
+    Int8 = 0,
+    Uint8 = 1,
+    Int32 = 2,
+    Uint32 = 3,
+    Int64 = 4,
+    Uint64 = 5,
+    Float16 = 6,
+    Float32 = 7,
+    Float64 = 8,
+    Bfloat16 = 9,
+}
+
+impl DataType {
+    /// Every data type, in wire-code order.
+    pub const ALL: [DataType; 10] = [
+        DataType::Int8,
+        DataType::Uint8,
+        DataType::Int32,
+        DataType::Uint32,
+        DataType::Int64,
+        DataType::Uint64,
+        DataType::Float16,
+        DataType::Float32,
+        DataType::Float64,
+        DataType::Bfloat16,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DataType::Int8 | DataType::Uint8 => 1,
+            DataType::Float16 | DataType::Bfloat16 => 2,
+            DataType::Int32 | DataType::Uint32 | DataType::Float32 => 4,
+            DataType::Int64 | DataType::Uint64 | DataType::Float64 => 8,
+        }
+    }
+
+    /// nccl-tests' name for the type (`int8`, `half`, `float`, `bfloat16`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DataType::Int8 => "int8",
+            DataType::Uint8 => "uint8",
+            DataType::Int32 => "int32",
+            DataType::Uint32 => "uint32",
+            DataType::Int64 => "int64",
+            DataType::Uint64 => "uint64",
+            DataType::Float16 => "half",
+            DataType::Float32 => "float",
+            DataType::Float64 => "double",
+            DataType::Bfloat16 => "bfloat16",
+        }
+    }
+
+    /// True for the floating-point types.
+    pub const fn is_float(self) -> bool {
+        matches!(
+            self,
+            DataType::Float16 | DataType::Float32 | DataType::Float64 | DataType::Bfloat16
+        )
+    }
+
+    /// The type with this wire code, if any.
+    pub fn from_code(code: u8) -> Option<DataType> {
+        DataType::ALL.get(code as usize).copied()
+    }
+
+    /// The wire code of this type.
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+}
+
+impl fmt::Display for DataType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Error for a data type name that is not known.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown data type {0:?} (expected int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16)")]
+pub struct UnknownDataType(pub String);
+
+impl FromStr for DataType {
+    type Err = UnknownDataType;
+
+    /// Accepts nccl-tests' names and the usual aliases (`f32`, `float32`, `fp16`, `bf16`, ...).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = match s.to_ascii_lowercase().as_str() {
+            "int8" | "i8" | "char" => DataType::Int8,
+            "uint8" | "u8" => DataType::Uint8,
+            "int32" | "i32" | "int" => DataType::Int32,
+            "uint32" | "u32" => DataType::Uint32,
+            "int64" | "i64" => DataType::Int64,
+            "uint64" | "u64" => DataType::Uint64,
+            "half" | "float16" | "f16" | "fp16" => DataType::Float16,
+            "float" | "float32" | "f32" | "fp32" => DataType::Float32,
+            "double" | "float64" | "f64" | "fp64" => DataType::Float64,
+            "bfloat16" | "bf16" => DataType::Bfloat16,
+            _ => return Err(UnknownDataType(s.to_string())),
+        };
+        Ok(t)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust type that collectives can carry. Implemented for `i8, u8, i32, u32, i64, u64`,
+/// [`half::f16`], [`half::bf16`], `f32` and `f64`; sealed so the list stays in step with
+/// [`DataType`].
+pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + sealed::Sealed {
+    /// The data type this Rust type stands for.
+    const DTYPE: DataType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: DataType = DataType::$d;
+        }
+    )*};
+}
+
+element! {
+    i8 => Int8,
+    u8 => Uint8,
+    i32 => Int32,
+    u32 => Uint32,
+    i64 => Int64,
+    u64 => Uint64,
+    half::f16 => Float16,
+    f32 => Float32,
+    f64 => Float64,
+    half::bf16 => Bfloat16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_sizes_match_rust() {
+        for t in DataType::ALL {
+            assert_eq!(t.name().parse::<DataType>().unwrap(), t);
+            assert_eq!(DataType::from_code(t.code()), Some(t));
+        }
+        assert_eq!(DataType::Float16.size(), std::mem::size_of::<half::f16>());
+        assert_eq!(<half::bf16 as Element>::DTYPE, DataType::Bfloat16);
+        assert!("float128".parse::<DataType>().is_err());
+        assert_eq!(DataType::from_code(10), None);
+    }
+}

@@ -1,0 +1,16 @@
+//! weftcc's safe core: data types and reductions, algorithm schedules, and the communicator that
+//! executes them over the transports of `weftcc-transports`.
+//!
+//! This crate contains no `unsafe` and performs no system calls of its own: every byte that
+//! leaves the process goes through the [`weftcc_transports::Connection`] trait.
+
+#![forbid(unsafe_code)]
+
+pub mod dtype;
+pub mod op;
+pub mod reduce;
+pub mod schedule;
+pub mod sim;
+
+pub use dtype::{DataType, Element};
+pub use op::{Combiner, OpKind, ReduceOp};

@@ -1,0 +1,67 @@
+//! The transport trait.
+//!
+//! A [`Connection`] is a reliable, ordered, bidirectional byte stream between this rank and one
+//! peer. It never blocks: the collectives engine polls every connection it needs and, when none
+//! made progress, sleeps in [`IdleWaiter::wait`] (spin, then yield, then a futex or `poll`).
+//!
+//! Why a byte stream rather than posted send/recv requests: it maps directly onto a FIFO of slots
+//! in shared memory, onto a socket, and onto an RDMA-written remote ring (the shape NCCL's "Simple"
+//! protocol uses), and it lets the receiver reduce straight out of the transport's own buffer
+//! ([`Connection::try_recv`] lends a slice), which is how copy and reduction overlap without an
+//! extra copy. "Posting" a send is `try_send` of a byte range, "progress" is calling it again with
+//! the rest, and "completion" is when all bytes were accepted.
+//!
+//! Invariants every implementation keeps (checked by the conformance suite in `tests/`):
+//! * Bytes arrive exactly once, in order, unmodified.
+//! * `try_send` accepts a prefix of `data` (possibly empty) and copies it out before returning, so
+//!   the caller may reuse the source as soon as the bytes are accepted.
+//! * `try_recv` lends at most `max` contiguous bytes; only the prefix that `consume` reports as used
+//!   is removed from the stream. If every message length is a multiple of 8 bytes, every lent slice
+//!   starts 8-byte aligned in memory (so typed reductions can read it in place).
+//! * A dead or closed peer becomes [`TransportError::PeerLost`] once no buffered bytes remain to be
+//!   read, never a hang and never a panic.
+
+use crate::error::Result;
+use std::time::Duration;
+
+/// A non-blocking byte stream to one peer.
+pub trait Connection: Send {
+    /// The peer's rank in the communicator.
+    fn peer(&self) -> usize;
+
+    /// A short name for logs ("shm", "tcp", "mem").
+    fn kind(&self) -> &'static str;
+
+    /// Accepts as many leading bytes of `data` as fit now; returns how many (0 when full).
+    fn try_send(&mut self, data: &[u8]) -> Result<usize>;
+
+    /// Lends up to `max` received bytes as one contiguous slice to `consume`, which returns how
+    /// many of them it used (a prefix, at most the slice's length). Returns that number; 0 when
+    /// nothing is available (or `max` is 0).
+    fn try_recv(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize>;
+
+    /// Receives up to `dst.len()` bytes straight into `dst`; returns how many. Transports that can
+    /// read into the destination without staging (sockets) override this.
+    fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
+        let max = dst.len();
+        let mut filled = 0usize;
+        self.try_recv(max, &mut |src: &[u8]| {
+            let n = src.len().min(max);
+            dst[..n].copy_from_slice(&src[..n]);
+            filled = n;
+            n
+        })?;
+        Ok(filled)
+    }
+
+    /// Returns `PeerLost` when the peer is known to be gone (process exited, socket closed) and no
+    /// buffered bytes remain. Cheap enough to call every few milliseconds while waiting.
+    fn check_peer(&mut self) -> Result<()>;
+}
+
+/// Sleeps until a connection of this rank may be able to make progress.
+pub trait IdleWaiter: Send {
+    /// Blocks for at most `max`, returning early when a peer signals new data or freed space.
+    /// Spurious early returns are allowed; callers re-poll their connections after every return.
+    fn wait(&mut self, max: Duration) -> Result<()>;
+}

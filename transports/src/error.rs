@@ -1,0 +1,42 @@
+//! Errors of the transport and bootstrap layer.
+
+use std::time::Duration;
+
+/// A failure while moving bytes to or from a peer, or while bootstrapping.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// The peer closed its end, its process died, or its socket reset.
+    #[error("peer rank {peer} lost ({detail})")]
+    PeerLost { peer: usize, detail: String },
+    /// An operating-system call failed.
+    #[error("{what}: {message}")]
+    Io { what: String, message: String },
+    /// A bootstrap or connection step did not finish in time.
+    #[error("timed out after {after:?} while {what}")]
+    Timeout { what: String, after: Duration },
+    /// A peer sent something that breaks the protocol (bad magic, version, token, frame).
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// Shared memory could not be set up (for example /dev/shm too small).
+    #[error("shared memory: {0}")]
+    SharedMemory(String),
+    /// A configuration value (environment variable, address) is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The operation was aborted locally.
+    #[error("aborted")]
+    Aborted,
+}
+
+impl TransportError {
+    /// Wraps an `std::io::Error` with a short description of what was being done.
+    pub fn io(what: impl Into<String>, err: std::io::Error) -> Self {
+        TransportError::Io {
+            what: what.into(),
+            message: err.to_string(),
+        }
+    }
+}
+
+/// Result alias for this crate.
+pub type Result<T> = std::result::Result<T, TransportError>;
