@@ -59,9 +59,23 @@ pub trait Connection: Send {
     fn check_peer(&mut self) -> Result<()>;
 }
 
+/// What the engine is waiting for on one peer's connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interest {
+    pub peer: usize,
+    /// Waiting for bytes from this peer.
+    pub recv: bool,
+    /// Waiting for room to send to this peer.
+    pub send: bool,
+}
+
 /// Sleeps until a connection of this rank may be able to make progress.
+///
+/// Contract: `wait` returns at once if any peer signalled (new data or freed space) since the
+/// previous `wait` returned, so a caller that polls its connections, finds nothing, and then
+/// waits can never miss a wake-up. Spurious early returns are allowed; callers re-poll their
+/// connections after every return.
 pub trait IdleWaiter: Send {
-    /// Blocks for at most `max`, returning early when a peer signals new data or freed space.
-    /// Spurious early returns are allowed; callers re-poll their connections after every return.
-    fn wait(&mut self, max: Duration) -> Result<()>;
+    /// Blocks for at most `max` until one of `interest` may make progress.
+    fn wait(&mut self, interest: &[Interest], max: Duration) -> Result<()>;
 }

@@ -23,6 +23,9 @@ pub enum TransportError {
     /// A configuration value (environment variable, address) is invalid.
     #[error("configuration: {0}")]
     Config(String),
+    /// The bootstrap store was shut down cleanly by its owner (not a failure of the peer).
+    #[error("bootstrap store closed")]
+    StoreClosed,
     /// The operation was aborted locally.
     #[error("aborted")]
     Aborted,

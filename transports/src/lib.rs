@@ -16,5 +16,5 @@
 pub mod conn;
 pub mod error;
 
-pub use conn::{Connection, IdleWaiter};
+pub use conn::{Connection, IdleWaiter, Interest};
 pub use error::TransportError;
