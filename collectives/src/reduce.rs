@@ -1,1 +1,891 @@
-//! Reduction kernels (filled in by the kernels work).
+//! Reduction kernels: the element-wise arithmetic of reduce steps, `PreMulSum`'s local scaling
+//! and `Avg`'s final division.
+//!
+//! The byte kernels ([`reduce_into`], [`reduce_in_place`], [`scale_into`], [`divide_in_place`])
+//! take raw message bytes plus a [`DataType`]; the typed kernels ([`reduce_slice_into`],
+//! [`reduce_slice_in_place`]) take slices of an [`Element`] type and use the same code.
+//!
+//! Semantics:
+//! * integers: `Sum` and `Prod` wrap, `Min` and `Max` are exact;
+//! * `f32` and `f64`: native IEEE arithmetic, `Min`/`Max` follow [`f32::min`]/[`f32::max`] (a NaN
+//!   operand yields the other operand);
+//! * `f16` and `bf16`: each operation is computed in `f32` and rounded back to nearest-even.
+//!
+//! Byte slices are normally aligned for their type (message starts are 8-byte aligned), in which
+//! case they are reinterpreted in place and processed by simple loops the compiler vectorises.
+//! Misaligned slices are staged through small aligned blocks and processed by the very same
+//! loops, so both paths give bit-identical results.
+
+use crate::dtype::{DataType, Element};
+use crate::op::Combiner;
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// Why a kernel refused its arguments. Lengths are in bytes for the byte kernels and in elements
+/// for the typed kernels.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The destination and the two operands of [`reduce_into`] differ in length.
+    #[error("operand lengths differ: destination {dst}, operands {a} and {b}")]
+    LengthMismatch { dst: usize, a: usize, b: usize },
+    /// The destination and the source of a two-operand kernel differ in length.
+    #[error("operand lengths differ: destination {dst}, source {src}")]
+    SourceLengthMismatch { dst: usize, src: usize },
+    /// A byte slice does not hold a whole number of elements.
+    #[error("{len} bytes is not a whole number of {elem}-byte elements")]
+    NotWholeElements { len: usize, elem: usize },
+    /// [`divide_in_place`] was asked to divide by zero.
+    #[error("division by zero")]
+    DivideByZero,
+}
+
+/// Elements per staging block: the misaligned path and the half-precision conversions work on
+/// blocks of this many elements held on the stack.
+const BLOCK: usize = 256;
+
+/// `dst = a ⊕ b` element-wise. All three byte slices must hold the same number of whole
+/// elements of `dtype`.
+pub fn reduce_into(
+    dtype: DataType,
+    comb: Combiner,
+    dst: &mut [u8],
+    a: &[u8],
+    b: &[u8],
+) -> Result<(), KernelError> {
+    if dst.len() != a.len() || dst.len() != b.len() {
+        return Err(KernelError::LengthMismatch {
+            dst: dst.len(),
+            a: a.len(),
+            b: b.len(),
+        });
+    }
+    whole_elements(dtype, dst.len())?;
+    match dtype {
+        DataType::Int8 => bytes_reduce_into::<i8>(comb, dst, a, b),
+        DataType::Uint8 => bytes_reduce_into::<u8>(comb, dst, a, b),
+        DataType::Int32 => bytes_reduce_into::<i32>(comb, dst, a, b),
+        DataType::Uint32 => bytes_reduce_into::<u32>(comb, dst, a, b),
+        DataType::Int64 => bytes_reduce_into::<i64>(comb, dst, a, b),
+        DataType::Uint64 => bytes_reduce_into::<u64>(comb, dst, a, b),
+        DataType::Float16 => bytes_reduce_into::<f16>(comb, dst, a, b),
+        DataType::Float32 => bytes_reduce_into::<f32>(comb, dst, a, b),
+        DataType::Float64 => bytes_reduce_into::<f64>(comb, dst, a, b),
+        DataType::Bfloat16 => bytes_reduce_into::<bf16>(comb, dst, a, b),
+    }
+    Ok(())
+}
+
+/// `dst = dst ⊕ src` element-wise. Both byte slices must hold the same number of whole elements
+/// of `dtype`.
+pub fn reduce_in_place(
+    dtype: DataType,
+    comb: Combiner,
+    dst: &mut [u8],
+    src: &[u8],
+) -> Result<(), KernelError> {
+    same_len(dst.len(), src.len())?;
+    whole_elements(dtype, dst.len())?;
+    match dtype {
+        DataType::Int8 => bytes_reduce_in_place::<i8>(comb, dst, src),
+        DataType::Uint8 => bytes_reduce_in_place::<u8>(comb, dst, src),
+        DataType::Int32 => bytes_reduce_in_place::<i32>(comb, dst, src),
+        DataType::Uint32 => bytes_reduce_in_place::<u32>(comb, dst, src),
+        DataType::Int64 => bytes_reduce_in_place::<i64>(comb, dst, src),
+        DataType::Uint64 => bytes_reduce_in_place::<u64>(comb, dst, src),
+        DataType::Float16 => bytes_reduce_in_place::<f16>(comb, dst, src),
+        DataType::Float32 => bytes_reduce_in_place::<f32>(comb, dst, src),
+        DataType::Float64 => bytes_reduce_in_place::<f64>(comb, dst, src),
+        DataType::Bfloat16 => bytes_reduce_in_place::<bf16>(comb, dst, src),
+    }
+    Ok(())
+}
+
+/// `dst = src * factor` element-wise (the local scaling of `PreMulSum`).
+///
+/// Integers are multiplied in `f64`, rounded to nearest (ties to even) and cast back saturating
+/// (NaN becomes 0). `f64` computes in `f64`; `f32`, `f16` and `bf16` compute in `f32` with the
+/// factor rounded to `f32`.
+pub fn scale_into(
+    dtype: DataType,
+    dst: &mut [u8],
+    src: &[u8],
+    factor: f64,
+) -> Result<(), KernelError> {
+    same_len(dst.len(), src.len())?;
+    whole_elements(dtype, dst.len())?;
+    match dtype {
+        DataType::Int8 => bytes_scale_into::<i8>(dst, src, factor),
+        DataType::Uint8 => bytes_scale_into::<u8>(dst, src, factor),
+        DataType::Int32 => bytes_scale_into::<i32>(dst, src, factor),
+        DataType::Uint32 => bytes_scale_into::<u32>(dst, src, factor),
+        DataType::Int64 => bytes_scale_into::<i64>(dst, src, factor),
+        DataType::Uint64 => bytes_scale_into::<u64>(dst, src, factor),
+        DataType::Float16 => bytes_scale_into::<f16>(dst, src, factor),
+        DataType::Float32 => bytes_scale_into::<f32>(dst, src, factor),
+        DataType::Float64 => bytes_scale_into::<f64>(dst, src, factor),
+        DataType::Bfloat16 => bytes_scale_into::<bf16>(dst, src, factor),
+    }
+    Ok(())
+}
+
+/// `buf = buf / divisor` element-wise (the final step of `Avg`).
+///
+/// Integers use integer division truncating toward zero, as C does; floating-point types divide
+/// (`f64` in `f64`, the others in `f32`). A zero divisor is an error.
+pub fn divide_in_place(dtype: DataType, buf: &mut [u8], divisor: usize) -> Result<(), KernelError> {
+    if divisor == 0 {
+        return Err(KernelError::DivideByZero);
+    }
+    whole_elements(dtype, buf.len())?;
+    match dtype {
+        DataType::Int8 => bytes_divide::<i8>(buf, divisor),
+        DataType::Uint8 => bytes_divide::<u8>(buf, divisor),
+        DataType::Int32 => bytes_divide::<i32>(buf, divisor),
+        DataType::Uint32 => bytes_divide::<u32>(buf, divisor),
+        DataType::Int64 => bytes_divide::<i64>(buf, divisor),
+        DataType::Uint64 => bytes_divide::<u64>(buf, divisor),
+        DataType::Float16 => bytes_divide::<f16>(buf, divisor),
+        DataType::Float32 => bytes_divide::<f32>(buf, divisor),
+        DataType::Float64 => bytes_divide::<f64>(buf, divisor),
+        DataType::Bfloat16 => bytes_divide::<bf16>(buf, divisor),
+    }
+    Ok(())
+}
+
+/// `dst = a ⊕ b` element-wise on typed slices of equal length (lengths in the error are in
+/// elements).
+pub fn reduce_slice_into<T: Element>(
+    comb: Combiner,
+    dst: &mut [T],
+    a: &[T],
+    b: &[T],
+) -> Result<(), KernelError> {
+    if dst.len() != a.len() || dst.len() != b.len() {
+        return Err(KernelError::LengthMismatch {
+            dst: dst.len(),
+            a: a.len(),
+            b: b.len(),
+        });
+    }
+    let (dst, a, b) = (bytes_mut_of(dst)?, bytes_of(a)?, bytes_of(b)?);
+    reduce_into(T::DTYPE, comb, dst, a, b)
+}
+
+/// `dst = dst ⊕ src` element-wise on typed slices of equal length (lengths in the error are in
+/// elements).
+pub fn reduce_slice_in_place<T: Element>(
+    comb: Combiner,
+    dst: &mut [T],
+    src: &[T],
+) -> Result<(), KernelError> {
+    same_len(dst.len(), src.len())?;
+    let (dst, src) = (bytes_mut_of(dst)?, bytes_of(src)?);
+    reduce_in_place(T::DTYPE, comb, dst, src)
+}
+
+fn same_len(dst: usize, src: usize) -> Result<(), KernelError> {
+    if dst == src {
+        Ok(())
+    } else {
+        Err(KernelError::SourceLengthMismatch { dst, src })
+    }
+}
+
+fn whole_elements(dtype: DataType, len: usize) -> Result<(), KernelError> {
+    let elem = dtype.size();
+    if len % elem == 0 {
+        Ok(())
+    } else {
+        Err(KernelError::NotWholeElements { len, elem })
+    }
+}
+
+/// Views typed elements as bytes (cannot fail: bytes have size and alignment 1).
+fn bytes_of<T: Element>(s: &[T]) -> Result<&[u8], KernelError> {
+    bytemuck::try_cast_slice(s).map_err(|_| KernelError::NotWholeElements {
+        len: s.len(),
+        elem: T::DTYPE.size(),
+    })
+}
+
+/// Views typed elements as mutable bytes (cannot fail: bytes have size and alignment 1).
+fn bytes_mut_of<T: Element>(s: &mut [T]) -> Result<&mut [u8], KernelError> {
+    let len = s.len();
+    bytemuck::try_cast_slice_mut(s).map_err(|_| KernelError::NotWholeElements {
+        len,
+        elem: T::DTYPE.size(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Byte-level dispatch: aligned fast path, staged misaligned path.
+
+/// Copies up to [`BLOCK`] elements' worth of bytes into an aligned stack block and returns the
+/// filled typed prefix. `bytes.len()` must be a multiple of the element size and at most
+/// `BLOCK` elements.
+fn stage<'s, T: Lanes>(block: &'s mut [T; BLOCK], bytes: &[u8]) -> &'s mut [T] {
+    let n = bytes.len() / std::mem::size_of::<T>();
+    let (head, _) = block.split_at_mut(n.min(BLOCK));
+    for (slot, chunk) in head
+        .iter_mut()
+        .zip(bytes.chunks_exact(std::mem::size_of::<T>()))
+    {
+        *slot = bytemuck::pod_read_unaligned(chunk);
+    }
+    head
+}
+
+/// Writes typed elements back to (possibly misaligned) bytes.
+fn unstage<T: Lanes>(bytes: &mut [u8], elems: &[T]) {
+    for (chunk, e) in bytes
+        .chunks_exact_mut(std::mem::size_of::<T>())
+        .zip(elems.iter())
+    {
+        chunk.copy_from_slice(bytemuck::bytes_of(e));
+    }
+}
+
+fn bytes_reduce_into<T: Lanes>(comb: Combiner, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    if let (Ok(d), Ok(x), Ok(y)) = (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(a),
+        bytemuck::try_cast_slice::<u8, T>(b),
+    ) {
+        T::reduce_into(comb, d, x, y);
+        return;
+    }
+    let step = BLOCK * std::mem::size_of::<T>();
+    let mut sa = [T::zeroed(); BLOCK];
+    let mut sb = [T::zeroed(); BLOCK];
+    for ((d, x), y) in dst.chunks_mut(step).zip(a.chunks(step)).zip(b.chunks(step)) {
+        let x = stage(&mut sa, x);
+        let y = stage(&mut sb, y);
+        T::reduce_in_place(comb, x, y);
+        unstage(d, x);
+    }
+}
+
+fn bytes_reduce_in_place<T: Lanes>(comb: Combiner, dst: &mut [u8], src: &[u8]) {
+    if let (Ok(d), Ok(s)) = (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        T::reduce_in_place(comb, d, s);
+        return;
+    }
+    let step = BLOCK * std::mem::size_of::<T>();
+    let mut sd = [T::zeroed(); BLOCK];
+    let mut ss = [T::zeroed(); BLOCK];
+    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
+        let x = stage(&mut sd, d);
+        let y = stage(&mut ss, s);
+        T::reduce_in_place(comb, x, y);
+        unstage(d, x);
+    }
+}
+
+fn bytes_scale_into<T: Lanes>(dst: &mut [u8], src: &[u8], factor: f64) {
+    if let (Ok(d), Ok(s)) = (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        T::scale(d, s, factor);
+        return;
+    }
+    let step = BLOCK * std::mem::size_of::<T>();
+    let mut sd = [T::zeroed(); BLOCK];
+    let mut ss = [T::zeroed(); BLOCK];
+    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
+        let x = stage(&mut ss, s);
+        let (out, _) = sd.split_at_mut(x.len());
+        T::scale(out, x, factor);
+        unstage(d, out);
+    }
+}
+
+fn bytes_divide<T: Lanes>(buf: &mut [u8], divisor: usize) {
+    if let Ok(b) = bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        T::divide(b, divisor);
+        return;
+    }
+    let step = BLOCK * std::mem::size_of::<T>();
+    let mut sb = [T::zeroed(); BLOCK];
+    for d in buf.chunks_mut(step) {
+        let x = stage(&mut sb, d);
+        T::divide(x, divisor);
+        unstage(d, x);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed inner loops.
+
+/// The typed loops behind the byte kernels. Callers pass slices of equal length (the loops zip,
+/// so a shorter operand would only shorten the work, never panic).
+trait Lanes: bytemuck::Pod {
+    fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]);
+    fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]);
+    fn scale(dst: &mut [Self], src: &[Self], factor: f64);
+    /// `divisor` is at least 1.
+    fn divide(buf: &mut [Self], divisor: usize);
+}
+
+/// `dst[i] = f(a[i], b[i])`: one monomorphised loop per combiner.
+#[inline(always)]
+fn zip3<T: Copy>(dst: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+    for ((d, &x), &y) in dst.iter_mut().zip(a).zip(b) {
+        *d = f(x, y);
+    }
+}
+
+/// `dst[i] = f(dst[i], src[i])`.
+#[inline(always)]
+fn zip2<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
+    for (d, &y) in dst.iter_mut().zip(src) {
+        *d = f(*d, y);
+    }
+}
+
+macro_rules! int_lanes {
+    ($($t:ty),* $(,)?) => {$(
+        impl Lanes for $t {
+            fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
+                match comb {
+                    Combiner::Sum => zip3(dst, a, b, <$t>::wrapping_add),
+                    Combiner::Prod => zip3(dst, a, b, <$t>::wrapping_mul),
+                    Combiner::Min => zip3(dst, a, b, Ord::min),
+                    Combiner::Max => zip3(dst, a, b, Ord::max),
+                }
+            }
+
+            fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
+                match comb {
+                    Combiner::Sum => zip2(dst, src, <$t>::wrapping_add),
+                    Combiner::Prod => zip2(dst, src, <$t>::wrapping_mul),
+                    Combiner::Min => zip2(dst, src, Ord::min),
+                    Combiner::Max => zip2(dst, src, Ord::max),
+                }
+            }
+
+            fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    // `as` from f64 saturates and maps NaN to 0.
+                    *d = (s as f64 * factor).round_ties_even() as $t;
+                }
+            }
+
+            fn divide(buf: &mut [Self], divisor: usize) {
+                match <$t>::try_from(divisor) {
+                    Ok(d) if d != 0 => {
+                        // d >= 1, so neither division by zero nor MIN / -1 can occur.
+                        for x in buf.iter_mut() {
+                            *x = x.wrapping_div(d);
+                        }
+                    }
+                    _ => {
+                        // The divisor does not fit the type: divide exactly in i128 (the
+                        // quotient's magnitude never exceeds the dividend's, so it fits).
+                        let d = divisor as i128;
+                        for x in buf.iter_mut() {
+                            *x = ((*x as i128) / d) as $t;
+                        }
+                    }
+                }
+            }
+        }
+    )*};
+}
+
+int_lanes!(i8, u8, i32, u32, i64, u64);
+
+macro_rules! float_lanes {
+    ($($t:ident),* $(,)?) => {$(
+        impl Lanes for $t {
+            fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
+                match comb {
+                    Combiner::Sum => zip3(dst, a, b, |x, y| x + y),
+                    Combiner::Prod => zip3(dst, a, b, |x, y| x * y),
+                    Combiner::Min => zip3(dst, a, b, $t::min),
+                    Combiner::Max => zip3(dst, a, b, $t::max),
+                }
+            }
+
+            fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
+                match comb {
+                    Combiner::Sum => zip2(dst, src, |x, y| x + y),
+                    Combiner::Prod => zip2(dst, src, |x, y| x * y),
+                    Combiner::Min => zip2(dst, src, $t::min),
+                    Combiner::Max => zip2(dst, src, $t::max),
+                }
+            }
+
+            fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
+                let f = factor as $t;
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    *d = s * f;
+                }
+            }
+
+            fn divide(buf: &mut [Self], divisor: usize) {
+                let d = divisor as $t;
+                for x in buf.iter_mut() {
+                    *x /= d;
+                }
+            }
+        }
+    )*};
+}
+
+float_lanes!(f32, f64);
+
+/// Half-precision types: converted to `f32` block by block (using the `half` crate's slice
+/// conversions, which use hardware instructions where available), combined in `f32`, rounded
+/// back.
+trait HalfLanes: bytemuck::Pod {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl HalfLanes for f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl HalfLanes for bf16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = bf16::from_f32(s);
+        }
+    }
+}
+
+/// Runs `f` on `f32` copies of corresponding blocks of up to [`BLOCK`] elements of `dst` and
+/// `src`, writing the first `f32` block back to `dst`. With `widen_dst == false` the first
+/// block starts as a copy of `src` instead of `dst` (for `dst = g(src)` kernels).
+fn half_blocks<H: HalfLanes>(
+    dst: &mut [H],
+    src: &[H],
+    widen_dst: bool,
+    f: impl Fn(&mut [f32], &[f32]),
+) {
+    let mut fd = [0f32; BLOCK];
+    let mut fs = [0f32; BLOCK];
+    for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let n = d.len().min(s.len());
+        let (d, _) = d.split_at_mut(n);
+        let (s, _) = s.split_at(n);
+        let (wd, _) = fd.split_at_mut(n);
+        let (ws, _) = fs.split_at_mut(n);
+        if widen_dst {
+            H::widen(d, wd);
+        }
+        H::widen(s, ws);
+        f(wd, ws);
+        H::narrow(wd, d);
+    }
+}
+
+macro_rules! half_lanes {
+    ($($t:ty),* $(,)?) => {$(
+        impl Lanes for $t {
+            fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
+                // Reduce blockwise: dst <- a, then dst <- dst ⊕ b, both in f32.
+                let mut fa = [0f32; BLOCK];
+                let mut fb = [0f32; BLOCK];
+                for ((d, x), y) in dst.chunks_mut(BLOCK).zip(a.chunks(BLOCK)).zip(b.chunks(BLOCK)) {
+                    let n = d.len().min(x.len()).min(y.len());
+                    let (d, _) = d.split_at_mut(n);
+                    let (x, _) = x.split_at(n);
+                    let (y, _) = y.split_at(n);
+                    let (wa, _) = fa.split_at_mut(n);
+                    let (wb, _) = fb.split_at_mut(n);
+                    <$t as HalfLanes>::widen(x, wa);
+                    <$t as HalfLanes>::widen(y, wb);
+                    f32::reduce_in_place(comb, wa, wb);
+                    <$t as HalfLanes>::narrow(wa, d);
+                }
+            }
+
+            fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
+                half_blocks(dst, src, true, |d, s| f32::reduce_in_place(comb, d, s));
+            }
+
+            fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
+                half_blocks(dst, src, false, |d, s| f32::scale(d, s, factor));
+            }
+
+            fn divide(buf: &mut [Self], divisor: usize) {
+                let mut fb = [0f32; BLOCK];
+                for chunk in buf.chunks_mut(BLOCK) {
+                    let (w, _) = fb.split_at_mut(chunk.len());
+                    <$t as HalfLanes>::widen(chunk, w);
+                    f32::divide(w, divisor);
+                    <$t as HalfLanes>::narrow(w, chunk);
+                }
+            }
+        }
+    )*};
+}
+
+half_lanes!(f16, bf16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];
+
+    /// Reference combination of one pair of values, written independently of the kernels.
+    fn reference<T: Element>(comb: Combiner, a: T, b: T) -> T {
+        macro_rules! int {
+            ($t:ty) => {{
+                let (x, y): ($t, $t) = (bytemuck::cast(a), bytemuck::cast(b));
+                let r: $t = match comb {
+                    Combiner::Sum => x.wrapping_add(y),
+                    Combiner::Prod => x.wrapping_mul(y),
+                    Combiner::Min => x.min(y),
+                    Combiner::Max => x.max(y),
+                };
+                bytemuck::cast(r)
+            }};
+        }
+        fn f32op(comb: Combiner, x: f32, y: f32) -> f32 {
+            match comb {
+                Combiner::Sum => x + y,
+                Combiner::Prod => x * y,
+                Combiner::Min => x.min(y),
+                Combiner::Max => x.max(y),
+            }
+        }
+        match T::DTYPE {
+            DataType::Int8 => int!(i8),
+            DataType::Uint8 => int!(u8),
+            DataType::Int32 => int!(i32),
+            DataType::Uint32 => int!(u32),
+            DataType::Int64 => int!(i64),
+            DataType::Uint64 => int!(u64),
+            DataType::Float32 => {
+                let (x, y): (f32, f32) = (bytemuck::cast(a), bytemuck::cast(b));
+                bytemuck::cast(f32op(comb, x, y))
+            }
+            DataType::Float64 => {
+                let (x, y): (f64, f64) = (bytemuck::cast(a), bytemuck::cast(b));
+                let r = match comb {
+                    Combiner::Sum => x + y,
+                    Combiner::Prod => x * y,
+                    Combiner::Min => x.min(y),
+                    Combiner::Max => x.max(y),
+                };
+                bytemuck::cast(r)
+            }
+            DataType::Float16 => {
+                let (x, y): (f16, f16) = (bytemuck::cast(a), bytemuck::cast(b));
+                bytemuck::cast(f16::from_f32(f32op(comb, x.to_f32(), y.to_f32())))
+            }
+            DataType::Bfloat16 => {
+                let (x, y): (bf16, bf16) = (bytemuck::cast(a), bytemuck::cast(b));
+                bytemuck::cast(bf16::from_f32(f32op(comb, x.to_f32(), y.to_f32())))
+            }
+        }
+    }
+
+    /// Deterministic pseudo-random bytes.
+    fn bytes(seed: u64, len: usize) -> Vec<u8> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// Values of `T` built from random bytes, with interesting ones mixed in.
+    fn values<T: Element>(seed: u64, n: usize, special: &[T]) -> Vec<T> {
+        let raw = bytes(seed, n * std::mem::size_of::<T>());
+        let mut v: Vec<T> = raw
+            .chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect();
+        for (i, s) in special.iter().enumerate() {
+            if let Some(slot) = v.get_mut(i * 7 % n.max(1)) {
+                *slot = *s;
+            }
+        }
+        v
+    }
+
+    fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
+        bytemuck::cast_slice::<T, u8>(a) == bytemuck::cast_slice::<T, u8>(b)
+    }
+
+    /// Checks every kernel entry point for `T` against the reference, aligned and misaligned.
+    fn check_type<T: Element>(special_a: &[T], special_b: &[T]) {
+        // Lengths straddle the staging block size.
+        for n in [0usize, 1, 3, 17, BLOCK - 1, BLOCK, BLOCK + 5, 3 * BLOCK + 2] {
+            let a = values::<T>(n as u64 + 1, n, special_a);
+            let b = values::<T>(n as u64 + 1000, n, special_b);
+            for comb in COMBS {
+                let want: Vec<T> = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(&x, &y)| reference(comb, x, y))
+                    .collect();
+
+                // Typed, out of place and in place.
+                let mut got = vec![T::zeroed(); n];
+                reduce_slice_into(comb, &mut got, &a, &b).unwrap();
+                assert!(same_bits(&got, &want), "{:?} {comb:?} n={n}", T::DTYPE);
+                let mut got = a.clone();
+                reduce_slice_in_place(comb, &mut got, &b).unwrap();
+                assert!(same_bits(&got, &want), "{:?} {comb:?} n={n}", T::DTYPE);
+
+                // Byte kernels at every misalignment of destination and operands.
+                let ab: &[u8] = bytemuck::cast_slice(&a);
+                let bb: &[u8] = bytemuck::cast_slice(&b);
+                let wb: &[u8] = bytemuck::cast_slice(&want);
+                let len = ab.len();
+                for (od, oa, ob) in [(0, 0, 0), (1, 0, 0), (0, 3, 0), (0, 0, 5), (1, 2, 3)] {
+                    let mut bufa = vec![0u8; len + 8];
+                    let mut bufb = vec![0u8; len + 8];
+                    let mut bufd = vec![0xEEu8; len + 8];
+                    bufa[oa..oa + len].copy_from_slice(ab);
+                    bufb[ob..ob + len].copy_from_slice(bb);
+                    reduce_into(
+                        T::DTYPE,
+                        comb,
+                        &mut bufd[od..od + len],
+                        &bufa[oa..oa + len],
+                        &bufb[ob..ob + len],
+                    )
+                    .unwrap();
+                    assert_eq!(
+                        &bufd[od..od + len],
+                        wb,
+                        "{:?} {comb:?} n={n} off {od}",
+                        T::DTYPE
+                    );
+                    // In place: dst starts as a.
+                    let mut bufd = vec![0u8; len + 8];
+                    bufd[od..od + len].copy_from_slice(ab);
+                    reduce_in_place(T::DTYPE, comb, &mut bufd[od..od + len], &bufb[ob..ob + len])
+                        .unwrap();
+                    assert_eq!(
+                        &bufd[od..od + len],
+                        wb,
+                        "{:?} {comb:?} n={n} off {od}",
+                        T::DTYPE
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integers_match_reference_including_wrapping() {
+        check_type::<i8>(&[i8::MAX, i8::MIN, -1, 0], &[1, -1, i8::MIN, 0]);
+        check_type::<u8>(&[u8::MAX, 0, 16], &[1, 0, 16]);
+        check_type::<i32>(&[i32::MAX, i32::MIN, -7], &[1, -1, 3]);
+        check_type::<u32>(&[u32::MAX, 0, 1 << 16], &[1, 5, 1 << 16]);
+        check_type::<i64>(&[i64::MAX, i64::MIN, -9], &[1, -1, 2]);
+        check_type::<u64>(&[u64::MAX, 0, 1 << 32], &[1, 0, 1 << 32]);
+    }
+
+    #[test]
+    fn floats_match_reference_including_nan() {
+        check_type::<f32>(
+            &[f32::NAN, 1.5, f32::INFINITY, -0.0, f32::NAN],
+            &[2.0, f32::NAN, f32::NEG_INFINITY, 0.5, f32::NAN],
+        );
+        check_type::<f64>(
+            &[f64::NAN, 1.5, f64::INFINITY, f64::MAX],
+            &[2.0, f64::NAN, f64::NEG_INFINITY, f64::MAX],
+        );
+        check_type::<f16>(
+            &[f16::NAN, f16::from_f32(1.5), f16::INFINITY, f16::MAX],
+            &[f16::ONE, f16::NAN, f16::NEG_INFINITY, f16::MAX],
+        );
+        check_type::<bf16>(
+            &[bf16::NAN, bf16::from_f32(1.5), bf16::INFINITY, bf16::MAX],
+            &[bf16::ONE, bf16::NAN, bf16::NEG_INFINITY, bf16::MAX],
+        );
+    }
+
+    #[test]
+    fn nan_min_max_follow_std() {
+        let a = [f32::NAN, 1.0, f32::NAN];
+        let b = [2.0, f32::NAN, f32::NAN];
+        let mut d = [0f32; 3];
+        reduce_slice_into(Combiner::Min, &mut d, &a, &b).unwrap();
+        assert_eq!(d[0], 2.0);
+        assert_eq!(d[1], 1.0);
+        assert!(d[2].is_nan());
+        reduce_slice_into(Combiner::Max, &mut d, &a, &b).unwrap();
+        assert_eq!(d[0], 2.0);
+        assert_eq!(d[1], 1.0);
+        let h = [f16::NAN, f16::from_f32(3.0)];
+        let g = [f16::from_f32(-1.0), f16::NAN];
+        let mut o = [f16::ZERO; 2];
+        reduce_slice_into(Combiner::Max, &mut o, &h, &g).unwrap();
+        assert_eq!(o, [f16::from_f32(-1.0), f16::from_f32(3.0)]);
+    }
+
+    #[test]
+    fn half_types_round_through_f32() {
+        // 2048 + 1 is not representable in f16: rounds to even (2048).
+        let a = [f16::from_f32(2048.0), f16::from_f32(0.1)];
+        let b = [f16::from_f32(1.0), f16::from_f32(0.2)];
+        let mut d = [f16::ZERO; 2];
+        reduce_slice_into(Combiner::Sum, &mut d, &a, &b).unwrap();
+        assert_eq!(d[0], f16::from_f32(2048.0));
+        assert_eq!(d[1], f16::from_f32(a[1].to_f32() + b[1].to_f32()));
+        let x = [bf16::from_f32(256.0)];
+        let y = [bf16::from_f32(1.0)];
+        let mut z = [bf16::ZERO];
+        reduce_slice_into(Combiner::Sum, &mut z, &x, &y).unwrap();
+        assert_eq!(z[0], bf16::from_f32(256.0));
+    }
+
+    #[test]
+    fn length_errors() {
+        let mut d = [0u8; 8];
+        assert_eq!(
+            reduce_into(DataType::Int32, Combiner::Sum, &mut d, &[0; 8], &[0; 4]),
+            Err(KernelError::LengthMismatch { dst: 8, a: 8, b: 4 })
+        );
+        assert_eq!(
+            reduce_into(
+                DataType::Int32,
+                Combiner::Sum,
+                &mut d[..6],
+                &[0; 6],
+                &[0; 6]
+            ),
+            Err(KernelError::NotWholeElements { len: 6, elem: 4 })
+        );
+        assert_eq!(
+            reduce_in_place(DataType::Int64, Combiner::Max, &mut d, &[0; 7]),
+            Err(KernelError::SourceLengthMismatch { dst: 8, src: 7 })
+        );
+        assert_eq!(
+            scale_into(DataType::Float16, &mut d[..3], &[0; 3], 2.0),
+            Err(KernelError::NotWholeElements { len: 3, elem: 2 })
+        );
+        assert_eq!(
+            divide_in_place(DataType::Float64, &mut d, 0),
+            Err(KernelError::DivideByZero)
+        );
+        assert_eq!(
+            divide_in_place(DataType::Float64, &mut d[..5], 2),
+            Err(KernelError::NotWholeElements { len: 5, elem: 8 })
+        );
+        let mut t = [0i32; 2];
+        assert_eq!(
+            reduce_slice_into(Combiner::Sum, &mut t, &[1, 2, 3], &[1, 2]),
+            Err(KernelError::LengthMismatch { dst: 2, a: 3, b: 2 })
+        );
+        assert_eq!(
+            reduce_slice_in_place(Combiner::Sum, &mut t, &[1]),
+            Err(KernelError::SourceLengthMismatch { dst: 2, src: 1 })
+        );
+        // Empty input is fine.
+        reduce_into(DataType::Float32, Combiner::Sum, &mut [], &[], &[]).unwrap();
+    }
+
+    fn scale_bytes<T: Element>(src: &[T], factor: f64, offset: usize) -> Vec<T> {
+        let sb: &[u8] = bytemuck::cast_slice(src);
+        let len = sb.len();
+        let mut s = vec![0u8; len + 8];
+        let mut d = vec![0u8; len + 8];
+        s[offset..offset + len].copy_from_slice(sb);
+        scale_into(
+            T::DTYPE,
+            &mut d[offset..offset + len],
+            &s[offset..offset + len],
+            factor,
+        )
+        .unwrap();
+        d[offset..offset + len]
+            .chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect()
+    }
+
+    fn divide_bytes<T: Element>(src: &[T], divisor: usize, offset: usize) -> Vec<T> {
+        let sb: &[u8] = bytemuck::cast_slice(src);
+        let len = sb.len();
+        let mut d = vec![0u8; len + 8];
+        d[offset..offset + len].copy_from_slice(sb);
+        divide_in_place(T::DTYPE, &mut d[offset..offset + len], divisor).unwrap();
+        d[offset..offset + len]
+            .chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect()
+    }
+
+    #[test]
+    fn scaling() {
+        for off in [0, 1, 3] {
+            assert_eq!(scale_bytes(&[1i32, -3, 5, 7], 2.5, off), [2, -8, 12, 18]);
+            assert_eq!(scale_bytes(&[100i8, -100], 2.0, off), [127, -128]);
+            assert_eq!(scale_bytes(&[200u8, 3], -1.0, off), [0, 0]);
+            assert_eq!(scale_bytes(&[5u64], f64::NAN, off), [0]);
+            assert_eq!(scale_bytes(&[1.5f64, -2.0], 0.5, off), [0.75, -1.0]);
+            assert_eq!(
+                scale_bytes(&[1.5f32, -2.0], 0.1, off),
+                [1.5 * 0.1f32, -0.2f32]
+            );
+            assert_eq!(
+                scale_bytes(&[f16::from_f32(3.0)], 0.5, off),
+                [f16::from_f32(1.5)]
+            );
+            assert_eq!(
+                scale_bytes(&[bf16::from_f32(3.0)], 4.0, off),
+                [bf16::from_f32(12.0)]
+            );
+            let long: Vec<i64> = (0..600).collect();
+            let want: Vec<i64> = long.iter().map(|x| 3 * x).collect();
+            assert_eq!(scale_bytes(&long, 3.0, off), want);
+        }
+    }
+
+    #[test]
+    fn division_truncates_toward_zero() {
+        for off in [0, 1, 5] {
+            assert_eq!(divide_bytes(&[7i32, -7, 6, -1], 2, off), [3, -3, 3, 0]);
+            assert_eq!(divide_bytes(&[i8::MIN, i8::MAX, -5], 128, off), [-1, 0, 0]);
+            assert_eq!(divide_bytes(&[i8::MIN, 100], 1000, off), [0, 0]);
+            assert_eq!(divide_bytes(&[255u8, 10], 256, off), [0, 0]);
+            assert_eq!(divide_bytes(&[255u8, 10], 3, off), [85, 3]);
+            assert_eq!(divide_bytes(&[i64::MIN, -9], 1, off), [i64::MIN, -9]);
+            assert_eq!(
+                divide_bytes(&[u64::MAX], usize::MAX, off),
+                [u64::MAX / usize::MAX as u64]
+            );
+            assert_eq!(divide_bytes(&[7.0f64, -1.0], 2, off), [3.5, -0.5]);
+            assert_eq!(divide_bytes(&[7.0f32], 4, off), [1.75]);
+            assert_eq!(
+                divide_bytes(&[f16::from_f32(5.0)], 2, off),
+                [f16::from_f32(2.5)]
+            );
+            assert_eq!(
+                divide_bytes(&[bf16::from_f32(-6.0)], 4, off),
+                [bf16::from_f32(-1.5)]
+            );
+            let long: Vec<u32> = (0..700).collect();
+            let want: Vec<u32> = long.iter().map(|x| x / 7).collect();
+            assert_eq!(divide_bytes(&long, 7, off), want);
+        }
+    }
+}
