@@ -7,10 +7,17 @@
 #![forbid(unsafe_code)]
 
 pub mod dtype;
+pub mod env;
+pub mod error;
+pub mod header;
+pub mod logging;
 pub mod op;
 pub mod reduce;
 pub mod schedule;
 pub mod sim;
 
 pub use dtype::{DataType, Element};
+pub use env::LaunchInfo;
+pub use error::{Error, Result};
+pub use header::OpDesc;
 pub use op::{Combiner, OpKind, ReduceOp};

@@ -1,0 +1,668 @@
+//! Executes one rank's [`Schedule`] over its connections.
+//!
+//! The engine is a poll loop: it pushes the bytes of every send whose dependencies are met, pulls
+//! the bytes of every receive (reducing or copying them straight out of the transport's buffer),
+//! runs local copies, and when nothing moved it backs off — spin, then yield, then sleep in the
+//! transport's [`IdleWaiter`] — while watching the deadline, the abort flag and peer liveness.
+//!
+//! Wire format per connection and operation: one [`HEADER_LEN`]-byte header, then the messages of
+//! the schedule's sends to that peer in order, each padded to a multiple of 8 bytes so that every
+//! message starts 8-byte aligned in the receiver's buffer.
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::header::{OpDesc, HEADER_LEN};
+use crate::op::{Combiner, OpKind};
+use crate::reduce;
+use crate::schedule::{Action, BufId, Region, Schedule};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
+
+/// Longest single sleep of the idle loop: bounds how late an abort, poison or deadline is seen.
+const MAX_SLEEP: Duration = Duration::from_millis(5);
+/// How often peers we wait on are checked for liveness while idle.
+const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
+const SPIN_ROUNDS: u32 = 64;
+const YIELD_ROUNDS: u32 = 16;
+
+/// One contiguous piece of memory the operation reads or writes.
+pub enum Area<'a> {
+    ReadOnly(&'a [u8]),
+    ReadWrite(&'a mut [u8]),
+}
+
+impl Area<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Area::ReadOnly(b) => b,
+            Area::ReadWrite(b) => b,
+        }
+    }
+}
+
+/// Where a logical buffer lives: an area and a byte offset into it.
+#[derive(Debug, Clone, Copy)]
+pub struct Placement {
+    pub area: usize,
+    pub byte_offset: usize,
+}
+
+/// How the schedule's logical buffers map onto memory.
+pub enum Layout {
+    /// Input, Output and Scratch each at a fixed place.
+    Fixed {
+        input: Placement,
+        output: Placement,
+        scratch: Placement,
+    },
+    /// Grouped point-to-point calls: Input (and Output) element offsets index a virtual
+    /// concatenation of several buffers; entry `(first_elem, area)` starts a buffer.
+    Concatenated {
+        inputs: Vec<(usize, usize)>,
+        outputs: Vec<(usize, usize)>,
+    },
+}
+
+impl Layout {
+    fn place(&self, region: &Region, esize: usize) -> Option<(usize, usize)> {
+        let bytes = |p: &Placement| Some((p.area, p.byte_offset + region.offset * esize));
+        match self {
+            Layout::Fixed {
+                input,
+                output,
+                scratch,
+            } => match region.buf {
+                BufId::Input => bytes(input),
+                BufId::Output => bytes(output),
+                BufId::Scratch => bytes(scratch),
+            },
+            Layout::Concatenated { inputs, outputs } => {
+                let list = match region.buf {
+                    BufId::Input => inputs,
+                    BufId::Output => outputs,
+                    BufId::Scratch => return None,
+                };
+                let i = list.partition_point(|(start, _)| *start <= region.offset);
+                let (start, area) = *list.get(i.checked_sub(1)?)?;
+                Some((area, (region.offset - start) * esize))
+            }
+        }
+    }
+}
+
+/// Everything the engine needs besides the schedule and memory.
+pub struct Context<'a> {
+    pub rank: usize,
+    pub desc: OpDesc,
+    pub dtype: DataType,
+    pub combiner: Combiner,
+    pub deadline: Instant,
+    pub timeout: Duration,
+    pub abort: &'a AtomicBool,
+    /// Returns the error that poisoned the communicator while this operation ran, if any.
+    pub poisoned: &'a dyn Fn() -> Option<Error>,
+}
+
+impl Context<'_> {
+    fn kind(&self) -> OpKind {
+        self.desc.kind
+    }
+
+    fn lost(&self, peer: usize, detail: String) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            peer,
+            op: self.kind(),
+            seq: self.desc.seq,
+            detail,
+        }
+    }
+
+    fn internal(&self, reason: String) -> Error {
+        Error::Internal {
+            rank: self.rank,
+            op: self.kind(),
+            seq: self.desc.seq,
+            reason,
+        }
+    }
+
+    fn transport(&self, peer: usize, e: TransportError) -> Error {
+        match e {
+            TransportError::PeerLost { detail, .. } => self.lost(peer, detail),
+            TransportError::Aborted => self.aborted(),
+            source => Error::Transport {
+                rank: self.rank,
+                peer,
+                op: self.kind(),
+                seq: self.desc.seq,
+                source,
+            },
+        }
+    }
+
+    fn aborted(&self) -> Error {
+        Error::Aborted {
+            rank: self.rank,
+            by: None,
+            reason: format!("abort() called during {} #{}", self.kind(), self.desc.seq),
+        }
+    }
+}
+
+/// Progress of the header exchange or of one message on a connection.
+#[derive(Default)]
+struct Cursor {
+    /// Steps of this direction, in schedule order.
+    steps: Vec<usize>,
+    /// Index into `steps` of the step in progress.
+    next: usize,
+    /// Bytes of the current message (data, then padding) already moved.
+    moved: usize,
+    header_done: bool,
+    header_moved: usize,
+    header: [u8; HEADER_LEN],
+    /// The header this rank expects from the peer (receive side).
+    expect: Option<OpDesc>,
+}
+
+impl Cursor {
+    fn pending(&self) -> bool {
+        !self.header_done || self.next < self.steps.len()
+    }
+}
+
+struct PeerState {
+    peer: usize,
+    send: Option<Cursor>,
+    recv: Option<Cursor>,
+}
+
+fn padded(bytes: usize) -> usize {
+    bytes.div_ceil(8) * 8
+}
+
+/// Runs `schedule` to completion (or error) over `conns`, with `ctx.desc` as the header on
+/// every connection.
+pub fn execute(
+    ctx: &Context<'_>,
+    schedule: &Schedule,
+    layout: &Layout,
+    areas: &mut [Area<'_>],
+    conns: &mut [Option<Box<dyn Connection>>],
+    waiter: &mut dyn IdleWaiter,
+) -> Result<()> {
+    execute_with_headers(ctx, schedule, layout, areas, conns, waiter, &[])
+}
+
+/// [`execute`] with per-peer headers: `(peer, header sent to it, header expected from it)`.
+/// Peers not listed use `ctx.desc` both ways (point-to-point groups differ per peer).
+pub fn execute_with_headers(
+    ctx: &Context<'_>,
+    schedule: &Schedule,
+    layout: &Layout,
+    areas: &mut [Area<'_>],
+    conns: &mut [Option<Box<dyn Connection>>],
+    waiter: &mut dyn IdleWaiter,
+    headers: &[(usize, OpDesc, OpDesc)],
+) -> Result<()> {
+    let esize = ctx.dtype.size();
+    let steps = &schedule.steps;
+    // Resolve every region once, validating bounds, so the loop below cannot go out of range.
+    let mut places: Vec<[(usize, usize, usize); 2]> = Vec::with_capacity(steps.len());
+    let resolve = |r: &Region| -> Result<(usize, usize, usize)> {
+        let (area, off) = layout
+            .place(r, esize)
+            .ok_or_else(|| ctx.internal(format!("region {r:?} has no placement")))?;
+        let len = r.len * esize;
+        let size = areas.get(area).map(|a| a.bytes().len()).unwrap_or(0);
+        if off.checked_add(len).is_none_or(|end| end > size) {
+            return Err(ctx.internal(format!(
+                "region {r:?} ({off}+{len} bytes) outside area {area} of {size} bytes"
+            )));
+        }
+        Ok((area, off, len))
+    };
+    for step in steps {
+        let p = match &step.action {
+            Action::Send { src, .. } => [resolve(src)?, (0, 0, 0)],
+            Action::RecvCopy { dst, .. } => [resolve(dst)?, (0, 0, 0)],
+            Action::RecvReduce { local, dst, .. } => [resolve(dst)?, resolve(local)?],
+            Action::Copy { src, dst } => [resolve(dst)?, resolve(src)?],
+        };
+        places.push(p);
+    }
+
+    // Per-peer cursors.
+    let mut peers: Vec<PeerState> = Vec::new();
+    let index_of = |peers: &mut Vec<PeerState>, peer: usize| -> usize {
+        match peers.iter().position(|p| p.peer == peer) {
+            Some(i) => i,
+            None => {
+                peers.push(PeerState {
+                    peer,
+                    send: None,
+                    recv: None,
+                });
+                peers.len() - 1
+            }
+        }
+    };
+    for &p in &schedule.send_peers {
+        let i = index_of(&mut peers, p);
+        peers[i].send.get_or_insert_with(Cursor::default);
+    }
+    for &p in &schedule.recv_peers {
+        let i = index_of(&mut peers, p);
+        peers[i].recv.get_or_insert_with(Cursor::default);
+    }
+    let mut copies = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        match step.action {
+            Action::Send { peer, .. } => {
+                let k = index_of(&mut peers, peer);
+                peers[k].send.get_or_insert_with(Cursor::default).steps.push(i);
+            }
+            Action::RecvCopy { peer, .. } | Action::RecvReduce { peer, .. } => {
+                let k = index_of(&mut peers, peer);
+                peers[k].recv.get_or_insert_with(Cursor::default).steps.push(i);
+            }
+            Action::Copy { .. } => copies.push(i),
+        }
+    }
+    for p in &peers {
+        if p.peer == ctx.rank || conns.get(p.peer).is_none_or(|c| c.is_none()) {
+            return Err(ctx.internal(format!("no connection to rank {}", p.peer)));
+        }
+    }
+    for p in peers.iter_mut() {
+        let (out, expect) = headers
+            .iter()
+            .find(|h| h.0 == p.peer)
+            .map(|h| (h.1, h.2))
+            .unwrap_or((ctx.desc, ctx.desc));
+        if let Some(c) = p.send.as_mut() {
+            c.header = out.encode(ctx.rank as u32);
+        }
+        if let Some(c) = p.recv.as_mut() {
+            c.expect = Some(expect);
+        }
+    }
+
+    let mut done = vec![false; steps.len()];
+    let ready = |done: &[bool], i: usize| steps[i].deps.iter().all(|&d| done.get(d) == Some(&true));
+    let mut copies_left = copies.len();
+    let mut idle_rounds = 0u32;
+    let mut last_liveness = Instant::now();
+    let mut interest: Vec<Interest> = Vec::with_capacity(peers.len());
+
+    loop {
+        let mut progressed = false;
+
+        // Local copies whose inputs are final.
+        if copies_left > 0 {
+            for &i in &copies {
+                if !done[i] && ready(&done, i) {
+                    let [(da, doff, len), (sa, soff, _)] = places[i];
+                    copy_region(areas, (sa, soff), (da, doff), len)
+                        .map_err(|e| ctx.internal(e))?;
+                    done[i] = true;
+                    copies_left -= 1;
+                    progressed = true;
+                }
+            }
+        }
+
+        let mut pending = copies_left > 0;
+        for p in peers.iter_mut() {
+            let conn = match conns.get_mut(p.peer).and_then(|c| c.as_mut()) {
+                Some(c) => c,
+                None => return Err(ctx.internal(format!("no connection to rank {}", p.peer))),
+            };
+            if let Some(cur) = p.send.as_mut() {
+                progressed |= pump_sends(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
+                pending |= cur.pending();
+            }
+            if let Some(cur) = p.recv.as_mut() {
+                progressed |= pump_recvs(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
+                pending |= cur.pending();
+            }
+        }
+        if !pending {
+            return Ok(());
+        }
+        if progressed {
+            idle_rounds = 0;
+            continue;
+        }
+
+        // Nothing moved: check why we might stop, then back off.
+        if ctx.abort.load(Ordering::Relaxed) {
+            return Err(ctx.aborted());
+        }
+        if let Some(e) = (ctx.poisoned)() {
+            return Err(e);
+        }
+        let now = Instant::now();
+        if now >= ctx.deadline {
+            let mut waiting_on: Vec<usize> = peers
+                .iter()
+                .filter(|p| p.send.as_ref().is_some_and(Cursor::pending) || p.recv.as_ref().is_some_and(Cursor::pending))
+                .map(|p| p.peer)
+                .collect();
+            waiting_on.sort_unstable();
+            return Err(Error::Timeout {
+                rank: ctx.rank,
+                op: ctx.kind(),
+                seq: ctx.desc.seq,
+                waiting_on,
+                after: ctx.timeout,
+            });
+        }
+        idle_rounds = idle_rounds.saturating_add(1);
+        if idle_rounds <= SPIN_ROUNDS {
+            std::hint::spin_loop();
+            continue;
+        }
+        if idle_rounds <= SPIN_ROUNDS + YIELD_ROUNDS {
+            std::thread::yield_now();
+            continue;
+        }
+        if now.duration_since(last_liveness) >= LIVENESS_PERIOD {
+            last_liveness = now;
+            for p in &peers {
+                let waiting = p.send.as_ref().is_some_and(Cursor::pending)
+                    || p.recv.as_ref().is_some_and(Cursor::pending);
+                if let (true, Some(Some(conn))) = (waiting, conns.get_mut(p.peer)) {
+                    conn.check_peer().map_err(|e| ctx.transport(p.peer, e))?;
+                }
+            }
+        }
+        interest.clear();
+        interest.extend(peers.iter().filter_map(|p| {
+            let send = p.send.as_ref().is_some_and(Cursor::pending);
+            let recv = p.recv.as_ref().is_some_and(Cursor::pending);
+            (send || recv).then_some(Interest {
+                peer: p.peer,
+                recv,
+                send,
+            })
+        }));
+        let sleep = ctx.deadline.saturating_duration_since(now).min(MAX_SLEEP);
+        waiter
+            .wait(&interest, sleep)
+            .map_err(|e| ctx.transport(ctx.rank, e))?;
+    }
+}
+
+/// Pushes the header and then every send step whose dependencies are met, until the connection
+/// is full. Returns whether any byte moved.
+fn pump_sends(
+    ctx: &Context<'_>,
+    cur: &mut Cursor,
+    conn: &mut dyn Connection,
+    steps: &[crate::schedule::Step],
+    places: &[[(usize, usize, usize); 2]],
+    areas: &[Area<'_>],
+    done: &mut [bool],
+) -> Result<bool> {
+    let peer = conn.peer();
+    let mut progressed = false;
+    if !cur.header_done {
+        let n = conn
+            .try_send(&cur.header[cur.header_moved..])
+            .map_err(|e| ctx.transport(peer, e))?;
+        cur.header_moved += n;
+        progressed |= n > 0;
+        if cur.header_moved < HEADER_LEN {
+            return Ok(progressed);
+        }
+        cur.header_done = true;
+    }
+    const ZEROS: [u8; 8] = [0; 8];
+    while let Some(&i) = cur.steps.get(cur.next) {
+        if !steps[i].deps.iter().all(|&d| done.get(d) == Some(&true)) {
+            break;
+        }
+        let (area, off, len) = places[i][0];
+        let total = padded(len);
+        if cur.moved < len {
+            let src = &areas[area].bytes()[off + cur.moved..off + len];
+            let n = conn.try_send(src).map_err(|e| ctx.transport(peer, e))?;
+            cur.moved += n;
+            progressed |= n > 0;
+            if cur.moved < len {
+                break;
+            }
+        }
+        if cur.moved < total {
+            let n = conn
+                .try_send(&ZEROS[..total - cur.moved])
+                .map_err(|e| ctx.transport(peer, e))?;
+            cur.moved += n;
+            progressed |= n > 0;
+            if cur.moved < total {
+                break;
+            }
+        }
+        done[i] = true;
+        cur.next += 1;
+        cur.moved = 0;
+        progressed = true;
+    }
+    Ok(progressed)
+}
+
+/// Pulls the header and then the data of every receive step whose dependencies are met.
+fn pump_recvs(
+    ctx: &Context<'_>,
+    cur: &mut Cursor,
+    conn: &mut dyn Connection,
+    steps: &[crate::schedule::Step],
+    places: &[[(usize, usize, usize); 2]],
+    areas: &mut [Area<'_>],
+    done: &mut [bool],
+) -> Result<bool> {
+    let peer = conn.peer();
+    let mut progressed = false;
+    if !cur.header_done {
+        let n = conn
+            .try_recv_into(&mut cur.header[cur.header_moved..])
+            .map_err(|e| ctx.transport(peer, e))?;
+        cur.header_moved += n;
+        progressed |= n > 0;
+        if cur.header_moved < HEADER_LEN {
+            return Ok(progressed);
+        }
+        cur.header_done = true;
+        check_header(ctx, peer, &cur.header, &cur.expect.unwrap_or(ctx.desc))?;
+    }
+    let esize = ctx.dtype.size();
+    while let Some(&i) = cur.steps.get(cur.next) {
+        if !steps[i].deps.iter().all(|&d| done.get(d) == Some(&true)) {
+            break;
+        }
+        let [(da, doff, len), (la, loff, _)] = places[i];
+        let reduce_with = match steps[i].action {
+            Action::RecvReduce { .. } => Some((la, loff)),
+            _ => None,
+        };
+        let total = padded(len);
+        while cur.moved < len {
+            let at = cur.moved;
+            let mut failure: Option<String> = None;
+            let n = match reduce_with {
+                None => {
+                    // Copy: receive straight into the destination.
+                    let dst = match &mut areas[da] {
+                        Area::ReadWrite(b) => &mut b[doff + at..doff + len],
+                        Area::ReadOnly(_) => {
+                            return Err(ctx.internal("receive into read-only memory".into()))
+                        }
+                    };
+                    conn.try_recv_into(dst).map_err(|e| ctx.transport(peer, e))?
+                }
+                Some((la, loff)) => {
+                    let dtype = ctx.dtype;
+                    let comb = ctx.combiner;
+                    let want = len - at;
+                    conn.try_recv(want, &mut |src: &[u8]| {
+                        // Whole elements only; a partial element stays in the transport.
+                        let n = src.len().min(want) / esize * esize;
+                        if n == 0 {
+                            return 0;
+                        }
+                        match reduce_from(areas, dtype, comb, (da, doff + at), (la, loff + at), &src[..n]) {
+                            Ok(()) => n,
+                            Err(e) => {
+                                failure = Some(e);
+                                0
+                            }
+                        }
+                    })
+                    .map_err(|e| ctx.transport(peer, e))?
+                }
+            };
+            if let Some(e) = failure {
+                return Err(ctx.internal(e));
+            }
+            if n == 0 {
+                return Ok(progressed);
+            }
+            cur.moved += n;
+            progressed = true;
+        }
+        while cur.moved < total {
+            let want = total - cur.moved;
+            let n = conn
+                .try_recv(want, &mut |src: &[u8]| src.len().min(want))
+                .map_err(|e| ctx.transport(peer, e))?;
+            if n == 0 {
+                return Ok(progressed);
+            }
+            cur.moved += n;
+            progressed = true;
+        }
+        done[i] = true;
+        cur.next += 1;
+        cur.moved = 0;
+        progressed = true;
+    }
+    Ok(progressed)
+}
+
+fn check_header(
+    ctx: &Context<'_>,
+    peer: usize,
+    bytes: &[u8; HEADER_LEN],
+    expect: &OpDesc,
+) -> Result<()> {
+    let (theirs, sender) = OpDesc::decode(bytes).map_err(|e| Error::Transport {
+        rank: ctx.rank,
+        peer,
+        op: ctx.kind(),
+        seq: ctx.desc.seq,
+        source: TransportError::Protocol(format!("bad operation header: {e}")),
+    })?;
+    if sender as usize != peer {
+        return Err(ctx.internal(format!(
+            "header from rank {sender} arrived on the connection to rank {peer}"
+        )));
+    }
+    if theirs != *expect {
+        return Err(Error::Mismatch {
+            rank: ctx.rank,
+            peer,
+            ours: *expect,
+            theirs,
+        });
+    }
+    Ok(())
+}
+
+/// `dst = local ⊕ incoming` where dst and local are places in `areas`.
+fn reduce_from(
+    areas: &mut [Area<'_>],
+    dtype: DataType,
+    comb: Combiner,
+    dst: (usize, usize),
+    local: (usize, usize),
+    incoming: &[u8],
+) -> std::result::Result<(), String> {
+    let n = incoming.len();
+    let (da, doff) = dst;
+    let (la, loff) = local;
+    if da == la {
+        let buf = match &mut areas[da] {
+            Area::ReadWrite(b) => &mut **b,
+            Area::ReadOnly(_) => return Err("reduce into read-only memory".into()),
+        };
+        if doff == loff {
+            return reduce::reduce_in_place(dtype, comb, &mut buf[doff..doff + n], incoming)
+                .map_err(|e| e.to_string());
+        }
+        // Same area, different places: split so both can be borrowed.
+        if doff + n <= loff {
+            let (lo, hi) = buf.split_at_mut(loff);
+            return reduce::reduce_into(dtype, comb, &mut lo[doff..doff + n], &hi[..n], incoming)
+                .map_err(|e| e.to_string());
+        }
+        if loff + n <= doff {
+            let (lo, hi) = buf.split_at_mut(doff);
+            return reduce::reduce_into(dtype, comb, &mut hi[..n], &lo[loff..loff + n], incoming)
+                .map_err(|e| e.to_string());
+        }
+        return Err("overlapping reduce regions".into());
+    }
+    let (dst_area, local_area) = two_areas(areas, da, la)?;
+    let dst_buf = match dst_area {
+        Area::ReadWrite(b) => &mut b[doff..doff + n],
+        Area::ReadOnly(_) => return Err("reduce into read-only memory".into()),
+    };
+    reduce::reduce_into(dtype, comb, dst_buf, &local_area.bytes()[loff..loff + n], incoming)
+        .map_err(|e| e.to_string())
+}
+
+fn two_areas<'s, 'a>(
+    areas: &'s mut [Area<'a>],
+    first: usize,
+    second: usize,
+) -> std::result::Result<(&'s mut Area<'a>, &'s Area<'a>), String> {
+    if first == second || first >= areas.len() || second >= areas.len() {
+        return Err("bad area pair".into());
+    }
+    if first < second {
+        let (lo, hi) = areas.split_at_mut(second);
+        Ok((&mut lo[first], &hi[0]))
+    } else {
+        let (lo, hi) = areas.split_at_mut(first);
+        Ok((&mut hi[0], &lo[second]))
+    }
+}
+
+fn copy_region(
+    areas: &mut [Area<'_>],
+    src: (usize, usize),
+    dst: (usize, usize),
+    len: usize,
+) -> std::result::Result<(), String> {
+    let (sa, soff) = src;
+    let (da, doff) = dst;
+    if sa == da {
+        if soff == doff {
+            return Ok(()); // in-place: already there
+        }
+        match &mut areas[da] {
+            Area::ReadWrite(b) => b.copy_within(soff..soff + len, doff),
+            Area::ReadOnly(_) => return Err("copy into read-only memory".into()),
+        }
+        return Ok(());
+    }
+    let (d, s) = two_areas(areas, da, sa)?;
+    match d {
+        Area::ReadWrite(b) => b[doff..doff + len].copy_from_slice(&s.bytes()[soff..soff + len]),
+        Area::ReadOnly(_) => return Err("copy into read-only memory".into()),
+    }
+    Ok(())
+}

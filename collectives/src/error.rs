@@ -1,0 +1,90 @@
+//! Errors of the communicator. Every message names this rank, the operation and its sequence
+//! number, so a log line from any rank of a large job says where it came from.
+
+use crate::header::OpDesc;
+use crate::op::OpKind;
+use std::time::Duration;
+use weftcc_transports::TransportError;
+
+/// A failure of a communicator or one of its operations.
+///
+/// Fatal errors (everything except [`Error::InvalidArgument`] and [`Error::Config`]) poison the
+/// communicator: every later call fails at once with the same error.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// The call's arguments are wrong (buffer lengths, root or peer out of range, send to self).
+    /// Nothing was sent; the communicator stays usable.
+    #[error("rank {rank}: invalid argument to {op}: {reason}")]
+    InvalidArgument {
+        rank: usize,
+        op: OpKind,
+        reason: String,
+    },
+    /// An operation did not finish within the communicator's timeout.
+    #[error("rank {rank}: {op} #{seq} timed out after {after:?}; still waiting on ranks {waiting_on:?}")]
+    Timeout {
+        rank: usize,
+        op: OpKind,
+        seq: u64,
+        waiting_on: Vec<usize>,
+        after: Duration,
+    },
+    /// Peer rank `peer` died or closed its connections.
+    #[error("rank {rank}: peer rank {peer} lost during {op} #{seq}: {detail}")]
+    PeerLost {
+        rank: usize,
+        peer: usize,
+        op: OpKind,
+        seq: u64,
+        detail: String,
+    },
+    /// `abort()` was called on this communicator, or another rank failed and aborted the job.
+    #[error("rank {rank}: communicator aborted: {reason}")]
+    Aborted {
+        rank: usize,
+        /// The rank that aborted or failed first, when another rank did.
+        by: Option<usize>,
+        reason: String,
+    },
+    /// Ranks called different collectives (kind, type, count, reduction or root differ).
+    #[error("rank {rank}: mismatched collectives: this rank called {ours}, rank {peer} called {theirs}")]
+    Mismatch {
+        rank: usize,
+        peer: usize,
+        ours: OpDesc,
+        theirs: OpDesc,
+    },
+    /// A transport failed in a way other than losing the peer.
+    #[error("rank {rank}: transport error with rank {peer} during {op} #{seq}: {source}")]
+    Transport {
+        rank: usize,
+        peer: usize,
+        op: OpKind,
+        seq: u64,
+        source: TransportError,
+    },
+    /// Setting the communicator up failed (rendezvous, connections).
+    #[error("rank {rank}: bootstrap failed: {source}")]
+    Bootstrap { rank: usize, source: TransportError },
+    /// The environment or configuration is incomplete or invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// An invariant of weftcc itself broke (a bug): reported instead of panicking.
+    #[error("rank {rank}: internal error during {op} #{seq}: {reason}")]
+    Internal {
+        rank: usize,
+        op: OpKind,
+        seq: u64,
+        reason: String,
+    },
+}
+
+impl Error {
+    /// True for errors that leave the communicator unusable.
+    pub fn is_fatal(&self) -> bool {
+        !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,171 @@
+//! The operation header: 64 bytes each rank sends on every connection an operation uses, before
+//! its data, so that mismatched calls are detected instead of corrupting data or hanging.
+
+use crate::dtype::DataType;
+use crate::op::OpKind;
+use std::fmt;
+
+/// Size of an encoded header. A multiple of 8 so the data after it stays 8-byte aligned.
+pub const HEADER_LEN: usize = 64;
+const MAGIC: [u8; 4] = *b"WFOP";
+const VERSION: u8 = 1;
+/// Root value meaning "no root".
+pub const NO_ROOT: u32 = u32::MAX;
+
+/// What an operation is, as ranks compare it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpDesc {
+    pub kind: OpKind,
+    /// Per-kind sequence number: collectives count calls on the communicator, point-to-point
+    /// operations count messages between one ordered pair of ranks.
+    pub seq: u64,
+    pub dtype: DataType,
+    pub count: u64,
+    /// Wire code of the reduction ([`crate::ReduceOp::code`]), 0xff when there is none.
+    pub redop: u8,
+    pub root: u32,
+}
+
+impl OpDesc {
+    /// Encodes the header sent by `sender`.
+    pub fn encode(&self, sender: u32) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.kind as u8;
+        b[6] = self.dtype.code();
+        b[7] = self.redop;
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.count.to_le_bytes());
+        b[24..28].copy_from_slice(&self.root.to_le_bytes());
+        b[28..32].copy_from_slice(&sender.to_le_bytes());
+        let sum = checksum(&b[..60]);
+        b[60..64].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header; returns the description and the sender's rank.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<(OpDesc, u32), HeaderError> {
+        if b[0..4] != MAGIC {
+            return Err(HeaderError::Magic);
+        }
+        if b[4] != VERSION {
+            return Err(HeaderError::Version(b[4]));
+        }
+        let sum = u32::from_le_bytes([b[60], b[61], b[62], b[63]]);
+        if sum != checksum(&b[..60]) {
+            return Err(HeaderError::Checksum);
+        }
+        let kind = OpKind::from_code(b[5]).ok_or(HeaderError::Field("kind", b[5]))?;
+        let dtype = DataType::from_code(b[6]).ok_or(HeaderError::Field("dtype", b[6]))?;
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        Ok((
+            OpDesc {
+                kind,
+                seq: u64_at(8),
+                dtype,
+                count: u64_at(16),
+                redop: b[7],
+                root: u32_at(24),
+            },
+            u32_at(28),
+        ))
+    }
+}
+
+/// FNV-1a over the header's fields: catches a stream that is out of step (bytes of data read as
+/// a header) rather than deliberate forgery.
+fn checksum(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, &x| {
+        (h ^ u32::from(x)).wrapping_mul(0x0100_0193)
+    })
+}
+
+impl fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} #{} ({} × {}", self.kind, self.seq, self.count, self.dtype)?;
+        if self.redop != 0xff {
+            let name = match self.redop {
+                0 => "sum",
+                1 => "prod",
+                2 => "min",
+                3 => "max",
+                4 => "avg",
+                5 => "premulsum",
+                _ => "?",
+            };
+            write!(f, ", {name}")?;
+        }
+        if self.root != NO_ROOT {
+            write!(f, ", root {}", self.root)?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// A header that cannot be decoded: the stream is corrupt or out of step.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeaderError {
+    #[error("bad magic (stream out of step or not a weftcc peer)")]
+    Magic,
+    #[error("unsupported header version {0}")]
+    Version(u8),
+    #[error("header checksum mismatch")]
+    Checksum,
+    #[error("unknown {0} code {1}")]
+    Field(&'static str, u8),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn desc() -> impl Strategy<Value = OpDesc> {
+        (
+            0usize..OpKind::ALL.len(),
+            any::<u64>(),
+            0usize..DataType::ALL.len(),
+            any::<u64>(),
+            any::<u8>(),
+            any::<u32>(),
+        )
+            .prop_map(|(k, seq, d, count, redop, root)| OpDesc {
+                kind: OpKind::ALL[k],
+                seq,
+                dtype: DataType::ALL[d],
+                count,
+                redop,
+                root,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn round_trips(d in desc(), sender in any::<u32>()) {
+            let (back, s) = OpDesc::decode(&d.encode(sender)).unwrap();
+            prop_assert_eq!(back, d);
+            prop_assert_eq!(s, sender);
+        }
+
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
+            let mut b = [0u8; HEADER_LEN];
+            b.copy_from_slice(&bytes);
+            let _ = OpDesc::decode(&b);
+        }
+
+        #[test]
+        fn any_flipped_byte_is_detected(d in desc(), i in 0usize..HEADER_LEN, x in 1u8..) {
+            let mut b = d.encode(3);
+            b[i] ^= x;
+            // Either rejected, or (for the checksum bytes themselves) still rejected.
+            prop_assert!(OpDesc::decode(&b).is_err());
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! `WEFT_DEBUG=INFO|DEBUG|TRACE|WARN` turns on logging to stderr, like NCCL_DEBUG;
+//! `WEFT_DEBUG_SUBSYS=INIT,NET,TUNING,...` limits it to those subsystems (tracing targets
+//! `weftcc::init`, `weftcc::net`, ...). A program that installed its own `tracing` subscriber
+//! keeps it: this only installs one when none is set.
+
+/// Installs the stderr logger once per process if `WEFT_DEBUG` asks for it.
+pub fn init() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let Ok(level) = std::env::var("WEFT_DEBUG") else {
+            return;
+        };
+        let level = match level.trim().to_ascii_lowercase().as_str() {
+            "" | "none" | "off" => return,
+            "warn" => "warn",
+            "info" => "info",
+            "debug" => "debug",
+            "trace" => "trace",
+            _ => "info",
+        };
+        let filter = match std::env::var("WEFT_DEBUG_SUBSYS") {
+            Ok(subsys) if !subsys.trim().is_empty() && subsys.trim() != "ALL" => subsys
+                .split(',')
+                .map(|s| format!("weftcc::{}={level}", s.trim().to_ascii_lowercase()))
+                .collect::<Vec<_>>()
+                .join(","),
+            _ => format!("weftcc={level},weftcc_transports={level},weftcc_collectives={level}"),
+        };
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_target(true)
+            .try_init();
+    });
+}
