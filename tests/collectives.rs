@@ -1,0 +1,326 @@
+//! Correctness matrix: every collective × data type × reduction × rank count × element count ×
+//! in-place/out-of-place × transport, checked against an independent reference computed here
+//! from the input formula (never with the library's own kernels).
+//!
+//! Inputs are small integers chosen so that sums, products, minima and maxima are exact in every
+//! type (|sum| ≤ 88, |product| ≤ 256): integer and float results must then match exactly. Only
+//! `Avg` (a division) and `PreMulSum` with a non-integral result can round; there the tolerance is
+//! two units in the last place of the type (the library rounds the exact sum once to the type,
+//! then divides in f32 or f64 and rounds again).
+
+mod common;
+
+use common::{with_ranks, Wire};
+use half::{bf16, f16};
+use weftcc::{Communicator, Element, ReduceOp};
+
+/// Test-side view of an element type: built from small integers, read back as f64, with the
+/// type's own wrapping for integers.
+trait Val: Element + Copy + Default {
+    const INT: bool;
+    const SIGNED: bool;
+    /// Relative precision (2 ulp) for rounded results.
+    const EPS: f64;
+    fn from_i128_wrapping(v: i128) -> Self;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! int_val {
+    ($($t:ty, $signed:expr);*) => {$(
+        impl Val for $t {
+            const INT: bool = true;
+            const SIGNED: bool = $signed;
+            const EPS: f64 = 0.0;
+            fn from_i128_wrapping(v: i128) -> Self { v as $t }
+            fn from_f64(v: f64) -> Self { v as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+        }
+    )*};
+}
+int_val!(i8, true; u8, false; i32, true; u32, false; i64, true; u64, false);
+
+macro_rules! float_val {
+    ($($t:ty, $eps:expr, $from:expr, $to:expr);*) => {$(
+        impl Val for $t {
+            const INT: bool = false;
+            const SIGNED: bool = true;
+            const EPS: f64 = $eps;
+            fn from_i128_wrapping(v: i128) -> Self { $from(v as f64) }
+            fn from_f64(v: f64) -> Self { $from(v) }
+            fn to_f64(self) -> f64 { $to(self) }
+        }
+    )*};
+}
+float_val!(
+    f32, 2.0 * f32::EPSILON as f64, |v: f64| v as f32, |x: f32| x as f64;
+    f64, 2.0 * f64::EPSILON, |v: f64| v, |x: f64| x;
+    f16, 2.0 / 1024.0, f16::from_f64, |x: f16| x.to_f64();
+    bf16, 2.0 / 128.0, bf16::from_f64, |x: bf16| x.to_f64()
+);
+
+/// Input of `rank` at index `i` for reduction `op`.
+fn input<T: Val>(rank: usize, i: usize, op: ReduceOp) -> i128 {
+    let base = ((rank * 7 + i * 3) % 11) as i128;
+    match op {
+        // Factors 1 or 2 (and a sign for signed types): |product| ≤ 2^8.
+        ReduceOp::Prod => {
+            let m = 1 + ((rank + i) % 2) as i128;
+            if T::SIGNED && (rank + 2 * i) % 3 == 0 {
+                -m
+            } else {
+                m
+            }
+        }
+        _ if T::SIGNED => base - 5,
+        _ => base,
+    }
+}
+
+fn pattern<T: Val>(rank: usize, len: usize, op: ReduceOp) -> Vec<T> {
+    (0..len).map(|i| T::from_i128_wrapping(input::<T>(rank, i, op))).collect()
+}
+
+const PREMUL: f64 = 2.0;
+
+/// The reduction of element `i` of every rank's input, computed exactly then cast to T.
+fn reduced<T: Val>(n: usize, i: usize, op: ReduceOp) -> T {
+    let vals: Vec<i128> = (0..n).map(|r| input::<T>(r, i, op)).collect();
+    match op {
+        ReduceOp::Sum => T::from_i128_wrapping(vals.iter().sum()),
+        ReduceOp::Prod => T::from_i128_wrapping(vals.iter().product()),
+        ReduceOp::Min => T::from_i128_wrapping(*vals.iter().min().unwrap()),
+        ReduceOp::Max => T::from_i128_wrapping(*vals.iter().max().unwrap()),
+        ReduceOp::PreMulSum(s) => {
+            T::from_f64(vals.iter().map(|&v| v as f64 * s).sum::<f64>())
+        }
+        ReduceOp::Avg => {
+            let sum: i128 = vals.iter().sum();
+            if T::INT {
+                // Integer average: the wrapped sum, divided with truncation (as C does).
+                let wrapped = T::from_i128_wrapping(sum).to_f64() as i128;
+                T::from_i128_wrapping(wrapped / n as i128)
+            } else {
+                T::from_f64(sum as f64 / n as f64)
+            }
+        }
+    }
+}
+
+fn close<T: Val>(got: T, want: T) -> bool {
+    if T::INT || got == want {
+        return got == want;
+    }
+    let (g, w) = (got.to_f64(), want.to_f64());
+    (g - w).abs() <= T::EPS * w.abs().max(1.0)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Coll {
+    AllReduce,
+    Reduce,
+    Broadcast,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    SendRecv,
+}
+
+const COLLS: [Coll; 7] = [
+    Coll::AllReduce,
+    Coll::Reduce,
+    Coll::Broadcast,
+    Coll::AllGather,
+    Coll::ReduceScatter,
+    Coll::AllToAll,
+    Coll::SendRecv,
+];
+
+const OPS: [ReduceOp; 6] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+    ReduceOp::PreMulSum(PREMUL),
+];
+
+fn has_op(c: Coll) -> bool {
+    matches!(c, Coll::AllReduce | Coll::Reduce | Coll::ReduceScatter)
+}
+
+/// Runs one case on this rank and returns a description of the first wrong element, if any.
+fn run_case<T: Val>(comm: &Communicator, c: Coll, op: ReduceOp, count: usize, in_place: bool) -> Option<String> {
+    let (rank, n) = (comm.rank(), comm.size());
+    let root = (count + 1) % n; // varies the root with the count
+    let name = std::any::type_name::<T>();
+    let fail = |what: String| Some(format!("{c:?} {name} {op} count={count} in_place={in_place} rank={rank}/{n}: {what}"));
+    // (input length, output length)
+    let (ilen, olen) = match c {
+        Coll::AllGather => (count, n * count),
+        Coll::ReduceScatter => (n * count, count),
+        Coll::AllToAll => (n * count, n * count),
+        _ => (count, count),
+    };
+    let inp: Vec<T> = pattern(rank, ilen, op);
+    let sentinel = T::from_i128_wrapping(99);
+    let mut out: Vec<T>;
+    let result = if in_place {
+        out = match c {
+            Coll::AllGather => {
+                let mut b = vec![sentinel; olen];
+                b[rank * count..(rank + 1) * count].copy_from_slice(&inp);
+                b
+            }
+            _ => inp.clone(),
+        };
+        match c {
+            Coll::AllReduce => comm.all_reduce_in_place(&mut out, op),
+            Coll::Reduce => comm.reduce_in_place(&mut out, op, root),
+            Coll::Broadcast => comm.broadcast_in_place(&mut out, root),
+            Coll::AllGather => comm.all_gather_in_place(&mut out),
+            Coll::ReduceScatter => comm.reduce_scatter_in_place(&mut out, op),
+            Coll::AllToAll => comm.all_to_all_in_place(&mut out),
+            Coll::SendRecv => return None,
+        }
+    } else {
+        out = vec![sentinel; olen];
+        match c {
+            Coll::AllReduce => comm.all_reduce(&inp, &mut out, op),
+            Coll::Reduce => comm.reduce(&inp, &mut out, op, root),
+            Coll::Broadcast => comm.broadcast(&inp, &mut out, root),
+            Coll::AllGather => comm.all_gather(&inp, &mut out),
+            Coll::ReduceScatter => comm.reduce_scatter(&inp, &mut out, op),
+            Coll::AllToAll => comm.all_to_all(&inp, &mut out),
+            Coll::SendRecv => {
+                if n == 1 {
+                    return None;
+                }
+                comm.group()
+                    .send(&inp, (rank + 1) % n)
+                    .recv(&mut out, (rank + n - 1) % n)
+                    .run()
+            }
+        }
+    };
+    if let Err(e) = result {
+        return fail(format!("error {e}"));
+    }
+    let want = |i: usize| -> T {
+        match c {
+            Coll::AllReduce => reduced::<T>(n, i, op),
+            Coll::Reduce if rank == root => reduced::<T>(n, i, op),
+            Coll::Reduce => {
+                if in_place {
+                    inp[i]
+                } else {
+                    sentinel
+                }
+            }
+            Coll::Broadcast => T::from_i128_wrapping(input::<T>(root, i, op)),
+            Coll::AllGather => T::from_i128_wrapping(input::<T>(i / count.max(1), i % count.max(1), op)),
+            Coll::ReduceScatter => {
+                if in_place {
+                    let block = rank * count;
+                    if (block..block + count).contains(&i) {
+                        reduced::<T>(n, i, op)
+                    } else {
+                        out[i] // outside the result block: unspecified, as in NCCL
+                    }
+                } else {
+                    reduced::<T>(n, rank * count + i, op)
+                }
+            }
+            Coll::AllToAll => {
+                let (from, k) = (i / count.max(1), i % count.max(1));
+                T::from_i128_wrapping(input::<T>(from, rank * count + k, op))
+            }
+            Coll::SendRecv => T::from_i128_wrapping(input::<T>((rank + n - 1) % n, i, op)),
+        }
+    };
+    for (i, &got) in out.iter().enumerate() {
+        let w = want(i);
+        if !close(got, w) {
+            return fail(format!("element {i}: got {got:?}, want {w:?}"));
+        }
+    }
+    None
+}
+
+fn counts(n: usize, large: bool) -> Vec<usize> {
+    let mut c = vec![0, 1, 2 * n + 1, 1001];
+    if n > 2 {
+        c.push(n - 1);
+    }
+    if large {
+        c.push((4 << 20) + 3);
+    }
+    c
+}
+
+fn run_type<T: Val>(comm: &Communicator, large: bool, errors: &mut Vec<String>) {
+    let n = comm.size();
+    for c in COLLS {
+        let ops: &[ReduceOp] = if has_op(c) { &OPS } else { &[ReduceOp::Sum] };
+        for &op in ops {
+            for count in counts(n, false) {
+                for in_place in [false, true] {
+                    errors.extend(run_case::<T>(comm, c, op, count, in_place));
+                }
+            }
+        }
+        if large {
+            // Millions of elements: every collective and placement, one reduction.
+            for in_place in [false, true] {
+                errors.extend(run_case::<T>(comm, c, ReduceOp::Sum, (4 << 20) + 3, in_place));
+            }
+        }
+    }
+}
+
+fn matrix(n: usize, wire: Wire) {
+    // Large counts for a float and an integer type on every rank count; the small counts cover
+    // every type and reduction.
+    let errors: Vec<String> = with_ranks(n, wire, |_, comm| {
+        let mut errors = Vec::new();
+        run_type::<i8>(comm, false, &mut errors);
+        run_type::<u8>(comm, false, &mut errors);
+        run_type::<i32>(comm, n <= 4, &mut errors);
+        run_type::<u32>(comm, false, &mut errors);
+        run_type::<i64>(comm, false, &mut errors);
+        run_type::<u64>(comm, false, &mut errors);
+        run_type::<f16>(comm, false, &mut errors);
+        run_type::<f32>(comm, true, &mut errors);
+        run_type::<f64>(comm, false, &mut errors);
+        run_type::<bf16>(comm, n == 8, &mut errors);
+        errors
+    })
+    .into_iter()
+    .flatten()
+    .collect();
+    assert!(errors.is_empty(), "{} wrong cases, first ones:\n{}", errors.len(), errors[..errors.len().min(20)].join("\n"));
+}
+
+macro_rules! matrix_tests {
+    ($($name:ident: $n:expr, $wire:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            matrix($n, $wire);
+        }
+    )*};
+}
+
+matrix_tests! {
+    shm_1_rank: 1, Wire::Shm;
+    shm_2_ranks: 2, Wire::Shm;
+    shm_3_ranks: 3, Wire::Shm;
+    shm_4_ranks: 4, Wire::Shm;
+    shm_5_ranks: 5, Wire::Shm;
+    shm_8_ranks: 8, Wire::Shm;
+    tcp_1_rank: 1, Wire::Tcp;
+    tcp_2_ranks: 2, Wire::Tcp;
+    tcp_3_ranks: 3, Wire::Tcp;
+    tcp_4_ranks: 4, Wire::Tcp;
+    tcp_5_ranks: 5, Wire::Tcp;
+    tcp_8_ranks: 8, Wire::Tcp;
+}
