@@ -241,7 +241,7 @@ impl Communicator {
         }
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
         let server = if rank == 0 {
-            let existing = servers().lock().unwrap_or_else(|p| p.into_inner()).get(id).cloned();
+            let existing = servers().lock().unwrap_or_else(|p| p.into_inner()).remove(id);
             match existing {
                 Some(s) => Some(s),
                 None => {

@@ -1,0 +1,310 @@
+//! Reliability behaviour with ranks as threads: abort, mismatched collectives, invalid
+//! arguments, poisoning, and hostile connections to the bootstrap port.
+
+mod common;
+
+use common::{config, with_ranks, with_ranks_config, Wire};
+use std::io::Write;
+use std::time::{Duration, Instant};
+use weftcc::{Error, ReduceOp, UniqueId};
+
+#[test]
+fn abort_from_another_thread_unblocks_a_waiting_call_within_a_second() {
+    for wire in [Wire::Shm, Wire::Tcp] {
+        let results = with_ranks(2, wire, |rank, comm| {
+            if rank == 1 {
+                // Never joins the all-reduce; waits until rank 0 has aborted (rank 0's failure
+                // reaches this rank through the store) and reports what it saw.
+                let start = Instant::now();
+                while comm.error().is_none() && start.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                return (comm.error(), Duration::ZERO);
+            }
+            let mut buf = vec![1.0f32; 1024];
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    comm.abort();
+                });
+                let start = Instant::now();
+                let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum);
+                (r.err(), start.elapsed())
+            })
+        });
+        let (err0, took) = &results[0];
+        assert!(
+            matches!(
+                err0,
+                Some(Error::Aborted {
+                    rank: 0,
+                    by: None,
+                    ..
+                })
+            ),
+            "{wire:?}: {err0:?}"
+        );
+        assert!(
+            *took < Duration::from_millis(1300),
+            "{wire:?}: abort took {took:?}"
+        );
+        // The other rank learns that rank 0 aborted.
+        assert!(
+            matches!(
+                &results[1].0,
+                Some(Error::Aborted {
+                    rank: 1,
+                    by: Some(0),
+                    ..
+                })
+            ),
+            "{wire:?}: {:?}",
+            results[1].0
+        );
+    }
+}
+
+#[test]
+fn a_poisoned_communicator_fails_at_once_with_the_first_error() {
+    let results = with_ranks(2, Wire::Shm, |rank, comm| {
+        if rank == 0 {
+            comm.abort();
+        }
+        let mut buf = vec![0u8; 8];
+        let start = Instant::now();
+        // Rank 1 may still be waiting when it learns of the abort: at most its timeout.
+        let first = comm
+            .all_reduce_in_place(&mut buf, ReduceOp::Sum)
+            .unwrap_err();
+        let t = Instant::now();
+        let second = comm.broadcast_in_place(&mut buf, 0).unwrap_err();
+        (first, second, t.elapsed(), start.elapsed())
+    });
+    for (first, second, again, _) in &results {
+        assert_eq!(first, second);
+        assert!(
+            *again < Duration::from_millis(50),
+            "second call took {again:?}"
+        );
+    }
+}
+
+/// Both ranks call something different; both must fail with Mismatch (or, if the other rank
+/// detected it first, with an abort naming it), never succeed or hang.
+fn expect_mismatch(
+    name: &str,
+    f: impl Fn(usize, &weftcc::Communicator) -> weftcc::Result<()> + Sync,
+) {
+    let mut cfg = config(Wire::Shm);
+    cfg.timeout = Duration::from_secs(10);
+    let start = Instant::now();
+    let results = with_ranks_config(2, cfg, |rank, comm| f(rank, comm));
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "{name}: took {:?}",
+        start.elapsed()
+    );
+    let mut mismatches = 0;
+    for (rank, r) in results.iter().enumerate() {
+        match r {
+            Err(Error::Mismatch { ours, theirs, .. }) => {
+                assert_ne!(ours, theirs);
+                mismatches += 1;
+            }
+            Err(Error::Aborted { by: Some(_), .. }) => {}
+            other => panic!("{name}: rank {rank} got {other:?}"),
+        }
+    }
+    assert!(
+        mismatches >= 1,
+        "{name}: nobody reported the mismatch: {results:?}"
+    );
+}
+
+#[test]
+fn mismatched_kind() {
+    expect_mismatch("kind", |rank, comm| {
+        let mut b = vec![1.0f32; 64];
+        if rank == 0 {
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum)
+        } else {
+            comm.all_gather_in_place(&mut b)
+        }
+    });
+}
+
+#[test]
+fn mismatched_dtype() {
+    expect_mismatch("dtype", |rank, comm| {
+        if rank == 0 {
+            comm.all_reduce_in_place(&mut [1.0f32; 64], ReduceOp::Sum)
+        } else {
+            comm.all_reduce_in_place(&mut [1i32; 64], ReduceOp::Sum)
+        }
+    });
+}
+
+#[test]
+fn mismatched_count() {
+    expect_mismatch("count", |rank, comm| {
+        let mut b = vec![1.0f64; 64 + rank];
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum)
+    });
+}
+
+#[test]
+fn mismatched_reduction() {
+    expect_mismatch("op", |rank, comm| {
+        let op = if rank == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Max
+        };
+        comm.all_reduce_in_place(&mut [1u32; 16], op)
+    });
+}
+
+#[test]
+fn mismatched_root() {
+    expect_mismatch("root", |rank, comm| {
+        comm.broadcast_in_place(&mut [1u8; 16], rank)
+    });
+}
+
+#[test]
+fn mismatched_count_of_zero_is_still_detected() {
+    expect_mismatch("zero count", |rank, comm| {
+        let mut b = vec![1i64; if rank == 0 { 0 } else { 5 }];
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum)
+    });
+}
+
+#[test]
+fn mismatched_point_to_point_sizes() {
+    expect_mismatch("send/recv", |rank, comm| {
+        if rank == 0 {
+            comm.send(&[1u8; 10], 1)
+        } else {
+            let mut b = [0u8; 12];
+            comm.recv(&mut b, 0)
+        }
+    });
+}
+
+#[test]
+fn invalid_arguments_are_rejected_before_anything_is_sent() {
+    let results = with_ranks(3, Wire::Shm, |rank, comm| {
+        let mut errors = Vec::new();
+        let mut out = vec![0f32; 4];
+        errors.push(comm.broadcast_in_place(&mut out, 3));
+        errors.push(comm.reduce(&[1f32; 4], &mut out, ReduceOp::Sum, 7));
+        errors.push(comm.all_reduce(&[1f32; 5], &mut out, ReduceOp::Sum));
+        errors.push(comm.all_gather(&[1f32; 2], &mut out)); // needs 6
+        errors.push(comm.reduce_scatter(&[1f32; 4], &mut out, ReduceOp::Sum)); // needs 12
+        errors.push(comm.all_gather_in_place(&mut [0f32; 4])); // not a multiple of 3
+        errors.push(comm.send(&[1u8; 3], rank));
+        errors.push(comm.recv(&mut [0u8; 3], 9));
+        let all_invalid = errors
+            .iter()
+            .all(|e| matches!(e, Err(Error::InvalidArgument { .. })));
+        // The communicator is still usable and in step on every rank.
+        let mut b = vec![rank as f32; 4];
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+        (all_invalid, errors, b)
+    });
+    for (ok, errors, b) in results {
+        assert!(ok, "{errors:?}");
+        assert_eq!(b, vec![3.0; 4]);
+    }
+}
+
+#[test]
+fn hostile_connections_to_the_bootstrap_port_do_not_disturb_the_job() {
+    let id = UniqueId::new().unwrap();
+    let addr = id.addr.clone();
+    // Garbage, a wrong magic, an oversized frame and a silent connection, before the ranks join.
+    let mut hostile = Vec::new();
+    for payload in [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        vec![0xffu8; 64],
+        [b"WEFT".as_slice(), &[1, 0], &u32::MAX.to_le_bytes()].concat(),
+        Vec::new(),
+    ] {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let _ = s.write_all(&payload);
+        hostile.push(s);
+    }
+    // A client with the right protocol but another job's token.
+    let wrong = weftcc::transports::store::StoreClient::connect(
+        &addr,
+        "not-the-token",
+        Duration::from_secs(2),
+    );
+    assert!(wrong.is_err(), "a wrong token must be refused");
+
+    let cfg = config(Wire::Shm);
+    let sums: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, cfg) = (id.clone(), cfg.clone());
+                s.spawn(move || {
+                    let comm = weftcc::Communicator::init_with(rank, 2, &id, cfg).unwrap();
+                    let mut b = vec![rank as u32 + 1; 100];
+                    comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+                    b
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(hostile);
+    assert_eq!(sums, vec![vec![3u32; 100]; 2]);
+}
+
+#[test]
+fn timeouts_name_the_op_its_sequence_and_the_ranks_awaited() {
+    let mut cfg = config(Wire::Tcp);
+    cfg.timeout = Duration::from_millis(500);
+    let results = with_ranks_config(3, cfg, |rank, comm| {
+        comm.barrier().unwrap(); // seq 1
+        if rank == 2 {
+            // Sits out the all-reduce until the others have timed out.
+            std::thread::sleep(Duration::from_millis(1500));
+            return None;
+        }
+        let start = Instant::now();
+        let e = comm
+            .all_reduce_in_place(&mut [1u64; 8], ReduceOp::Sum)
+            .unwrap_err();
+        Some((e, start.elapsed()))
+    });
+    let mut timeouts = 0;
+    for r in results.into_iter().flatten() {
+        let (e, took) = r;
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        match e {
+            Error::Timeout {
+                op,
+                seq,
+                waiting_on,
+                ..
+            } => {
+                assert_eq!((op, seq), (weftcc::OpKind::AllReduce, 2));
+                assert!(!waiting_on.is_empty());
+                timeouts += 1;
+                let msg = Error::Timeout {
+                    rank: 0,
+                    op,
+                    seq,
+                    waiting_on: waiting_on.clone(),
+                    after: Duration::from_millis(500),
+                }
+                .to_string();
+                assert!(msg.contains("all-reduce #2"), "{msg}");
+            }
+            Error::Aborted { by: Some(_), .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(timeouts >= 1);
+}
