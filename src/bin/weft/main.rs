@@ -1,1 +1,36 @@
-fn main() {}
+//! `weft`: weftcc's command-line tool.
+//!
+//! * `weft run`: a torchrun-compatible launcher that starts one worker process per local rank,
+//!   forwards their output with a `[rank]: ` prefix and stops (or restarts) the job when a worker
+//!   fails.
+//! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives.
+
+mod run;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "weft",
+    version,
+    about = "weftcc: collective communication for CPUs and GPUs",
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Launch N worker processes per node with the environment torchrun would give them.
+    Run(run::RunArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Run(args) => run::main(args),
+    };
+    std::process::exit(code);
+}

@@ -1,0 +1,730 @@
+//! `weft run`: a torchrun-compatible launcher.
+//!
+//! Starts `nproc_per_node` workers on this node, each with the environment torchrun would give it
+//! (plus weftcc's own `WEFT_*` variables), forwards their output line by line with a `[rank]: `
+//! prefix, and watches them: when one fails, the others are stopped (SIGTERM, then SIGKILL after
+//! a grace period) and the job is either restarted (`--max-restarts`) or ends with the failed
+//! worker's exit code.
+//!
+//! Nothing here blocks without a bound: worker exits are polled, every stop escalates to SIGKILL
+//! after a grace period, and output readers are waited for only briefly after the workers exit
+//! (a grandchild that keeps a pipe open cannot hold the launcher).
+
+use std::ffi::OsString;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use nix::unistd::Pid;
+
+/// How long stopped workers get between SIGTERM and SIGKILL.
+const GRACE: Duration = Duration::from_secs(3);
+/// How long to wait for workers to disappear after SIGKILL before giving up on them.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How long to wait for output readers to drain after every worker has exited.
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// Interval of the exit-polling loop.
+const POLL: Duration = Duration::from_millis(5);
+
+const AFTER_HELP: &str = "\
+Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
+ROLE_RANK, ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT,
+TORCHELASTIC_MAX_RESTARTS, OMP_NUM_THREADS=1 (if unset) and weftcc's WEFT_RANK, WEFT_WORLD_SIZE,
+WEFT_LOCAL_RANK, WEFT_LOCAL_WORLD_SIZE, WEFT_MASTER_ADDR, WEFT_MASTER_PORT and WEFT_JOB_TOKEN.
+Workers run in their own process groups with stdin from /dev/null, and die with the launcher.
+
+WEFT_JOB_TOKEN: taken from the launcher's environment when set there; otherwise a fresh random
+token per attempt on a single node. Multi-node jobs (--nnodes > 1) should set WEFT_JOB_TOKEN to
+the same secret value on every node: without it the token is derived from --master-addr and
+--master-port (and the restart count), which any process that knows them can reproduce.
+
+When a worker exits non-zero or is killed by a signal, the others get SIGTERM, then SIGKILL after
+3 s; the launcher then restarts all workers (up to --max-restarts times) or exits with the failed
+worker's code (128+N for signal N). SIGINT/SIGTERM/SIGHUP to the launcher are forwarded.";
+
+/// Command-line arguments of `weft run`.
+#[derive(clap::Args, Debug)]
+#[command(after_help = AFTER_HELP)]
+pub struct RunArgs {
+    /// Workers to start on this node (a number, or `auto`/`cpu` for the number of CPUs).
+    #[arg(short = 'n', long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = parse_nproc)]
+    pub nproc_per_node: usize,
+    /// Number of nodes in the job.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub nnodes: u32,
+    /// Rank of this node, 0 <= K < nnodes.
+    #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
+    pub node_rank: u32,
+    /// Address of the node running rank 0.
+    #[arg(
+        long = "master-addr",
+        visible_alias = "master_addr",
+        default_value = "127.0.0.1"
+    )]
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous; 0 picks a free port (single-node jobs only).
+    #[arg(
+        long = "master-port",
+        visible_alias = "master_port",
+        default_value_t = 29500
+    )]
+    pub master_port: u16,
+    /// Do not prefix worker output with `[rank]: `; workers inherit stdout and stderr.
+    #[arg(long = "no-prefix")]
+    pub no_prefix: bool,
+    /// Restart all workers up to R times when one fails.
+    #[arg(
+        long = "max-restarts",
+        visible_alias = "max_restarts",
+        default_value_t = 0
+    )]
+    pub max_restarts: u32,
+    /// The worker program and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROG"
+    )]
+    pub command: Vec<OsString>,
+}
+
+fn parse_nproc(s: &str) -> Result<usize, String> {
+    match s {
+        "auto" | "cpu" => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        _ => match s.parse::<usize>() {
+            Ok(0) => Err("must be at least 1".to_string()),
+            Ok(n) => Ok(n),
+            Err(_) => Err(format!("expected a number, `auto` or `cpu`, got {s:?}")),
+        },
+    }
+}
+
+/// Entry point of `weft run`.
+pub fn main(args: RunArgs) -> i32 {
+    let mut command = args.command.into_iter();
+    let Some(program) = command.next() else {
+        eprintln!("weft run: no program given");
+        return 2;
+    };
+    let launch = Launch {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes as usize,
+        node_rank: args.node_rank as usize,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        prefix: !args.no_prefix,
+        max_restarts: args.max_restarts,
+        program,
+        args: command.collect(),
+        label: "weft run",
+    };
+    if let Err(msg) = launch.validate() {
+        eprintln!("weft run: {msg}");
+        return 2;
+    }
+    launch.run()
+}
+
+/// A job to launch on this node.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    /// 0: pick a free port for every attempt.
+    pub master_port: u16,
+    pub prefix: bool,
+    pub max_restarts: u32,
+    pub program: OsString,
+    pub args: Vec<OsString>,
+    /// Names the launcher in its messages (`weft run`, `weft perf`).
+    pub label: &'static str,
+}
+
+/// How one attempt ended.
+enum Outcome {
+    /// Every worker exited with code 0.
+    Success,
+    /// A worker failed; the value is the exit code to report.
+    Failed(i32),
+    /// The launcher was told to stop (signal) or could not start the job: no restart.
+    Fatal(i32),
+}
+
+/// The signal the launcher received last (0: none), set by the signal handler.
+static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    PENDING_SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    let action = SigAction::new(
+        SigHandler::Handler(on_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
+        if let Err(e) = unsafe { signal::sigaction(sig, &action) } {
+            eprintln!("weft run: cannot install a handler for {sig}: {e}");
+        }
+    }
+}
+
+/// `SIGKILL`-style name of a signal number, or `signal N`.
+pub fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig).map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string())
+}
+
+/// The exit code a shell would report for this status (128+N for signal N).
+pub fn exit_code(status: ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(sig)) => 128 + sig,
+        (None, None) => 1,
+    }
+}
+
+/// "exited with code 3" / "was killed by signal 9 (SIGKILL)".
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(sig)) => format!("was killed by signal {sig} ({})", signal_name(sig)),
+        (None, None) => format!("ended with status {status}"),
+    }
+}
+
+fn plural(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+/// A free TCP port on `addr` (or on 127.0.0.1 when `addr` cannot be bound here).
+pub fn pick_free_port(addr: &str) -> io::Result<u16> {
+    let bind = |a: &str| {
+        TcpListener::bind((a, 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+    };
+    bind(addr).or_else(|_| bind("127.0.0.1"))
+}
+
+/// 128 random bits as 32 hex digits.
+fn random_token() -> String {
+    let mut bytes = [0u8; 16];
+    let from_urandom = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .is_ok();
+    if !from_urandom {
+        // Fallback: std's per-process random hash keys, mixed with time and pid.
+        use std::hash::{BuildHasher, Hasher};
+        for (i, chunk) in bytes.chunks_mut(8).enumerate() {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.write_u32(std::process::id());
+            h.write_usize(i);
+            chunk.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// 64-bit FNV-1a, stable across builds and machines (unlike std's hasher).
+fn fnv1a64(seed: u64, data: &[u8]) -> u64 {
+    data.iter().fold(seed, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A token every node derives identically from the rendezvous address (multi-node jobs without
+/// WEFT_JOB_TOKEN): not secret, but distinct per job endpoint and attempt.
+pub fn derived_token(addr: &str, port: u16, attempt: u32) -> String {
+    let text = format!("weftcc-job|{addr}|{port}|{attempt}");
+    let hi = fnv1a64(0xcbf2_9ce4_8422_2325, text.as_bytes());
+    let lo = fnv1a64(0x6c62_272e_07bb_0142, text.as_bytes());
+    format!("{hi:016x}{lo:016x}")
+}
+
+/// One started worker.
+struct Worker {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+impl Worker {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Signal the worker's process group (it is the group leader), falling back to the worker.
+    fn signal(&self, sig: Signal) {
+        if self.status.is_some() {
+            return;
+        }
+        let pid = self.pid() as i32;
+        if signal::killpg(Pid::from_raw(pid), sig).is_err() {
+            let _ = signal::kill(Pid::from_raw(pid), sig);
+        }
+    }
+}
+
+/// Forwards one pipe of a worker, line by line, with `prefix`, to our stdout or stderr.
+fn forward_lines(pipe: impl Read, prefix: String, to_stderr: bool, done: mpsc::Sender<()>) {
+    let mut reader = BufReader::with_capacity(64 * 1024, pipe);
+    let mut line = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(256);
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) => break,
+            Ok(_) => {
+                out.clear();
+                out.extend_from_slice(prefix.as_bytes());
+                out.extend_from_slice(&line);
+                if !line.ends_with(b"\n") {
+                    out.push(b'\n');
+                }
+                // One write under the lock: lines of different workers never interleave. Errors
+                // (a closed terminal, EPIPE) are ignored so the worker never blocks on its pipe.
+                if to_stderr {
+                    let _ = io::stderr().lock().write_all(&out);
+                } else {
+                    let mut stdout = io::stdout().lock();
+                    let _ = stdout.write_all(&out).and_then(|_| stdout.flush());
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        }
+    }
+    let _ = done.send(());
+}
+
+impl Launch {
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// Checks the combination of options.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.nproc_per_node == 0 {
+            return Err("--nproc-per-node must be at least 1".into());
+        }
+        if self.nnodes == 0 {
+            return Err("--nnodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(format!(
+                "--node-rank {} is out of range for --nnodes {}",
+                self.node_rank, self.nnodes
+            ));
+        }
+        if self.master_port == 0 && self.nnodes > 1 {
+            return Err(
+                "--master-port 0 (pick a free port) only works with --nnodes 1: the other nodes \
+                 could not know the port"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The environment of worker `local` in attempt `attempt`.
+    pub fn worker_env(
+        &self,
+        local: usize,
+        attempt: u32,
+        port: u16,
+        token: &str,
+    ) -> Vec<(String, String)> {
+        let n = self.nproc_per_node;
+        let rank = self.node_rank * n + local;
+        let world = self.world_size();
+        let mut env: Vec<(String, String)> = vec![
+            ("RANK", rank.to_string()),
+            ("LOCAL_RANK", local.to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("LOCAL_WORLD_SIZE", n.to_string()),
+            ("GROUP_RANK", self.node_rank.to_string()),
+            ("GROUP_WORLD_SIZE", self.nnodes.to_string()),
+            ("ROLE_RANK", rank.to_string()),
+            ("ROLE_NAME", "default".to_string()),
+            ("ROLE_WORLD_SIZE", world.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", port.to_string()),
+            ("TORCHELASTIC_RESTART_COUNT", attempt.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
+            ("WEFT_RANK", rank.to_string()),
+            ("WEFT_WORLD_SIZE", world.to_string()),
+            ("WEFT_LOCAL_RANK", local.to_string()),
+            ("WEFT_LOCAL_WORLD_SIZE", n.to_string()),
+            ("WEFT_MASTER_ADDR", self.master_addr.clone()),
+            ("WEFT_MASTER_PORT", port.to_string()),
+            ("WEFT_JOB_TOKEN", token.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            env.push(("OMP_NUM_THREADS".into(), "1".into()));
+        }
+        env
+    }
+
+    fn job_token(&self, port: u16, attempt: u32) -> String {
+        match std::env::var("WEFT_JOB_TOKEN") {
+            Ok(t) if !t.is_empty() => t,
+            _ if self.nnodes > 1 => derived_token(&self.master_addr, port, attempt),
+            _ => random_token(),
+        }
+    }
+
+    /// Runs the job (with restarts) and returns the exit code for the launcher.
+    pub fn run(&self) -> i32 {
+        install_signal_handlers();
+        let mut attempt = 0u32;
+        loop {
+            match self.run_attempt(attempt) {
+                Outcome::Success => return 0,
+                Outcome::Fatal(code) => return code,
+                Outcome::Failed(code) => {
+                    if attempt < self.max_restarts {
+                        attempt += 1;
+                        eprintln!(
+                            "{}: restarting all {} (restart {attempt} of {})",
+                            self.label,
+                            plural(self.nproc_per_node, "worker"),
+                            self.max_restarts
+                        );
+                        continue;
+                    }
+                    if self.max_restarts > 0 {
+                        eprintln!(
+                            "{}: giving up after {}; exiting with code {code}",
+                            self.label,
+                            plural(self.max_restarts as usize, "restart")
+                        );
+                    }
+                    return code;
+                }
+            }
+        }
+    }
+
+    fn spawn(
+        &self,
+        local: usize,
+        attempt: u32,
+        port: u16,
+        token: &str,
+        done: &mpsc::Sender<()>,
+    ) -> io::Result<Worker> {
+        let rank = self.node_rank * self.nproc_per_node + local;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .envs(self.worker_env(local, attempt, port, token))
+            .stdin(Stdio::null())
+            // Own process group: stopping a worker also stops what it started, and a terminal's
+            // Ctrl-C reaches only the launcher, which forwards it once.
+            .process_group(0);
+        if self.prefix {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        let parent = std::process::id();
+        // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
+        // functions (prctl, getppid, _exit).
+        unsafe {
+            cmd.pre_exec(move || {
+                // Die with the launcher, even when it is SIGKILLed.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+                if libc::getppid() as u32 != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn()?;
+        if self.prefix {
+            let prefix = format!("[{rank}]: ");
+            if let Some(out) = child.stdout.take() {
+                let (p, d) = (prefix.clone(), done.clone());
+                std::thread::spawn(move || forward_lines(out, p, false, d));
+            }
+            if let Some(err) = child.stderr.take() {
+                let d = done.clone();
+                std::thread::spawn(move || forward_lines(err, prefix, true, d));
+            }
+        }
+        Ok(Worker {
+            rank,
+            child,
+            status: None,
+        })
+    }
+
+    fn run_attempt(&self, attempt: u32) -> Outcome {
+        let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!(
+                "{}: received {}; not starting workers",
+                self.label,
+                signal_name(sig)
+            );
+            return Outcome::Fatal(128 + sig);
+        }
+        let port = if self.master_port == 0 {
+            match pick_free_port(&self.master_addr) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("{}: cannot find a free port: {e}", self.label);
+                    return Outcome::Fatal(1);
+                }
+            }
+        } else {
+            self.master_port
+        };
+        let token = self.job_token(port, attempt);
+        let (done_tx, done_rx) = mpsc::channel();
+        let mut workers: Vec<Worker> = Vec::with_capacity(self.nproc_per_node);
+        for local in 0..self.nproc_per_node {
+            match self.spawn(local, attempt, port, &token, &done_tx) {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    let rank = self.node_rank * self.nproc_per_node + local;
+                    eprintln!(
+                        "{}: cannot start rank {rank} ({}): {e}",
+                        self.label,
+                        self.program.to_string_lossy()
+                    );
+                    let code = match e.kind() {
+                        io::ErrorKind::NotFound => 127,
+                        io::ErrorKind::PermissionDenied => 126,
+                        _ => 1,
+                    };
+                    self.stop_all(&mut workers, Signal::SIGTERM);
+                    return Outcome::Fatal(code);
+                }
+            }
+        }
+        drop(done_tx);
+        let readers = if self.prefix { 2 * workers.len() } else { 0 };
+        let outcome = self.watch(&mut workers);
+        // Let the readers print what the workers wrote last; bounded, see the module comment.
+        let deadline = Instant::now() + DRAIN_WAIT;
+        for _ in 0..readers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if done_rx.recv_timeout(left).is_err() {
+                break;
+            }
+        }
+        outcome
+    }
+
+    /// Waits for the workers; on the first failure or a signal to the launcher, stops the rest.
+    fn watch(&self, workers: &mut [Worker]) -> Outcome {
+        loop {
+            let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+            if sig != 0 {
+                let running = workers.iter().filter(|w| w.status.is_none()).count();
+                eprintln!(
+                    "{}: received {}; forwarding it to {}",
+                    self.label,
+                    signal_name(sig),
+                    plural(running, "running worker")
+                );
+                let fwd = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
+                self.stop_all(workers, fwd);
+                return Outcome::Fatal(128 + sig);
+            }
+            let newly = reap(workers, self.label);
+            if let Some(i) = newly
+                .into_iter()
+                .find(|&i| !workers[i].status.is_some_and(|s| s.success()))
+            {
+                let status = workers[i].status.expect("reaped");
+                let running = workers.iter().filter(|w| w.status.is_none()).count();
+                let others = if running == 0 {
+                    "no other workers were running".to_string()
+                } else {
+                    format!("stopping the other {}", plural(running, "worker"))
+                };
+                eprintln!(
+                    "{}: rank {} (pid {}) {} first; {others}",
+                    self.label,
+                    workers[i].rank,
+                    workers[i].pid(),
+                    describe(status)
+                );
+                self.stop_all(workers, Signal::SIGTERM);
+                return Outcome::Failed(exit_code(status));
+            }
+            if workers.iter().all(|w| w.status.is_some()) {
+                return Outcome::Success;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Sends `sig` to every running worker, then waits for all of them to exit: SIGKILL after the
+    /// grace period (or at once when the launcher gets another signal), then give up after
+    /// [`KILL_WAIT`].
+    fn stop_all(&self, workers: &mut [Worker], sig: Signal) {
+        for w in workers.iter() {
+            w.signal(sig);
+        }
+        let mut deadline = Instant::now() + GRACE;
+        let mut killed = false;
+        loop {
+            reap(workers, self.label);
+            let running = workers.iter().filter(|w| w.status.is_none()).count();
+            if running == 0 {
+                return;
+            }
+            let again = PENDING_SIGNAL.swap(0, Ordering::SeqCst) != 0;
+            if again || Instant::now() >= deadline {
+                if killed {
+                    if Instant::now() >= deadline {
+                        eprintln!(
+                            "{}: {} did not exit after SIGKILL; leaving {}",
+                            self.label,
+                            plural(running, "worker"),
+                            if running == 1 { "it" } else { "them" }
+                        );
+                        return;
+                    }
+                } else {
+                    for w in workers.iter() {
+                        w.signal(Signal::SIGKILL);
+                    }
+                    killed = true;
+                    deadline = Instant::now() + KILL_WAIT;
+                }
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// Collects the exit status of every worker that has exited; returns their indices in rank order.
+fn reap(workers: &mut [Worker], label: &str) -> Vec<usize> {
+    let mut newly = Vec::new();
+    for (i, w) in workers.iter_mut().enumerate() {
+        if w.status.is_some() {
+            continue;
+        }
+        match w.child.try_wait() {
+            Ok(Some(status)) => {
+                w.status = Some(status);
+                newly.push(i);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("{label}: cannot wait for rank {}: {e}", w.rank);
+                w.status = Some(ExitStatus::from_raw(1 << 8));
+                newly.push(i);
+            }
+        }
+    }
+    newly
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(n: usize, nodes: usize, node: usize) -> Launch {
+        Launch {
+            nproc_per_node: n,
+            nnodes: nodes,
+            node_rank: node,
+            master_addr: "10.0.0.1".into(),
+            master_port: 1234,
+            prefix: true,
+            max_restarts: 2,
+            program: "true".into(),
+            args: vec![],
+            label: "weft run",
+        }
+    }
+
+    fn get<'a>(env: &'a [(String, String)], k: &str) -> &'a str {
+        &env.iter().find(|(key, _)| key == k).unwrap().1
+    }
+
+    #[test]
+    fn env_of_a_multi_node_worker() {
+        let l = launch(4, 3, 2);
+        let env = l.worker_env(1, 1, 1234, "abc");
+        assert_eq!(get(&env, "RANK"), "9");
+        assert_eq!(get(&env, "WEFT_RANK"), "9");
+        assert_eq!(get(&env, "ROLE_RANK"), "9");
+        assert_eq!(get(&env, "LOCAL_RANK"), "1");
+        assert_eq!(get(&env, "WORLD_SIZE"), "12");
+        assert_eq!(get(&env, "LOCAL_WORLD_SIZE"), "4");
+        assert_eq!(get(&env, "GROUP_RANK"), "2");
+        assert_eq!(get(&env, "MASTER_PORT"), "1234");
+        assert_eq!(get(&env, "TORCHELASTIC_RESTART_COUNT"), "1");
+        assert_eq!(get(&env, "TORCHELASTIC_MAX_RESTARTS"), "2");
+        assert_eq!(get(&env, "WEFT_JOB_TOKEN"), "abc");
+    }
+
+    #[test]
+    fn validation() {
+        assert!(launch(2, 2, 1).validate().is_ok());
+        assert!(launch(2, 2, 2).validate().is_err());
+        let mut l = launch(2, 2, 0);
+        l.master_port = 0;
+        assert!(l.validate().is_err());
+        l.nnodes = 1;
+        assert!(l.validate().is_ok());
+    }
+
+    #[test]
+    fn tokens() {
+        let a = random_token();
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(a, random_token());
+        let d = derived_token("10.0.0.1", 29500, 0);
+        assert_eq!(d.len(), 32);
+        assert_eq!(d, derived_token("10.0.0.1", 29500, 0));
+        assert_ne!(d, derived_token("10.0.0.1", 29500, 1));
+        assert_ne!(d, derived_token("10.0.0.2", 29500, 0));
+    }
+
+    #[test]
+    fn exit_codes_and_names() {
+        assert_eq!(exit_code(ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(ExitStatus::from_raw(9)), 137);
+        assert_eq!(
+            describe(ExitStatus::from_raw(9)),
+            "was killed by signal 9 (SIGKILL)"
+        );
+        assert_eq!(describe(ExitStatus::from_raw(3 << 8)), "exited with code 3");
+        assert_eq!(parse_nproc("3"), Ok(3));
+        assert!(parse_nproc("0").is_err());
+        assert!(parse_nproc("auto").unwrap() >= 1);
+    }
+
+    #[test]
+    fn free_port_is_nonzero() {
+        assert_ne!(pick_free_port("127.0.0.1").unwrap(), 0);
+        assert_ne!(pick_free_port("no.such.host.invalid").unwrap(), 0);
+    }
+}

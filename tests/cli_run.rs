@@ -1,0 +1,404 @@
+//! Integration tests of `weft run`: the built binary launches small shell programs as workers.
+//! Every run is bounded by a deadline, so a launcher that hangs fails the test instead of
+//! hanging it.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const WEFT: &str = env!("CARGO_BIN_EXE_weft");
+const DEADLINE: Duration = Duration::from_secs(60);
+
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+fn reader(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipe.read_to_string(&mut s);
+        s
+    })
+}
+
+/// Waits for `child` with a deadline (killing it and failing the test when it passes).
+fn finish(mut child: Child, start: Instant) -> Out {
+    let out = reader(child.stdout.take().unwrap());
+    let err = reader(child.stderr.take().unwrap());
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("weft run did not finish within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Out {
+        code: status.code(),
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+        elapsed: start.elapsed(),
+    }
+}
+
+fn spawn(args: &[&str], env: &[(&str, &str)]) -> Child {
+    let mut cmd = Command::new(WEFT);
+    cmd.arg("run")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_remove("WEFT_JOB_TOKEN")
+        .env_remove("OMP_NUM_THREADS");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("start weft")
+}
+
+fn weft(args: &[&str]) -> Out {
+    weft_env(args, &[])
+}
+
+fn weft_env(args: &[&str], env: &[(&str, &str)]) -> Out {
+    let start = Instant::now();
+    finish(spawn(args, env), start)
+}
+
+/// Lines of prefixed output, by rank.
+fn by_rank(stdout: &str) -> BTreeMap<usize, Vec<String>> {
+    let mut map: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for line in stdout.lines() {
+        let rest = line.strip_prefix('[').expect("prefixed line");
+        let (rank, text) = rest.split_once("]: ").expect("prefixed line");
+        map.entry(rank.parse().unwrap())
+            .or_default()
+            .push(text.to_string());
+    }
+    map
+}
+
+const ENV_VARS: &str = "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK \
+    $ROLE_RANK $WEFT_RANK $WEFT_WORLD_SIZE $WEFT_LOCAL_RANK $WEFT_LOCAL_WORLD_SIZE \
+    $MASTER_ADDR $MASTER_PORT $WEFT_MASTER_ADDR $WEFT_MASTER_PORT \
+    $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $OMP_NUM_THREADS $WEFT_JOB_TOKEN";
+
+#[test]
+fn workers_get_torchrun_and_weft_environment() {
+    let out = weft(&["-n", "3", "--", "sh", "-c", ENV_VARS]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let ranks = by_rank(&out.stdout);
+    assert_eq!(ranks.len(), 3, "{}", out.stdout);
+    let mut tokens = Vec::new();
+    for (rank, lines) in &ranks {
+        assert_eq!(lines.len(), 1);
+        let f: Vec<&str> = lines[0].split(' ').collect();
+        let r = rank.to_string();
+        assert_eq!(
+            &f[..17],
+            &[
+                &r,
+                &r,
+                "3",
+                "3",
+                "0",
+                &r,
+                &r,
+                "3",
+                &r,
+                "3",
+                "127.0.0.1",
+                "29500",
+                "127.0.0.1",
+                "29500",
+                "0",
+                "0",
+                "1"
+            ]
+        );
+        assert_eq!(f[17].len(), 32);
+        assert!(f[17].bytes().all(|b| b.is_ascii_hexdigit()));
+        tokens.push(f[17].to_string());
+    }
+    assert!(tokens.iter().all(|t| *t == tokens[0]), "one token per job");
+}
+
+#[test]
+fn multi_node_ranks_and_shared_token() {
+    let args = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "-n",
+        "2",
+        "--master-addr",
+        "10.1.2.3",
+        "--master-port",
+        "1234",
+        "--",
+        "sh",
+        "-c",
+        ENV_VARS,
+    ];
+    let out = weft(&args);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let ranks = by_rank(&out.stdout);
+    assert_eq!(ranks.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
+    let f: Vec<&str> = ranks[&3][0].split(' ').collect();
+    assert_eq!(&f[..4], &["3", "1", "4", "2"]);
+    assert_eq!(f[4], "1", "GROUP_RANK is the node rank");
+    assert_eq!(&f[10..12], &["10.1.2.3", "1234"]);
+    // Without WEFT_JOB_TOKEN every node derives the same token from the rendezvous address.
+    let again = weft(&args);
+    assert_eq!(by_rank(&again.stdout)[&2][0], ranks[&2][0]);
+    // With it, the launcher's token is used as is.
+    let out = weft_env(
+        &args,
+        &[("WEFT_JOB_TOKEN", "cafe01"), ("OMP_NUM_THREADS", "4")],
+    );
+    let ranks = by_rank(&out.stdout);
+    let f: Vec<&str> = ranks[&2][0].split(' ').collect();
+    assert_eq!(f[17], "cafe01");
+    assert_eq!(f[16], "4", "OMP_NUM_THREADS is kept when set");
+}
+
+#[test]
+fn output_is_prefixed_line_by_line() {
+    // Each rank writes 300 long lines to stdout and a line without a newline to stderr; no line
+    // may be cut or mixed with another rank's.
+    let script = "i=0; while [ $i -lt 300 ]; do \
+        echo \"rank $RANK line $i xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"; \
+        i=$((i+1)); done; printf 'to stderr' >&2";
+    let out = weft(&["-n", "4", "--", "sh", "-c", script]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let ranks = by_rank(&out.stdout);
+    assert_eq!(ranks.len(), 4);
+    for (rank, lines) in &ranks {
+        assert_eq!(lines.len(), 300);
+        for (i, l) in lines.iter().enumerate() {
+            assert_eq!(
+                l,
+                &format!(
+                    "rank {rank} line {i} xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+                )
+            );
+        }
+    }
+    for r in 0..4 {
+        assert!(
+            out.stderr.contains(&format!("[{r}]: to stderr\n")),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn no_prefix_passes_output_through() {
+    let out = weft(&[
+        "--no-prefix",
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo plain $RANK",
+    ]);
+    assert_eq!(out.code, Some(0));
+    let mut lines: Vec<&str> = out.stdout.lines().collect();
+    lines.sort();
+    assert_eq!(lines, vec!["plain 0", "plain 1"]);
+}
+
+#[test]
+fn exit_code_of_the_first_failed_rank() {
+    let out = weft(&[
+        "-n",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 1 ]; then exit 7; fi; sleep 60",
+    ]);
+    assert_eq!(out.code, Some(7), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("rank 1 (pid ") && out.stderr.contains(") exited with code 7 first"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("stopping the other 2 workers"),
+        "{}",
+        out.stderr
+    );
+    // The sleeping ranks were stopped at once, not waited for.
+    assert!(out.elapsed < Duration::from_secs(20), "{:?}", out.elapsed);
+}
+
+#[test]
+fn worker_killed_by_a_signal() {
+    let out = weft(&[
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60",
+    ]);
+    assert_eq!(out.code, Some(128 + 9), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("rank 0 (pid ")
+            && out
+                .stderr
+                .contains("was killed by signal 9 (SIGKILL) first"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn hanging_worker_is_killed_after_the_grace_period() {
+    // Rank 0 ignores SIGTERM (and so does its sleep): only SIGKILL, after ~3 s, stops it.
+    let out = weft(&[
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "trap '' TERM; if [ $RANK = 1 ]; then sleep 0.2; exit 1; fi; sleep 60",
+    ]);
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(out.elapsed >= Duration::from_secs(2), "{:?}", out.elapsed);
+    assert!(out.elapsed < Duration::from_secs(20), "{:?}", out.elapsed);
+}
+
+#[test]
+fn restarts_until_the_workers_succeed() {
+    let out = weft(&[
+        "-n", "2", "--max-restarts", "3", "--", "sh", "-c",
+        "echo count=$TORCHELASTIC_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS token=$WEFT_JOB_TOKEN; \
+         if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 4; fi; \
+         if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then sleep 60; fi",
+    ]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("restarting all 2 workers (restart 1 of 3)"),
+        "{}",
+        out.stderr
+    );
+    let ranks = by_rank(&out.stdout);
+    // The last attempt's lines: count 1 on both ranks, with a fresh token.
+    let last: Vec<&String> = ranks.values().map(|l| l.last().unwrap()).collect();
+    assert!(
+        last.iter().all(|l| l.starts_with("count=1 max=3 ")),
+        "{:?}",
+        ranks
+    );
+    let first1 = ranks[&1].iter().find(|l| l.starts_with("count=0")).unwrap();
+    assert_ne!(
+        first1.split("token=").nth(1),
+        last[1].split("token=").nth(1)
+    );
+}
+
+#[test]
+fn gives_up_after_max_restarts() {
+    let out = weft(&[
+        "-n",
+        "2",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo count=$TORCHELASTIC_RESTART_COUNT; [ $RANK = 1 ] && exit 5; sleep 60",
+    ]);
+    assert_eq!(out.code, Some(5), "{}", out.stderr);
+    assert!(out.stderr.contains("restart 2 of 2"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("giving up after 2 restarts"),
+        "{}",
+        out.stderr
+    );
+    let ranks = by_rank(&out.stdout);
+    assert_eq!(ranks[&1], vec!["count=0", "count=1", "count=2"]);
+}
+
+#[test]
+fn master_port_zero_picks_a_free_port() {
+    let out = weft(&[
+        "-n",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "echo $MASTER_PORT $WEFT_MASTER_PORT",
+    ]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let ranks = by_rank(&out.stdout);
+    let p0 = &ranks[&0][0];
+    assert_eq!(p0, &ranks[&1][0], "every rank gets the same port");
+    let ports: Vec<u16> = p0.split(' ').map(|p| p.parse().unwrap()).collect();
+    assert_ne!(ports[0], 0);
+    assert_eq!(ports[0], ports[1]);
+    // Only meaningful on one node.
+    let out = weft(&["--nnodes", "2", "--master-port", "0", "--", "true"]);
+    assert_eq!(out.code, Some(2));
+}
+
+#[test]
+fn missing_program_and_bad_arguments() {
+    let out = weft(&["--", "/nonexistent/weft-test-program"]);
+    assert_eq!(out.code, Some(127));
+    assert!(out.stderr.contains("cannot start rank 0"), "{}", out.stderr);
+    let out = weft(&["--nnodes", "2", "--node-rank", "2", "--", "true"]);
+    assert_eq!(out.code, Some(2));
+    let out = weft(&["-n", "0", "--", "true"]);
+    assert_eq!(out.code, Some(2));
+}
+
+#[test]
+fn all_success_exits_zero_and_waits_for_everyone() {
+    let out = weft(&["-n", "3", "--", "sh", "-c", "sleep 0.$RANK; echo done"]);
+    assert_eq!(out.code, Some(0));
+    assert_eq!(by_rank(&out.stdout).values().flatten().count(), 3);
+}
+
+#[test]
+fn sigterm_to_the_launcher_is_forwarded() {
+    let start = Instant::now();
+    let mut child = spawn(
+        &["-n", "2", "--", "sh", "-c", "echo ready; exec sleep 60"],
+        &[],
+    );
+    // Wait until both workers are up, then signal the launcher.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while seen.matches("ready").count() < 2 {
+        let k = stdout.read(&mut buf).unwrap();
+        assert!(k > 0, "launcher closed stdout early: {seen}");
+        seen.push_str(std::str::from_utf8(&buf[..k]).unwrap());
+        assert!(start.elapsed() < DEADLINE);
+    }
+    child.stdout = Some(stdout);
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let out = finish(child, start);
+    assert_eq!(out.code, Some(128 + 15), "{}", out.stderr);
+    assert!(out
+        .stderr
+        .contains("received SIGTERM; forwarding it to 2 running workers"));
+    assert!(out.elapsed < Duration::from_secs(20));
+}
