@@ -10,11 +10,30 @@
 //! * [`store`]: the bootstrap key-value store served by rank 0, and its client.
 //! * [`mesh`]: connects every pair of ranks of a communicator, choosing the transport per pair.
 //!
+//! Environment variables read by this crate: `WEFT_BUFFSIZE` ([`shm::buffsize_from_env`]),
+//! `WEFT_SOCKET_FAMILY` ([`tcp::Family::from_env`], read by [`mesh::Mesh::establish`]),
+//! and, through [`mesh::MeshConfig::from_env`] / [`mesh::host_id`], `WEFT_SHM_DISABLE`,
+//! `WEFT_SOCKET_IFNAME` and `WEFT_HOST_ID`.
+//!
 //! `unsafe` in this crate is confined to shared-memory mapping, atomics in shared memory and
 //! futex/pidfd system calls; each block carries a `// SAFETY:` comment.
 
 pub mod conn;
 pub mod error;
+pub mod mem;
+pub mod mesh;
+pub mod shm;
+pub mod store;
+pub mod tcp;
+mod util;
 
 pub use conn::{Connection, IdleWaiter, Interest};
 pub use error::TransportError;
+pub use mesh::{host_id, Mesh, MeshConfig};
+pub use store::{StoreClient, StoreServer};
+pub use util::parse_size;
+
+/// A fresh random job token (32 hex characters) for launchers that start all ranks themselves.
+pub fn random_token() -> error::Result<String> {
+    util::random_hex(16)
+}

@@ -1,0 +1,794 @@
+//! Same-host transport: byte rings in POSIX shared memory with futex doorbells.
+//!
+//! Each rank creates ONE segment (`/dev/shm/weft-<token>-<namespace hash>-<rank>`) that holds a
+//! header and one *incoming* ring per local peer. A sender maps the receiver's segment and writes
+//! into its ring there; the receiver reads from its own segment and lends the bytes in place (zero
+//! copy). Layout of a segment (all offsets are multiples of the page size, at least 4 KiB):
+//!
+//! ```text
+//! header (1+ pages): magic u64 | version u32 | nslots u32 | capacity u64 | header size u64 |
+//!                    ring control size u64 | total size u64 | owner pid u32 | owner rank u32 |
+//!   @64:  doorbell AtomicU32, "sleeping" AtomicU32   (one cache line)
+//!   @128: slot table, one u32 per slot = the rank of the peer that writes that ring
+//! ring i: control page: @0 head AtomicU64 (bytes written, by the sender)
+//!                       @64 tail AtomicU64 (bytes consumed, by the receiver)
+//!                       @128 sender-closed AtomicU32, @192 receiver-closed AtomicU32
+//!         data area: `capacity` bytes (power of two), page aligned
+//! ```
+//!
+//! Signalling: after publishing `head` (or `tail`) with Release, a side increments the other
+//! side's doorbell and, if that side's sleeping flag is set, wakes it with `FUTEX_WAKE` (a shared
+//! futex: the waker may live in another process). [`ShmWaiter::wait`] sets its sleeping flag,
+//! compares the doorbell with the value it saw when it last returned, and only then sleeps in
+//! `FUTEX_WAIT`; with SeqCst on both flag and doorbell either the waker sees the flag or the
+//! waiter sees the new doorbell value, so no wake-up is lost.
+//!
+//! Liveness: a dropped connection sets its closed flags; a dead process is found through a pidfd
+//! (readable once the process exited, zombies included), falling back to `kill(pid, 0)`.
+
+use crate::conn::{Connection, IdleWaiter, Interest};
+use crate::error::{Result, TransportError};
+use crate::util::{env_nonempty, fnv1a64, futex_wait, futex_wake, parse_size, ProcessWatch};
+use memmap2::{MmapOptions, MmapRaw};
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Default ring capacity (bytes per directed peer pair): 4 MiB.
+pub const DEFAULT_BUFFSIZE: usize = 4 << 20;
+/// Smallest ring capacity accepted: 64 KiB.
+pub const MIN_BUFFSIZE: usize = 64 << 10;
+/// Largest ring capacity accepted: 1 GiB.
+pub const MAX_BUFFSIZE: usize = 1 << 30;
+
+const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
+const VERSION: u32 = 1;
+const MAX_SLOTS: usize = 1 << 16;
+
+// Header offsets.
+const H_MAGIC: usize = 0;
+const H_VERSION: usize = 8;
+const H_NSLOTS: usize = 12;
+const H_CAPACITY: usize = 16;
+const H_HEADER_SIZE: usize = 24;
+const H_CTRL_SIZE: usize = 32;
+const H_TOTAL: usize = 40;
+const H_PID: usize = 48;
+const H_RANK: usize = 52;
+const H_DOORBELL: usize = 64;
+const H_SLEEPING: usize = 68;
+const H_SLOTS: usize = 128;
+
+// Ring control offsets.
+const R_HEAD: usize = 0;
+const R_TAIL: usize = 64;
+const R_SENDER_CLOSED: usize = 128;
+const R_RECEIVER_CLOSED: usize = 192;
+
+const MIB: u64 = 1 << 20;
+
+/// Normalizes a requested ring size: rounded up to a power of two and clamped to
+/// [`MIN_BUFFSIZE`]..=[`MAX_BUFFSIZE`].
+pub fn ring_capacity(requested: usize) -> usize {
+    requested
+        .clamp(MIN_BUFFSIZE, MAX_BUFFSIZE)
+        .checked_next_power_of_two()
+        .unwrap_or(MAX_BUFFSIZE)
+        .min(MAX_BUFFSIZE)
+}
+
+/// The ring capacity from `WEFT_BUFFSIZE` (bytes, `K`/`M`/`G` suffixes accepted), normalized by
+/// [`ring_capacity`]; [`DEFAULT_BUFFSIZE`] when unset.
+pub fn buffsize_from_env() -> Result<usize> {
+    match env_nonempty("WEFT_BUFFSIZE") {
+        Some(v) => parse_size(&v)
+            .map(ring_capacity)
+            .map_err(|e| TransportError::Config(format!("WEFT_BUFFSIZE: {e}"))),
+        None => Ok(DEFAULT_BUFFSIZE),
+    }
+}
+
+/// The POSIX shared-memory name of `rank`'s segment: `/weft-<token>-<namespace hash>-<rank>`
+/// (the token is reduced to at most 48 characters of `[A-Za-z0-9_-]`).
+pub fn segment_name(token: &str, namespace: &str, rank: usize) -> String {
+    let mut tok: String = token
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
+        .take(48)
+        .collect();
+    if tok.is_empty() {
+        tok.push_str("anon");
+    }
+    format!("/weft-{tok}-{:016x}-{rank}", fnv1a64(namespace.as_bytes()))
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf takes an integer constant and touches no memory.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 && (p as usize).is_power_of_two() {
+        (p as usize).max(4096)
+    } else {
+        4096
+    }
+}
+
+fn round_up(v: usize, to: usize) -> Option<usize> {
+    v.checked_add(to - 1).map(|x| x / to * to)
+}
+
+/// Sizes of one segment, computed from its slot count and ring capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Layout {
+    nslots: usize,
+    capacity: usize,
+    header_size: usize,
+    ctrl_size: usize,
+    total: usize,
+}
+
+impl Layout {
+    fn new(nslots: usize, capacity: usize) -> Option<Layout> {
+        let page = page_size();
+        let header_size = round_up(H_SLOTS + 4 * nslots, page)?;
+        let ctrl_size = page;
+        let per = ctrl_size.checked_add(capacity)?;
+        let total = header_size.checked_add(per.checked_mul(nslots)?)?;
+        Some(Layout {
+            nslots,
+            capacity,
+            header_size,
+            ctrl_size,
+            total,
+        })
+    }
+
+    fn ring_offset(&self, slot: usize) -> usize {
+        self.header_size + slot * (self.ctrl_size + self.capacity)
+    }
+}
+
+/// The bytes one segment needs for `peers` incoming rings of `capacity` bytes each.
+pub fn segment_size(peers: usize, capacity: usize) -> Option<usize> {
+    Layout::new(peers, capacity).map(|l| l.total)
+}
+
+fn fmt_mib(bytes: u64) -> String {
+    if bytes >= MIB {
+        format!("{} MiB", (bytes + MIB / 2) / MIB)
+    } else {
+        format!("{} KiB", bytes.div_ceil(1024))
+    }
+}
+
+fn space_error(free: u64, needed: u64, peers: usize, per_peer: u64) -> TransportError {
+    TransportError::SharedMemory(format!(
+        "/dev/shm has {} free but this communicator needs {} ({} peer{} × {}); enlarge it \
+         (docker run --shm-size=…, or mount -o remount,size=… /dev/shm) or set \
+         WEFT_SHM_DISABLE=1 to use TCP",
+        fmt_mib(free),
+        fmt_mib(needed),
+        peers,
+        if peers == 1 { "" } else { "s" },
+        fmt_mib(per_peer),
+    ))
+}
+
+/// Checks that `free_bytes` of shared memory are enough for `peers` rings of `per_peer_bytes`
+/// each; the error explains how to enlarge /dev/shm or fall back to TCP.
+pub fn check_shm_space(free_bytes: u64, peers: usize, per_peer_bytes: u64) -> Result<()> {
+    let needed = per_peer_bytes.saturating_mul(peers as u64);
+    if needed > free_bytes {
+        return Err(space_error(free_bytes, needed, peers, per_peer_bytes));
+    }
+    Ok(())
+}
+
+/// Free bytes in /dev/shm (as `statvfs` reports them to unprivileged users).
+pub fn shm_free_bytes() -> Result<u64> {
+    let st = nix::sys::statvfs::statvfs("/dev/shm")
+        .map_err(|e| TransportError::SharedMemory(format!("statvfs /dev/shm: {e}")))?;
+    Ok((st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64))
+}
+
+/// A mapped segment (ours or a peer's). All access goes through raw pointers and atomics; no
+/// Rust reference to the shared bytes outlives a single call.
+struct Mapping {
+    raw: MmapRaw,
+    layout: Layout,
+}
+
+impl Mapping {
+    /// # Invariant
+    /// Callers pass offsets inside the validated layout (`off + 8 <= total <= raw.len()`, 8-aligned).
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= self.raw.len());
+        // SAFETY: the mapping is valid for `raw.len()` bytes while `self` lives, page aligned, and
+        // `off` is an 8-aligned offset inside it (layout invariant), so the pointer is valid and
+        // aligned for an AtomicU64; shared memory is only ever accessed atomically at this offset.
+        unsafe { AtomicU64::from_ptr(self.raw.as_mut_ptr().add(off).cast::<u64>()) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= self.raw.len());
+        // SAFETY: as in `u64_at`, with a 4-aligned offset inside the mapping.
+        unsafe { AtomicU32::from_ptr(self.raw.as_mut_ptr().add(off).cast::<u32>()) }
+    }
+
+    fn doorbell(&self) -> &AtomicU32 {
+        self.u32_at(H_DOORBELL)
+    }
+
+    fn sleeping(&self) -> &AtomicU32 {
+        self.u32_at(H_SLEEPING)
+    }
+
+    /// Signals the owner of this segment: new data or freed space.
+    fn ring_doorbell(&self) {
+        self.doorbell().fetch_add(1, Ordering::SeqCst);
+        if self.sleeping().load(Ordering::SeqCst) != 0 {
+            futex_wake(self.doorbell());
+        }
+    }
+
+    fn slot_rank(&self, slot: usize) -> u32 {
+        self.u32_at(H_SLOTS + 4 * slot).load(Ordering::Relaxed)
+    }
+
+    fn find_slot(&self, rank: usize) -> Option<usize> {
+        (0..self.layout.nslots).find(|&s| self.slot_rank(s) as usize == rank)
+    }
+
+    fn owner_pid(&self) -> u32 {
+        self.u32_at(H_PID).load(Ordering::Relaxed)
+    }
+
+    fn owner_rank(&self) -> u32 {
+        self.u32_at(H_RANK).load(Ordering::Relaxed)
+    }
+
+    /// Maps an existing segment and validates its header.
+    fn open(name: &str) -> Result<Mapping> {
+        let fd = nix::sys::mman::shm_open(name, OFlag::O_RDWR, Mode::empty())
+            .map_err(|e| TransportError::SharedMemory(format!("shm_open {name}: {e}")))?;
+        let file = File::from(fd);
+        let len = file
+            .metadata()
+            .map_err(|e| TransportError::io(format!("fstat {name}"), e))?
+            .len();
+        if len < 4096 {
+            return Err(TransportError::SharedMemory(format!(
+                "segment {name} is not initialized yet ({len} bytes)"
+            )));
+        }
+        let len = usize::try_from(len)
+            .map_err(|_| TransportError::SharedMemory(format!("segment {name} too large")))?;
+        let raw = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|e| TransportError::io(format!("mmap {name}"), e))?;
+        // A provisional layout covering just the header, to read the header fields.
+        let probe = Mapping {
+            raw,
+            layout: Layout {
+                nslots: 0,
+                capacity: 0,
+                header_size: 4096,
+                ctrl_size: 4096,
+                total: 4096,
+            },
+        };
+        let bad =
+            |why: &str| TransportError::SharedMemory(format!("segment {name} is invalid: {why}"));
+        if probe.u64_at(H_MAGIC).load(Ordering::Acquire) != MAGIC {
+            return Err(bad(
+                "bad magic (not initialized yet, or not a weftcc segment)",
+            ));
+        }
+        if probe.u32_at(H_VERSION).load(Ordering::Relaxed) != VERSION {
+            return Err(bad("unsupported version"));
+        }
+        let nslots = probe.u32_at(H_NSLOTS).load(Ordering::Relaxed) as usize;
+        let capacity = probe.u64_at(H_CAPACITY).load(Ordering::Relaxed);
+        if nslots > MAX_SLOTS {
+            return Err(bad("too many slots"));
+        }
+        let capacity = usize::try_from(capacity).map_err(|_| bad("capacity"))?;
+        if !capacity.is_power_of_two() || !(MIN_BUFFSIZE..=MAX_BUFFSIZE).contains(&capacity) {
+            return Err(bad("capacity is not a power of two in range"));
+        }
+        let layout = Layout::new(nslots, capacity).ok_or_else(|| bad("size overflow"))?;
+        let stored = (
+            probe.u64_at(H_HEADER_SIZE).load(Ordering::Relaxed),
+            probe.u64_at(H_CTRL_SIZE).load(Ordering::Relaxed),
+            probe.u64_at(H_TOTAL).load(Ordering::Relaxed),
+        );
+        if stored
+            != (
+                layout.header_size as u64,
+                layout.ctrl_size as u64,
+                layout.total as u64,
+            )
+        {
+            return Err(bad("layout mismatch (different page size?)"));
+        }
+        if layout.total > probe.raw.len() {
+            return Err(bad("file shorter than its layout"));
+        }
+        Ok(Mapping {
+            raw: probe.raw,
+            layout,
+        })
+    }
+}
+
+/// This rank's shared-memory segment: incoming rings from its local peers, plus its doorbell.
+///
+/// Dropping it (or calling [`ShmSegment::unlink`]) removes the name from /dev/shm; mappings made
+/// before that, including those of connections and waiters, stay valid.
+pub struct ShmSegment {
+    map: Arc<Mapping>,
+    name: String,
+    rank: usize,
+    unlinked: AtomicBool,
+}
+
+impl ShmSegment {
+    /// Creates the segment [`segment_name`]`(token, namespace, rank)` with one incoming ring of
+    /// `capacity` bytes (normalized by [`ring_capacity`]) per rank in `peers`.
+    pub fn create(
+        token: &str,
+        namespace: &str,
+        rank: usize,
+        peers: &[usize],
+        capacity: usize,
+    ) -> Result<ShmSegment> {
+        Self::create_named(&segment_name(token, namespace, rank), rank, peers, capacity)
+    }
+
+    /// Creates a segment under an explicit POSIX shared-memory `name` (starting with `/`).
+    pub fn create_named(
+        name: &str,
+        rank: usize,
+        peers: &[usize],
+        capacity: usize,
+    ) -> Result<ShmSegment> {
+        let capacity = ring_capacity(capacity);
+        if peers.len() > MAX_SLOTS {
+            return Err(TransportError::Config(format!(
+                "too many local peers ({})",
+                peers.len()
+            )));
+        }
+        if rank > u32::MAX as usize || peers.iter().any(|&p| p > u32::MAX as usize || p == rank) {
+            return Err(TransportError::Config(
+                "invalid peer rank for shared memory".into(),
+            ));
+        }
+        let layout = Layout::new(peers.len(), capacity)
+            .ok_or_else(|| TransportError::Config("shared-memory segment size overflows".into()))?;
+        let per_peer = (layout.ctrl_size + layout.capacity) as u64;
+        let free = shm_free_bytes().ok();
+        if let Some(free) = free {
+            check_shm_space(free, peers.len(), per_peer)?;
+        }
+
+        let fd = create_exclusive(name)?;
+        let seg_result = (|| {
+            let file = File::from(fd);
+            file.set_len(layout.total as u64)
+                .map_err(|e| TransportError::io(format!("ftruncate {name}"), e))?;
+            // Reserve the pages now: on tmpfs a later page fault beyond the size limit would be
+            // SIGBUS, whereas fallocate reports ENOSPC cleanly.
+            match nix::fcntl::posix_fallocate(file.as_raw_fd(), 0, layout.total as libc::off_t) {
+                Ok(()) => {}
+                Err(Errno::ENOSPC) => {
+                    return Err(space_error(
+                        free.unwrap_or(0),
+                        per_peer * peers.len() as u64,
+                        peers.len(),
+                        per_peer,
+                    ))
+                }
+                Err(Errno::EOPNOTSUPP) | Err(Errno::EINVAL) | Err(Errno::ENOSYS) => {}
+                Err(e) => {
+                    return Err(TransportError::SharedMemory(format!(
+                        "fallocate {name}: {e}"
+                    )))
+                }
+            }
+            let raw = MmapOptions::new()
+                .len(layout.total)
+                .map_raw(&file)
+                .map_err(|e| TransportError::io(format!("mmap {name}"), e))?;
+            let map = Mapping { raw, layout };
+            map.u32_at(H_VERSION).store(VERSION, Ordering::Relaxed);
+            map.u32_at(H_NSLOTS)
+                .store(peers.len() as u32, Ordering::Relaxed);
+            map.u64_at(H_CAPACITY)
+                .store(capacity as u64, Ordering::Relaxed);
+            map.u64_at(H_HEADER_SIZE)
+                .store(layout.header_size as u64, Ordering::Relaxed);
+            map.u64_at(H_CTRL_SIZE)
+                .store(layout.ctrl_size as u64, Ordering::Relaxed);
+            map.u64_at(H_TOTAL)
+                .store(layout.total as u64, Ordering::Relaxed);
+            map.u32_at(H_PID)
+                .store(std::process::id(), Ordering::Relaxed);
+            map.u32_at(H_RANK).store(rank as u32, Ordering::Relaxed);
+            for (slot, &p) in peers.iter().enumerate() {
+                map.u32_at(H_SLOTS + 4 * slot)
+                    .store(p as u32, Ordering::Relaxed);
+            }
+            map.u64_at(H_MAGIC).store(MAGIC, Ordering::Release);
+            Ok(map)
+        })();
+        match seg_result {
+            Ok(map) => Ok(ShmSegment {
+                map: Arc::new(map),
+                name: name.to_string(),
+                rank,
+                unlinked: AtomicBool::new(false),
+            }),
+            Err(e) => {
+                let _ = nix::sys::mman::shm_unlink(name);
+                Err(e)
+            }
+        }
+    }
+
+    /// The segment's POSIX shared-memory name (publish it so peers can map it).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The rank that owns this segment.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Removes the name from /dev/shm (idempotent). Call once every peer has mapped the segment.
+    pub fn unlink(&self) {
+        if !self.unlinked.swap(true, Ordering::AcqRel) {
+            if let Err(e) = nix::sys::mman::shm_unlink(self.name.as_str()) {
+                if e != Errno::ENOENT {
+                    tracing::warn!(segment = %self.name, error = %e, "shm_unlink failed");
+                }
+            }
+        }
+    }
+
+    /// Connects to `peer`, whose segment is named `peer_segment`: maps it, finds this rank's ring
+    /// there (outgoing) and the peer's ring here (incoming).
+    pub fn connect(&self, peer: usize, peer_segment: &str) -> Result<ShmConnection> {
+        let rx_slot = self.map.find_slot(peer).ok_or_else(|| {
+            TransportError::SharedMemory(format!(
+                "segment {} has no ring for peer {peer}",
+                self.name
+            ))
+        })?;
+        let remote = Mapping::open(peer_segment)?;
+        if remote.owner_rank() as usize != peer {
+            return Err(TransportError::SharedMemory(format!(
+                "segment {peer_segment} belongs to rank {}, expected {peer}",
+                remote.owner_rank()
+            )));
+        }
+        let tx_slot = remote.find_slot(self.rank).ok_or_else(|| {
+            TransportError::SharedMemory(format!(
+                "segment {peer_segment} has no ring for rank {}",
+                self.rank
+            ))
+        })?;
+        let watch = ProcessWatch::new(remote.owner_pid() as i32);
+        let remote = Arc::new(remote);
+        let rx = self.map.layout.ring_offset(rx_slot);
+        let tx = remote.layout.ring_offset(tx_slot);
+        let rx_tail = self.map.u64_at(rx + R_TAIL).load(Ordering::Acquire);
+        let tx_head = remote.u64_at(tx + R_HEAD).load(Ordering::Acquire);
+        Ok(ShmConnection {
+            peer,
+            own: self.map.clone(),
+            remote,
+            rx,
+            tx,
+            rx_tail,
+            tx_head,
+            watch,
+            peer_dead: false,
+        })
+    }
+
+    /// The idle waiter of this rank: sleeps on this segment's doorbell.
+    pub fn waiter(&self) -> ShmWaiter {
+        let last = self.map.doorbell().load(Ordering::SeqCst);
+        ShmWaiter {
+            map: self.map.clone(),
+            last,
+        }
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
+
+fn create_exclusive(name: &str) -> Result<std::os::fd::OwnedFd> {
+    let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR;
+    let mode = Mode::S_IRUSR | Mode::S_IWUSR;
+    for _ in 0..2 {
+        match nix::sys::mman::shm_open(name, flags, mode) {
+            Ok(fd) => return Ok(fd),
+            Err(Errno::EEXIST) => {
+                // A leftover from a crashed job, or a live one with the same token.
+                if let Ok(old) = Mapping::open(name) {
+                    let pid = old.owner_pid() as i32;
+                    if !ProcessWatch::new(pid).exited() {
+                        return Err(TransportError::SharedMemory(format!(
+                            "segment {name} already exists and belongs to live process {pid} \
+                             (another job with the same token?)"
+                        )));
+                    }
+                }
+                tracing::warn!(segment = name, "removing stale shared-memory segment");
+                let _ = nix::sys::mman::shm_unlink(name);
+            }
+            Err(e) => {
+                return Err(TransportError::SharedMemory(format!(
+                    "shm_open {name}: {e}"
+                )))
+            }
+        }
+    }
+    Err(TransportError::SharedMemory(format!(
+        "could not create segment {name}"
+    )))
+}
+
+/// A connection to a peer on the same host through shared memory (see the module docs).
+pub struct ShmConnection {
+    peer: usize,
+    own: Arc<Mapping>,
+    remote: Arc<Mapping>,
+    /// Offset of the incoming ring (in `own`) and the outgoing ring (in `remote`).
+    rx: usize,
+    tx: usize,
+    rx_tail: u64,
+    tx_head: u64,
+    watch: ProcessWatch,
+    peer_dead: bool,
+}
+
+impl ShmConnection {
+    fn lost(&self, detail: &str) -> TransportError {
+        TransportError::PeerLost {
+            peer: self.peer,
+            detail: detail.to_string(),
+        }
+    }
+
+    fn corrupt(&self, what: &str) -> TransportError {
+        TransportError::Protocol(format!(
+            "shared-memory ring with peer {} is corrupt: {what}",
+            self.peer
+        ))
+    }
+
+    fn rx_empty(&self) -> bool {
+        self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire) == self.rx_tail
+    }
+}
+
+impl Connection for ShmConnection {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn kind(&self) -> &'static str {
+        "shm"
+    }
+
+    fn try_send(&mut self, data: &[u8]) -> Result<usize> {
+        let r = &*self.remote;
+        if self.peer_dead {
+            return Err(self.lost("peer process exited"));
+        }
+        if r.u32_at(self.tx + R_RECEIVER_CLOSED)
+            .load(Ordering::Acquire)
+            != 0
+        {
+            return Err(self.lost("peer closed the connection"));
+        }
+        let cap = r.layout.capacity;
+        let tail = r.u64_at(self.tx + R_TAIL).load(Ordering::Acquire);
+        let used = self.tx_head.wrapping_sub(tail);
+        if used > cap as u64 {
+            return Err(self.corrupt("tail ahead of head"));
+        }
+        let n = data.len().min(cap - used as usize);
+        if n == 0 {
+            return Ok(0);
+        }
+        let off = (self.tx_head & (cap as u64 - 1)) as usize;
+        let first = n.min(cap - off);
+        let base = self.tx + r.layout.ctrl_size;
+        // SAFETY: [base, base + cap) is the data area of our outgoing ring inside the validated
+        // mapping; `off + first <= cap` and `n - first <= off`, so both copies stay inside it.
+        // The region [head, head + n) mod cap is free (the receiver published a tail showing it
+        // consumed those bytes), so nobody reads it concurrently; `data` is a separate allocation.
+        unsafe {
+            let dst = r.raw.as_mut_ptr().add(base);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), dst.add(off), first);
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), dst, n - first);
+        }
+        self.tx_head = self.tx_head.wrapping_add(n as u64);
+        r.u64_at(self.tx + R_HEAD)
+            .store(self.tx_head, Ordering::Release);
+        r.ring_doorbell();
+        Ok(n)
+    }
+
+    fn try_recv(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
+        let m = &*self.own;
+        let closed = m.u32_at(self.rx + R_SENDER_CLOSED).load(Ordering::Acquire) != 0;
+        let head = m.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+        let cap = m.layout.capacity;
+        let avail = head.wrapping_sub(self.rx_tail);
+        if avail > cap as u64 {
+            return Err(self.corrupt("head beyond capacity"));
+        }
+        if avail == 0 {
+            return if closed {
+                Err(self.lost("peer closed the connection"))
+            } else {
+                Ok(0)
+            };
+        }
+        if max == 0 {
+            return Ok(0);
+        }
+        let off = (self.rx_tail & (cap as u64 - 1)) as usize;
+        let n = (avail as usize).min(cap - off).min(max);
+        let base = self.rx + m.layout.ctrl_size + off;
+        // SAFETY: [base, base + n) lies inside the incoming ring's data area of our own mapping
+        // (`off + n <= cap`). The sender published these bytes with a Release store of `head`
+        // that we read with Acquire, and will not overwrite them until we publish a larger
+        // `tail`, which happens only after `consume` returned; the slice does not escape it.
+        let slice = unsafe { std::slice::from_raw_parts(m.raw.as_ptr().add(base), n) };
+        let used = consume(slice).min(n);
+        if used > 0 {
+            self.rx_tail = self.rx_tail.wrapping_add(used as u64);
+            m.u64_at(self.rx + R_TAIL)
+                .store(self.rx_tail, Ordering::Release);
+            self.remote.ring_doorbell();
+        }
+        Ok(used)
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        let closed = self
+            .own
+            .u32_at(self.rx + R_SENDER_CLOSED)
+            .load(Ordering::Acquire)
+            != 0;
+        if closed && self.rx_empty() {
+            return Err(self.lost("peer closed the connection"));
+        }
+        if !self.peer_dead && self.watch.exited() {
+            self.peer_dead = true;
+        }
+        if self.peer_dead && self.rx_empty() {
+            return Err(self.lost("peer process exited"));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmConnection {
+    fn drop(&mut self) {
+        self.remote
+            .u32_at(self.tx + R_SENDER_CLOSED)
+            .store(1, Ordering::Release);
+        self.own
+            .u32_at(self.rx + R_RECEIVER_CLOSED)
+            .store(1, Ordering::Release);
+        self.remote.ring_doorbell();
+    }
+}
+
+/// [`IdleWaiter`] for shared-memory connections: sleeps on this rank's doorbell futex.
+pub struct ShmWaiter {
+    map: Arc<Mapping>,
+    last: u32,
+}
+
+impl ShmWaiter {
+    /// Waits for at most `max` unless the doorbell was rung since the previous return; returns
+    /// whether it was (a ring during this call counts).
+    pub fn wait_doorbell(&mut self, max: Duration) -> bool {
+        let bell = self.map.doorbell();
+        let sleeping = self.map.sleeping();
+        sleeping.store(1, Ordering::SeqCst);
+        let cur = bell.load(Ordering::SeqCst);
+        if cur == self.last {
+            futex_wait(bell, cur, max);
+        }
+        sleeping.store(0, Ordering::SeqCst);
+        let now = bell.load(Ordering::SeqCst);
+        let rung = now != self.last;
+        self.last = now;
+        rung
+    }
+
+    /// True (and acknowledged) if the doorbell was rung since the previous return; never sleeps.
+    pub fn poll_doorbell(&mut self) -> bool {
+        let now = self.map.doorbell().load(Ordering::SeqCst);
+        let rung = now != self.last;
+        self.last = now;
+        rung
+    }
+}
+
+impl IdleWaiter for ShmWaiter {
+    fn wait(&mut self, _interest: &[Interest], max: Duration) -> Result<()> {
+        self.wait_doorbell(max);
+        Ok(())
+    }
+}
+
+/// Two connected shared-memory ends inside this process (for tests and benchmarks): creates two
+/// segments under a random token, connects them both ways, and unlinks the names.
+pub fn local_pair(
+    rank_a: usize,
+    rank_b: usize,
+    capacity: usize,
+) -> Result<((ShmConnection, ShmWaiter), (ShmConnection, ShmWaiter))> {
+    let token = crate::util::random_hex(8)?;
+    let sa = ShmSegment::create(&token, "local_pair", rank_a, &[rank_b], capacity)?;
+    let sb = ShmSegment::create(&token, "local_pair", rank_b, &[rank_a], capacity)?;
+    let a = sa.connect(rank_b, sb.name())?;
+    let b = sb.connect(rank_a, sa.name())?;
+    Ok(((a, sa.waiter()), (b, sb.waiter())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_rounding() {
+        assert_eq!(ring_capacity(0), MIN_BUFFSIZE);
+        assert_eq!(ring_capacity(100_000), 128 << 10);
+        assert_eq!(ring_capacity(4 << 20), 4 << 20);
+        assert_eq!(ring_capacity(usize::MAX), MAX_BUFFSIZE);
+    }
+
+    #[test]
+    fn names() {
+        let n = segment_name("ab/c d", "world", 3);
+        assert!(n.starts_with("/weft-abcd-"));
+        assert!(n.ends_with("-3"));
+        assert_eq!(n.matches('/').count(), 1);
+    }
+
+    #[test]
+    fn space_message() {
+        let e = check_shm_space(64 * MIB, 7, 16 * MIB)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "/dev/shm has 64 MiB free but this communicator needs 112 MiB (7 peers × 16 MiB)"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("WEFT_SHM_DISABLE=1"));
+        assert!(check_shm_space(112 * MIB, 7, 16 * MIB).is_ok());
+    }
+}

@@ -1,0 +1,819 @@
+//! The bootstrap key-value store: rank 0 serves it ([`StoreServer`]), every rank talks to it with
+//! a [`StoreClient`].
+//!
+//! Wire protocol (all integers little endian):
+//!
+//! ```text
+//! client hello:  b"WFST" | version u16 | token length u16 (<= 1024) | token
+//! server answer: status u8 (0 = accepted, 4 = refused; garbage is closed without an answer)
+//! then frames:   length u32 (<= MAX_FRAME) | payload
+//!   request payload:  opcode u8 | fields          response payload: status u8 | body
+//!   1 SET    key | value (rest of frame)          OK
+//!   2 GET    timeout_ms u64 | key                 OK value | TIMEOUT
+//!   3 WAIT   timeout_ms u64 | count u32 | keys    OK | TIMEOUT
+//!   4 ADD    delta i64 | key                      OK new value i64
+//!   5 CHECK  key                                  OK exists u8
+//!   6 DELETE key                                  OK existed u8
+//!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message)
+//! ```
+//!
+//! Waits block in the server on a condition variable. An oversized length, a truncated frame, an
+//! unknown opcode or garbage closes that one connection (logged with `tracing::warn!`) without
+//! allocating the claimed length; other clients are unaffected. On shutdown every pending wait is
+//! answered with CLOSED (the client reports [`TransportError::StoreClosed`]) and every connection
+//! gets a final CLOSED frame.
+//!
+//! Counters made with [`StoreClient::add`] are stored as ASCII decimal text.
+
+use crate::error::{Result, TransportError};
+use crate::util::Deadline;
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Magic bytes of the store handshake.
+pub const STORE_MAGIC: [u8; 4] = *b"WFST";
+/// Version of the store protocol.
+pub const STORE_VERSION: u16 = 1;
+/// Largest frame accepted in either direction (16 MiB).
+pub const MAX_FRAME: usize = 16 << 20;
+/// Most simultaneous connections one server keeps.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Longest token accepted.
+pub const MAX_STORE_TOKEN: usize = 1024;
+/// Time a new connection has to present its handshake, and a started frame to arrive in full.
+pub const STORE_IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+const OP_SET: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_WAIT: u8 = 3;
+const OP_ADD: u8 = 4;
+const OP_CHECK: u8 = 5;
+const OP_DELETE: u8 = 6;
+
+const ST_OK: u8 = 0;
+const ST_TIMEOUT: u8 = 1;
+const ST_CLOSED: u8 = 2;
+const ST_ERROR: u8 = 3;
+const ST_REFUSED: u8 = 4;
+
+/// Extra time a client waits beyond a server-side timeout before it gives up on the server.
+const CLIENT_MARGIN: Duration = Duration::from_secs(10);
+/// How often idle connection threads look at the shutdown flag (a backstop: shutdown also
+/// shuts their sockets' read side down).
+const IDLE_POLL: Duration = Duration::from_millis(500);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+/// Reads exactly `buf.len()` bytes, retrying socket timeouts until `deadline`.
+fn read_full(sock: &Socket, buf: &mut [u8], deadline: &Deadline) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match (&*sock).read(&mut buf[got..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                if deadline.expired() {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn write_frame(sock: &Socket, payload: &[u8]) -> std::io::Result<()> {
+    let mut v = Vec::with_capacity(4 + payload.len());
+    v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    v.extend_from_slice(payload);
+    (&*sock).write_all(&v)
+}
+
+/// A cursor over a request or response payload that never reads past its end.
+struct Cursor<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if n > self.buf.len() {
+            return None;
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Some(a)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Some(u64::from_le_bytes(a))
+    }
+    fn key(&mut self) -> Option<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.buf)
+    }
+}
+
+fn put_key(v: &mut Vec<u8>, key: &[u8]) {
+    v.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    v.extend_from_slice(key);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server
+// ---------------------------------------------------------------------------------------------
+
+struct State {
+    map: HashMap<Vec<u8>, Vec<u8>>,
+    closed: bool,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    cv: Condvar,
+    shutdown: AtomicBool,
+    token: String,
+    active: AtomicUsize,
+    next_id: AtomicU64,
+    /// Clones of live connection sockets, so shutdown can unblock their reads.
+    socks: Mutex<HashMap<u64, Socket>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The bootstrap key-value store server (threads: one acceptor, one per connection).
+pub struct StoreServer {
+    inner: Arc<Inner>,
+    local: SocketAddr,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Binds `bind` (port 0 for an ephemeral port) and starts serving clients that present
+    /// `token`.
+    pub fn start(bind: SocketAddr, token: &str) -> Result<StoreServer> {
+        if token.len() > MAX_STORE_TOKEN {
+            return Err(TransportError::Config(format!(
+                "store token is {} bytes; at most {MAX_STORE_TOKEN} are supported",
+                token.len()
+            )));
+        }
+        let sock = Socket::new(Domain::for_address(bind), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| TransportError::io("creating store socket", e))?;
+        let _ = sock.set_reuse_address(true);
+        sock.bind(&bind.into())
+            .map_err(|e| TransportError::io(format!("binding store to {bind}"), e))?;
+        sock.listen(1024)
+            .map_err(|e| TransportError::io("store listen", e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| TransportError::io("store listener non-blocking", e))?;
+        let local = sock
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .ok_or_else(|| TransportError::Io {
+                what: "store address".into(),
+                message: "unknown".into(),
+            })?;
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                map: HashMap::new(),
+                closed: false,
+            }),
+            cv: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            token: token.to_string(),
+            active: AtomicUsize::new(0),
+            next_id: AtomicU64::new(0),
+            socks: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+        });
+        let inner2 = inner.clone();
+        let acceptor = std::thread::Builder::new()
+            .name("weft-store-accept".into())
+            .spawn(move || accept_loop(sock, inner2))
+            .map_err(|e| TransportError::io("starting store thread", e))?;
+        tracing::debug!(addr = %local, "bootstrap store serving");
+        Ok(StoreServer {
+            inner,
+            local,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    /// The address clients connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Stops serving: pending waits are answered CLOSED, connections are closed, threads joined.
+    /// Idempotent; also done on drop.
+    pub fn shutdown(&mut self) {
+        if self.inner.shutdown.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        lock(&self.inner.state).closed = true;
+        self.inner.cv.notify_all();
+        for s in lock(&self.inner.socks).values() {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+        let threads = std::mem::take(&mut *lock(&self.inner.threads));
+        for h in threads {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: Socket, inner: Arc<Inner>) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout};
+    while !inner.shutdown.load(Ordering::Acquire) {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        let _ = nix::poll::poll(&mut fds, PollTimeout::from(50u16));
+        let (sock, from) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                continue
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "store accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let from = from.as_socket().map(|a| a.to_string()).unwrap_or_default();
+        if inner.active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+            tracing::warn!(from = %from, "store connection limit reached; closing new connection");
+            continue;
+        }
+        let _ = sock.set_nonblocking(false);
+        let _ = sock.set_nodelay(true);
+        let clone = match sock.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "store: cannot duplicate socket; closing connection");
+                continue;
+            }
+        };
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&inner.socks).insert(id, clone);
+        if inner.shutdown.load(Ordering::Acquire) {
+            lock(&inner.socks).remove(&id);
+            break;
+        }
+        inner.active.fetch_add(1, Ordering::AcqRel);
+        let inner2 = inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name("weft-store-conn".into())
+            .spawn(move || {
+                serve_connection(&sock, &from, &inner2);
+                lock(&inner2.socks).remove(&id);
+                inner2.active.fetch_sub(1, Ordering::AcqRel);
+            });
+        match spawned {
+            Ok(h) => {
+                let mut threads = lock(&inner.threads);
+                threads.retain(|t| !t.is_finished());
+                threads.push(h);
+            }
+            Err(e) => {
+                lock(&inner.socks).remove(&id);
+                inner.active.fetch_sub(1, Ordering::AcqRel);
+                tracing::warn!(error = %e, "store: cannot start a connection thread");
+            }
+        }
+    }
+}
+
+fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
+    let _ = sock.set_write_timeout(Some(STORE_IO_TIMEOUT));
+    let _ = sock.set_read_timeout(Some(Duration::from_millis(100)));
+    if let Err(why) = server_handshake(sock, inner) {
+        tracing::warn!(from = %from, reason = %why, "store refused a connection");
+        return;
+    }
+    let _ = sock.set_read_timeout(Some(IDLE_POLL));
+    loop {
+        match read_request(sock, inner) {
+            Ok(Some(payload)) => {
+                let resp = match handle_request(&payload, inner) {
+                    Ok(r) => r,
+                    Err(why) => {
+                        tracing::warn!(from = %from, reason = %why, "store closed a connection");
+                        return;
+                    }
+                };
+                if write_frame(sock, &resp).is_err() {
+                    return;
+                }
+            }
+            Ok(None) => {
+                // Shutting down: tell the client once, then close.
+                let _ = write_frame(sock, &[ST_CLOSED]);
+                return;
+            }
+            Err(why) => {
+                if inner.shutdown.load(Ordering::Acquire) {
+                    let _ = write_frame(sock, &[ST_CLOSED]);
+                } else if !why.is_empty() {
+                    tracing::warn!(from = %from, reason = %why, "store closed a connection");
+                }
+                return;
+            }
+        }
+    }
+}
+
+fn server_handshake(sock: &Socket, inner: &Inner) -> std::result::Result<(), String> {
+    let deadline = Deadline::after(STORE_IO_TIMEOUT);
+    let mut fixed = [0u8; 8];
+    read_full(sock, &mut fixed, &deadline).map_err(|e| format!("handshake: {e}"))?;
+    if fixed[..4] != STORE_MAGIC {
+        return Err("bad magic".into());
+    }
+    let version = u16::from_le_bytes([fixed[4], fixed[5]]);
+    if version != STORE_VERSION {
+        return Err(format!(
+            "protocol version {version}, expected {STORE_VERSION}"
+        ));
+    }
+    let tlen = u16::from_le_bytes([fixed[6], fixed[7]]) as usize;
+    if tlen > MAX_STORE_TOKEN {
+        return Err("token too long".into());
+    }
+    let mut tok = vec![0u8; tlen];
+    read_full(sock, &mut tok, &deadline).map_err(|e| format!("handshake: {e}"))?;
+    if tok != inner.token.as_bytes() {
+        let _ = (&*sock).write_all(&[ST_REFUSED]);
+        return Err("wrong job token".into());
+    }
+    (&*sock)
+        .write_all(&[ST_OK])
+        .map_err(|e| format!("handshake reply: {e}"))
+}
+
+/// Reads one request frame. `Ok(None)`: the server is shutting down. `Err("")`: the client went
+/// away cleanly between frames.
+fn read_request(sock: &Socket, inner: &Inner) -> std::result::Result<Option<Vec<u8>>, String> {
+    let mut len = [0u8; 4];
+    // Wait (indefinitely, but watching the shutdown flag) for the first byte of a frame.
+    loop {
+        if inner.shutdown.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        match (&*sock).read(&mut len[..1]) {
+            Ok(0) => {
+                return if inner.shutdown.load(Ordering::Acquire) {
+                    Ok(None)
+                } else {
+                    Err(String::new())
+                }
+            }
+            Ok(_) => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted || is_timeout(&e) => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return Err(String::new()),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let deadline = Deadline::after(STORE_IO_TIMEOUT);
+    read_full(sock, &mut len[1..], &deadline)
+        .map_err(|e| format!("truncated frame header: {e}"))?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n == 0 || n > MAX_FRAME {
+        return Err(format!("frame length {n} outside 1..={MAX_FRAME}"));
+    }
+    let mut payload = vec![0u8; n];
+    read_full(sock, &mut payload, &deadline).map_err(|e| format!("truncated frame: {e}"))?;
+    Ok(Some(payload))
+}
+
+fn closed_or(status: u8, inner: &Inner) -> Vec<u8> {
+    if inner.shutdown.load(Ordering::Acquire) {
+        vec![ST_CLOSED]
+    } else {
+        vec![status]
+    }
+}
+
+/// Executes one request. `Err` means the request was malformed: the connection gets closed.
+fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>, String> {
+    let mut c = Cursor { buf: payload };
+    let bad = || "malformed request".to_string();
+    let op = c.u8().ok_or_else(bad)?;
+    match op {
+        OP_SET => {
+            let key = c.key().ok_or_else(bad)?;
+            let value = c.rest();
+            let mut st = lock(&inner.state);
+            if st.closed {
+                return Ok(vec![ST_CLOSED]);
+            }
+            st.map.insert(key.to_vec(), value.to_vec());
+            drop(st);
+            inner.cv.notify_all();
+            Ok(vec![ST_OK])
+        }
+        OP_GET => {
+            let ms = c.u64().ok_or_else(bad)?;
+            let key = c.key().ok_or_else(bad)?;
+            if !c.buf.is_empty() {
+                return Err(bad());
+            }
+            let deadline = Deadline::after(Duration::from_millis(ms));
+            let mut st = lock(&inner.state);
+            loop {
+                if st.closed {
+                    return Ok(vec![ST_CLOSED]);
+                }
+                if let Some(v) = st.map.get(key) {
+                    let mut out = Vec::with_capacity(1 + v.len());
+                    out.push(ST_OK);
+                    out.extend_from_slice(v);
+                    return Ok(out);
+                }
+                let left = deadline.remaining();
+                if left.is_zero() {
+                    return Ok(closed_or(ST_TIMEOUT, inner));
+                }
+                st = match inner.cv.wait_timeout(st, left) {
+                    Ok((g, _)) => g,
+                    Err(e) => e.into_inner().0,
+                };
+            }
+        }
+        OP_WAIT => {
+            let ms = c.u64().ok_or_else(bad)?;
+            let count = c.u32().ok_or_else(bad)? as usize;
+            let mut keys = Vec::new();
+            for _ in 0..count {
+                keys.push(c.key().ok_or_else(bad)?);
+            }
+            if !c.buf.is_empty() {
+                return Err(bad());
+            }
+            let deadline = Deadline::after(Duration::from_millis(ms));
+            let mut st = lock(&inner.state);
+            loop {
+                if st.closed {
+                    return Ok(vec![ST_CLOSED]);
+                }
+                if keys.iter().all(|k| st.map.contains_key(*k)) {
+                    return Ok(vec![ST_OK]);
+                }
+                let left = deadline.remaining();
+                if left.is_zero() {
+                    return Ok(closed_or(ST_TIMEOUT, inner));
+                }
+                st = match inner.cv.wait_timeout(st, left) {
+                    Ok((g, _)) => g,
+                    Err(e) => e.into_inner().0,
+                };
+            }
+        }
+        OP_ADD => {
+            let delta = c.u64().ok_or_else(bad)? as i64;
+            let key = c.key().ok_or_else(bad)?;
+            if !c.buf.is_empty() {
+                return Err(bad());
+            }
+            let mut st = lock(&inner.state);
+            if st.closed {
+                return Ok(vec![ST_CLOSED]);
+            }
+            let old = match st.map.get(key) {
+                None => 0i64,
+                Some(v) => match std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i64>().ok())
+                {
+                    Some(n) => n,
+                    None => {
+                        let mut out = vec![ST_ERROR];
+                        out.extend_from_slice(b"value is not an integer counter");
+                        return Ok(out);
+                    }
+                },
+            };
+            let new = old.wrapping_add(delta);
+            st.map.insert(key.to_vec(), new.to_string().into_bytes());
+            drop(st);
+            inner.cv.notify_all();
+            let mut out = vec![ST_OK];
+            out.extend_from_slice(&new.to_le_bytes());
+            Ok(out)
+        }
+        OP_CHECK | OP_DELETE => {
+            let key = c.key().ok_or_else(bad)?;
+            if !c.buf.is_empty() {
+                return Err(bad());
+            }
+            let mut st = lock(&inner.state);
+            if st.closed {
+                return Ok(vec![ST_CLOSED]);
+            }
+            let had = if op == OP_CHECK {
+                st.map.contains_key(key)
+            } else {
+                st.map.remove(key).is_some()
+            };
+            Ok(vec![ST_OK, u8::from(had)])
+        }
+        other => Err(format!("unknown opcode {other}")),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+// ---------------------------------------------------------------------------------------------
+
+/// A connection to the bootstrap store. Every call has a timeout.
+pub struct StoreClient {
+    sock: Socket,
+    addr: SocketAddr,
+    timeout: Duration,
+    closed: bool,
+    broken: Option<String>,
+}
+
+impl StoreClient {
+    /// Connects to `addr` (`"host:port"` or `"[v6]:port"`; host names are resolved) and presents
+    /// `token`, retrying until `timeout` while the server is not up yet. `timeout` is also the
+    /// default timeout of later calls that take none.
+    pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<StoreClient> {
+        if token.len() > MAX_STORE_TOKEN {
+            return Err(TransportError::Config(format!(
+                "store token is {} bytes; at most {MAX_STORE_TOKEN} are supported",
+                token.len()
+            )));
+        }
+        let deadline = Deadline::after(timeout);
+        let mut last_err = String::from("no address");
+        loop {
+            match addr.to_socket_addrs() {
+                Ok(addrs) => {
+                    for a in addrs {
+                        match Self::try_connect(a, token, &deadline) {
+                            Ok(sock) => {
+                                return Ok(StoreClient {
+                                    sock,
+                                    addr: a,
+                                    timeout,
+                                    closed: false,
+                                    broken: None,
+                                })
+                            }
+                            Err(e @ TransportError::Protocol(_)) => return Err(e),
+                            Err(e) => last_err = e.to_string(),
+                        }
+                    }
+                }
+                Err(e) => {
+                    if !addr.contains(':') {
+                        return Err(TransportError::Config(format!(
+                            "store address {addr:?} must be host:port or [v6]:port"
+                        )));
+                    }
+                    last_err = format!("resolving {addr}: {e}");
+                }
+            }
+            if deadline.expired() {
+                return Err(TransportError::Timeout {
+                    what: format!(
+                        "connecting to the bootstrap store at {addr} (last error: {last_err})"
+                    ),
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
+        }
+    }
+
+    fn try_connect(a: SocketAddr, token: &str, deadline: &Deadline) -> Result<Socket> {
+        let sock = Socket::new(Domain::for_address(a), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| TransportError::io("creating store client socket", e))?;
+        let slice = deadline
+            .remaining()
+            .min(Duration::from_secs(2))
+            .max(Duration::from_millis(1));
+        sock.connect_timeout(&SockAddr::from(a), slice)
+            .map_err(|e| TransportError::io(format!("connecting to store {a}"), e))?;
+        let _ = sock.set_nodelay(true);
+        let io = deadline
+            .remaining()
+            .max(Duration::from_millis(100))
+            .min(STORE_IO_TIMEOUT);
+        sock.set_write_timeout(Some(io))
+            .map_err(|e| TransportError::io("set_write_timeout", e))?;
+        sock.set_read_timeout(Some(io))
+            .map_err(|e| TransportError::io("set_read_timeout", e))?;
+        let mut hello = Vec::with_capacity(8 + token.len());
+        hello.extend_from_slice(&STORE_MAGIC);
+        hello.extend_from_slice(&STORE_VERSION.to_le_bytes());
+        hello.extend_from_slice(&(token.len() as u16).to_le_bytes());
+        hello.extend_from_slice(token.as_bytes());
+        (&sock)
+            .write_all(&hello)
+            .map_err(|e| TransportError::io("sending store handshake", e))?;
+        let mut st = [0u8; 1];
+        (&sock)
+            .read_exact(&mut st)
+            .map_err(|e| TransportError::io("reading store handshake reply", e))?;
+        match st[0] {
+            ST_OK => Ok(sock),
+            ST_REFUSED => Err(TransportError::Protocol(format!(
+                "the bootstrap store at {a} refused our job token"
+            ))),
+            other => Err(TransportError::Protocol(format!(
+                "unexpected store handshake reply {other}"
+            ))),
+        }
+    }
+
+    /// The server address this client is connected to.
+    pub fn server_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The default timeout of calls that take none.
+    pub fn default_timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn fail(&mut self, what: String) -> TransportError {
+        self.broken = Some(what.clone());
+        TransportError::PeerLost {
+            peer: 0,
+            detail: format!("bootstrap store: {what}"),
+        }
+    }
+
+    /// Sends one request and reads its response, waiting at most `wait` for it.
+    fn call(&mut self, payload: &[u8], wait: Duration) -> Result<Vec<u8>> {
+        if self.closed {
+            return Err(TransportError::StoreClosed);
+        }
+        if let Some(b) = &self.broken {
+            return Err(TransportError::PeerLost {
+                peer: 0,
+                detail: format!("bootstrap store connection unusable after an earlier error: {b}"),
+            });
+        }
+        if payload.len() > MAX_FRAME {
+            return Err(TransportError::Config(format!(
+                "store request of {} bytes exceeds the {MAX_FRAME}-byte frame limit",
+                payload.len()
+            )));
+        }
+        let _ = self
+            .sock
+            .set_write_timeout(Some(self.timeout.max(Duration::from_millis(100))));
+        if let Err(e) = write_frame(&self.sock, payload) {
+            return Err(self.fail(format!("sending request: {e}")));
+        }
+        let deadline = Deadline::after(wait.saturating_add(CLIENT_MARGIN));
+        let _ = self.sock.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut len = [0u8; 4];
+        if let Err(e) = read_full(&self.sock, &mut len, &deadline) {
+            return Err(self.fail(format!("reading response: {e}")));
+        }
+        let n = u32::from_le_bytes(len) as usize;
+        if n == 0 || n > MAX_FRAME {
+            return Err(self.fail(format!("response frame length {n} out of range")));
+        }
+        let mut resp = vec![0u8; n];
+        if let Err(e) = read_full(&self.sock, &mut resp, &deadline) {
+            return Err(self.fail(format!("reading response: {e}")));
+        }
+        match resp[0] {
+            ST_OK => {
+                resp.remove(0);
+                Ok(resp)
+            }
+            ST_CLOSED => {
+                self.closed = true;
+                Err(TransportError::StoreClosed)
+            }
+            ST_TIMEOUT => Err(TransportError::Timeout {
+                what: "waiting in the bootstrap store".into(),
+                after: wait,
+            }),
+            ST_ERROR => Err(TransportError::Protocol(format!(
+                "store error: {}",
+                String::from_utf8_lossy(&resp[1..])
+            ))),
+            other => Err(self.fail(format!("unknown response status {other}"))),
+        }
+    }
+
+    fn key_request(op: u8, key: &str) -> Vec<u8> {
+        let mut v = vec![op];
+        put_key(&mut v, key.as_bytes());
+        v
+    }
+
+    /// Stores `value` under `key` (replacing any previous value).
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let mut v = Self::key_request(OP_SET, key);
+        v.extend_from_slice(value);
+        self.call(&v, Duration::ZERO).map(|_| ())
+    }
+
+    /// The value of `key`, waiting up to `timeout` for it to be set.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let mut v = vec![OP_GET];
+        v.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        put_key(&mut v, key.as_bytes());
+        self.call(&v, timeout).map_err(|e| match e {
+            TransportError::Timeout { after, .. } => TransportError::Timeout {
+                what: format!("waiting for store key {key:?}"),
+                after,
+            },
+            e => e,
+        })
+    }
+
+    /// Waits up to `timeout` until every key in `keys` is set.
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let mut v = vec![OP_WAIT];
+        v.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+        for k in keys {
+            put_key(&mut v, k.as_bytes());
+        }
+        self.call(&v, timeout).map(|_| ()).map_err(|e| match e {
+            TransportError::Timeout { after, .. } => TransportError::Timeout {
+                what: format!("waiting for store keys {keys:?}"),
+                after,
+            },
+            e => e,
+        })
+    }
+
+    /// Atomically adds `delta` to the counter `key` (missing counts as 0); returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        let mut v = vec![OP_ADD];
+        v.extend_from_slice(&delta.to_le_bytes());
+        put_key(&mut v, key.as_bytes());
+        let r = self.call(&v, Duration::ZERO)?;
+        let b: [u8; 8] = r
+            .as_slice()
+            .try_into()
+            .map_err(|_| TransportError::Protocol("bad ADD response".into()))?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    /// Whether `key` is set (does not wait).
+    pub fn check(&mut self, key: &str) -> Result<bool> {
+        let r = self.call(&Self::key_request(OP_CHECK, key), Duration::ZERO)?;
+        Ok(r.first().copied() == Some(1))
+    }
+
+    /// Removes `key`; returns whether it existed.
+    pub fn delete(&mut self, key: &str) -> Result<bool> {
+        let r = self.call(&Self::key_request(OP_DELETE, key), Duration::ZERO)?;
+        Ok(r.first().copied() == Some(1))
+    }
+
+    /// A barrier over the store: every one of `n` participants calls it with the same `name`;
+    /// returns once all have arrived (or fails after `timeout`). Each `name` is single-use.
+    pub fn barrier(&mut self, name: &str, n: usize, timeout: Duration) -> Result<()> {
+        let count = self.add(&format!("{name}/count"), 1)?;
+        let done = format!("{name}/done");
+        if count >= n as i64 {
+            self.set(&done, b"1")?;
+        }
+        self.wait(&[&done], timeout)
+    }
+}

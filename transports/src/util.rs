@@ -1,0 +1,266 @@
+//! Small helpers shared by the transports: hashing, size parsing, deadlines, aligned buffers and
+//! the futex / pidfd system calls.
+
+use crate::error::{Result, TransportError};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::sync::atomic::AtomicU32;
+use std::time::{Duration, Instant};
+
+/// 64-bit FNV-1a hash; stable across processes and builds (used for namespace hashes).
+pub fn fnv1a64(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in data {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Parses a byte size such as `4194304`, `512K`, `4M`, `1G` (suffixes are powers of 1024,
+/// case-insensitive, optionally followed by `B` or `iB`).
+pub fn parse_size(text: &str) -> Result<usize> {
+    let t = text.trim();
+    let bad = || {
+        TransportError::Config(format!(
+            "invalid size {text:?} (expected e.g. 4194304, 512K, 4M)"
+        ))
+    };
+    if t.is_empty() {
+        return Err(bad());
+    }
+    let lower = t.to_ascii_lowercase();
+    let stripped = lower
+        .strip_suffix("ib")
+        .or_else(|| lower.strip_suffix('b'))
+        .unwrap_or(&lower);
+    let (digits, mult): (&str, u64) = match stripped.chars().last() {
+        Some('k') => (&stripped[..stripped.len() - 1], 1 << 10),
+        Some('m') => (&stripped[..stripped.len() - 1], 1 << 20),
+        Some('g') => (&stripped[..stripped.len() - 1], 1 << 30),
+        _ => (stripped, 1),
+    };
+    let n: u64 = digits.trim().parse().map_err(|_| bad())?;
+    let total = n.checked_mul(mult).ok_or_else(bad)?;
+    usize::try_from(total).map_err(|_| bad())
+}
+
+/// `nbytes` random bytes from the OS, as lowercase hex.
+pub(crate) fn random_hex(nbytes: usize) -> Result<String> {
+    let mut b = vec![0u8; nbytes];
+    getrandom::getrandom(&mut b).map_err(|e| TransportError::Io {
+        what: "getrandom".into(),
+        message: e.to_string(),
+    })?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Reads an environment variable; unset or empty reads as `None`.
+pub(crate) fn env_nonempty(name: &str) -> Option<String> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => Some(v.trim().to_string()),
+        _ => None,
+    }
+}
+
+/// A point in time after which an operation gives up.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    end: Option<Instant>,
+    total: Duration,
+}
+
+impl Deadline {
+    pub(crate) fn after(total: Duration) -> Self {
+        Deadline {
+            end: Instant::now().checked_add(total),
+            total,
+        }
+    }
+
+    /// Time left (zero once expired). A duration too large to represent never expires.
+    pub(crate) fn remaining(&self) -> Duration {
+        match self.end {
+            Some(end) => end.saturating_duration_since(Instant::now()),
+            None => Duration::from_secs(u64::from(u32::MAX)),
+        }
+    }
+
+    pub(crate) fn expired(&self) -> bool {
+        self.remaining().is_zero()
+    }
+
+    pub(crate) fn timeout_error(&self, what: impl Into<String>) -> TransportError {
+        TransportError::Timeout {
+            what: what.into(),
+            after: self.total,
+        }
+    }
+}
+
+/// A heap byte buffer whose usable region starts 8-byte aligned, built in safe code (the backing
+/// `Vec<u8>` is never resized, so the alignment found at construction stays valid).
+pub(crate) struct AlignedBuf {
+    buf: Vec<u8>,
+    base: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    pub(crate) fn new(len: usize) -> Self {
+        let buf = vec![0u8; len + 8];
+        let off = buf.as_ptr().align_offset(8);
+        let base = if off < 8 { off } else { 0 };
+        AlignedBuf { buf, base, len }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        &self.buf[self.base..self.base + self.len]
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buf[self.base..self.base + self.len]
+    }
+}
+
+fn duration_to_timespec(d: Duration) -> libc::timespec {
+    // Cap at about 68 years so the seconds always fit in time_t.
+    let secs = d.as_secs().min(i32::MAX as u64);
+    libc::timespec {
+        tv_sec: secs as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    }
+}
+
+/// Blocks while `*word == expected`, for at most `timeout`; returns on wake, timeout, signal or
+/// value mismatch (the caller re-checks its condition). Uses a shared (not private) futex so
+/// wakers in other processes that map the same page reach it.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    if timeout.is_zero() {
+        return;
+    }
+    let ts = duration_to_timespec(timeout);
+    // SAFETY: `word` is a valid, aligned 32-bit atomic that outlives the call (it lives in a
+    // mapping or allocation the caller borrows); `ts` is a valid timespec on our stack; the
+    // remaining arguments are unused by FUTEX_WAIT. The kernel only reads these pointers.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every waiter blocked in [`futex_wait`] on `word` (in any process).
+pub(crate) fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned 32-bit atomic borrowed for the call; FUTEX_WAKE only uses
+    // its address as a key and reads no other pointer argument.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Watches a process for exit: a pidfd when the kernel has them, else `kill(pid, 0)` plus a look
+/// at `/proc/<pid>/stat` for zombies.
+#[derive(Debug)]
+pub(crate) struct ProcessWatch {
+    pid: i32,
+    pidfd: Option<OwnedFd>,
+}
+
+impl ProcessWatch {
+    pub(crate) fn new(pid: i32) -> Self {
+        let pidfd = if pid > 0 {
+            // SAFETY: pidfd_open takes a pid and flags by value and returns a new descriptor or -1;
+            // no memory is passed.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
+            if fd >= 0 && fd <= i64::from(i32::MAX) {
+                // SAFETY: the kernel just returned this descriptor to us; nobody else owns it.
+                Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+            } else {
+                None
+            }
+        } else {
+            None
+        };
+        ProcessWatch { pid, pidfd }
+    }
+
+    /// True when the process is known to have exited (zombies count as exited).
+    pub(crate) fn exited(&self) -> bool {
+        if self.pid <= 0 {
+            return false;
+        }
+        if let Some(fd) = &self.pidfd {
+            let mut fds = [nix::poll::PollFd::new(
+                fd.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            return match nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO) {
+                Ok(n) if n > 0 => fds[0].revents().is_some_and(|r| !r.is_empty()),
+                _ => false,
+            };
+        }
+        match nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), None) {
+            Err(nix::errno::Errno::ESRCH) => true,
+            _ => {
+                // A zombie still accepts signal 0; its state letter in /proc tells.
+                match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+                    Ok(stat) => stat
+                        .rsplit_once(')')
+                        .map(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+                        .unwrap_or(false),
+                    Err(_) => false,
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4194304").unwrap(), 4 << 20);
+        assert_eq!(parse_size("512K").unwrap(), 512 << 10);
+        assert_eq!(parse_size("4m").unwrap(), 4 << 20);
+        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert!(parse_size("").is_err());
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn aligned() {
+        for n in [1usize, 7, 64, 1000] {
+            let b = AlignedBuf::new(n);
+            assert_eq!(b.as_slice().as_ptr() as usize % 8, 0);
+            assert_eq!(b.len(), n);
+        }
+    }
+
+    #[test]
+    fn own_process_is_alive() {
+        let w = ProcessWatch::new(std::process::id() as i32);
+        assert!(!w.exited());
+    }
+}
