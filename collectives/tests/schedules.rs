@@ -1,0 +1,488 @@
+//! Runs every schedule builder in memory (`sim::run`) for all ranks and compares each rank's
+//! result with a direct reference computed from all ranks' inputs.
+//!
+//! Integer data is arbitrary (so wrapping is exercised); floating-point data is small integers
+//! (so every reduction order gives the same, exact result).
+
+use half::{bf16, f16};
+use proptest::prelude::*;
+use weftcc_collectives::schedule::{self, Schedule, ScheduleError};
+use weftcc_collectives::sim::{self, RankMemory, SimError};
+use weftcc_collectives::{Combiner, DataType};
+
+const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn bytes(&mut self, len: usize) -> Vec<u8> {
+        (0..len).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// Input data for one rank: arbitrary bytes for integers, small integers for floats (in
+/// {-2, -1, 1, 2} for products, so they stay exact, -8..=8 otherwise).
+fn gen_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> Vec<u8> {
+    if !dtype.is_float() {
+        return rng.bytes(elems * dtype.size());
+    }
+    let mut out = Vec::with_capacity(elems * dtype.size());
+    for _ in 0..elems {
+        let v = if comb == Combiner::Prod {
+            [-2.0, -1.0, 1.0, 2.0][rng.below(4)]
+        } else {
+            rng.below(17) as f64 - 8.0
+        };
+        match dtype {
+            DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
+            DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+            DataType::Float32 => out.extend((v as f32).to_le_bytes()),
+            _ => out.extend(v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// `acc = acc ⊕ x` element by element, written directly for each type (independent of the
+/// kernels in `reduce.rs`).
+fn ref_combine(dtype: DataType, comb: Combiner, acc: &mut [u8], x: &[u8]) {
+    macro_rules! int {
+        ($t:ty) => {{
+            const S: usize = std::mem::size_of::<$t>();
+            for (a, b) in acc.chunks_exact_mut(S).zip(x.chunks_exact(S)) {
+                let p = <$t>::from_le_bytes(a.try_into().unwrap());
+                let q = <$t>::from_le_bytes(b.try_into().unwrap());
+                let r = match comb {
+                    Combiner::Sum => p.wrapping_add(q),
+                    Combiner::Prod => p.wrapping_mul(q),
+                    Combiner::Min => p.min(q),
+                    Combiner::Max => p.max(q),
+                };
+                a.copy_from_slice(&r.to_le_bytes());
+            }
+        }};
+    }
+    macro_rules! float {
+        ($t:ty, $to:expr, $from:expr) => {{
+            const S: usize = std::mem::size_of::<$t>();
+            for (a, b) in acc.chunks_exact_mut(S).zip(x.chunks_exact(S)) {
+                let p: f64 = $to(<$t>::from_le_bytes(a.try_into().unwrap()));
+                let q: f64 = $to(<$t>::from_le_bytes(b.try_into().unwrap()));
+                let r = match comb {
+                    Combiner::Sum => p + q,
+                    Combiner::Prod => p * q,
+                    Combiner::Min => p.min(q),
+                    Combiner::Max => p.max(q),
+                };
+                let r: $t = $from(r);
+                a.copy_from_slice(&r.to_le_bytes());
+            }
+        }};
+    }
+    match dtype {
+        DataType::Int8 => int!(i8),
+        DataType::Uint8 => int!(u8),
+        DataType::Int32 => int!(i32),
+        DataType::Uint32 => int!(u32),
+        DataType::Int64 => int!(i64),
+        DataType::Uint64 => int!(u64),
+        DataType::Float16 => float!(f16, f16::to_f64, f16::from_f64),
+        DataType::Bfloat16 => float!(bf16, bf16::to_f64, bf16::from_f64),
+        DataType::Float32 => float!(f32, f64::from, |v: f64| v as f32),
+        DataType::Float64 => float!(f64, |v| v, |v| v),
+    }
+}
+
+/// Folds the given byte ranges of all ranks' inputs in rank order.
+fn fold(dtype: DataType, comb: Combiner, inputs: &[Vec<u8>], lo: usize, hi: usize) -> Vec<u8> {
+    let mut acc = inputs[0][lo..hi].to_vec();
+    for x in &inputs[1..] {
+        ref_combine(dtype, comb, &mut acc, &x[lo..hi]);
+    }
+    acc
+}
+
+/// Parameters shared by all property tests.
+#[derive(Debug, Clone)]
+struct Params {
+    n: usize,
+    count: usize,
+    slice: usize,
+    seed: u64,
+    dtype: DataType,
+    comb: Combiner,
+    cap: Option<usize>,
+    in_place: bool,
+    root: usize,
+}
+
+fn params(max_count: usize) -> impl Strategy<Value = Params> {
+    (
+        1usize..=16,
+        prop_oneof![0usize..=20, 0usize..=max_count],
+        prop_oneof![Just(0usize), 1usize..=8, 1usize..=5000],
+        any::<u64>(),
+        0usize..DataType::ALL.len(),
+        0usize..4,
+        prop_oneof![
+            2 => Just(None),
+            3 => (8usize..=4096).prop_map(Some),
+            1 => (1usize..8).prop_map(Some),
+        ],
+        any::<bool>(),
+        any::<usize>(),
+    )
+        .prop_map(
+            |(n, count, slice, seed, d, c, cap, in_place, root)| Params {
+                n,
+                count,
+                slice,
+                seed,
+                dtype: DataType::ALL[d],
+                comb: COMBS[c],
+                cap,
+                in_place,
+                root: root % n,
+            },
+        )
+}
+
+/// Runs the schedules with an interleaving policy drawn from `rng`.
+fn simulate(
+    p: &Params,
+    rng: &mut Rng,
+    scheds: &[Schedule],
+    mem: &mut [RankMemory],
+) -> Result<(), SimError> {
+    let policy = rng.below(4);
+    let mut pick = Rng(rng.next());
+    let mut sticky = 0usize;
+    let mut order = move |k: usize| match policy {
+        0 => 0,
+        1 => k - 1,
+        // Keep choosing the same position for a while, then jump.
+        2 => {
+            if pick.below(8) == 0 {
+                sticky = pick.below(k);
+            }
+            sticky % k
+        }
+        _ => pick.below(k),
+    };
+    sim::run(p.dtype, p.comb, scheds, mem, &mut order, p.cap)
+}
+
+fn build(
+    n: usize,
+    f: impl Fn(usize) -> Result<Schedule, ScheduleError>,
+) -> Result<Vec<Schedule>, TestCaseError> {
+    (0..n)
+        .map(|r| f(r).map_err(|e| TestCaseError::fail(format!("rank {r}: {e}"))))
+        .collect()
+}
+
+fn sim_ok(r: Result<(), SimError>) -> Result<(), TestCaseError> {
+    r.map_err(|e| TestCaseError::fail(e.to_string()))
+}
+
+fn check_all_reduce(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let bytes = p.count * p.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..p.n)
+        .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
+        .collect();
+    let scheds = build(p.n, |r| schedule::ring_all_reduce(r, p.n, p.count, p.slice))?;
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .map(|x| {
+            if p.in_place {
+                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
+            } else {
+                RankMemory::separate(x.clone(), rng.bytes(bytes))
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    let want = fold(p.dtype, p.comb, &inputs, 0, bytes);
+    for (r, m) in mem.iter().enumerate() {
+        prop_assert_eq!(m.output().unwrap(), &want[..], "rank {}", r);
+        if !p.in_place {
+            prop_assert_eq!(m.input().unwrap(), &inputs[r][..], "rank {} input", r);
+        }
+    }
+    Ok(())
+}
+
+fn check_reduce_scatter(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let block = p.count * p.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..p.n)
+        .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.n * p.count))
+        .collect();
+    let scheds = build(p.n, |r| {
+        schedule::ring_reduce_scatter(r, p.n, p.count, p.slice)
+    })?;
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .enumerate()
+        .map(|(r, x)| {
+            if p.in_place {
+                RankMemory::shared(x.clone(), (0, p.n * block), (r * block, block))
+            } else {
+                RankMemory::separate(x.clone(), rng.bytes(block))
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    for (r, m) in mem.iter().enumerate() {
+        let want = fold(p.dtype, p.comb, &inputs, r * block, (r + 1) * block);
+        prop_assert_eq!(m.output().unwrap(), &want[..], "rank {}", r);
+        // Every other block of Input is untouched, in place or not.
+        let input = m.input().unwrap();
+        for j in (0..p.n).filter(|&j| j != r || !p.in_place) {
+            let (lo, hi) = (j * block, (j + 1) * block);
+            prop_assert_eq!(&input[lo..hi], &inputs[r][lo..hi], "rank {} block {}", r, j);
+        }
+    }
+    Ok(())
+}
+
+fn check_all_gather(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let block = p.count * p.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(block)).collect();
+    let scheds = build(p.n, |r| schedule::ring_all_gather(r, p.n, p.count, p.slice))?;
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .enumerate()
+        .map(|(r, x)| {
+            let mut out = rng.bytes(p.n * block);
+            if p.in_place {
+                out[r * block..(r + 1) * block].copy_from_slice(x);
+                RankMemory::shared(out, (r * block, block), (0, p.n * block))
+            } else {
+                RankMemory::separate(x.clone(), out)
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    let want = inputs.concat();
+    for (r, m) in mem.iter().enumerate() {
+        prop_assert_eq!(m.output().unwrap(), &want[..], "rank {}", r);
+        prop_assert_eq!(m.input().unwrap(), &inputs[r][..], "rank {} input", r);
+    }
+    Ok(())
+}
+
+fn check_broadcast(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let bytes = p.count * p.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
+    let scheds = build(p.n, |r| {
+        schedule::chain_broadcast(r, p.n, p.root, p.count, p.slice)
+    })?;
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .map(|x| {
+            if p.in_place {
+                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
+            } else {
+                RankMemory::separate(x.clone(), rng.bytes(bytes))
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    for (r, m) in mem.iter().enumerate() {
+        prop_assert_eq!(m.output().unwrap(), &inputs[p.root][..], "rank {}", r);
+        if !p.in_place || r == p.root {
+            prop_assert_eq!(m.input().unwrap(), &inputs[r][..], "rank {} input", r);
+        }
+    }
+    Ok(())
+}
+
+fn check_reduce(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let bytes = p.count * p.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..p.n)
+        .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
+        .collect();
+    let scheds = build(p.n, |r| {
+        schedule::chain_reduce(r, p.n, p.root, p.count, p.slice)
+    })?;
+    let sentinels: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .zip(&sentinels)
+        .map(|(x, s)| {
+            if p.in_place {
+                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
+            } else {
+                RankMemory::separate(x.clone(), s.clone())
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    let want = fold(p.dtype, p.comb, &inputs, 0, bytes);
+    for (r, m) in mem.iter().enumerate() {
+        if r == p.root {
+            prop_assert_eq!(m.output().unwrap(), &want[..], "root {}", r);
+        } else if p.in_place {
+            // Output is Input: a non-root rank must leave it alone.
+            prop_assert_eq!(m.output().unwrap(), &inputs[r][..], "rank {}", r);
+        } else {
+            prop_assert_eq!(m.output().unwrap(), &sentinels[r][..], "rank {}", r);
+            prop_assert_eq!(m.input().unwrap(), &inputs[r][..], "rank {} input", r);
+        }
+    }
+    Ok(())
+}
+
+fn check_all_to_all(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let block = p.count * p.dtype.size();
+    let total = p.n * block;
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(total)).collect();
+    let scheds = build(p.n, |r| {
+        schedule::pairwise_all_to_all(r, p.n, p.count, p.slice, p.in_place)
+    })?;
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .map(|x| {
+            if p.in_place {
+                RankMemory::shared(x.clone(), (0, total), (0, total))
+            } else {
+                RankMemory::separate(x.clone(), rng.bytes(total))
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    for (r, m) in mem.iter().enumerate() {
+        let out = m.output().unwrap();
+        for (j, input) in inputs.iter().enumerate() {
+            prop_assert_eq!(
+                &out[j * block..(j + 1) * block],
+                &input[r * block..(r + 1) * block],
+                "rank {} block {}",
+                r,
+                j
+            );
+        }
+        if !p.in_place {
+            prop_assert_eq!(m.input().unwrap(), &inputs[r][..], "rank {} input", r);
+        }
+    }
+    Ok(())
+}
+
+fn check_barrier(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let scheds = build(p.n, |r| schedule::dissemination_barrier(r, p.n))?;
+    let mut mem: Vec<RankMemory> = (0..p.n)
+        .map(|_| RankMemory::separate(Vec::new(), Vec::new()))
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    // The defining property: no rank finishes before every rank has entered. Run the schedules
+    // of all ranks but one: the others must deadlock rather than complete.
+    if p.n > 1 {
+        let missing = p.root;
+        let mut partial = scheds.clone();
+        partial[missing].steps.clear();
+        let mut mem: Vec<RankMemory> = (0..p.n)
+            .map(|_| RankMemory::separate(Vec::new(), Vec::new()))
+            .collect();
+        match simulate(p, &mut rng, &partial, &mut mem) {
+            Err(SimError::Deadlock { stuck }) => {
+                // Every rank other than the missing one is still waiting.
+                let waiting: Vec<usize> = stuck.iter().map(|s| s.rank).collect();
+                let others: Vec<usize> = (0..p.n).filter(|&r| r != missing).collect();
+                prop_assert_eq!(waiting, others);
+            }
+            other => prop_assert!(false, "expected deadlock, got {:?}", other),
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn all_reduce_matches_reference(p in params(3000)) {
+        check_all_reduce(&p)?;
+    }
+
+    #[test]
+    fn reduce_scatter_matches_reference(p in params(300)) {
+        check_reduce_scatter(&p)?;
+    }
+
+    #[test]
+    fn all_gather_matches_reference(p in params(300)) {
+        check_all_gather(&p)?;
+    }
+
+    #[test]
+    fn broadcast_matches_reference(p in params(3000)) {
+        check_broadcast(&p)?;
+    }
+
+    #[test]
+    fn reduce_matches_reference(p in params(3000)) {
+        check_reduce(&p)?;
+    }
+
+    #[test]
+    fn all_to_all_matches_reference(p in params(200)) {
+        check_all_to_all(&p)?;
+    }
+
+    #[test]
+    fn barrier_completes_only_with_everyone(p in params(0)) {
+        check_barrier(&p)?;
+    }
+}
+
+/// Every data type and combiner through the reducing collectives, at a fixed awkward shape.
+#[test]
+fn every_dtype_and_combiner() {
+    for (i, dtype) in DataType::ALL.into_iter().enumerate() {
+        for (j, comb) in COMBS.into_iter().enumerate() {
+            for (n, count, slice, cap) in
+                [(5, 37, 4, Some(13)), (3, 2, 0, None), (7, 100, 9, Some(64))]
+            {
+                let p = Params {
+                    n,
+                    count,
+                    slice,
+                    seed: (i * 31 + j * 7 + n) as u64,
+                    dtype,
+                    comb,
+                    cap,
+                    in_place: (i + j) % 2 == 0,
+                    root: count % n,
+                };
+                let what = format!("{p:?}");
+                check_all_reduce(&p).expect(&what);
+                check_reduce_scatter(&p).expect(&what);
+                check_reduce(&p).expect(&what);
+                check_all_gather(&p).expect(&what);
+                check_broadcast(&p).expect(&what);
+                check_all_to_all(&p).expect(&what);
+            }
+        }
+    }
+}
