@@ -169,7 +169,7 @@ struct Inner {
 pub struct StoreServer {
     inner: Arc<Inner>,
     local: SocketAddr,
-    acceptor: Option<JoinHandle<()>>,
+    acceptor: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl StoreServer {
@@ -221,7 +221,7 @@ impl StoreServer {
         Ok(StoreServer {
             inner,
             local,
-            acceptor: Some(acceptor),
+            acceptor: Mutex::new(Some(acceptor)),
         })
     }
 
@@ -232,7 +232,7 @@ impl StoreServer {
 
     /// Stops serving: pending waits are answered CLOSED, connections are closed, threads joined.
     /// Idempotent; also done on drop.
-    pub fn shutdown(&mut self) {
+    pub fn shutdown(&self) {
         if self.inner.shutdown.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -241,7 +241,8 @@ impl StoreServer {
         for s in lock(&self.inner.socks).values() {
             let _ = s.shutdown(Shutdown::Read);
         }
-        if let Some(h) = self.acceptor.take() {
+        let acceptor = lock(&self.acceptor).take();
+        if let Some(h) = acceptor {
             let _ = h.join();
         }
         let threads = std::mem::take(&mut *lock(&self.inner.threads));

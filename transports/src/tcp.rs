@@ -261,6 +261,11 @@ pub struct Hello {
     pub namespace_hash: u64,
 }
 
+/// The communicator hash carried in handshakes for `namespace`.
+pub fn namespace_hash(namespace: &str) -> u64 {
+    fnv1a64(namespace.as_bytes())
+}
+
 /// Encodes a handshake frame (the token must be at most [`MAX_TOKEN_LEN`] bytes).
 pub fn encode_hello(token: &str, rank: u32, namespace_hash: u64) -> Result<Vec<u8>> {
     let tok = token.as_bytes();
@@ -654,7 +659,7 @@ impl TcpEndpoint {
             local,
             rank,
             token: token.to_string(),
-            namespace_hash: fnv1a64(namespace.as_bytes()),
+            namespace_hash: namespace_hash(namespace),
         })
     }
 

@@ -1,0 +1,638 @@
+//! One conformance suite, run against every transport (mem, shm, tcp over IPv4 and IPv6).
+//!
+//! Every scenario uses two threads standing in for two ranks, and every wait is bounded: a
+//! scenario that would hang fails with a deadline message instead.
+
+use std::time::{Duration, Instant};
+use weftcc_transports::{mem, shm, tcp, Connection, IdleWaiter, Interest, TransportError};
+
+type End = (Box<dyn Connection>, Box<dyn IdleWaiter>);
+
+/// Small ring sizes so that wrap-around happens constantly.
+const SMALL_RING: usize = 64 << 10;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn make_mem() -> Option<(End, End)> {
+    let (a, b) = mem::pair(0, 1, SMALL_RING);
+    let (wa, wb) = (a.waiter(), b.waiter());
+    Some(((Box::new(a), Box::new(wa)), (Box::new(b), Box::new(wb))))
+}
+
+fn make_shm() -> Option<(End, End)> {
+    let ((a, wa), (b, wb)) = shm::local_pair(0, 1, SMALL_RING).expect("shm pair");
+    Some(((Box::new(a), Box::new(wa)), (Box::new(b), Box::new(wb))))
+}
+
+fn make_tcp(family: tcp::Family) -> Option<(End, End)> {
+    match tcp::local_pair(0, 1, tcp::loopback(family)) {
+        Ok((a, b)) => {
+            let (wa, wb) = (a.waiter(), b.waiter());
+            Some(((Box::new(a), Box::new(wa)), (Box::new(b), Box::new(wb))))
+        }
+        Err(e) if family == tcp::Family::Inet6 => {
+            eprintln!("skipping: no IPv6 loopback ({e})");
+            None
+        }
+        Err(e) => panic!("tcp pair: {e}"),
+    }
+}
+
+fn make_tcp4() -> Option<(End, End)> {
+    make_tcp(tcp::Family::Inet)
+}
+
+fn make_tcp6() -> Option<(End, End)> {
+    make_tcp(tcp::Family::Inet6)
+}
+
+/// xorshift64*: deterministic randomness without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// The byte at stream offset `off` of a stream seeded with `seed`.
+fn pattern(seed: u64, off: u64) -> u8 {
+    let x = (off ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (x >> 56) as u8 ^ (off as u8)
+}
+
+fn fill(seed: u64, start: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern(seed, start + i as u64);
+    }
+}
+
+fn send_interest(peer: usize) -> [Interest; 1] {
+    [Interest {
+        peer,
+        recv: false,
+        send: true,
+    }]
+}
+
+fn recv_interest(peer: usize) -> [Interest; 1] {
+    [Interest {
+        peer,
+        recv: true,
+        send: false,
+    }]
+}
+
+/// Sends all of `data`, waiting for space when the transport is full.
+fn send_all(end: &mut End, data: &[u8], start: Instant) {
+    let peer = end.0.peer();
+    let mut off = 0;
+    while off < data.len() {
+        let n = end.0.try_send(&data[off..]).expect("try_send");
+        off += n;
+        if n == 0 {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "send stalled at {off}/{}",
+                data.len()
+            );
+            end.1
+                .wait(&send_interest(peer), Duration::from_millis(100))
+                .expect("wait");
+            end.0.check_peer().expect("check_peer");
+        }
+    }
+}
+
+fn sizes(rng: &mut Rng, count: usize, align8: bool) -> Vec<usize> {
+    (0..count)
+        .map(|_| {
+            let s = match rng.below(10) {
+                0..=3 => 1 + rng.below(64),
+                4..=6 => 1 + rng.below(64 << 10),
+                7 | 8 => 1 + rng.below(512 << 10),
+                _ => 1 + rng.below(3 << 20),
+            } as usize;
+            if align8 {
+                s.div_ceil(8) * 8
+            } else {
+                s
+            }
+        })
+        .collect()
+}
+
+/// Ordered delivery of many messages of random sizes, with partial consumption and
+/// `try_recv_into` on the receiving side.
+fn ordered_random(make: fn() -> Option<(End, End)>) {
+    let Some((mut a, mut b)) = make() else { return };
+    let seed = 0x1234_5678;
+    let mut rng = Rng(seed);
+    let msgs = sizes(&mut rng, 60, false);
+    let total: usize = msgs.iter().sum();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let msgs = &msgs;
+        s.spawn(move || {
+            let mut off = 0u64;
+            for &m in msgs {
+                let mut buf = vec![0u8; m];
+                fill(seed, off, &mut buf);
+                send_all(&mut a, &buf, start);
+                off += m as u64;
+            }
+            // Keep `a` alive until the receiver is done (dropping early is its own test).
+            a
+        });
+        let mut rng = Rng(seed ^ 0xdead);
+        let mut got = 0usize;
+        let mut scratch = vec![0u8; 1 << 20];
+        while got < total {
+            let n = if rng.below(4) == 0 {
+                let want = 1 + rng.below(scratch.len() as u64) as usize;
+                let want = want.min(total - got);
+                let n =
+                    b.0.try_recv_into(&mut scratch[..want])
+                        .expect("try_recv_into");
+                for (i, &x) in scratch[..n].iter().enumerate() {
+                    assert_eq!(
+                        x,
+                        pattern(seed, (got + i) as u64),
+                        "byte {} (into)",
+                        got + i
+                    );
+                }
+                n
+            } else {
+                let max = 1 + rng.below(2 << 20) as usize;
+                let frac = rng.below(5);
+                let base = got;
+                b.0.try_recv(max.min(total - got), &mut |sl: &[u8]| {
+                    assert!(sl.len() <= max);
+                    // Consume everything, nothing, or a random prefix.
+                    let take = match frac {
+                        0 => 0,
+                        1 => sl.len() / 2,
+                        _ => sl.len(),
+                    };
+                    for (i, &x) in sl[..take].iter().enumerate() {
+                        assert_eq!(x, pattern(seed, (base + i) as u64), "byte {}", base + i);
+                    }
+                    take
+                })
+                .expect("try_recv")
+            };
+            got += n;
+            if n == 0 {
+                assert!(
+                    start.elapsed() < DEADLINE,
+                    "receive stalled at {got}/{total}"
+                );
+                b.1.wait(&recv_interest(0), Duration::from_millis(100))
+                    .expect("wait");
+            }
+        }
+        assert_eq!(got, total);
+    });
+}
+
+/// Messages whose lengths are multiples of 8 are lent 8-aligned when consumed in multiples of 8.
+fn aligned_lending(make: fn() -> Option<(End, End)>) {
+    let Some((mut a, mut b)) = make() else { return };
+    let seed = 77;
+    let mut rng = Rng(seed);
+    let msgs = sizes(&mut rng, 40, true);
+    let total: usize = msgs.iter().sum();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let msgs = &msgs;
+        s.spawn(move || {
+            let mut off = 0u64;
+            for &m in msgs {
+                let mut buf = vec![0u8; m];
+                fill(seed, off, &mut buf);
+                send_all(&mut a, &buf, start);
+                off += m as u64;
+            }
+            a
+        });
+        let mut got = 0usize;
+        let mut rng = Rng(99);
+        while got < total {
+            let max = (8 + rng.below(1 << 20) as usize) & !7;
+            let base = got;
+            let n =
+                b.0.try_recv(max.min(total - got), &mut |sl: &[u8]| {
+                    let take = sl.len() & !7;
+                    if take > 0 {
+                        assert_eq!(
+                            sl.as_ptr() as usize % 8,
+                            0,
+                            "lent slice not 8-aligned at {base}"
+                        );
+                    }
+                    for (i, &x) in sl[..take].iter().enumerate() {
+                        assert_eq!(x, pattern(seed, (base + i) as u64));
+                    }
+                    take
+                })
+                .expect("try_recv");
+            got += n;
+            if n == 0 {
+                assert!(
+                    start.elapsed() < DEADLINE,
+                    "receive stalled at {got}/{total}"
+                );
+                b.1.wait(&recv_interest(0), Duration::from_millis(100))
+                    .expect("wait");
+            }
+        }
+    });
+}
+
+/// Both ends send and receive at the same time, more than any buffer holds.
+fn bidirectional(make: fn() -> Option<(End, End)>) {
+    let Some((a, b)) = make() else { return };
+    const BYTES: usize = 12 << 20;
+    let start = Instant::now();
+    let run = |mut end: End, my_seed: u64, peer_seed: u64| {
+        let peer = end.0.peer();
+        let mut out = vec![0u8; BYTES];
+        fill(my_seed, 0, &mut out);
+        let (mut sent, mut got) = (0usize, 0usize);
+        while sent < BYTES || got < BYTES {
+            let mut progress = false;
+            if sent < BYTES {
+                let n = end
+                    .0
+                    .try_send(&out[sent..(sent + 300_000).min(BYTES)])
+                    .expect("send");
+                sent += n;
+                progress |= n > 0;
+            }
+            if got < BYTES {
+                let base = got;
+                let n = end
+                    .0
+                    .try_recv(BYTES - got, &mut |sl: &[u8]| {
+                        for (i, &x) in sl.iter().enumerate() {
+                            assert_eq!(x, pattern(peer_seed, (base + i) as u64));
+                        }
+                        sl.len()
+                    })
+                    .expect("recv");
+                got += n;
+                progress |= n > 0;
+            }
+            if !progress {
+                assert!(
+                    start.elapsed() < DEADLINE,
+                    "bidirectional stalled: sent {sent} got {got}"
+                );
+                let i = [Interest {
+                    peer,
+                    recv: got < BYTES,
+                    send: sent < BYTES,
+                }];
+                end.1.wait(&i, Duration::from_millis(100)).expect("wait");
+            }
+        }
+        end
+    };
+    std::thread::scope(|s| {
+        let h = s.spawn(move || run(a, 1, 2));
+        let b = run(b, 2, 1);
+        let a = h.join().expect("thread");
+        drop((a, b));
+    });
+}
+
+/// A long wait returns promptly when data arrives, and when space is freed.
+fn wakes_on_data_and_space(make: fn() -> Option<(End, End)>) {
+    let Some((mut a, mut b)) = make() else { return };
+    // Data: b waits (up to 10 s per call) while a sends after 200 ms.
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            assert_eq!(a.0.try_send(b"x").expect("send"), 1);
+        });
+        let mut got = 0;
+        while got == 0 {
+            got = b.0.try_recv(1, &mut |sl: &[u8]| sl.len()).expect("recv");
+            if got == 0 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "waiter missed the data wake-up"
+                );
+                b.1.wait(&recv_interest(0), Duration::from_secs(10))
+                    .expect("wait");
+            }
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5));
+
+    // Space: fill a's direction, then b drains after 200 ms while a waits for room.
+    let chunk = vec![7u8; 256 << 10];
+    let fill_start = Instant::now();
+    let mut zeros = 0;
+    while zeros < 2 {
+        if a.0.try_send(&chunk).expect("send") == 0 {
+            // TCP may need a moment for the kernel to move data into the peer's buffer.
+            zeros += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        } else {
+            zeros = 0;
+        }
+        assert!(
+            fill_start.elapsed() < Duration::from_secs(10),
+            "could not fill the connection"
+        );
+    }
+    let t1 = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            while b
+                .0
+                .try_recv(usize::MAX, &mut |sl: &[u8]| sl.len())
+                .expect("drain")
+                > 0
+            {}
+        });
+        loop {
+            let n = a.0.try_send(b"y").expect("send");
+            if n > 0 {
+                break;
+            }
+            assert!(
+                t1.elapsed() < Duration::from_secs(5),
+                "waiter missed the space wake-up"
+            );
+            a.1.wait(&send_interest(1), Duration::from_secs(10))
+                .expect("wait");
+        }
+    });
+    assert!(t1.elapsed() < Duration::from_secs(5));
+}
+
+/// Ping-pong where every wait may last 5 s: a single lost wake-up would show as a slow round.
+fn no_lost_wakeup(make: fn() -> Option<(End, End)>) {
+    let Some((a, b)) = make() else { return };
+    const ROUNDS: u64 = 3000;
+    let pong = |mut end: End, first: bool| {
+        let peer = end.0.peer();
+        let mut worst = Duration::ZERO;
+        for i in 0..ROUNDS {
+            let msg = i.to_le_bytes();
+            if first {
+                assert_eq!(end.0.try_send(&msg).expect("send"), 8);
+            }
+            let t = Instant::now();
+            let mut buf = [0u8; 8];
+            let mut got = 0;
+            while got < 8 {
+                let n = end.0.try_recv_into(&mut buf[got..]).expect("recv");
+                got += n;
+                if n == 0 {
+                    assert!(
+                        t.elapsed() < Duration::from_secs(4),
+                        "lost wake-up in round {i}"
+                    );
+                    end.1
+                        .wait(&recv_interest(peer), Duration::from_secs(5))
+                        .expect("wait");
+                }
+            }
+            assert_eq!(u64::from_le_bytes(buf), i);
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "round {i} took {:?}: lost wake-up",
+                t.elapsed()
+            );
+            worst = worst.max(t.elapsed());
+            if !first {
+                assert_eq!(end.0.try_send(&msg).expect("send"), 8);
+            }
+        }
+        (end, worst)
+    };
+    std::thread::scope(|s| {
+        let h = s.spawn(move || pong(a, true));
+        let (_b, worst_b) = pong(b, false);
+        let (_a, worst_a) = h.join().expect("thread");
+        assert!(
+            worst_a.max(worst_b) < Duration::from_secs(3),
+            "worst round {:?}",
+            worst_a.max(worst_b)
+        );
+    });
+}
+
+/// A dropped peer is reported as `PeerLost` once its buffered bytes were read, never earlier.
+fn peer_dropped(make: fn() -> Option<(End, End)>) {
+    let Some((mut a, mut b)) = make() else { return };
+    let mut data = vec![0u8; 40_000];
+    fill(5, 0, &mut data);
+    send_all(&mut a, &data, Instant::now());
+    drop(a);
+    let t = Instant::now();
+    // Buffered bytes must still be readable.
+    b.0.check_peer()
+        .expect("peer must not count as lost while bytes are buffered");
+    let mut got = Vec::new();
+    let lost = loop {
+        match b.0.try_recv(usize::MAX, &mut |sl: &[u8]| {
+            got.extend_from_slice(sl);
+            sl.len()
+        }) {
+            Ok(0) => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "no PeerLost after drop"
+                );
+                b.1.wait(&recv_interest(0), Duration::from_millis(50))
+                    .expect("wait");
+            }
+            Ok(_) => {}
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(
+        got, data,
+        "buffered bytes must be delivered before PeerLost"
+    );
+    assert!(
+        matches!(lost, TransportError::PeerLost { peer: 0, .. }),
+        "{lost:?}"
+    );
+    assert!(matches!(
+        b.0.check_peer(),
+        Err(TransportError::PeerLost { .. })
+    ));
+    // Sending to the dropped peer fails too (TCP may accept a first write before the reset).
+    let t = Instant::now();
+    loop {
+        match b.0.try_send(&data) {
+            Err(TransportError::PeerLost { .. }) => break,
+            Err(e) => panic!("unexpected {e:?}"),
+            Ok(_) => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "send to dropped peer never failed"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+macro_rules! suite {
+    ($name:ident, $make:expr) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn ordered_random_sizes() {
+                ordered_random($make);
+            }
+            #[test]
+            fn aligned_lending_for_8_byte_messages() {
+                aligned_lending($make);
+            }
+            #[test]
+            fn bidirectional_traffic() {
+                bidirectional($make);
+            }
+            #[test]
+            fn waiter_wakes_on_data_and_space() {
+                wakes_on_data_and_space($make);
+            }
+            #[test]
+            fn ping_pong_never_loses_a_wakeup() {
+                no_lost_wakeup($make);
+            }
+            #[test]
+            fn dropped_peer_is_lost_after_draining() {
+                peer_dropped($make);
+            }
+        }
+    };
+}
+
+suite!(mem_transport, make_mem);
+suite!(shm_transport, make_shm);
+suite!(tcp4_transport, make_tcp4);
+suite!(tcp6_transport, make_tcp6);
+
+// ---------------------------------------------------------------------------------------------
+// A peer process killed with SIGKILL.
+// ---------------------------------------------------------------------------------------------
+
+const CHILD_ENV: &str = "WEFT_TEST_SHM_CHILD_TOKEN";
+
+fn child_role(token: &str) {
+    // Rank 1 in a child process: connect to rank 0, say hello, then wait to be killed.
+    let seg = shm::ShmSegment::create(token, "kill", 1, &[0], SMALL_RING).expect("child segment");
+    let parent = shm::segment_name(token, "kill", 0);
+    let t = Instant::now();
+    let mut conn = loop {
+        match seg.connect(0, &parent) {
+            Ok(c) => break c,
+            Err(_) if t.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("child connect: {e}"),
+        }
+    };
+    assert_eq!(conn.try_send(b"childok!").expect("child send"), 8);
+    // Never exit on our own within the test's lifetime (the parent kills us); give up after 60 s
+    // so an orphan cannot linger.
+    std::thread::sleep(Duration::from_secs(60));
+    std::process::exit(3);
+}
+
+#[test]
+fn shm_child_killed_is_peer_lost() {
+    if let Ok(token) = std::env::var(CHILD_ENV) {
+        child_role(&token);
+        return;
+    }
+    let token = format!("kill{}", std::process::id());
+    let seg = shm::ShmSegment::create(&token, "kill", 0, &[1], SMALL_RING).expect("segment");
+    let mut child = std::process::Command::new(std::env::current_exe().expect("exe"))
+        .args([
+            "--exact",
+            "shm_child_killed_is_peer_lost",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, &token)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn child");
+    let child_seg = shm::segment_name(&token, "kill", 1);
+    let t = Instant::now();
+    let mut conn = loop {
+        match seg.connect(1, &child_seg) {
+            Ok(c) => break c,
+            Err(e) => {
+                if t.elapsed() > Duration::from_secs(15) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("parent connect: {e}");
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    };
+    let mut waiter = seg.waiter();
+    let mut buf = [0u8; 8];
+    let mut got = 0;
+    while got < 8 {
+        let n = conn.try_recv_into(&mut buf[got..]).expect("recv hello");
+        got += n;
+        if n == 0 {
+            assert!(t.elapsed() < Duration::from_secs(20), "no hello from child");
+            waiter
+                .wait(&recv_interest(1), Duration::from_millis(100))
+                .expect("wait");
+        }
+    }
+    assert_eq!(&buf, b"childok!");
+    conn.check_peer().expect("child is alive");
+
+    child.kill().expect("SIGKILL"); // not reaped yet: the child is a zombie, which must count as dead
+    let killed = Instant::now();
+    let err = loop {
+        match conn.check_peer() {
+            Err(e) => break e,
+            Ok(()) => {
+                assert!(
+                    killed.elapsed() < Duration::from_secs(2),
+                    "killed peer not detected within 2 s"
+                );
+                waiter
+                    .wait(&recv_interest(1), Duration::from_millis(20))
+                    .expect("wait");
+            }
+        }
+    };
+    assert!(
+        matches!(err, TransportError::PeerLost { peer: 1, .. }),
+        "{err:?}"
+    );
+    assert!(matches!(
+        conn.try_send(b"z"),
+        Err(TransportError::PeerLost { .. })
+    ));
+    let _ = child.wait();
+    drop(seg);
+    // The child's segment name outlives it (it never reached an unlink); clean up.
+    let _ = nix::sys::mman::shm_unlink(child_seg.as_str());
+}
