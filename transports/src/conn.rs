@@ -18,7 +18,7 @@
 //! * `try_recv` lends at most `max` contiguous bytes; only the prefix that `consume` reports as used
 //!   is removed from the stream. If every message length is a multiple of 8 bytes, every lent slice
 //!   starts 8-byte aligned in memory (so typed reductions can read it in place).
-//! * A dead or closed peer becomes [`TransportError::PeerLost`] once no buffered bytes remain to be
+//! * A dead or closed peer becomes [`TransportError::PeerLost`](crate::TransportError::PeerLost) once no buffered bytes remain to be
 //!   read, never a hang and never a panic.
 
 use crate::error::Result;
@@ -62,6 +62,7 @@ pub trait Connection: Send {
 /// What the engine is waiting for on one peer's connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interest {
+    /// The peer's rank.
     pub peer: usize,
     /// Waiting for bytes from this peer.
     pub recv: bool,

@@ -7,13 +7,28 @@ use std::time::Duration;
 pub enum TransportError {
     /// The peer closed its end, its process died, or its socket reset.
     #[error("peer rank {peer} lost ({detail})")]
-    PeerLost { peer: usize, detail: String },
+    PeerLost {
+        /// The lost peer's rank.
+        peer: usize,
+        /// What was observed (closed, exited, reset).
+        detail: String,
+    },
     /// An operating-system call failed.
     #[error("{what}: {message}")]
-    Io { what: String, message: String },
+    Io {
+        /// What was being done.
+        what: String,
+        /// The system's error message.
+        message: String,
+    },
     /// A bootstrap or connection step did not finish in time.
     #[error("timed out after {after:?} while {what}")]
-    Timeout { what: String, after: Duration },
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// The limit that expired.
+        after: Duration,
+    },
     /// A peer sent something that breaks the protocol (bad magic, version, token, frame).
     #[error("protocol violation: {0}")]
     Protocol(String),

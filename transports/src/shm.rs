@@ -8,7 +8,7 @@
 //! ```text
 //! header (1+ pages): magic u64 | version u32 | nslots u32 | capacity u64 | header size u64 |
 //!                    ring control size u64 | total size u64 | owner pid u32 | owner rank u32 |
-//!   @64:  doorbell AtomicU32, "sleeping" AtomicU32   (one cache line)
+//!   @64:  doorbell AtomicU32, sleeping-waiters count AtomicU32   (one cache line)
 //!   @128: slot table, one u32 per slot = the rank of the peer that writes that ring
 //! ring i: control page: @0 head AtomicU64 (bytes written, by the sender)
 //!                       @64 tail AtomicU64 (bytes consumed, by the receiver)
@@ -17,11 +17,12 @@
 //! ```
 //!
 //! Signalling: after publishing `head` (or `tail`) with Release, a side increments the other
-//! side's doorbell and, if that side's sleeping flag is set, wakes it with `FUTEX_WAKE` (a shared
-//! futex: the waker may live in another process). [`ShmWaiter::wait`] sets its sleeping flag,
+//! side's doorbell and, if that side's sleeping count is non-zero, wakes it with `FUTEX_WAKE` (a
+//! shared futex: the waker may live in another process). [`ShmWaiter`] raises the sleeping count,
 //! compares the doorbell with the value it saw when it last returned, and only then sleeps in
-//! `FUTEX_WAIT`; with SeqCst on both flag and doorbell either the waker sees the flag or the
-//! waiter sees the new doorbell value, so no wake-up is lost.
+//! `FUTEX_WAIT`; with SeqCst on both count and doorbell either the waker sees the count or the
+//! waiter sees the new doorbell value, and `FUTEX_WAIT` itself rechecks the value atomically, so
+//! no wake-up is lost.
 //!
 //! Liveness: a dropped connection sets its closed flags; a dead process is found through a pidfd
 //! (readable once the process exited, zombies included), falling back to `kill(pid, 0)`.
@@ -714,12 +715,13 @@ impl ShmWaiter {
     pub fn wait_doorbell(&mut self, max: Duration) -> bool {
         let bell = self.map.doorbell();
         let sleeping = self.map.sleeping();
-        sleeping.store(1, Ordering::SeqCst);
+        // A count rather than a flag, so that several waiters on one segment stay correct.
+        sleeping.fetch_add(1, Ordering::SeqCst);
         let cur = bell.load(Ordering::SeqCst);
         if cur == self.last {
             futex_wait(bell, cur, max);
         }
-        sleeping.store(0, Ordering::SeqCst);
+        sleeping.fetch_sub(1, Ordering::SeqCst);
         let now = bell.load(Ordering::SeqCst);
         let rung = now != self.last;
         self.last = now;

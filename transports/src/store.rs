@@ -322,7 +322,9 @@ fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
     let _ = sock.set_write_timeout(Some(STORE_IO_TIMEOUT));
     let _ = sock.set_read_timeout(Some(Duration::from_millis(100)));
     if let Err(why) = server_handshake(sock, inner) {
-        tracing::warn!(from = %from, reason = %why, "store refused a connection");
+        if !inner.shutdown.load(Ordering::Acquire) {
+            tracing::warn!(from = %from, reason = %why, "store refused a connection");
+        }
         return;
     }
     let _ = sock.set_read_timeout(Some(IDLE_POLL));
@@ -680,7 +682,8 @@ impl StoreClient {
         }
     }
 
-    /// Sends one request and reads its response, waiting at most `wait` for it.
+    /// Sends one request and reads its response, waiting at most `wait` (plus a margin for the
+    /// network) for it.
     fn call(&mut self, payload: &[u8], wait: Duration) -> Result<Vec<u8>> {
         if self.closed {
             return Err(TransportError::StoreClosed);
@@ -748,7 +751,7 @@ impl StoreClient {
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         let mut v = Self::key_request(OP_SET, key);
         v.extend_from_slice(value);
-        self.call(&v, Duration::ZERO).map(|_| ())
+        self.call(&v, self.timeout).map(|_| ())
     }
 
     /// The value of `key`, waiting up to `timeout` for it to be set.
@@ -787,7 +790,7 @@ impl StoreClient {
         let mut v = vec![OP_ADD];
         v.extend_from_slice(&delta.to_le_bytes());
         put_key(&mut v, key.as_bytes());
-        let r = self.call(&v, Duration::ZERO)?;
+        let r = self.call(&v, self.timeout)?;
         let b: [u8; 8] = r
             .as_slice()
             .try_into()
@@ -797,13 +800,13 @@ impl StoreClient {
 
     /// Whether `key` is set (does not wait).
     pub fn check(&mut self, key: &str) -> Result<bool> {
-        let r = self.call(&Self::key_request(OP_CHECK, key), Duration::ZERO)?;
+        let r = self.call(&Self::key_request(OP_CHECK, key), self.timeout)?;
         Ok(r.first().copied() == Some(1))
     }
 
     /// Removes `key`; returns whether it existed.
     pub fn delete(&mut self, key: &str) -> Result<bool> {
-        let r = self.call(&Self::key_request(OP_DELETE, key), Duration::ZERO)?;
+        let r = self.call(&Self::key_request(OP_DELETE, key), self.timeout)?;
         Ok(r.first().copied() == Some(1))
     }
 
