@@ -152,7 +152,6 @@ impl Context<'_> {
 }
 
 /// Progress of the header exchange or of one message on a connection.
-#[derive(Default)]
 struct Cursor {
     /// Steps of this direction, in schedule order.
     steps: Vec<usize>,
@@ -165,6 +164,20 @@ struct Cursor {
     header: [u8; HEADER_LEN],
     /// The header this rank expects from the peer (receive side).
     expect: Option<OpDesc>,
+}
+
+impl Default for Cursor {
+    fn default() -> Self {
+        Cursor {
+            steps: Vec::new(),
+            next: 0,
+            moved: 0,
+            header_done: false,
+            header_moved: 0,
+            header: [0; HEADER_LEN],
+            expect: None,
+        }
+    }
 }
 
 impl Cursor {
@@ -262,11 +275,19 @@ pub fn execute_with_headers(
         match step.action {
             Action::Send { peer, .. } => {
                 let k = index_of(&mut peers, peer);
-                peers[k].send.get_or_insert_with(Cursor::default).steps.push(i);
+                peers[k]
+                    .send
+                    .get_or_insert_with(Cursor::default)
+                    .steps
+                    .push(i);
             }
             Action::RecvCopy { peer, .. } | Action::RecvReduce { peer, .. } => {
                 let k = index_of(&mut peers, peer);
-                peers[k].recv.get_or_insert_with(Cursor::default).steps.push(i);
+                peers[k]
+                    .recv
+                    .get_or_insert_with(Cursor::default)
+                    .steps
+                    .push(i);
             }
             Action::Copy { .. } => copies.push(i),
         }
@@ -305,8 +326,7 @@ pub fn execute_with_headers(
             for &i in &copies {
                 if !done[i] && ready(&done, i) {
                     let [(da, doff, len), (sa, soff, _)] = places[i];
-                    copy_region(areas, (sa, soff), (da, doff), len)
-                        .map_err(|e| ctx.internal(e))?;
+                    copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
                     done[i] = true;
                     copies_left -= 1;
                     progressed = true;
@@ -321,11 +341,13 @@ pub fn execute_with_headers(
                 None => return Err(ctx.internal(format!("no connection to rank {}", p.peer))),
             };
             if let Some(cur) = p.send.as_mut() {
-                progressed |= pump_sends(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
+                progressed |=
+                    pump_sends(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
                 pending |= cur.pending();
             }
             if let Some(cur) = p.recv.as_mut() {
-                progressed |= pump_recvs(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
+                progressed |=
+                    pump_recvs(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
                 pending |= cur.pending();
             }
         }
@@ -348,7 +370,10 @@ pub fn execute_with_headers(
         if now >= ctx.deadline {
             let mut waiting_on: Vec<usize> = peers
                 .iter()
-                .filter(|p| p.send.as_ref().is_some_and(Cursor::pending) || p.recv.as_ref().is_some_and(Cursor::pending))
+                .filter(|p| {
+                    p.send.as_ref().is_some_and(Cursor::pending)
+                        || p.recv.as_ref().is_some_and(Cursor::pending)
+                })
                 .map(|p| p.peer)
                 .collect();
             waiting_on.sort_unstable();
@@ -501,7 +526,8 @@ fn pump_recvs(
                             return Err(ctx.internal("receive into read-only memory".into()))
                         }
                     };
-                    conn.try_recv_into(dst).map_err(|e| ctx.transport(peer, e))?
+                    conn.try_recv_into(dst)
+                        .map_err(|e| ctx.transport(peer, e))?
                 }
                 Some((la, loff)) => {
                     let dtype = ctx.dtype;
@@ -513,7 +539,14 @@ fn pump_recvs(
                         if n == 0 {
                             return 0;
                         }
-                        match reduce_from(areas, dtype, comb, (da, doff + at), (la, loff + at), &src[..n]) {
+                        match reduce_from(
+                            areas,
+                            dtype,
+                            comb,
+                            (da, doff + at),
+                            (la, loff + at),
+                            &src[..n],
+                        ) {
                             Ok(()) => n,
                             Err(e) => {
                                 failure = Some(e);
@@ -620,8 +653,14 @@ fn reduce_from(
         Area::ReadWrite(b) => &mut b[doff..doff + n],
         Area::ReadOnly(_) => return Err("reduce into read-only memory".into()),
     };
-    reduce::reduce_into(dtype, comb, dst_buf, &local_area.bytes()[loff..loff + n], incoming)
-        .map_err(|e| e.to_string())
+    reduce::reduce_into(
+        dtype,
+        comb,
+        dst_buf,
+        &local_area.bytes()[loff..loff + n],
+        incoming,
+    )
+    .map_err(|e| e.to_string())
 }
 
 fn two_areas<'s, 'a>(

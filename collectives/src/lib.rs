@@ -6,7 +6,9 @@
 
 #![forbid(unsafe_code)]
 
+pub mod comm;
 pub mod dtype;
+pub mod engine;
 pub mod env;
 pub mod error;
 pub mod header;
@@ -16,6 +18,7 @@ pub mod reduce;
 pub mod schedule;
 pub mod sim;
 
+pub use comm::{CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
 pub use dtype::{DataType, Element};
 pub use env::LaunchInfo;
 pub use error::{Error, Result};
