@@ -22,6 +22,7 @@ use crate::store::StoreClient;
 use crate::tcp::{self, Family, TcpEndpoint, TcpWaiter};
 use crate::util::{env_nonempty, Deadline};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// Default bootstrap timeout of [`MeshConfig::from_env`].
@@ -322,6 +323,7 @@ impl Mesh {
             })?;
             addrs[p] = Some(a);
         }
+        let cancel = AtomicBool::new(false);
         let (accepted, connected) = std::thread::scope(|s| {
             let acceptor = if lower.is_empty() {
                 None
@@ -329,7 +331,8 @@ impl Mesh {
                 let ep = &endpoint;
                 let lower = &lower;
                 let left = deadline.remaining();
-                Some(s.spawn(move || ep.accept_peers(lower, left)))
+                let cancel = &cancel;
+                Some(s.spawn(move || ep.accept_peers_until(lower, left, Some(cancel))))
             };
             let mut connected = Vec::new();
             let mut err = None;
@@ -338,6 +341,8 @@ impl Mesh {
                 match endpoint.connect_peer(p, a, deadline.remaining()) {
                     Ok(c) => connected.push(c),
                     Err(e) => {
+                        // No point waiting for the lower ranks any longer.
+                        cancel.store(true, Ordering::Release);
                         err = Some(e);
                         break;
                     }
@@ -360,7 +365,9 @@ impl Mesh {
                 },
             )
         });
-        for c in connected?.into_iter().chain(accepted?) {
+        // A connect error is the root cause; the acceptor then only reports being aborted.
+        let connected = connected?;
+        for c in connected.into_iter().chain(accepted?) {
             let p = c.peer();
             tracing::info!(rank, peer = p, transport = "tcp", "mesh connection");
             tcp_waiter.add(c.poll_handle());

@@ -34,7 +34,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -675,6 +675,17 @@ impl TcpEndpoint {
         expected: &[usize],
         timeout: Duration,
     ) -> Result<Vec<TcpConnection>> {
+        self.accept_peers_until(expected, timeout, None)
+    }
+
+    /// Like [`TcpEndpoint::accept_peers`], but gives up with [`TransportError::Aborted`] as soon
+    /// as `cancel` becomes true (checked every few milliseconds).
+    pub fn accept_peers_until(
+        &self,
+        expected: &[usize],
+        timeout: Duration,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<Vec<TcpConnection>> {
         use nix::poll::{PollFd, PollFlags, PollTimeout};
         let deadline = Deadline::after(timeout);
         let (tx, rx) = mpsc::channel::<(u32, Socket)>();
@@ -691,6 +702,9 @@ impl TcpEndpoint {
             }
             if got.len() == expected.len() {
                 break;
+            }
+            if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+                return Err(TransportError::Aborted);
             }
             if deadline.expired() {
                 let missing: Vec<usize> = expected
