@@ -402,3 +402,130 @@ fn sigterm_to_the_launcher_is_forwarded() {
         .contains("received SIGTERM; forwarding it to 2 running workers"));
     assert!(out.elapsed < Duration::from_secs(20));
 }
+
+/// Runs `weft perf` (which launches its own ranks unless started by a launcher).
+fn perf(args: &[&str], launcher: Option<&[&str]>) -> Out {
+    let start = Instant::now();
+    let mut cmd = Command::new(WEFT);
+    if let Some(l) = launcher {
+        cmd.arg("run").args(l).arg("--").arg(WEFT);
+    }
+    cmd.arg("perf")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for k in ["WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"] {
+        cmd.env_remove(k);
+    }
+    finish(cmd.spawn().expect("start weft perf"), start)
+}
+
+fn rows(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .map(|l| l.split_once("]: ").map_or(l, |(_, r)| r))
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+#[test]
+fn perf_launches_its_own_ranks_and_checks_results() {
+    let json = std::env::temp_dir().join(format!("weft-perf-{}.json", std::process::id()));
+    let out = perf(
+        &[
+            "all-reduce",
+            "-b",
+            "8",
+            "-e",
+            "1K",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--np",
+            "3",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("#  Rank  2 Group  0 Pid"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains(
+        "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"
+    ));
+    assert!(out.stdout.contains("# Out of bounds values : 0 OK"));
+    assert!(out.stdout.contains("# Avg bus bandwidth    : "));
+    let rows = rows(&out.stdout);
+    let sizes: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+    assert_eq!(sizes, ["8", "16", "32", "64", "128", "256", "512", "1024"]);
+    for r in &rows {
+        assert_eq!(r.len(), 13, "{r:?}");
+        assert_eq!(&r[2..5], ["float", "sum", "-1"]);
+        assert_eq!((r[8].as_str(), r[12].as_str()), ("0", "0"));
+    }
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let a = v.as_array().unwrap();
+    assert_eq!(a.len(), 8);
+    assert_eq!(a[0]["collective"], "all-reduce");
+    assert_eq!(a[0]["nranks"], 3);
+    assert_eq!(a[7]["size"], 1024);
+    assert_eq!(a[7]["count"], 256);
+    assert_eq!(a[7]["oop"]["wrong"], 0);
+}
+
+#[test]
+fn perf_under_weft_run_prints_on_rank_0_only() {
+    let out = perf(
+        &[
+            "all-gather",
+            "-b",
+            "1K",
+            "-e",
+            "4K",
+            "-d",
+            "half",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-c",
+            "0",
+        ],
+        Some(&["-n", "2"]),
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.lines().all(|l| l.starts_with("[0]: ")),
+        "{}",
+        out.stdout
+    );
+    let rows = rows(&out.stdout);
+    assert_eq!(rows.len(), 3);
+    // 1 KiB of halves over 2 ranks: 256 elements per rank; no check: N/A.
+    assert_eq!(&rows[0][..5], ["1024", "256", "half", "none", "-1"]);
+    assert_eq!((rows[0][8].as_str(), rows[0][12].as_str()), ("N/A", "N/A"));
+}
+
+#[test]
+fn perf_rejects_bad_arguments() {
+    let out = perf(&["broadcast", "-r", "5", "--np", "2"], None);
+    assert_eq!(out.code, Some(2));
+    assert!(
+        out.stderr.contains("root 5 is out of range for 2 ranks"),
+        "{}",
+        out.stderr
+    );
+    let out = perf(&["all-reduce", "-d", "float128"], None);
+    assert_eq!(out.code, Some(2));
+    let out = perf(&["all-reduce", "-b", "1M", "-e", "1K"], None);
+    assert_eq!(out.code, Some(2));
+}

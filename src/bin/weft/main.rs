@@ -5,6 +5,7 @@
 //!   fails.
 //! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives.
 
+mod perf;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -25,12 +26,15 @@ struct Cli {
 enum Command {
     /// Launch N worker processes per node with the environment torchrun would give them.
     Run(run::RunArgs),
+    /// Benchmark a collective, printing nccl-tests-compatible tables.
+    Perf(perf::PerfArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Run(args) => run::main(args),
+        Command::Perf(args) => perf::main(args),
     };
     std::process::exit(code);
 }

@@ -1,0 +1,650 @@
+//! `weft perf`: nccl-tests-compatible microbenchmarks of weftcc's collectives.
+//!
+//! The pure parts (size parsing and sweeps, per-collective counts and bus-bandwidth factors, the
+//! validation patterns and their expected values, row formatting) live in [`spec`] with unit tests;
+//! this module holds the command line and the driver that runs them on a communicator.
+
+use std::io::Write;
+use std::time::Instant;
+
+use weftcc::{Communicator, DataType, Element, Error, ReduceOp};
+
+use crate::run::Launch;
+
+pub mod spec;
+
+use spec::{Collective, Measured, Pattern};
+
+const AFTER_HELP: &str = "\
+Sizes accept K, M, G suffixes (binary: 1K = 1024). Without -i the sweep multiplies by -f (default
+2); with -i it adds that many bytes. Started by `weft run`, srun or mpirun, every process is one
+rank; started alone, weft perf launches --np local ranks of itself. Only rank 0 prints. -z is
+accepted for compatibility (weftcc's calls are blocking). The exit code is 1 when any value was
+wrong or an operation failed.";
+
+/// Command-line arguments of `weft perf`.
+#[derive(clap::Args, Debug, Clone)]
+#[command(after_help = AFTER_HELP)]
+pub struct PerfArgs {
+    /// Collective to benchmark.
+    #[arg(value_enum)]
+    pub collective: Collective,
+    /// Smallest size in bytes.
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = spec::parse_size)]
+    pub min_bytes: u64,
+    /// Largest size in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "128M", value_parser = spec::parse_size)]
+    pub max_bytes: u64,
+    /// Multiply the size by this factor between rows (default 2, or 1 when -i is given).
+    #[arg(short = 'f', long = "stepfactor")]
+    pub step_factor: Option<u64>,
+    /// Add this many bytes between rows instead of multiplying.
+    #[arg(short = 'i', long = "stepbytes", value_parser = spec::parse_size)]
+    pub step_bytes: Option<u64>,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub iters: u64,
+    /// Warm-up iterations per size.
+    #[arg(
+        short = 'w',
+        long = "warmup_iters",
+        visible_alias = "warmup-iters",
+        default_value_t = 5
+    )]
+    pub warmup: u64,
+    /// Check results (0 or 1).
+    #[arg(short = 'c', long = "check", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub check: u8,
+    /// Reduction: sum, prod, min, max, avg or all.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    pub op: String,
+    /// Data type: int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16 or all.
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    pub datatype: String,
+    /// Root rank of broadcast and reduce.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    pub root: usize,
+    /// Time reported across ranks: 0 rank 0's, 1 average, 2 minimum, 3 maximum.
+    #[arg(short = 'a', long = "average", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub average: u8,
+    /// Blocking collectives (0 or 1); accepted for compatibility, weftcc's calls always block.
+    #[arg(short = 'z', long = "blocking", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub blocking: u8,
+    /// Ranks to launch when not started by a launcher.
+    #[arg(long = "np", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub np: u32,
+    /// Rank 0 writes the rows as a JSON array to this file.
+    #[arg(long = "json", value_name = "FILE")]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// The parsed, validated options.
+#[derive(Debug, Clone)]
+struct Options {
+    collective: Collective,
+    min_bytes: u64,
+    max_bytes: u64,
+    sizes: Vec<u64>,
+    step_text: String,
+    dtypes: Vec<DataType>,
+    ops: Vec<Option<ReduceOp>>,
+    root: usize,
+    iters: u64,
+    warmup: u64,
+    check: bool,
+    average: u8,
+}
+
+fn options(args: &PerfArgs) -> Result<Options, String> {
+    if args.min_bytes > args.max_bytes {
+        return Err(format!(
+            "-b {} is larger than -e {}",
+            args.min_bytes, args.max_bytes
+        ));
+    }
+    let (sizes, step_text) = spec::size_sweep(
+        args.min_bytes,
+        args.max_bytes,
+        args.step_factor,
+        args.step_bytes,
+    )?;
+    let dtypes = if args.datatype.eq_ignore_ascii_case("all") {
+        DataType::ALL.to_vec()
+    } else {
+        vec![args
+            .datatype
+            .parse::<DataType>()
+            .map_err(|e| e.to_string())?]
+    };
+    let ops = if !args.collective.reduces() {
+        vec![None]
+    } else if args.op.eq_ignore_ascii_case("all") {
+        ReduceOp::ALL.iter().copied().map(Some).collect()
+    } else {
+        vec![Some(
+            args.op.parse::<ReduceOp>().map_err(|e| e.to_string())?,
+        )]
+    };
+    Ok(Options {
+        collective: args.collective,
+        min_bytes: args.min_bytes,
+        max_bytes: args.max_bytes,
+        sizes,
+        step_text,
+        dtypes,
+        ops,
+        root: args.root,
+        iters: args.iters,
+        warmup: args.warmup,
+        check: args.check == 1,
+        average: args.average,
+    })
+}
+
+/// True when a launcher (weft run, torchrun, srun, mpirun) started this process as one rank.
+fn started_by_launcher() -> bool {
+    ["WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some())
+}
+
+/// Entry point of `weft perf`.
+pub fn main(args: PerfArgs) -> i32 {
+    let opts = match options(&args) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("weft perf: {e}");
+            return 2;
+        }
+    };
+    if !started_by_launcher() {
+        let np = args.np as usize;
+        if let Err(e) = check_ranks(&opts, np) {
+            say(&e);
+            return 2;
+        }
+        return self_launch(np);
+    }
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            say(&format!("cannot create the communicator: {e}"));
+            return 1;
+        }
+    };
+    if let Err(e) = check_ranks(&opts, comm.size()) {
+        if comm.rank() == 0 {
+            say(&e);
+        }
+        return 2;
+    }
+    match bench(&comm, &opts, args.json.as_deref()) {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            say(&e.to_string());
+            1
+        }
+    }
+}
+
+/// Prints `weft perf: {msg}` to stderr in one write, so messages of several ranks never mix.
+fn say(msg: &str) {
+    let _ = std::io::stderr().write_all(format!("weft perf: {msg}\n").as_bytes());
+}
+
+/// Checks the options that depend on the number of ranks.
+fn check_ranks(opts: &Options, n: usize) -> Result<(), String> {
+    if opts.collective == Collective::SendRecv && n < 2 {
+        return Err("sendrecv needs at least 2 ranks".into());
+    }
+    if opts.collective.has_root() && opts.root >= n {
+        return Err(format!("root {} is out of range for {n} ranks", opts.root));
+    }
+    Ok(())
+}
+
+/// Runs `np` copies of this very command as the ranks of a local job.
+fn self_launch(np: usize) -> i32 {
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("weft perf: cannot find my own executable to launch {np} ranks: {e}");
+            return 1;
+        }
+    };
+    let launch = Launch {
+        nproc_per_node: np,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        prefix: false,
+        max_restarts: 0,
+        program: exe.into_os_string(),
+        args: std::env::args_os().skip(1).collect(),
+        label: "weft perf",
+    };
+    launch.run()
+}
+
+/// A perf failure: a library error, or a local problem (writing the JSON file).
+#[derive(Debug, thiserror::Error)]
+enum PerfError {
+    #[error(transparent)]
+    Comm(#[from] Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One row of results (rank 0's view).
+#[derive(Debug, Clone)]
+struct Row {
+    size: u64,
+    count: u64,
+    dtype: DataType,
+    op: Option<ReduceOp>,
+    root: i64,
+    nranks: usize,
+    oop: Measured,
+    ip: Measured,
+}
+
+/// One row of the `--json` file.
+#[derive(serde::Serialize)]
+struct JsonRow<'a> {
+    collective: &'a str,
+    size: u64,
+    count: u64,
+    #[serde(rename = "type")]
+    dtype: &'a str,
+    redop: &'a str,
+    root: i64,
+    nranks: usize,
+    oop: JsonHalf,
+    ip: JsonHalf,
+}
+
+/// Out-of-place or in-place results of a `--json` row (`wrong` is null without checking).
+#[derive(serde::Serialize)]
+struct JsonHalf {
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: Option<u64>,
+}
+
+impl From<&Measured> for JsonHalf {
+    fn from(m: &Measured) -> Self {
+        JsonHalf {
+            time_us: m.time_us,
+            algbw: m.algbw,
+            busbw: m.busbw,
+            wrong: m.wrong,
+        }
+    }
+}
+
+impl Row {
+    fn json(&self, collective: Collective) -> JsonRow<'static> {
+        JsonRow {
+            collective: collective.name(),
+            size: self.size,
+            count: self.count,
+            dtype: self.dtype.name(),
+            redop: self.op.map_or("none", |o| o.name()),
+            root: self.root,
+            nranks: self.nranks,
+            oop: (&self.oop).into(),
+            ip: (&self.ip).into(),
+        }
+    }
+}
+
+/// Pid, local rank and host name of every rank, gathered to all (for the header).
+fn gather_ranks(comm: &Communicator) -> Result<Vec<(u64, u64, String)>, Error> {
+    const HOST: usize = 64;
+    const REC: usize = 16 + HOST;
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown".into());
+    let local: u64 = [
+        "WEFT_LOCAL_RANK",
+        "LOCAL_RANK",
+        "SLURM_LOCALID",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.parse().ok())
+    .unwrap_or(comm.rank() as u64);
+    let mut mine = [0u8; REC];
+    mine[..8].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+    mine[8..16].copy_from_slice(&local.to_le_bytes());
+    let h = host.as_bytes();
+    let hl = h.len().min(HOST);
+    mine[16..16 + hl].copy_from_slice(&h[..hl]);
+    let mut all = vec![0u8; REC * comm.size()];
+    comm.all_gather(&mine[..], &mut all[..])?;
+    Ok(all
+        .chunks(REC)
+        .map(|r| {
+            let pid = u64::from_le_bytes(r[..8].try_into().expect("8 bytes"));
+            let local = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
+            let end = r[16..].iter().position(|&b| b == 0).unwrap_or(HOST);
+            (
+                pid,
+                local,
+                String::from_utf8_lossy(&r[16..16 + end]).into_owned(),
+            )
+        })
+        .collect())
+}
+
+/// Runs every (type, op, size) combination; returns Ok(false) when any value was wrong.
+fn bench(
+    comm: &Communicator,
+    opts: &Options,
+    json: Option<&std::path::Path>,
+) -> Result<bool, PerfError> {
+    let me = comm.rank();
+    let n = comm.size();
+    let ranks = gather_ranks(comm)?;
+    let mut out = std::io::stdout().lock();
+    if me == 0 {
+        let mut text = format!(
+            "# weft perf {}: weftcc {}, {n} ranks\n",
+            opts.collective.name(),
+            env!("CARGO_PKG_VERSION")
+        );
+        text += &format!(
+            "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0\n#\n# Using devices\n",
+            opts.min_bytes,
+            opts.max_bytes,
+            opts.step_text,
+            opts.warmup,
+            opts.iters,
+            u8::from(opts.check),
+        );
+        for (r, (pid, local, host)) in ranks.iter().enumerate() {
+            text += &spec::rank_line(r, *pid, host, *local);
+            text.push('\n');
+        }
+        text += "#\n";
+        text += spec::COLUMN_HEADER;
+        let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+    }
+    let mut rows = Vec::new();
+    for &dtype in &opts.dtypes {
+        for &op in &opts.ops {
+            for &size in &opts.sizes {
+                let row = match dtype {
+                    DataType::Int8 => bench_size::<i8>(comm, opts, op, size)?,
+                    DataType::Uint8 => bench_size::<u8>(comm, opts, op, size)?,
+                    DataType::Int32 => bench_size::<i32>(comm, opts, op, size)?,
+                    DataType::Uint32 => bench_size::<u32>(comm, opts, op, size)?,
+                    DataType::Int64 => bench_size::<i64>(comm, opts, op, size)?,
+                    DataType::Uint64 => bench_size::<u64>(comm, opts, op, size)?,
+                    DataType::Float16 => bench_size::<half::f16>(comm, opts, op, size)?,
+                    DataType::Float32 => bench_size::<f32>(comm, opts, op, size)?,
+                    DataType::Float64 => bench_size::<f64>(comm, opts, op, size)?,
+                    DataType::Bfloat16 => bench_size::<half::bf16>(comm, opts, op, size)?,
+                };
+                let Some(row) = row else { continue };
+                if me == 0 {
+                    let line = spec::format_row(
+                        row.size,
+                        row.count,
+                        row.dtype.name(),
+                        row.op.map_or("none", |o| o.name()),
+                        row.root,
+                        &row.oop,
+                        &row.ip,
+                    );
+                    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+                }
+                rows.push(row);
+            }
+        }
+    }
+    let wrong: u64 = rows
+        .iter()
+        .map(|r| r.oop.wrong.unwrap_or(0) + r.ip.wrong.unwrap_or(0))
+        .sum();
+    if me == 0 {
+        let busbws: Vec<f64> = rows
+            .iter()
+            .flat_map(|r| [r.oop.busbw, r.ip.busbw])
+            .collect();
+        let avg = if busbws.is_empty() {
+            0.0
+        } else {
+            busbws.iter().sum::<f64>() / busbws.len() as f64
+        };
+        let _ = write!(
+            out,
+            "{}",
+            spec::footer(if opts.check { Some(wrong) } else { None }, avg)
+        );
+        let _ = out.flush();
+        if let Some(path) = json {
+            let value: Vec<JsonRow> = rows.iter().map(|r| r.json(opts.collective)).collect();
+            let text = serde_json::to_string_pretty(&value).expect("JSON of plain values");
+            std::fs::write(path, text + "\n")
+                .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
+        }
+    }
+    // Rank 0 has printed and written everything: only now may the other ranks exit (a launcher
+    // stops the job when a rank exits non-zero, which they do when a value was wrong).
+    comm.barrier()?;
+    Ok(wrong == 0)
+}
+
+/// Scalar conversions the driver needs on top of [`Element`].
+pub trait Num: Element + Copy {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! num_prim {
+    ($($t:ty),*) => {$(
+        impl Num for $t {
+            fn from_f64(v: f64) -> Self { v as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+        }
+    )*};
+}
+num_prim!(i8, u8, i32, u32, i64, u64, f32, f64);
+
+impl Num for half::f16 {
+    fn from_f64(v: f64) -> Self {
+        half::f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        half::f16::to_f64(self)
+    }
+}
+
+impl Num for half::bf16 {
+    fn from_f64(v: f64) -> Self {
+        half::bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        half::bf16::to_f64(self)
+    }
+}
+
+/// Out-of-place call of the benchmarked collective.
+fn run_oop<T: Num>(
+    comm: &Communicator,
+    c: Collective,
+    op: ReduceOp,
+    root: usize,
+    send: &[T],
+    recv: &mut [T],
+) -> Result<(), Error> {
+    let (me, n) = (comm.rank(), comm.size());
+    match c {
+        Collective::AllReduce => comm.all_reduce(send, recv, op),
+        Collective::Reduce => comm.reduce(send, recv, op, root),
+        Collective::Broadcast => comm.broadcast(send, recv, root),
+        Collective::AllGather => comm.all_gather(send, recv),
+        Collective::ReduceScatter => comm.reduce_scatter(send, recv, op),
+        Collective::AllToAll => comm.all_to_all(send, recv),
+        Collective::SendRecv => comm
+            .group()
+            .send(send, (me + 1) % n)
+            .recv(recv, (me + n - 1) % n)
+            .run(),
+    }
+}
+
+/// In-place call of the benchmarked collective. Send/recv has no in-place form that Rust's
+/// borrows allow (one buffer sent and received into at once), so its in-place variant sends the
+/// buffer's first half and receives into its second half.
+fn run_ip<T: Num>(
+    comm: &Communicator,
+    c: Collective,
+    op: ReduceOp,
+    root: usize,
+    buf: &mut [T],
+) -> Result<(), Error> {
+    let (me, n) = (comm.rank(), comm.size());
+    match c {
+        Collective::AllReduce => comm.all_reduce_in_place(buf, op),
+        Collective::Reduce => comm.reduce_in_place(buf, op, root),
+        Collective::Broadcast => comm.broadcast_in_place(buf, root),
+        Collective::AllGather => comm.all_gather_in_place(buf),
+        Collective::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
+        Collective::AllToAll => comm.all_to_all_in_place(buf),
+        Collective::SendRecv => {
+            let (send, recv) = buf.split_at_mut(buf.len() / 2);
+            comm.group()
+                .send(&*send, (me + 1) % n)
+                .recv(recv, (me + n - 1) % n)
+                .run()
+        }
+    }
+}
+
+/// Seconds per iteration of `f`, after `warmup` untimed calls and a barrier.
+fn time_loop(
+    comm: &Communicator,
+    warmup: u64,
+    iters: u64,
+    mut f: impl FnMut() -> Result<(), Error>,
+) -> Result<f64, Error> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    comm.barrier()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Counts the elements of `out` that differ from what `expected(j)` says (None: unchecked).
+fn count_wrong<T: Num>(
+    out: &[T],
+    tol: impl Fn(f64) -> f64,
+    expected: impl Fn(usize) -> Option<f64>,
+) -> u64 {
+    out.iter()
+        .enumerate()
+        .filter(|&(j, v)| match expected(j) {
+            Some(e) => !spec::matches(v.to_f64(), e, tol(e)),
+            None => false,
+        })
+        .count() as u64
+}
+
+/// Benchmarks one size of one (type, op) combination. None when the size holds no element.
+fn bench_size<T: Num>(
+    comm: &Communicator,
+    opts: &Options,
+    op: Option<ReduceOp>,
+    size: u64,
+) -> Result<Option<Row>, Error> {
+    let (me, n) = (comm.rank(), comm.size());
+    let c = opts.collective;
+    let dtype = T::DTYPE;
+    let Some(counts) = c.counts(size, dtype.size() as u64, n as u64) else {
+        return Ok(None);
+    };
+    let count = counts.count as usize;
+    let (send_len, recv_len) = c.buffer_lens(count, n);
+    let ip_len = c.in_place_len(count, n);
+    let root = if c.has_root() { opts.root } else { 0 };
+    let rop = op.unwrap_or(ReduceOp::Sum);
+    let pattern = Pattern::new(dtype, op, n);
+    let input = |rank: usize, idx: usize| T::from_f64(pattern.value(rank, idx));
+
+    // Timed runs. The send buffer holds the pattern and is never written; the in-place buffer of
+    // a reduction starts at zero so repeated reductions cannot overflow (0 is a fixed point of
+    // every reduction), which keeps integer and float arithmetic free of overflow and infinities.
+    let send: Vec<T> = (0..send_len).map(|i| input(me, i)).collect();
+    let mut recv: Vec<T> = vec![T::from_f64(0.0); recv_len];
+    let oop_s = time_loop(comm, opts.warmup, opts.iters, || {
+        run_oop(comm, c, rop, root, &send, &mut recv)
+    })?;
+    let mut buf: Vec<T> = if c.reduces() {
+        vec![T::from_f64(0.0); ip_len]
+    } else {
+        (0..ip_len).map(|i| input(me, i)).collect()
+    };
+    let ip_s = time_loop(comm, opts.warmup, opts.iters, || {
+        run_ip(comm, c, rop, root, &mut buf)
+    })?;
+
+    // Aggregate the times across ranks (-a).
+    let mut times = [oop_s, ip_s];
+    match opts.average {
+        0 => {}
+        1 => {
+            comm.all_reduce_in_place(&mut times[..], ReduceOp::Sum)?;
+            times.iter_mut().for_each(|t| *t /= n as f64);
+        }
+        2 => comm.all_reduce_in_place(&mut times[..], ReduceOp::Min)?,
+        _ => comm.all_reduce_in_place(&mut times[..], ReduceOp::Max)?,
+    }
+
+    let wrong = if opts.check {
+        let tol = |e: f64| spec::tolerance(dtype, op, n, e);
+        let expected = |j: usize| spec::expected(c, &pattern, op, n, me, count, root, j);
+        // Out of place: the receive buffer starts with a value that differs from every expected
+        // element, so an element the collective forgot to write counts as wrong.
+        for (j, v) in recv.iter_mut().enumerate() {
+            *v = T::from_f64(spec::sentinel(expected(j)));
+        }
+        run_oop(comm, c, rop, root, &send, &mut recv)?;
+        let oop_wrong = count_wrong(&recv, tol, expected);
+        // In place.
+        for (j, v) in buf.iter_mut().enumerate() {
+            *v = T::from_f64(spec::in_place_input(c, &pattern, n, me, count, j));
+        }
+        run_ip(comm, c, rop, root, &mut buf)?;
+        let (lo, hi) = c.in_place_output(count, n, me);
+        let ip_wrong = count_wrong(&buf[lo..hi], tol, |j| {
+            spec::expected(c, &pattern, op, n, me, count, root, j)
+        });
+        let mut w = [oop_wrong, ip_wrong];
+        comm.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
+        Some(w)
+    } else {
+        None
+    };
+    let measured = |secs: f64, wrong: Option<u64>| {
+        Measured::new(counts.bytes, secs, c.bus_factor(n as u64), wrong)
+    };
+    Ok(Some(Row {
+        size: counts.bytes,
+        count: counts.count,
+        dtype,
+        op,
+        root: if c.has_root() { root as i64 } else { -1 },
+        nranks: n,
+        oop: measured(times[0], wrong.map(|w| w[0])),
+        ip: measured(times[1], wrong.map(|w| w[1])),
+    }))
+}
