@@ -78,7 +78,9 @@ fn input<T: Val>(rank: usize, i: usize, op: ReduceOp) -> i128 {
 }
 
 fn pattern<T: Val>(rank: usize, len: usize, op: ReduceOp) -> Vec<T> {
-    (0..len).map(|i| T::from_i128_wrapping(input::<T>(rank, i, op))).collect()
+    (0..len)
+        .map(|i| T::from_i128_wrapping(input::<T>(rank, i, op)))
+        .collect()
 }
 
 const PREMUL: f64 = 2.0;
@@ -91,9 +93,7 @@ fn reduced<T: Val>(n: usize, i: usize, op: ReduceOp) -> T {
         ReduceOp::Prod => T::from_i128_wrapping(vals.iter().product()),
         ReduceOp::Min => T::from_i128_wrapping(*vals.iter().min().unwrap()),
         ReduceOp::Max => T::from_i128_wrapping(*vals.iter().max().unwrap()),
-        ReduceOp::PreMulSum(s) => {
-            T::from_f64(vals.iter().map(|&v| v as f64 * s).sum::<f64>())
-        }
+        ReduceOp::PreMulSum(s) => T::from_f64(vals.iter().map(|&v| v as f64 * s).sum::<f64>()),
         ReduceOp::Avg => {
             let sum: i128 = vals.iter().sum();
             if T::INT {
@@ -150,11 +150,21 @@ fn has_op(c: Coll) -> bool {
 }
 
 /// Runs one case on this rank and returns a description of the first wrong element, if any.
-fn run_case<T: Val>(comm: &Communicator, c: Coll, op: ReduceOp, count: usize, in_place: bool) -> Option<String> {
+fn run_case<T: Val>(
+    comm: &Communicator,
+    c: Coll,
+    op: ReduceOp,
+    count: usize,
+    in_place: bool,
+) -> Option<String> {
     let (rank, n) = (comm.rank(), comm.size());
     let root = (count + 1) % n; // varies the root with the count
     let name = std::any::type_name::<T>();
-    let fail = |what: String| Some(format!("{c:?} {name} {op} count={count} in_place={in_place} rank={rank}/{n}: {what}"));
+    let fail = |what: String| {
+        Some(format!(
+            "{c:?} {name} {op} count={count} in_place={in_place} rank={rank}/{n}: {what}"
+        ))
+    };
     // (input length, output length)
     let (ilen, olen) = match c {
         Coll::AllGather => (count, n * count),
@@ -218,7 +228,9 @@ fn run_case<T: Val>(comm: &Communicator, c: Coll, op: ReduceOp, count: usize, in
                 }
             }
             Coll::Broadcast => T::from_i128_wrapping(input::<T>(root, i, op)),
-            Coll::AllGather => T::from_i128_wrapping(input::<T>(i / count.max(1), i % count.max(1), op)),
+            Coll::AllGather => {
+                T::from_i128_wrapping(input::<T>(i / count.max(1), i % count.max(1), op))
+            }
             Coll::ReduceScatter => {
                 if in_place {
                     let block = rank * count;
@@ -272,7 +284,13 @@ fn run_type<T: Val>(comm: &Communicator, large: bool, errors: &mut Vec<String>) 
         if large {
             // Millions of elements: every collective and placement, one reduction.
             for in_place in [false, true] {
-                errors.extend(run_case::<T>(comm, c, ReduceOp::Sum, (4 << 20) + 3, in_place));
+                errors.extend(run_case::<T>(
+                    comm,
+                    c,
+                    ReduceOp::Sum,
+                    (4 << 20) + 3,
+                    in_place,
+                ));
             }
         }
     }
@@ -298,7 +316,12 @@ fn matrix(n: usize, wire: Wire) {
     .into_iter()
     .flatten()
     .collect();
-    assert!(errors.is_empty(), "{} wrong cases, first ones:\n{}", errors.len(), errors[..errors.len().min(20)].join("\n"));
+    assert!(
+        errors.is_empty(),
+        "{} wrong cases, first ones:\n{}",
+        errors.len(),
+        errors[..errors.len().min(20)].join("\n")
+    );
 }
 
 macro_rules! matrix_tests {

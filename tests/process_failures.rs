@@ -14,7 +14,9 @@ const ROLE: &str = "WEFT_TEST_CHILD_ROLE";
 /// per event on stdout ("READY", then "ERROR <variant> <peer> <message>").
 #[test]
 fn child_role() {
-    let Ok(role) = std::env::var(ROLE) else { return };
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
     let comm = match weftcc::Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -62,7 +64,11 @@ impl Drop for Job {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn start(n: usize, extra_env: &[(&str, &str)]) -> Job {
@@ -72,15 +78,21 @@ fn start(n: usize, extra_env: &[(&str, &str)]) -> Job {
     let mut children = Vec::new();
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(["child_role", "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(ROLE, "allreduce-loop")
-            .env("WEFT_RANK", rank.to_string())
-            .env("WEFT_WORLD_SIZE", n.to_string())
-            .env("WEFT_MASTER_ADDR", "127.0.0.1")
-            .env("WEFT_MASTER_PORT", &port)
-            .env("WEFT_JOB_TOKEN", format!("process-failures-{port}"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+        cmd.args([
+            "child_role",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
+        .env(ROLE, "allreduce-loop")
+        .env("WEFT_RANK", rank.to_string())
+        .env("WEFT_WORLD_SIZE", n.to_string())
+        .env("WEFT_MASTER_ADDR", "127.0.0.1")
+        .env("WEFT_MASTER_PORT", &port)
+        .env("WEFT_JOB_TOKEN", format!("process-failures-{port}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
         for (k, v) in extra_env {
             cmd.env(k, v);
         }
@@ -96,7 +108,10 @@ fn start(n: usize, extra_env: &[(&str, &str)]) -> Job {
         });
         children.push(child);
     }
-    Job { children, lines: rx }
+    Job {
+        children,
+        lines: rx,
+    }
 }
 
 /// Waits until every rank printed READY.
@@ -105,14 +120,25 @@ fn wait_ready(job: &Job, n: usize) {
     let mut ready = vec![false; n];
     while !ready.iter().all(|&r| r) {
         let left = deadline.saturating_duration_since(Instant::now());
-        let (rank, _, line) = job.lines.recv_timeout(left).expect("ranks did not become ready");
-        assert!(line.starts_with("READY"), "rank {rank} before ready: {line}");
+        let (rank, _, line) = job
+            .lines
+            .recv_timeout(left)
+            .expect("ranks did not become ready");
+        assert!(
+            line.starts_with("READY"),
+            "rank {rank} before ready: {line}"
+        );
         ready[rank] = true;
     }
 }
 
 /// Collects one ERROR line from each rank in `ranks`, within `limit` of `since`.
-fn collect_errors(job: &Job, ranks: &[usize], since: Instant, limit: Duration) -> Vec<(usize, Duration, String)> {
+fn collect_errors(
+    job: &Job,
+    ranks: &[usize],
+    since: Instant,
+    limit: Duration,
+) -> Vec<(usize, Duration, String)> {
     let mut got = Vec::new();
     let deadline = since + limit + Duration::from_secs(5);
     while got.len() < ranks.len() {
@@ -122,7 +148,11 @@ fn collect_errors(job: &Job, ranks: &[usize], since: Instant, limit: Duration) -
                 got.push((rank, at.duration_since(since), line))
             }
             Ok(_) => {}
-            Err(_) => panic!("only {} of {:?} reported an error: {got:?}", got.len(), ranks),
+            Err(_) => panic!(
+                "only {} of {:?} reported an error: {got:?}",
+                got.len(),
+                ranks
+            ),
         }
     }
     got
@@ -136,8 +166,15 @@ fn kill_one(n: usize, victim: usize, env: &[(&str, &str)]) {
     let _ = job.children[victim].wait();
     let others: Vec<usize> = (0..n).filter(|&r| r != victim).collect();
     for (rank, after, line) in collect_errors(&job, &others, killed, Duration::from_secs(2)) {
-        assert!(line.starts_with(&format!("ERROR PeerLost {victim} ")), "rank {rank}: {line}");
-        assert!(after <= Duration::from_secs(2), "rank {rank} noticed after {after:?}: {line}");
+        eprintln!("kill -9 rank {victim}: rank {rank} after {after:?}: {line}");
+        assert!(
+            line.starts_with(&format!("ERROR PeerLost {victim} ")),
+            "rank {rank}: {line}"
+        );
+        assert!(
+            after <= Duration::from_secs(2),
+            "rank {rank} noticed after {after:?}: {line}"
+        );
     }
 }
 
@@ -165,12 +202,21 @@ fn sigstop_of_a_rank_becomes_a_timeout_on_the_others() {
     let pid = job.children[victim].id() as i32;
     // SAFETY-free: signals through the kill(1) command to keep this test crate safe code.
     let stopped = Instant::now();
-    assert!(Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
     let errors = collect_errors(&job, &[0, 2], stopped, Duration::from_secs(4));
-    let _ = Command::new("kill").args(["-CONT", &pid.to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-CONT", &pid.to_string()])
+        .status();
     let mut timeouts = 0;
     for (rank, after, line) in errors {
-        assert!(after < Duration::from_secs(5), "rank {rank} after {after:?}");
+        assert!(
+            after < Duration::from_secs(5),
+            "rank {rank} after {after:?}"
+        );
         if line.starts_with("ERROR Timeout") {
             timeouts += 1;
             assert!(line.contains("all-reduce #"), "{line}");

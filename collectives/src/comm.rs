@@ -33,6 +33,8 @@ use weftcc_transports::TransportError;
 pub const DEFAULT_SLICE_BYTES: usize = 256 * 1024;
 /// How often the watcher thread re-polls the store for a job-wide abort.
 const WATCH_PERIOD: Duration = Duration::from_millis(100);
+/// Longest a failure report waits on the store.
+const ALARM_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What a program passes between ranks to form a communicator: the rendezvous address where
 /// rank 0 serves the bootstrap store, and a random job token. Printable and parseable
@@ -61,7 +63,10 @@ impl UniqueId {
             addr: server.local_addr().to_string(),
             token,
         };
-        servers().lock().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), Arc::new(server));
+        servers()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), Arc::new(server));
         Ok(id)
     }
 }
@@ -75,7 +80,11 @@ impl fmt::Display for UniqueId {
 impl FromStr for UniqueId {
     type Err = Error;
     fn from_str(s: &str) -> Result<UniqueId> {
-        let bad = || Error::Config(format!("{s:?} is not a weftcc unique id (weft1@HOST:PORT#TOKEN)"));
+        let bad = || {
+            Error::Config(format!(
+                "{s:?} is not a weftcc unique id (weft1@HOST:PORT#TOKEN)"
+            ))
+        };
         let rest = s.trim().strip_prefix("weft1@").ok_or_else(bad)?;
         let (addr, token) = rest.rsplit_once('#').ok_or_else(bad)?;
         if addr.is_empty() || token.is_empty() || !addr.contains(':') {
@@ -96,8 +105,10 @@ fn servers() -> &'static Mutex<HashMap<UniqueId, Arc<StoreServer>>> {
 
 fn random_token() -> std::result::Result<String, TransportError> {
     let mut b = [0u8; 16];
-    getrandom::getrandom(&mut b)
-        .map_err(|e| TransportError::Io { what: "random job token".into(), message: e.to_string() })?;
+    getrandom::getrandom(&mut b).map_err(|e| TransportError::Io {
+        what: "random job token".into(),
+        message: e.to_string(),
+    })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
@@ -132,7 +143,9 @@ impl CommConfig {
         Ok(CommConfig {
             timeout: env::timeout_from_env()?,
             shm_disable: env::flag("WEFT_SHM_DISABLE"),
-            socket_ifname: std::env::var("WEFT_SOCKET_IFNAME").ok().filter(|s| !s.is_empty()),
+            socket_ifname: std::env::var("WEFT_SOCKET_IFNAME")
+                .ok()
+                .filter(|s| !s.is_empty()),
             host_id: weftcc_transports::mesh::host_id(),
             buffsize: size("WEFT_BUFFSIZE", 4 << 20)?,
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
@@ -172,8 +185,11 @@ struct Inner {
     turn_cv: Condvar,
     next_ticket: AtomicU64,
     state: Mutex<State>,
-    /// Connection to the bootstrap store for splits and for publishing failures.
+    /// Connection to the bootstrap store for splits.
     store: Mutex<StoreClient>,
+    /// Connection to the store with a short timeout, for publishing failures: reporting an error
+    /// must never wait long on a store that is itself stuck.
+    alarm: Mutex<StoreClient>,
     store_addr: String,
     token: String,
     /// Keeps rank 0's store alive while any communicator using it lives.
@@ -234,14 +250,24 @@ impl Communicator {
     }
 
     /// [`Communicator::init`] with explicit settings.
-    pub fn init_with(rank: usize, nranks: usize, id: &UniqueId, config: CommConfig) -> Result<Communicator> {
+    pub fn init_with(
+        rank: usize,
+        nranks: usize,
+        id: &UniqueId,
+        config: CommConfig,
+    ) -> Result<Communicator> {
         crate::logging::init();
         if nranks == 0 || rank >= nranks {
-            return Err(Error::Config(format!("rank {rank} is out of range for {nranks} ranks")));
+            return Err(Error::Config(format!(
+                "rank {rank} is out of range for {nranks} ranks"
+            )));
         }
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
         let server = if rank == 0 {
-            let existing = servers().lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+            let existing = servers()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
             match existing {
                 Some(s) => Some(s),
                 None => {
@@ -278,7 +304,9 @@ impl Communicator {
             buffsize: config.buffsize,
         };
         let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
-        let watch_client = StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        let watch_client =
+            StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
         let inner = Arc::new(Inner {
             rank,
             size: nranks,
@@ -302,6 +330,7 @@ impl Communicator {
                 recv_seq: vec![0; nranks],
             }),
             store: Mutex::new(client),
+            alarm: Mutex::new(alarm),
             store_addr: id.addr.clone(),
             token: id.token.clone(),
             _server: server,
@@ -376,7 +405,11 @@ impl Communicator {
     /// All-reduce from `send` into `recv` (equal lengths).
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         let call = RawOp::new(OpKind::AllReduce, T::DTYPE, send.len()).with_op(op);
-        self.execute_raw(call, Some(bytemuck::cast_slice(send)), bytemuck::cast_slice_mut(recv))
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
     }
 
     /// All-reduce in place.
@@ -386,21 +419,44 @@ impl Communicator {
     }
 
     /// Reduce to `root`: `recv` is written on the root only (other ranks may pass an empty slice).
-    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let call = RawOp::new(OpKind::Reduce, T::DTYPE, send.len()).with_op(op).with_root(root);
-        self.execute_raw(call, Some(bytemuck::cast_slice(send)), bytemuck::cast_slice_mut(recv))
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let call = RawOp::new(OpKind::Reduce, T::DTYPE, send.len())
+            .with_op(op)
+            .with_root(root);
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
     }
 
     /// Reduce to `root` in place (non-root buffers are left unchanged).
-    pub fn reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let call = RawOp::new(OpKind::Reduce, T::DTYPE, buf.len()).with_op(op).with_root(root);
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let call = RawOp::new(OpKind::Reduce, T::DTYPE, buf.len())
+            .with_op(op)
+            .with_root(root);
         self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
     }
 
     /// Broadcast `send` on the root into `recv` on every rank (non-roots may pass an empty `send`).
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
         let call = RawOp::new(OpKind::Broadcast, T::DTYPE, recv.len()).with_root(root);
-        self.execute_raw(call, Some(bytemuck::cast_slice(send)), bytemuck::cast_slice_mut(recv))
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
     }
 
     /// Broadcast in place from `root`.
@@ -412,7 +468,11 @@ impl Communicator {
     /// All-gather: `recv` (size × `send.len()`) receives every rank's `send`, in rank order.
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let call = RawOp::new(OpKind::AllGather, T::DTYPE, send.len());
-        self.execute_raw(call, Some(bytemuck::cast_slice(send)), bytemuck::cast_slice_mut(recv))
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
     }
 
     /// All-gather in place: this rank's contribution is block `rank` of `buf`.
@@ -424,9 +484,18 @@ impl Communicator {
 
     /// Reduce-scatter: `send` has size × `recv.len()` elements; block `rank` of the element-wise
     /// reduction lands in `recv`.
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let call = RawOp::new(OpKind::ReduceScatter, T::DTYPE, recv.len()).with_op(op);
-        self.execute_raw(call, Some(bytemuck::cast_slice(send)), bytemuck::cast_slice_mut(recv))
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
     }
 
     /// Reduce-scatter in place: the result is block `rank` of `buf`.
@@ -439,7 +508,11 @@ impl Communicator {
     /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let call = RawOp::new(OpKind::AllToAll, T::DTYPE, send.len() / self.size());
-        self.execute_raw(call, Some(bytemuck::cast_slice(send)), bytemuck::cast_slice_mut(recv))
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
     }
 
     /// All-to-all in place (uses a scratch copy of `buf`).
@@ -450,7 +523,11 @@ impl Communicator {
 
     /// Blocks until every rank has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
-        self.execute_raw(RawOp::new(OpKind::Barrier, DataType::Uint8, 0), None, &mut [])
+        self.execute_raw(
+            RawOp::new(OpKind::Barrier, DataType::Uint8, 0),
+            None,
+            &mut [],
+        )
     }
 
     /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`].
@@ -479,7 +556,9 @@ impl Communicator {
     pub fn execute_raw(&self, call: RawOp, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
         self.inner.check()?;
         let plan = self.inner.plan(&call, send.map(<[u8]>::len), recv.len())?;
-        self.inner.run_blocking(call.kind, |inner, st| inner.run_planned(st, &call, &plan, send, recv))
+        self.inner.run_blocking(call.kind, |inner, st| {
+            inner.run_planned(st, &call, &plan, send, recv)
+        })
     }
 
     // ----- collectives, asynchronous -----
@@ -489,7 +568,9 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        self.submit_in_place(buf, move |n| RawOp::new(OpKind::AllReduce, T::DTYPE, n).with_op(op))
+        self.submit_in_place(buf, move |n| {
+            RawOp::new(OpKind::AllReduce, T::DTYPE, n).with_op(op)
+        })
     }
 
     /// Starts an in-place broadcast from `root` of an owned buffer.
@@ -497,7 +578,9 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        self.submit_in_place(buf, move |n| RawOp::new(OpKind::Broadcast, T::DTYPE, n).with_root(root))
+        self.submit_in_place(buf, move |n| {
+            RawOp::new(OpKind::Broadcast, T::DTYPE, n).with_root(root)
+        })
     }
 
     /// Starts an in-place reduce to `root` of an owned buffer.
@@ -506,7 +589,9 @@ impl Communicator {
         B: AsMut<[T]> + Send + 'static,
     {
         self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::Reduce, T::DTYPE, n).with_op(op).with_root(root)
+            RawOp::new(OpKind::Reduce, T::DTYPE, n)
+                .with_op(op)
+                .with_root(root)
         })
     }
 
@@ -516,7 +601,9 @@ impl Communicator {
         B: AsMut<[T]> + Send + 'static,
     {
         let size = self.size();
-        self.submit_in_place(buf, move |n| RawOp::new(OpKind::AllGather, T::DTYPE, n / size))
+        self.submit_in_place(buf, move |n| {
+            RawOp::new(OpKind::AllGather, T::DTYPE, n / size)
+        })
     }
 
     /// Starts an in-place reduce-scatter (result in block `rank`) of an owned buffer.
@@ -536,7 +623,9 @@ impl Communicator {
         B: AsMut<[T]> + Send + 'static,
     {
         let size = self.size();
-        self.submit_in_place(buf, move |n| RawOp::new(OpKind::AllToAll, T::DTYPE, n / size))
+        self.submit_in_place(buf, move |n| {
+            RawOp::new(OpKind::AllToAll, T::DTYPE, n / size)
+        })
     }
 
     /// Starts a barrier.
@@ -545,7 +634,9 @@ impl Communicator {
         self.submit((), move |_| {
             let call = RawOp::new(OpKind::Barrier, DataType::Uint8, 0);
             let plan = inner.plan(&call, None, 0)?;
-            inner.run_blocking(call.kind, |i, st| i.run_planned(st, &call, &plan, None, &mut []))
+            inner.run_blocking(call.kind, |i, st| {
+                i.run_planned(st, &call, &plan, None, &mut [])
+            })
         })
     }
 
@@ -573,7 +664,11 @@ impl Communicator {
         })
     }
 
-    fn submit_in_place<T: Element, B>(&self, buf: B, make: impl FnOnce(usize) -> RawOp + Send + 'static) -> Handle<B>
+    fn submit_in_place<T: Element, B>(
+        &self,
+        buf: B,
+        make: impl FnOnce(usize) -> RawOp + Send + 'static,
+    ) -> Handle<B>
     where
         B: AsMut<[T]> + Send + 'static,
     {
@@ -582,7 +677,9 @@ impl Communicator {
             let bytes: &mut [u8] = bytemuck::cast_slice_mut(b.as_mut());
             let call = make(bytes.len() / T::DTYPE.size());
             let plan = inner.plan(&call, None, bytes.len())?;
-            inner.run_blocking(call.kind, |i, st| i.run_planned(st, &call, &plan, None, bytes))
+            inner.run_blocking(call.kind, |i, st| {
+                i.run_planned(st, &call, &plan, None, bytes)
+            })
         })
     }
 
@@ -659,15 +756,22 @@ impl Communicator {
         let prefix = format!("{}/split{}", inner.namespace, index);
         let members = inner.run_blocking(OpKind::Barrier, |inner, _st| {
             let mut store = lock(&inner.store);
-            let boot = |source| Error::Bootstrap { rank: inner.rank, source };
+            let boot = |source| Error::Bootstrap {
+                rank: inner.rank,
+                source,
+            };
             let mine = match color {
                 Some(c) => format!("{c} {key}"),
                 None => "none".to_string(),
             };
-            store.set(&format!("{prefix}/{}", inner.rank), mine.as_bytes()).map_err(boot)?;
+            store
+                .set(&format!("{prefix}/{}", inner.rank), mine.as_bytes())
+                .map_err(boot)?;
             let mut members = Vec::new();
             for r in 0..inner.size {
-                let v = store.get(&format!("{prefix}/{r}"), inner.timeout()).map_err(boot)?;
+                let v = store
+                    .get(&format!("{prefix}/{r}"), inner.timeout())
+                    .map_err(boot)?;
                 let v = String::from_utf8_lossy(&v).to_string();
                 let mut it = v.split_whitespace();
                 if let (Some(c), Some(k)) = (it.next(), it.next()) {
@@ -695,8 +799,13 @@ impl Communicator {
             addr: inner.store_addr.clone(),
             token: inner.token.clone(),
         };
-        let client = StoreClient::connect(&id.addr, &id.token, inner.timeout())
-            .map_err(|source| Error::Bootstrap { rank: inner.rank, source })?;
+        let client =
+            StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
+                Error::Bootstrap {
+                    rank: inner.rank,
+                    source,
+                }
+            })?;
         let mut config = inner.config.clone();
         config.timeout = inner.timeout();
         Communicator::build(
@@ -794,7 +903,10 @@ impl RawOp {
     }
 
     fn has_reduction(&self) -> bool {
-        matches!(self.kind, OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter)
+        matches!(
+            self.kind,
+            OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
+        )
     }
 
     fn has_root(&self) -> bool {
@@ -834,31 +946,54 @@ impl Inner {
     }
 
     /// Records the first fatal error and tells the other ranks.
+    ///
+    /// The job agrees on one root cause: the first rank to fail wins a counter in the store and
+    /// publishes its error; a rank failing later (often because of that first failure, e.g. a
+    /// neighbour that exited) adopts the published cause instead of its own.
     fn fail(&self, e: Error) {
+        if self.poison.set.load(Ordering::Acquire) {
+            return;
+        }
+        let local = !matches!(&e, Error::Aborted { by: Some(_), .. })
+            && !matches!(&e, Error::PeerLost { detail, .. } if detail.starts_with("reported by"));
+        let e = if local && self.size > 1 {
+            self.publish_or_adopt(e)
+        } else {
+            e
+        };
         {
             let mut slot = lock(&self.poison.error);
             if slot.is_some() {
                 return;
             }
-            *slot = Some(e.clone());
+            tracing::warn!(target: "weftcc::error", rank = self.rank, "{e}");
+            *slot = Some(e);
             self.poison.set.store(true, Ordering::Release);
         }
         self.turn_cv.notify_all();
-        tracing::warn!(target: "weftcc::error", rank = self.rank, "{e}");
-        // Errors that came from another rank are already known job-wide.
-        let message = match &e {
-            Error::Aborted { by: Some(_), .. } => return,
-            Error::PeerLost { peer, detail, .. } if detail.starts_with("reported by") => {
-                let _ = peer;
-                return;
-            }
-            Error::PeerLost { peer, detail, .. } => format!("lost {peer} {} {detail}", self.rank),
-            other => format!("abort {} {other}", self.rank),
+    }
+
+    fn publish_or_adopt(&self, e: Error) -> Error {
+        let Ok(mut store) = self.alarm.try_lock() else {
+            return e;
         };
-        if self.size > 1 {
-            if let Ok(mut store) = self.store.try_lock() {
-                let _ = store.set(&format!("{}/abort", self.namespace), message.as_bytes());
+        let key = format!("{}/abort", self.namespace);
+        match store.add(&format!("{key}-count"), 1) {
+            Ok(1) => {
+                let message = match &e {
+                    Error::PeerLost { peer, detail, .. } => {
+                        format!("lost {peer} {} {detail}", self.rank)
+                    }
+                    other => format!("abort {} {other}", self.rank),
+                };
+                let _ = store.set(&key, message.as_bytes());
+                e
             }
+            Ok(_) => match store.get(&key, ALARM_TIMEOUT) {
+                Ok(v) => remote_error(self, &String::from_utf8_lossy(&v)).unwrap_or(e),
+                Err(_) => e,
+            },
+            Err(_) => e,
         }
     }
 
@@ -894,7 +1029,11 @@ impl Inner {
     }
 
     /// Runs `f` in issue order. Inside a worker job the job's ticket is reused.
-    fn run_blocking<R>(&self, kind: OpKind, f: impl FnOnce(&Inner, &mut State) -> Result<R>) -> Result<R> {
+    fn run_blocking<R>(
+        &self,
+        kind: OpKind,
+        f: impl FnOnce(&Inner, &mut State) -> Result<R>,
+    ) -> Result<R> {
         let held = TICKET.with(|t| t.get());
         let ticket = match held {
             Some(t) => t,
@@ -918,6 +1057,11 @@ impl Inner {
         if let Err(e) = &result {
             if e.is_fatal() {
                 self.fail(e.clone());
+                // Once poisoned, the first error is the one to report: a peer that closed its
+                // connections because this rank aborted is a consequence, not the cause.
+                if let Some(first) = self.poisoned() {
+                    return Err(first);
+                }
             }
         }
         tracing::debug!(target: "weftcc::op", rank = self.rank, %kind, ok = result.is_ok());
@@ -941,9 +1085,17 @@ impl Inner {
         if call.has_root() && call.root >= n {
             return bad(format!("root {} is out of range for {n} ranks", call.root));
         }
-        let bytes = |elems: usize| elems.checked_mul(es).ok_or_else(|| self.invalid(kind, "count overflows".into()));
+        let bytes = |elems: usize| {
+            elems
+                .checked_mul(es)
+                .ok_or_else(|| self.invalid(kind, "count overflows".into()))
+        };
         let count_bytes = bytes(call.count)?;
-        let all_bytes = bytes(call.count.checked_mul(n).ok_or_else(|| self.invalid(kind, "count overflows".into()))?)?;
+        let all_bytes = bytes(
+            call.count
+                .checked_mul(n)
+                .ok_or_else(|| self.invalid(kind, "count overflows".into()))?,
+        )?;
         let is_root = call.root == self.rank;
         let (input_len, output_len, in_off, out_off) = match kind {
             OpKind::AllReduce => (count_bytes, count_bytes, 0, 0),
@@ -960,13 +1112,22 @@ impl Inner {
                 // Out of place. Non-roots of reduce/broadcast may pass anything for the unused side.
                 let send_ok = s == input_len || (kind == OpKind::Broadcast && !is_root);
                 if !send_ok {
-                    return bad(format!("send buffer has {s} bytes, expected {input_len} ({} × {} elements)", call.dtype, input_len / es.max(1)));
+                    return bad(format!(
+                        "send buffer has {s} bytes, expected {input_len} ({} × {} elements)",
+                        call.dtype,
+                        input_len / es.max(1)
+                    ));
                 }
                 let recv_ok = recv_len == output_len || (kind == OpKind::Reduce && !is_root);
                 if !recv_ok {
                     return bad(format!("receive buffer has {recv_len} bytes, expected {output_len} ({} × {} elements)", call.dtype, output_len / es.max(1)));
                 }
-                Ok(Plan { in_place: false, input_offset: 0, output_offset: 0, input_len })
+                Ok(Plan {
+                    in_place: false,
+                    input_offset: 0,
+                    output_offset: 0,
+                    input_len,
+                })
             }
             None => {
                 let whole = match kind {
@@ -979,14 +1140,22 @@ impl Inner {
                         "buffer has {recv_len} bytes, expected {whole} ({} elements of {}{})",
                         whole / es.max(1),
                         call.dtype,
-                        if matches!(kind, OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll) {
+                        if matches!(
+                            kind,
+                            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll
+                        ) {
                             format!(", a multiple of {n} ranks")
                         } else {
                             String::new()
                         }
                     ));
                 }
-                Ok(Plan { in_place: true, input_offset: in_off, output_offset: out_off, input_len })
+                Ok(Plan {
+                    in_place: true,
+                    input_offset: in_off,
+                    output_offset: out_off,
+                    input_len,
+                })
             }
         }
     }
@@ -996,7 +1165,14 @@ impl Inner {
     }
 
     /// Builds the schedule of a validated call and executes it.
-    fn run_planned(&self, st: &mut State, call: &RawOp, plan: &Plan, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+    fn run_planned(
+        &self,
+        st: &mut State,
+        call: &RawOp,
+        plan: &Plan,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+    ) -> Result<()> {
         let (r, n, count) = (self.rank, self.size, call.count);
         let slice = self.slice_elems(call.dtype);
         st.coll_seq += 1;
@@ -1010,18 +1186,38 @@ impl Inner {
             OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
             OpKind::AllToAll => schedule::pairwise_all_to_all(r, n, count, slice, plan.in_place),
             OpKind::Barrier => schedule::dissemination_barrier(r, n),
-            OpKind::SendRecv => return Err(self.invalid(call.kind, "point-to-point through execute_raw".into())),
+            OpKind::SendRecv => {
+                return Err(self.invalid(call.kind, "point-to-point through execute_raw".into()))
+            }
         }
-        .map_err(|e| Error::Internal { rank: r, op: call.kind, seq, reason: e.to_string() })?;
+        .map_err(|e| Error::Internal {
+            rank: r,
+            op: call.kind,
+            seq,
+            reason: e.to_string(),
+        })?;
         let desc = OpDesc {
             kind: call.kind,
             seq,
             dtype: call.dtype,
             count: count as u64,
-            redop: if call.has_reduction() { call.op.code() } else { 0xff },
-            root: if call.has_root() { call.root as u32 } else { NO_ROOT },
+            redop: if call.has_reduction() {
+                call.op.code()
+            } else {
+                0xff
+            },
+            root: if call.has_root() {
+                call.root as u32
+            } else {
+                NO_ROOT
+            },
         };
-        let internal = |reason: String| Error::Internal { rank: r, op: call.kind, seq, reason };
+        let internal = |reason: String| Error::Internal {
+            rank: r,
+            op: call.kind,
+            seq,
+            reason,
+        };
 
         // PreMulSum: scale this rank's input once; the algorithm then sums.
         let scaled: Option<Vec<u64>> = match call.op {
@@ -1031,8 +1227,13 @@ impl Inner {
                     None => &recv[plan.input_offset..plan.input_offset + plan.input_len],
                 };
                 let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
-                reduce::scale_into(call.dtype, &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len], src, factor)
-                    .map_err(|e| internal(e.to_string()))?;
+                reduce::scale_into(
+                    call.dtype,
+                    &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
+                    src,
+                    factor,
+                )
+                .map_err(|e| internal(e.to_string()))?;
                 Some(tmp)
             }
             _ => None,
@@ -1043,23 +1244,47 @@ impl Inner {
             st.scratch.resize(scratch_bytes.div_ceil(8), 0);
         }
         let State { mesh, scratch, .. } = st;
-        let scratch_area: &mut [u8] = &mut bytemuck::cast_slice_mut(scratch.as_mut_slice())[..scratch_bytes];
+        let scratch_area: &mut [u8] =
+            &mut bytemuck::cast_slice_mut(scratch.as_mut_slice())[..scratch_bytes];
         let mut areas: Vec<Area<'_>> = Vec::with_capacity(3);
         areas.push(Area::ReadWrite(recv));
         areas.push(Area::ReadWrite(scratch_area));
-        let scratch_place = Placement { area: 1, byte_offset: 0 };
-        let output = Placement { area: 0, byte_offset: plan.output_offset };
+        let scratch_place = Placement {
+            area: 1,
+            byte_offset: 0,
+        };
+        let output = Placement {
+            area: 0,
+            byte_offset: plan.output_offset,
+        };
         let input = if let Some(tmp) = scaled.as_ref() {
-            areas.push(Area::ReadOnly(&bytemuck::cast_slice(tmp.as_slice())[..plan.input_len]));
-            Placement { area: 2, byte_offset: 0 }
+            areas.push(Area::ReadOnly(
+                &bytemuck::cast_slice(tmp.as_slice())[..plan.input_len],
+            ));
+            Placement {
+                area: 2,
+                byte_offset: 0,
+            }
         } else if let Some(s) = send {
             areas.push(Area::ReadOnly(s));
-            Placement { area: 2, byte_offset: 0 }
+            Placement {
+                area: 2,
+                byte_offset: 0,
+            }
         } else {
-            Placement { area: 0, byte_offset: plan.input_offset }
+            Placement {
+                area: 0,
+                byte_offset: plan.input_offset,
+            }
         };
-        let layout = Layout::Fixed { input, output, scratch: scratch_place };
-        self.execute(mesh, call.kind, desc, call.dtype, call.op, &sched, &layout, &mut areas)?;
+        let layout = Layout::Fixed {
+            input,
+            output,
+            scratch: scratch_place,
+        };
+        self.execute(
+            mesh, call.kind, desc, call.dtype, call.op, &sched, &layout, &mut areas,
+        )?;
 
         // Avg: divide the reduced result once, where a result was written.
         let es = call.dtype.size();
@@ -1071,7 +1296,9 @@ impl Inner {
         if let (ReduceOp::Avg, true, true, Some(range), Area::ReadWrite(out)) =
             (call.op, call.has_reduction(), n > 1, result, &mut areas[0])
         {
-            let out = out.get_mut(range).ok_or_else(|| internal("average range".into()))?;
+            let out = out
+                .get_mut(range)
+                .ok_or_else(|| internal("average range".into()))?;
             reduce::divide_in_place(call.dtype, out, n).map_err(|e| internal(e.to_string()))?;
         }
         Ok(())
@@ -1109,20 +1336,34 @@ impl Inner {
     /// Runs grouped sends and receives as one operation.
     fn run_group(&self, sends: &[(usize, &[u8])], recvs: &mut [(usize, &mut [u8])]) -> Result<()> {
         let kind = OpKind::SendRecv;
-        let peers = sends.iter().map(|(p, _)| *p).chain(recvs.iter().map(|(p, _)| *p));
+        let peers = sends
+            .iter()
+            .map(|(p, _)| *p)
+            .chain(recvs.iter().map(|(p, _)| *p));
         for peer in peers {
             if peer >= self.size {
-                return Err(self.invalid(kind, format!("peer {peer} is out of range for {} ranks", self.size)));
+                return Err(self.invalid(
+                    kind,
+                    format!("peer {peer} is out of range for {} ranks", self.size),
+                ));
             }
             if peer == self.rank {
-                return Err(self.invalid(kind, format!("rank {peer} cannot send to or receive from itself")));
+                return Err(self.invalid(
+                    kind,
+                    format!("rank {peer} cannot send to or receive from itself"),
+                ));
             }
         }
         self.check()?;
         self.run_blocking(kind, |inner, st| inner.run_group_locked(st, sends, recvs))
     }
 
-    fn run_group_locked(&self, st: &mut State, sends: &[(usize, &[u8])], recvs: &mut [(usize, &mut [u8])]) -> Result<()> {
+    fn run_group_locked(
+        &self,
+        st: &mut State,
+        sends: &[(usize, &[u8])],
+        recvs: &mut [(usize, &mut [u8])],
+    ) -> Result<()> {
         let slice = self.config.slice_bytes.max(8);
         let mut sched = Schedule::default();
         let mut areas: Vec<Area<'_>> = Vec::with_capacity(sends.len() + recvs.len());
@@ -1135,7 +1376,10 @@ impl Inner {
         for &(peer, buf) in sends {
             inputs.push((virtual_in, areas.len()));
             areas.push(Area::ReadOnly(buf));
-            push_sliced(&mut sched, buf.len(), slice, |off, len| Action::Send { peer, src: Region::new(BufId::Input, virtual_in + off, len) });
+            push_sliced(&mut sched, buf.len(), slice, |off, len| Action::Send {
+                peer,
+                src: Region::new(BufId::Input, virtual_in + off, len),
+            });
             virtual_in += buf.len();
             meta_push(&mut out_meta, peer, buf.len());
         }
@@ -1144,8 +1388,11 @@ impl Inner {
             let peer = *peer;
             let len = buf.len();
             outputs.push((virtual_out, areas.len()));
-            areas.push(Area::ReadWrite(&mut **buf));
-            push_sliced(&mut sched, len, slice, |off, l| Action::RecvCopy { peer, dst: Region::new(BufId::Output, virtual_out + off, l) });
+            areas.push(Area::ReadWrite(buf));
+            push_sliced(&mut sched, len, slice, |off, l| Action::RecvCopy {
+                peer,
+                dst: Region::new(BufId::Output, virtual_out + off, l),
+            });
             virtual_out += len;
             meta_push(&mut in_meta, peer, len);
         }
@@ -1166,15 +1413,32 @@ impl Inner {
         };
         let mut headers: Vec<(usize, OpDesc, OpDesc)> = Vec::new();
         let peers: Vec<usize> = {
-            let mut p: Vec<usize> = sched.send_peers.iter().chain(sched.recv_peers.iter()).copied().collect();
+            let mut p: Vec<usize> = sched
+                .send_peers
+                .iter()
+                .chain(sched.recv_peers.iter())
+                .copied()
+                .collect();
             p.sort_unstable();
             p.dedup();
             p
         };
         for &p in &peers {
-            let out_sizes = out_meta.iter().find(|(q, _)| *q == p).map(|(_, s)| s.clone()).unwrap_or_default();
-            let in_sizes = in_meta.iter().find(|(q, _)| *q == p).map(|(_, s)| s.clone()).unwrap_or_default();
-            headers.push((p, desc_for(st.send_seq[p], &out_sizes), desc_for(st.recv_seq[p], &in_sizes)));
+            let out_sizes = out_meta
+                .iter()
+                .find(|(q, _)| *q == p)
+                .map(|(_, s)| s.clone())
+                .unwrap_or_default();
+            let in_sizes = in_meta
+                .iter()
+                .find(|(q, _)| *q == p)
+                .map(|(_, s)| s.clone())
+                .unwrap_or_default();
+            headers.push((
+                p,
+                desc_for(st.send_seq[p], &out_sizes),
+                desc_for(st.recv_seq[p], &in_sizes),
+            ));
         }
         for (p, sizes) in &out_meta {
             st.send_seq[*p] += sizes.len() as u64;
@@ -1221,11 +1485,19 @@ fn fingerprint(sizes: &[usize]) -> u32 {
 }
 
 /// Appends steps moving `len` elements in slices of at most `slice`.
-fn push_sliced(sched: &mut Schedule, len: usize, slice: usize, mut make: impl FnMut(usize, usize) -> Action) {
+fn push_sliced(
+    sched: &mut Schedule,
+    len: usize,
+    slice: usize,
+    mut make: impl FnMut(usize, usize) -> Action,
+) {
     let mut off = 0;
     while off < len {
         let l = slice.min(len - off);
-        sched.steps.push(Step { action: make(off, l), deps: Vec::new() });
+        sched.steps.push(Step {
+            action: make(off, l),
+            deps: Vec::new(),
+        });
         off += l;
     }
 }
@@ -1287,7 +1559,11 @@ fn remote_error(inner: &Inner, text: &str) -> Option<Error> {
                 return None;
             }
             let reason = [first.unwrap_or(""), rest.unwrap_or("")].join(" ");
-            Some(Error::Aborted { rank: inner.rank, by: Some(by), reason: format!("rank {by} failed: {}", reason.trim()) })
+            Some(Error::Aborted {
+                rank: inner.rank,
+                by: Some(by),
+                reason: format!("rank {by} failed: {}", reason.trim()),
+            })
         }
         _ => None,
     }
@@ -1302,7 +1578,11 @@ struct Completion<B> {
 
 impl<B> Default for Completion<B> {
     fn default() -> Self {
-        Completion { result: Mutex::new(None), cv: Condvar::new(), done: AtomicBool::new(false) }
+        Completion {
+            result: Mutex::new(None),
+            cv: Condvar::new(),
+            done: AtomicBool::new(false),
+        }
     }
 }
 
@@ -1395,7 +1675,10 @@ mod tests {
 
     #[test]
     fn unique_id_round_trips() {
-        let id = UniqueId { addr: "[::1]:29500".into(), token: "abc".into() };
+        let id = UniqueId {
+            addr: "[::1]:29500".into(),
+            token: "abc".into(),
+        };
         assert_eq!(id.to_string().parse::<UniqueId>().unwrap(), id);
         assert!("weft1@nohost#t".parse::<UniqueId>().is_err());
         assert!("x".parse::<UniqueId>().is_err());

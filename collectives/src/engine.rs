@@ -5,8 +5,9 @@
 //! runs local copies, and when nothing moved it backs off — spin, then yield, then sleep in the
 //! transport's [`IdleWaiter`] — while watching the deadline, the abort flag and peer liveness.
 //!
-//! Wire format per connection and operation: one [`HEADER_LEN`]-byte header, then the messages of
-//! the schedule's sends to that peer in order, each padded to a multiple of 8 bytes so that every
+//! Wire format per connection, direction and operation: one [`HEADER_LEN`]-byte header (sent in
+//! both directions on every connection the operation uses), then the messages of the schedule's
+//! sends to that peer in order, each padded to a multiple of 8 bytes so that every
 //! message starts 8-byte aligned in the receiver's buffer.
 
 use crate::dtype::DataType;
@@ -262,13 +263,8 @@ pub fn execute_with_headers(
             }
         }
     };
-    for &p in &schedule.send_peers {
-        let i = index_of(&mut peers, p);
-        peers[i].send.get_or_insert_with(Cursor::default);
-    }
-    for &p in &schedule.recv_peers {
-        let i = index_of(&mut peers, p);
-        peers[i].recv.get_or_insert_with(Cursor::default);
+    for &p in schedule.send_peers.iter().chain(&schedule.recv_peers) {
+        index_of(&mut peers, p);
     }
     let mut copies = Vec::new();
     for (i, step) in steps.iter().enumerate() {
@@ -291,6 +287,13 @@ pub fn execute_with_headers(
             }
             Action::Copy { .. } => copies.push(i),
         }
+    }
+    // Headers flow both ways on every connection the operation uses, even where data flows one
+    // way: a broadcast root then hears from its successor, so a root or kind mismatch is seen
+    // by both sides instead of leaving stray bytes for the next operation.
+    for p in peers.iter_mut() {
+        p.send.get_or_insert_with(Cursor::default);
+        p.recv.get_or_insert_with(Cursor::default);
     }
     for p in &peers {
         if p.peer == ctx.rank || conns.get(p.peer).is_none_or(|c| c.is_none()) {

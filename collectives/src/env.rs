@@ -51,8 +51,9 @@ impl LaunchInfo {
         let num = |k: &str| -> Result<Option<usize>> {
             get(k)
                 .map(|v| {
-                    v.parse::<usize>()
-                        .map_err(|_| Error::Config(format!("{k}={v:?} is not a non-negative integer")))
+                    v.parse::<usize>().map_err(|_| {
+                        Error::Config(format!("{k}={v:?} is not a non-negative integer"))
+                    })
                 })
                 .transpose()
         };
@@ -64,7 +65,9 @@ impl LaunchInfo {
                 })
                 .transpose()
         };
-        let explicit_addr = get("WEFT_MASTER_ADDR").or(get("MASTER_ADDR")).map(str::to_string);
+        let explicit_addr = get("WEFT_MASTER_ADDR")
+            .or(get("MASTER_ADDR"))
+            .map(str::to_string);
         let explicit_port = match port("WEFT_MASTER_PORT")? {
             Some(p) => Some(p),
             None => port("MASTER_PORT")?,
@@ -114,10 +117,9 @@ impl LaunchInfo {
                     explicit_addr.clone().or(head),
                     explicit_port.or(job_port),
                 )
-            } else if let (Some(r), Some(n)) = (
-                num("OMPI_COMM_WORLD_RANK")?,
-                num("OMPI_COMM_WORLD_SIZE")?,
-            ) {
+            } else if let (Some(r), Some(n)) =
+                (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
+            {
                 let local_world = num("OMPI_COMM_WORLD_LOCAL_SIZE")?.unwrap_or(n);
                 // All ranks on one host: the rendezvous is local.
                 let addr = explicit_addr
@@ -163,7 +165,12 @@ impl LaunchInfo {
                     .or(get("TORCHELASTIC_RUN_ID"))
                     .or(get("OMPI_MCA_ess_base_jobid"))
                     .unwrap_or("none");
-                format!("{launcher:?}-{master_addr}-{master_port}-{job}").to_lowercase()
+                let shared = format!("{launcher:?}-{master_addr}-{master_port}-{job}");
+                // Hashed: transports accept tokens of at most 64 bytes.
+                let h = shared.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+                });
+                format!("{}-{h:016x}", format!("{launcher:?}").to_lowercase())
             }
         };
         Ok(LaunchInfo {
@@ -226,12 +233,13 @@ fn first_count(v: Option<&str>) -> Option<usize> {
 pub fn timeout_from_env() -> Result<Duration> {
     match std::env::var("WEFT_TIMEOUT") {
         Ok(v) if !v.trim().is_empty() => {
-            let secs: f64 = v
-                .trim()
-                .parse()
-                .map_err(|_| Error::Config(format!("WEFT_TIMEOUT={v:?} is not a number of seconds")))?;
+            let secs: f64 = v.trim().parse().map_err(|_| {
+                Error::Config(format!("WEFT_TIMEOUT={v:?} is not a number of seconds"))
+            })?;
             if !(secs > 0.0 && secs.is_finite()) {
-                return Err(Error::Config(format!("WEFT_TIMEOUT={v:?} must be positive")));
+                return Err(Error::Config(format!(
+                    "WEFT_TIMEOUT={v:?} must be positive"
+                )));
             }
             Ok(Duration::from_secs_f64(secs))
         }
@@ -242,7 +250,12 @@ pub fn timeout_from_env() -> Result<Duration> {
 /// True when an environment flag is set to 1/true/yes/on.
 pub fn flag(name: &str) -> bool {
     std::env::var(name)
-        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        .map(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
         .unwrap_or(false)
 }
 
@@ -251,7 +264,9 @@ mod tests {
     use super::*;
 
     fn vars(list: &[(&str, &str)]) -> HashMap<String, String> {
-        list.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        list.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -269,8 +284,14 @@ mod tests {
         ]);
         let i = LaunchInfo::from_vars(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Weft);
-        assert_eq!((i.rank, i.world_size, i.local_rank, i.local_world_size), (1, 4, 1, 2));
-        assert_eq!((i.master_addr.as_str(), i.master_port, i.token.as_str()), ("10.0.0.1", 1234, "abc"));
+        assert_eq!(
+            (i.rank, i.world_size, i.local_rank, i.local_world_size),
+            (1, 4, 1, 2)
+        );
+        assert_eq!(
+            (i.master_addr.as_str(), i.master_port, i.token.as_str()),
+            ("10.0.0.1", 1234, "abc")
+        );
     }
 
     #[test]
@@ -303,7 +324,10 @@ mod tests {
         ]);
         let i = LaunchInfo::from_vars(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Slurm);
-        assert_eq!((i.rank, i.world_size, i.local_rank, i.local_world_size), (5, 8, 1, 4));
+        assert_eq!(
+            (i.rank, i.world_size, i.local_rank, i.local_world_size),
+            (5, 8, 1, 4)
+        );
         assert_eq!(i.master_addr, "gpu017");
         assert!((20000..30000).contains(&i.master_port));
         let mut with_port = v.clone();
@@ -320,8 +344,15 @@ mod tests {
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
         ]);
         let i = LaunchInfo::from_vars(&v).unwrap();
-        assert_eq!((i.launcher, i.master_addr.as_str()), (Launcher::OpenMpi, "127.0.0.1"));
-        let multi = vars(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "1")]);
+        assert_eq!(
+            (i.launcher, i.master_addr.as_str()),
+            (Launcher::OpenMpi, "127.0.0.1")
+        );
+        let multi = vars(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
+        ]);
         assert!(LaunchInfo::from_vars(&multi).is_err());
     }
 
@@ -329,8 +360,19 @@ mod tests {
     fn bad_values_are_config_errors() {
         assert!(LaunchInfo::from_vars(&vars(&[])).is_err());
         assert!(LaunchInfo::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).is_err());
-        assert!(LaunchInfo::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a")])).is_err());
-        assert!(LaunchInfo::from_vars(&vars(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "99999")])).is_err());
+        assert!(LaunchInfo::from_vars(&vars(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a")
+        ]))
+        .is_err());
+        assert!(LaunchInfo::from_vars(&vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "99999")
+        ]))
+        .is_err());
     }
 
     #[test]

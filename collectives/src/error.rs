@@ -21,7 +21,9 @@ pub enum Error {
         reason: String,
     },
     /// An operation did not finish within the communicator's timeout.
-    #[error("rank {rank}: {op} #{seq} timed out after {after:?}; still waiting on ranks {waiting_on:?}")]
+    #[error(
+        "rank {rank}: {op} #{seq} timed out after {after:?}; still waiting on ranks {waiting_on:?}"
+    )]
     Timeout {
         rank: usize,
         op: OpKind,
@@ -47,7 +49,9 @@ pub enum Error {
         reason: String,
     },
     /// Ranks called different collectives (kind, type, count, reduction or root differ).
-    #[error("rank {rank}: mismatched collectives: this rank called {ours}, rank {peer} called {theirs}")]
+    #[error(
+        "rank {rank}: mismatched collectives: this rank called {ours}, rank {peer} called {theirs}"
+    )]
     Mismatch {
         rank: usize,
         peer: usize,

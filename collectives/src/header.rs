@@ -88,7 +88,11 @@ fn checksum(bytes: &[u8]) -> u32 {
 
 impl fmt::Display for OpDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} #{} ({} × {}", self.kind, self.seq, self.count, self.dtype)?;
+        write!(
+            f,
+            "{} #{} ({} × {}",
+            self.kind, self.seq, self.count, self.dtype
+        )?;
         if self.redop != 0xff {
             let name = match self.redop {
                 0 => "sum",

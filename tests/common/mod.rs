@@ -55,7 +55,9 @@ pub fn with_ranks_config<R: Send>(
                 Ok(r) => r,
                 Err(p) => std::panic::resume_unwind(Box::new(format!(
                     "rank {rank} panicked: {:?}",
-                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 ))),
             })
             .collect()

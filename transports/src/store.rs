@@ -706,7 +706,12 @@ impl StoreClient {
         if let Err(e) = write_frame(&self.sock, payload) {
             return Err(self.fail(format!("sending request: {e}")));
         }
-        let deadline = Deadline::after(wait.saturating_add(CLIENT_MARGIN));
+        // The margin covers the network and a busy server; it scales with the wait so a client
+        // made for quick calls (a short default timeout) also gives up quickly.
+        let margin = CLIENT_MARGIN
+            .min(wait)
+            .saturating_add(Duration::from_millis(500));
+        let deadline = Deadline::after(wait.saturating_add(margin));
         let _ = self.sock.set_read_timeout(Some(Duration::from_millis(200)));
         let mut len = [0u8; 4];
         if let Err(e) = read_full(&self.sock, &mut len, &deadline) {

@@ -176,7 +176,7 @@ pub fn choose_interface(
         .iter()
         .enumerate()
         .filter(|(_, i)| i.up && usable_addr(&i.addr))
-        .filter(|(_, i)| family.map_or(true, |f| Family::of(&i.addr) == f))
+        .filter(|(_, i)| family.is_none_or(|f| Family::of(&i.addr) == f))
         .filter(|(_, i)| match &spec {
             Some(s) => s.matches(&i.name),
             None => !i.loopback && !i.name.starts_with("docker"),
@@ -187,7 +187,7 @@ pub fn choose_interface(
             .iter()
             .enumerate()
             .filter(|(_, i)| i.up && i.loopback && usable_addr(&i.addr))
-            .filter(|(_, i)| family.map_or(true, |f| Family::of(&i.addr) == f))
+            .filter(|(_, i)| family.is_none_or(|f| Family::of(&i.addr) == f))
             .collect();
     }
     // Non-loopback first, then IPv4 before IPv6, then the system's order.
