@@ -301,7 +301,7 @@ impl Mesh {
                     )));
                 }
                 let c = seg.connect(p, &infos[p].segment)?;
-                tracing::info!(rank, peer = p, transport = "shm", "mesh connection");
+                tracing::info!(target: "weftcc::init", rank, peer = p, transport = "shm", "mesh connection");
                 conns[p] = Some(Box::new(c));
                 kinds[p] = Some("shm");
                 shm_peers[p] = true;
@@ -369,7 +369,7 @@ impl Mesh {
         let connected = connected?;
         for c in connected.into_iter().chain(accepted?) {
             let p = c.peer();
-            tracing::info!(rank, peer = p, transport = "tcp", "mesh connection");
+            tracing::info!(target: "weftcc::init", rank, peer = p, transport = "tcp", "mesh connection");
             tcp_waiter.add(c.poll_handle());
             kinds[p] = Some("tcp");
             conns[p] = Some(Box::new(c));

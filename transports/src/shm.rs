@@ -457,7 +457,7 @@ impl ShmSegment {
         if !self.unlinked.swap(true, Ordering::AcqRel) {
             if let Err(e) = nix::sys::mman::shm_unlink(self.name.as_str()) {
                 if e != Errno::ENOENT {
-                    tracing::warn!(segment = %self.name, error = %e, "shm_unlink failed");
+                    tracing::warn!(target: "weftcc::shm", segment = %self.name, error = %e, "shm_unlink failed");
                 }
             }
         }
@@ -537,7 +537,7 @@ fn create_exclusive(name: &str) -> Result<std::os::fd::OwnedFd> {
                         )));
                     }
                 }
-                tracing::warn!(segment = name, "removing stale shared-memory segment");
+                tracing::warn!(target: "weftcc::shm", segment = name, "removing stale shared-memory segment");
                 let _ = nix::sys::mman::shm_unlink(name);
             }
             Err(e) => {

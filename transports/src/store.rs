@@ -217,7 +217,7 @@ impl StoreServer {
             .name("weft-store-accept".into())
             .spawn(move || accept_loop(sock, inner2))
             .map_err(|e| TransportError::io("starting store thread", e))?;
-        tracing::debug!(addr = %local, "bootstrap store serving");
+        tracing::debug!(target: "weftcc::bootstrap", addr = %local, "bootstrap store serving");
         Ok(StoreServer {
             inner,
             local,
@@ -269,14 +269,14 @@ fn accept_loop(listener: Socket, inner: Arc<Inner>) {
                 continue
             }
             Err(e) => {
-                tracing::warn!(error = %e, "store accept failed");
+                tracing::warn!(target: "weftcc::bootstrap", error = %e, "store accept failed");
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
         };
         let from = from.as_socket().map(|a| a.to_string()).unwrap_or_default();
         if inner.active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
-            tracing::warn!(from = %from, "store connection limit reached; closing new connection");
+            tracing::warn!(target: "weftcc::bootstrap", from = %from, "store connection limit reached; closing new connection");
             continue;
         }
         let _ = sock.set_nonblocking(false);
@@ -284,7 +284,7 @@ fn accept_loop(listener: Socket, inner: Arc<Inner>) {
         let clone = match sock.try_clone() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "store: cannot duplicate socket; closing connection");
+                tracing::warn!(target: "weftcc::bootstrap", error = %e, "store: cannot duplicate socket; closing connection");
                 continue;
             }
         };
@@ -312,7 +312,7 @@ fn accept_loop(listener: Socket, inner: Arc<Inner>) {
             Err(e) => {
                 lock(&inner.socks).remove(&id);
                 inner.active.fetch_sub(1, Ordering::AcqRel);
-                tracing::warn!(error = %e, "store: cannot start a connection thread");
+                tracing::warn!(target: "weftcc::bootstrap", error = %e, "store: cannot start a connection thread");
             }
         }
     }
@@ -323,7 +323,7 @@ fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
     let _ = sock.set_read_timeout(Some(Duration::from_millis(100)));
     if let Err(why) = server_handshake(sock, inner) {
         if !inner.shutdown.load(Ordering::Acquire) {
-            tracing::warn!(from = %from, reason = %why, "store refused a connection");
+            tracing::warn!(target: "weftcc::bootstrap", from = %from, reason = %why, "store refused a connection");
         }
         return;
     }
@@ -334,7 +334,7 @@ fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
                 let resp = match handle_request(&payload, inner) {
                     Ok(r) => r,
                     Err(why) => {
-                        tracing::warn!(from = %from, reason = %why, "store closed a connection");
+                        tracing::warn!(target: "weftcc::bootstrap", from = %from, reason = %why, "store closed a connection");
                         return;
                     }
                 };
@@ -351,7 +351,7 @@ fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
                 if inner.shutdown.load(Ordering::Acquire) {
                     let _ = write_frame(sock, &[ST_CLOSED]);
                 } else if !why.is_empty() {
-                    tracing::warn!(from = %from, reason = %why, "store closed a connection");
+                    tracing::warn!(target: "weftcc::bootstrap", from = %from, reason = %why, "store closed a connection");
                 }
                 return;
             }

@@ -228,7 +228,7 @@ pub fn select_interface(spec: Option<&str>, family: Option<Family>) -> Result<Ip
     let ifaces = list_interfaces()?;
     match choose_interface(spec, family, &ifaces) {
         Some(i) => {
-            tracing::debug!(interface = %i.name, addr = %i.addr, "selected network interface");
+            tracing::debug!(target: "weftcc::net", interface = %i.name, addr = %i.addr, "selected network interface");
             Ok(i.addr)
         }
         None => {
@@ -697,7 +697,7 @@ impl TcpEndpoint {
                 if expected.contains(&rank) && !got.contains_key(&rank) {
                     got.insert(rank, TcpConnection::from_socket(rank, sock)?);
                 } else {
-                    tracing::warn!(rank, "closing unexpected or duplicate TCP connection");
+                    tracing::warn!(target: "weftcc::net", rank, "closing unexpected or duplicate TCP connection");
                 }
             }
             if got.len() == expected.len() {
@@ -733,7 +733,7 @@ impl TcpEndpoint {
                     continue
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    tracing::warn!(target: "weftcc::net", error = %e, "accept failed");
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
                 }
@@ -757,14 +757,14 @@ impl TcpEndpoint {
                             let _ = tx.send((rank, sock));
                         }
                         Err(e) => {
-                            tracing::warn!(from = %from, error = %e, "refused TCP connection")
+                            tracing::warn!(target: "weftcc::net", from = %from, error = %e, "refused TCP connection")
                         }
                     }
                     counter.fetch_sub(1, Ordering::AcqRel);
                 });
             if let Err(e) = spawned {
                 inflight.fetch_sub(1, Ordering::AcqRel);
-                tracing::warn!(error = %e, "could not start a handshake thread; connection dropped");
+                tracing::warn!(target: "weftcc::net", error = %e, "could not start a handshake thread; connection dropped");
             }
         }
         let mut out: Vec<TcpConnection> = got.into_values().collect();

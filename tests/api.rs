@@ -1,0 +1,123 @@
+//! The communicator API beyond single collectives: async handles and their ordering, split,
+//! unique ids, and transport choice.
+
+mod common;
+
+use common::{with_ranks, Wire};
+use std::time::Duration;
+use weftcc::{ReduceOp, UniqueId};
+
+#[test]
+fn async_operations_run_in_issue_order_and_return_their_buffers() {
+    for wire in [Wire::Shm, Wire::Tcp] {
+        let results = with_ranks(3, wire, |rank, comm| {
+            // Several async operations in flight, then a blocking one that must wait its turn.
+            let h1 = comm.all_reduce_async::<f32, _>(vec![rank as f32 + 1.0; 1000], ReduceOp::Sum);
+            let h2 = comm.broadcast_async::<u64, _>(vec![rank as u64 * 10; 77], 2);
+            let h3 = comm.reduce_async::<i32, _>(vec![rank as i32; 5], ReduceOp::Max, 1);
+            let mut now = vec![1u8; 9];
+            comm.all_reduce_in_place(&mut now, ReduceOp::Sum).unwrap();
+            let h4 = comm.all_gather_async::<i64, _>({
+                let mut b = vec![0i64; 3 * 2];
+                b[rank * 2] = rank as i64;
+                b[rank * 2 + 1] = -(rank as i64);
+                b
+            });
+            let h5 = comm.barrier_async();
+            assert!(h5.wait_timeout(Duration::from_secs(60)));
+            assert!(h5.is_done());
+            h5.wait().unwrap();
+            (
+                h1.wait().unwrap(),
+                h2.wait().unwrap(),
+                h3.wait().unwrap(),
+                now,
+                h4.wait().unwrap(),
+            )
+        });
+        for (rank, (a, b, c, now, g)) in results.into_iter().enumerate() {
+            assert_eq!(a, vec![6.0; 1000]);
+            assert_eq!(b, vec![20; 77]);
+            if rank == 1 {
+                assert_eq!(c, vec![2; 5]);
+            } else {
+                assert_eq!(
+                    c,
+                    vec![rank as i32; 5],
+                    "non-root reduce buffers stay unchanged"
+                );
+            }
+            assert_eq!(now, vec![3; 9]);
+            assert_eq!(g, vec![0, 0, 1, -1, 2, -2]);
+        }
+    }
+}
+
+#[test]
+fn async_send_and_receive_pair_up() {
+    let results = with_ranks(2, Wire::Shm, |rank, comm| {
+        if rank == 0 {
+            let h = comm.send_async::<u32, _>(vec![5u32; 1 << 20], 1);
+            h.wait().unwrap();
+            Vec::new()
+        } else {
+            comm.recv_async::<u32, _>(vec![0u32; 1 << 20], 0)
+                .wait()
+                .unwrap()
+        }
+    });
+    assert_eq!(results[1], vec![5u32; 1 << 20]);
+}
+
+#[test]
+fn split_groups_have_the_right_members() {
+    let results = with_ranks(4, Wire::Shm, |rank, comm| {
+        let sub = comm
+            .split(Some((rank % 2) as u32), -(rank as i64))
+            .unwrap()
+            .unwrap();
+        let mut b = vec![rank as u32; 10];
+        sub.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+        let mut p = vec![1u8; 3];
+        comm.all_reduce_in_place(&mut p, ReduceOp::Sum).unwrap();
+        (sub.rank(), sub.size(), b[0], p[0])
+    });
+    // Evens {0, 2} sum to 2, odds {1, 3} to 4; keys order by descending old rank.
+    assert_eq!(results[0], (1, 2, 2, 4));
+    assert_eq!(results[2], (0, 2, 2, 4));
+    assert_eq!(results[1], (1, 2, 4, 4));
+    assert_eq!(results[3], (0, 2, 4, 4));
+}
+
+#[test]
+fn ranks_without_a_color_get_no_communicator() {
+    let results = with_ranks(3, Wire::Shm, |rank, comm| {
+        let color = (rank != 1).then_some(7);
+        let sub = comm.split(color, 0).unwrap();
+        let info = sub.as_ref().map(|s| (s.rank(), s.size()));
+        if let Some(s) = &sub {
+            s.barrier().unwrap();
+        }
+        comm.barrier().unwrap();
+        info
+    });
+    assert_eq!(results, vec![Some((0, 2)), None, Some((1, 2))]);
+}
+
+#[test]
+fn transports_are_chosen_per_pair() {
+    let shm = with_ranks(2, Wire::Shm, |rank, comm| comm.transport_to(1 - rank));
+    assert_eq!(shm, vec![Some("shm"), Some("shm")]);
+    let tcp = with_ranks(2, Wire::Tcp, |rank, comm| comm.transport_to(1 - rank));
+    assert_eq!(tcp, vec![Some("tcp"), Some("tcp")]);
+    let me = with_ranks(2, Wire::Shm, |rank, comm| comm.transport_to(rank));
+    assert_eq!(me, vec![None, None]);
+}
+
+#[test]
+fn unique_ids_print_and_parse() {
+    let id = UniqueId::new().unwrap();
+    let text = id.to_string();
+    assert!(text.starts_with("weft1@"), "{text}");
+    assert_eq!(text.parse::<UniqueId>().unwrap(), id);
+}
