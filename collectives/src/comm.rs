@@ -10,7 +10,7 @@
 //! an error on all ranks within a fraction of a second instead of a hang.
 
 use crate::dtype::{DataType, Element};
-use crate::engine::{self, Area, Context, Layout, Placement};
+use crate::engine::{self, Area, Backoff, Context, Layout, Placement};
 use crate::env::{self, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::header::{OpDesc, NO_ROOT};
@@ -127,6 +127,9 @@ pub struct CommConfig {
     pub buffsize: usize,
     /// Largest message of a pipelined transfer (`WEFT_SLICE_BYTES`).
     pub slice_bytes: usize,
+    /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
+    /// sleep until a peer signals.
+    pub backoff: Backoff,
 }
 
 impl CommConfig {
@@ -140,6 +143,18 @@ impl CommConfig {
                 _ => Ok(default),
             }
         };
+        let micros = |name: &str, default: Duration| -> Result<Duration> {
+            match std::env::var(name) {
+                Ok(v) if !v.trim().is_empty() => v
+                    .trim()
+                    .parse::<u64>()
+                    .map(Duration::from_micros)
+                    .map_err(|_| {
+                        Error::Config(format!("{name}={v:?} is not a number of microseconds"))
+                    }),
+                _ => Ok(default),
+            }
+        };
         Ok(CommConfig {
             timeout: env::timeout_from_env()?,
             shm_disable: env::flag("WEFT_SHM_DISABLE"),
@@ -149,6 +164,10 @@ impl CommConfig {
             host_id: weftcc_transports::mesh::host_id(),
             buffsize: size("WEFT_BUFFSIZE", 4 << 20)?,
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
+            backoff: Backoff {
+                spin: micros("WEFT_SPIN_US", Backoff::default().spin)?,
+                yield_for: micros("WEFT_YIELD_US", Backoff::default().yield_for)?,
+            },
         })
     }
 }
@@ -181,7 +200,7 @@ struct Inner {
     poison: Poison,
     /// Kind and sequence number of the operation running now (for errors raised elsewhere).
     current: Mutex<(OpKind, u64)>,
-    turn: Mutex<u64>,
+    turn: Mutex<Turn>,
     turn_cv: Condvar,
     next_ticket: AtomicU64,
     state: Mutex<State>,
@@ -196,6 +215,12 @@ struct Inner {
     _server: Option<Arc<StoreServer>>,
     splits: AtomicU64,
     watcher_stop: AtomicBool,
+}
+
+/// Which ticket executes now, and how many callers wait for their turn.
+struct Turn {
+    now: u64,
+    waiters: usize,
 }
 
 struct State {
@@ -319,7 +344,7 @@ impl Communicator {
                 set: AtomicBool::new(false),
             },
             current: Mutex::new((OpKind::Barrier, 0)),
-            turn: Mutex::new(0),
+            turn: Mutex::new(Turn { now: 0, waiters: 0 }),
             turn_cv: Condvar::new(),
             next_ticket: AtomicU64::new(0),
             state: Mutex::new(State {
@@ -1004,12 +1029,9 @@ impl Inner {
     /// Waits until `ticket` is the next to execute (or the communicator is aborted/poisoned).
     fn wait_turn(&self, ticket: u64) -> Result<()> {
         let mut turn = lock(&self.turn);
-        while *turn != ticket {
+        while turn.now != ticket {
             self.check()?;
-            turn = match self.turn_cv.wait_timeout(turn, Duration::from_millis(50)) {
-                Ok((t, _)) => t,
-                Err(p) => p.into_inner().0,
-            };
+            turn = self.wait_turn_change(turn);
         }
         Ok(())
     }
@@ -1017,15 +1039,26 @@ impl Inner {
     fn end_turn(&self, ticket: u64) {
         let mut turn = lock(&self.turn);
         // A caller that failed before its turn must still pass the turn on, in order.
-        while *turn != ticket {
-            turn = match self.turn_cv.wait_timeout(turn, Duration::from_millis(50)) {
-                Ok((t, _)) => t,
-                Err(p) => p.into_inner().0,
-            };
+        while turn.now != ticket {
+            turn = self.wait_turn_change(turn);
         }
-        *turn = ticket + 1;
+        turn.now = ticket + 1;
+        let waiters = turn.waiters;
         drop(turn);
-        self.turn_cv.notify_all();
+        // Waking is a system call: skip it on the common path where nobody waits.
+        if waiters > 0 {
+            self.turn_cv.notify_all();
+        }
+    }
+
+    fn wait_turn_change<'g>(&self, mut turn: MutexGuard<'g, Turn>) -> MutexGuard<'g, Turn> {
+        turn.waiters += 1;
+        let mut turn = match self.turn_cv.wait_timeout(turn, Duration::from_millis(50)) {
+            Ok((t, _)) => t,
+            Err(p) => p.into_inner().0,
+        };
+        turn.waiters -= 1;
+        turn
     }
 
     /// Runs `f` in issue order. Inside a worker job the job's ticket is reused.
@@ -1326,6 +1359,7 @@ impl Inner {
             deadline: Instant::now() + timeout,
             timeout,
             abort: &self.abort,
+            backoff: self.config.backoff,
             poisoned: &poisoned,
         };
         let _ = kind;
@@ -1456,6 +1490,7 @@ impl Inner {
             deadline: Instant::now() + timeout,
             timeout,
             abort: &self.abort,
+            backoff: self.config.backoff,
             poisoned: &poisoned,
         };
         let (conns, waiter) = st.mesh.parts();

@@ -24,8 +24,6 @@ use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
 const MAX_SLEEP: Duration = Duration::from_millis(5);
 /// How often peers we wait on are checked for liveness while idle.
 const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
-const SPIN_ROUNDS: u32 = 64;
-const YIELD_ROUNDS: u32 = 16;
 
 /// One contiguous piece of memory the operation reads or writes.
 pub enum Area<'a> {
@@ -92,6 +90,23 @@ impl Layout {
     }
 }
 
+/// The idle policy: spin briefly (a peer on another core answers within a microsecond), then
+/// yield (a peer waiting for this core gets it), then sleep on the transport's waiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub spin: Duration,
+    pub yield_for: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            spin: Duration::from_micros(5),
+            yield_for: Duration::from_micros(200),
+        }
+    }
+}
+
 /// Everything the engine needs besides the schedule and memory.
 pub struct Context<'a> {
     pub rank: usize,
@@ -101,6 +116,8 @@ pub struct Context<'a> {
     pub deadline: Instant,
     pub timeout: Duration,
     pub abort: &'a AtomicBool,
+    /// How long to spin, then to yield the CPU, after the last progress before sleeping.
+    pub backoff: Backoff,
     /// Returns the error that poisoned the communicator while this operation ran, if any.
     pub poisoned: &'a dyn Fn() -> Option<Error>,
 }
@@ -317,7 +334,7 @@ pub fn execute_with_headers(
     let mut done = vec![false; steps.len()];
     let ready = |done: &[bool], i: usize| steps[i].deps.iter().all(|&d| done.get(d) == Some(&true));
     let mut copies_left = copies.len();
-    let mut idle_rounds = 0u32;
+    let mut idle_since: Option<Instant> = None;
     let mut last_liveness = Instant::now();
     let mut interest: Vec<Interest> = Vec::with_capacity(peers.len());
 
@@ -358,7 +375,7 @@ pub fn execute_with_headers(
             return Ok(());
         }
         if progressed {
-            idle_rounds = 0;
+            idle_since = None;
             continue;
         }
 
@@ -388,12 +405,12 @@ pub fn execute_with_headers(
                 after: ctx.timeout,
             });
         }
-        idle_rounds = idle_rounds.saturating_add(1);
-        if idle_rounds <= SPIN_ROUNDS {
+        let idle = now.duration_since(*idle_since.get_or_insert(now));
+        if idle < ctx.backoff.spin {
             std::hint::spin_loop();
             continue;
         }
-        if idle_rounds <= SPIN_ROUNDS + YIELD_ROUNDS {
+        if idle < ctx.backoff.spin + ctx.backoff.yield_for {
             std::thread::yield_now();
             continue;
         }
