@@ -695,6 +695,145 @@ pub fn dissemination_barrier(rank: usize, nranks: usize) -> Result<Schedule, Sch
     Ok(b.finish(send_peers, recv_peers, scratch))
 }
 
+/// Latency-optimal all-reduce for small messages: recursive doubling (⌈log2 n⌉ exchange rounds,
+/// each exchanging the whole vector), with the usual fold-in/fold-out for ranks beyond the largest
+/// power of two.
+///
+/// Input and Output hold `count` elements each and may be the same memory (in place). Let `p` be
+/// the largest power of two `<= nranks`:
+/// * A rank `r >= p` sends its Input to `r - p` and receives the final result from it into
+///   Output (each slice of the result only after the same slice of its Input has gone out).
+/// * A rank `r < nranks - p` first receives the Input of `r + p` and combines it with its own
+///   Input (the fold-in); it is the only rank that computes that combination.
+/// * In round `k` (`d = 2^k < p`) ranks `r` and `r ^ d` exchange their accumulators and both
+///   combine them (`a ⊕ b` on one side, `b ⊕ a` on the other). The combiners are commutative, so
+///   after round `k` every group of `2^(k+1)` aligned ranks holds bitwise identical values, and
+///   after the last round all ranks `< p` do (floating-point sums included). The folding ranks
+///   then send the result to `r + p`, which copy it, so every rank ends with the same bits.
+///   (This needs `⊕` to be commutative bit for bit, which holds for integers and for float sums
+///   and products without NaNs; float `Min`/`Max` of `-0.0` and `+0.0`, or NaNs with different
+///   payloads, may leave different bits on the two sides of an exchange.)
+///
+/// A round reads its accumulator `X` (for its send and as the local operand) and writes
+/// `X ⊕ received` into the other of Output and Scratch, so a round's receive never writes what
+/// the same round's send reads; the next round's receive, which writes `X`'s buffer again, waits
+/// for this round's send and receive of the same slice. Round 0 of a non-folding rank reads its
+/// Input and therefore writes Scratch (in place, Output is the Input still being sent). The
+/// folding ranks place their fold-in so that the last round writes Output; the others copy the
+/// result from Scratch to Output when the number of rounds is odd. Every transfer is split into
+/// messages of at most `slice_elems` elements with per-slice deps. Ranks `< p` need
+/// `scratch_elems = count`; ranks `>= p` and a single rank need none.
+pub fn recursive_doubling_all_reduce(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    let mut b = Builder::default();
+    if n == 1 {
+        b.copy(
+            Region::new(BufId::Input, 0, count),
+            Region::new(BufId::Output, 0, count),
+        );
+        return Ok(b.finish(Vec::new(), Vec::new(), 0));
+    }
+    // n >= 2, so p >= 2 and there is at least one round.
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let extra = n - p;
+    let parts: Vec<(usize, usize)> = slices(0, count, slice_elems).collect();
+    let at = |buf: BufId, (o, l): (usize, usize)| Region::new(buf, o, l);
+    let other = |buf: BufId| {
+        if buf == BufId::Output {
+            BufId::Scratch
+        } else {
+            BufId::Output
+        }
+    };
+
+    if rank >= p {
+        let q = rank - p;
+        for &s in &parts {
+            let sent = b.send(q, at(BufId::Input, s), Vec::new());
+            // In place, this Output slice is the Input slice being sent.
+            b.recv_copy(q, at(BufId::Output, s), vec![sent]);
+        }
+        return Ok(b.finish(vec![q], vec![q], 0));
+    }
+
+    let rounds = p.trailing_zeros() as usize;
+    let folds = rank < extra;
+    let mut send_peers = Vec::with_capacity(rounds + 1);
+    let mut recv_peers = Vec::with_capacity(rounds + 1);
+
+    // Steps that wrote the current accumulator, slice by slice (none while it is the Input), and
+    // the sends of the previous round (which read the buffer the current round writes).
+    let mut prev_recv: Vec<StepId> = Vec::new();
+    let mut prev_send: Vec<StepId> = Vec::new();
+    // Buffers of the current accumulator X and of the next one Y.
+    let (mut x, mut y) = if folds {
+        // Y of round k is Output when rounds - 1 - k is even: the last round writes Output.
+        let first_y = if (rounds - 1) % 2 == 0 {
+            BufId::Output
+        } else {
+            BufId::Scratch
+        };
+        let acc = other(first_y);
+        let hi = rank + p;
+        recv_peers.push(hi);
+        for &s in &parts {
+            prev_recv.push(b.recv_reduce(hi, at(BufId::Input, s), at(acc, s), Vec::new()));
+        }
+        (acc, first_y)
+    } else {
+        (BufId::Input, BufId::Scratch)
+    };
+
+    let mut d = 1usize;
+    while d < p {
+        let partner = rank ^ d;
+        send_peers.push(partner);
+        recv_peers.push(partner);
+        let mut sends = Vec::with_capacity(parts.len());
+        let mut recvs = Vec::with_capacity(parts.len());
+        for (k, &s) in parts.iter().enumerate() {
+            let ready = dep_at(&prev_recv, k);
+            sends.push(b.send(partner, at(x, s), ready.clone()));
+            let mut deps = ready;
+            deps.extend(dep_at(&prev_send, k));
+            recvs.push(b.recv_reduce(partner, at(x, s), at(y, s), deps));
+        }
+        prev_send = sends;
+        prev_recv = recvs;
+        (x, y) = (y, other(y));
+        d <<= 1;
+    }
+
+    if folds {
+        // x is Output here (see above).
+        let hi = rank + p;
+        send_peers.push(hi);
+        for (k, &s) in parts.iter().enumerate() {
+            b.send(hi, at(x, s), dep_at(&prev_recv, k));
+        }
+    } else if x == BufId::Scratch {
+        // Output was last read by the final round (its Input, in place, when there is one round).
+        for (k, &s) in parts.iter().enumerate() {
+            let mut deps = dep_at(&prev_recv, k);
+            deps.extend(dep_at(&prev_send, k));
+            b.push(
+                Action::Copy {
+                    src: at(BufId::Scratch, s),
+                    dst: at(BufId::Output, s),
+                },
+                deps,
+            );
+        }
+    }
+    Ok(b.finish(send_peers, recv_peers, count))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1080,5 +1219,212 @@ mod tests {
                 deps: vec![1]
             }
         );
+    }
+
+    #[test]
+    fn recursive_doubling_all_reduce_structure() {
+        for n in 1..=16 {
+            for count in COUNTS {
+                for slice in SLICES {
+                    let s: Vec<_> = (0..n)
+                        .map(|r| recursive_doubling_all_reduce(r, n, count, slice).unwrap())
+                        .collect();
+                    let sizes: Vec<_> = (0..n)
+                        .map(|_| Sizes {
+                            input: count,
+                            output: count,
+                        })
+                        .collect();
+                    check_all(&s, &sizes, slice, true);
+                    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+                    for (r, sched) in s.iter().enumerate() {
+                        let want = if n > 1 && r < p { count } else { 0 };
+                        assert_eq!(sched.scratch_elems, want, "n {n} rank {r}");
+                        // Input is only ever read.
+                        assert!(sched.steps.iter().all(|st| !matches!(
+                            st.action,
+                            Action::RecvCopy { dst, .. }
+                                | Action::RecvReduce { dst, .. }
+                                | Action::Copy { dst, .. } if dst.buf == BufId::Input
+                        )));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sorted copies of a schedule's peer lists.
+    fn peers(s: &Schedule) -> (Vec<usize>, Vec<usize>) {
+        let (mut a, mut b) = (s.send_peers.clone(), s.recv_peers.clone());
+        a.sort_unstable();
+        b.sort_unstable();
+        (a, b)
+    }
+
+    #[test]
+    fn recursive_doubling_all_reduce_peers() {
+        for count in [0, 5] {
+            let rd = |r, n| recursive_doubling_all_reduce(r, n, count, 2).unwrap();
+            // Two ranks: one round.
+            assert_eq!(peers(&rd(0, 2)), (vec![1], vec![1]));
+            assert_eq!(peers(&rd(1, 2)), (vec![0], vec![0]));
+            // Four ranks: partners r ^ 1 and r ^ 2.
+            let four = [vec![1, 2], vec![0, 3], vec![0, 3], vec![1, 2]];
+            for (r, want) in four.iter().enumerate() {
+                assert_eq!(peers(&rd(r, 4)), (want.clone(), want.clone()), "rank {r}");
+            }
+            // Six ranks: 4 and 5 fold into 0 and 1, which then run the four-rank rounds.
+            let six = [
+                vec![1, 2, 4],
+                vec![0, 3, 5],
+                vec![0, 3],
+                vec![1, 2],
+                vec![0],
+                vec![1],
+            ];
+            for (r, want) in six.iter().enumerate() {
+                assert_eq!(peers(&rd(r, 6)), (want.clone(), want.clone()), "rank {r}");
+            }
+        }
+        let one = recursive_doubling_all_reduce(0, 1, 5, 2).unwrap();
+        assert!(one.send_peers.is_empty() && one.recv_peers.is_empty());
+        assert_eq!(one.scratch_elems, 0);
+        assert_eq!(
+            one.steps,
+            [Step {
+                action: Action::Copy {
+                    src: Region::new(BufId::Input, 0, 5),
+                    dst: Region::new(BufId::Output, 0, 5)
+                },
+                deps: Vec::new()
+            }]
+        );
+        assert!(recursive_doubling_all_reduce(0, 1, 0, 2)
+            .unwrap()
+            .steps
+            .is_empty());
+        for n in 2..=9 {
+            for r in 0..n {
+                assert!(recursive_doubling_all_reduce(r, n, 0, 3)
+                    .unwrap()
+                    .steps
+                    .is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn recursive_doubling_all_reduce_shape() {
+        // Two ranks, 4 elements, slices of 2: send Input, combine into Scratch (in place, Output
+        // is the Input being sent), then copy each slice once it is combined and sent.
+        let s = recursive_doubling_all_reduce(1, 2, 4, 2).unwrap();
+        let send = |o| Action::Send {
+            peer: 0,
+            src: Region::new(BufId::Input, o, 2),
+        };
+        let recv = |o| Action::RecvReduce {
+            peer: 0,
+            local: Region::new(BufId::Input, o, 2),
+            dst: Region::new(BufId::Scratch, o, 2),
+        };
+        let copy = |o| Action::Copy {
+            src: Region::new(BufId::Scratch, o, 2),
+            dst: Region::new(BufId::Output, o, 2),
+        };
+        let step = |action, deps: &[StepId]| Step {
+            action,
+            deps: deps.to_vec(),
+        };
+        assert_eq!(
+            s.steps,
+            [
+                step(send(0), &[]),
+                step(recv(0), &[]),
+                step(send(2), &[]),
+                step(recv(2), &[]),
+                step(copy(0), &[1, 0]),
+                step(copy(2), &[3, 2]),
+            ]
+        );
+        // Three ranks: rank 0 folds rank 2 in (into Scratch, so its single round writes Output)
+        // and sends the result from Output; rank 2 receives each slice after sending it.
+        let s = recursive_doubling_all_reduce(0, 3, 2, 0).unwrap();
+        assert_eq!(s.scratch_elems, 2);
+        let region = |buf, o| Region::new(buf, o, 1);
+        assert_eq!(
+            s.steps[0].action,
+            Action::RecvReduce {
+                peer: 2,
+                local: region(BufId::Input, 0),
+                dst: region(BufId::Scratch, 0)
+            }
+        );
+        assert_eq!(
+            s.steps[2],
+            step(
+                Action::Send {
+                    peer: 1,
+                    src: region(BufId::Scratch, 0)
+                },
+                &[0]
+            )
+        );
+        assert_eq!(
+            s.steps[3],
+            step(
+                Action::RecvReduce {
+                    peer: 1,
+                    local: region(BufId::Scratch, 0),
+                    dst: region(BufId::Output, 0)
+                },
+                &[0]
+            )
+        );
+        assert_eq!(
+            s.steps[6],
+            step(
+                Action::Send {
+                    peer: 2,
+                    src: region(BufId::Output, 0)
+                },
+                &[3]
+            )
+        );
+        let s = recursive_doubling_all_reduce(2, 3, 2, 0).unwrap();
+        assert_eq!(s.scratch_elems, 0);
+        assert_eq!(
+            s.steps[1],
+            step(
+                Action::RecvCopy {
+                    peer: 0,
+                    dst: region(BufId::Output, 0)
+                },
+                &[0]
+            )
+        );
+    }
+
+    #[test]
+    fn recursive_doubling_all_reduce_invalid_arguments() {
+        assert_eq!(
+            recursive_doubling_all_reduce(0, 0, 5, 1),
+            Err(ScheduleError::NoRanks)
+        );
+        assert_eq!(
+            recursive_doubling_all_reduce(4, 4, 5, 1),
+            Err(ScheduleError::RankOutOfRange { rank: 4, nranks: 4 })
+        );
+        assert!(matches!(
+            recursive_doubling_all_reduce(0, usize::MAX, 5, 1),
+            Err(ScheduleError::TooManyRanks { .. })
+        ));
+        // Large communicators and huge counts with few slices are fine.
+        let s = recursive_doubling_all_reduce(MAX_RANKS - 1, MAX_RANKS, 3, 1).unwrap();
+        assert_eq!(s.send_peers.len(), 24);
+        let s = recursive_doubling_all_reduce(3, 5, usize::MAX, usize::MAX).unwrap();
+        assert_eq!(s.steps.len(), 2 * 2);
+        s.check(5).unwrap();
+        let s = recursive_doubling_all_reduce(5, 6, usize::MAX, usize::MAX).unwrap();
+        assert_eq!(s.steps.len(), 2);
     }
 }

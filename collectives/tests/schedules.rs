@@ -198,13 +198,20 @@ fn sim_ok(r: Result<(), SimError>) -> Result<(), TestCaseError> {
     r.map_err(|e| TestCaseError::fail(e.to_string()))
 }
 
+/// The signature shared by the all-reduce builders.
+type AllReduceBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
+
 fn check_all_reduce(p: &Params) -> Result<(), TestCaseError> {
+    check_all_reduce_with(p, schedule::ring_all_reduce)
+}
+
+fn check_all_reduce_with(p: &Params, builder: AllReduceBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n)
         .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
         .collect();
-    let scheds = build(p.n, |r| schedule::ring_all_reduce(r, p.n, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .map(|x| {
@@ -426,6 +433,16 @@ proptest! {
     }
 
     #[test]
+    fn recursive_doubling_all_reduce_matches_reference(p in params(3000)) {
+        check_all_reduce_with(&p, schedule::recursive_doubling_all_reduce)?;
+    }
+
+    #[test]
+    fn recursive_doubling_all_reduce_is_bitwise_identical(q in float_params()) {
+        check_float_all_reduce_identical(&q, schedule::recursive_doubling_all_reduce)?;
+    }
+
+    #[test]
     fn reduce_scatter_matches_reference(p in params(300)) {
         check_reduce_scatter(&p)?;
     }
@@ -482,6 +499,148 @@ fn every_dtype_and_combiner() {
                 check_all_gather(&p).expect(&what);
                 check_broadcast(&p).expect(&what);
                 check_all_to_all(&p).expect(&what);
+            }
+        }
+    }
+}
+
+/// Float data whose sums are not exact, so a rank that combined in a different order would end
+/// up with different bits.
+fn float_params() -> impl Strategy<Value = Params> {
+    (params(600), 0usize..4).prop_map(|(mut p, d)| {
+        p.dtype = [
+            DataType::Float32,
+            DataType::Float64,
+            DataType::Float16,
+            DataType::Bfloat16,
+        ][d];
+        p.comb = Combiner::Sum;
+        p
+    })
+}
+
+/// Element `i` of rank `r`: `0.1 * (r + 1) + 1e-3 * i` in `p.dtype`.
+fn inexact_data(p: &Params, r: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(p.count * p.dtype.size());
+    for i in 0..p.count {
+        let v = 0.1 * (r + 1) as f64 + 1e-3 * i as f64;
+        match p.dtype {
+            DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
+            DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+            DataType::Float32 => out.extend((v as f32).to_le_bytes()),
+            _ => out.extend(v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Runs an all-reduce (sum) of inexact float data and checks that every rank ends with the same
+/// bits, and that those are close to the exact sum.
+fn check_float_all_reduce_identical(
+    p: &Params,
+    builder: AllReduceBuilder,
+) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let bytes = p.count * p.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|r| inexact_data(p, r)).collect();
+    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
+    let mut mem: Vec<RankMemory> = inputs
+        .iter()
+        .map(|x| {
+            if p.in_place {
+                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
+            } else {
+                RankMemory::separate(x.clone(), rng.bytes(bytes))
+            }
+        })
+        .collect();
+    sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
+    let first = mem[0].output().unwrap().to_vec();
+    for (r, m) in mem.iter().enumerate() {
+        prop_assert_eq!(
+            m.output().unwrap(),
+            &first[..],
+            "rank {} differs from rank 0",
+            r
+        );
+    }
+    let (size, tol) = match p.dtype {
+        DataType::Float16 | DataType::Bfloat16 => (2, 0.05),
+        DataType::Float32 => (4, 1e-5),
+        _ => (8, 1e-12),
+    };
+    for (i, e) in first.chunks_exact(size).enumerate() {
+        let got = match p.dtype {
+            DataType::Float16 => f16::from_le_bytes([e[0], e[1]]).to_f64(),
+            DataType::Bfloat16 => bf16::from_le_bytes([e[0], e[1]]).to_f64(),
+            DataType::Float32 => f64::from(f32::from_le_bytes(e.try_into().unwrap())),
+            _ => f64::from_le_bytes(e.try_into().unwrap()),
+        };
+        let n = p.n as f64;
+        let exact = 0.1 * n * (n + 1.0) / 2.0 + 1e-3 * i as f64 * n;
+        prop_assert!(
+            (got - exact).abs() <= tol * exact.abs().max(1.0),
+            "element {}: {} vs {}",
+            i,
+            got,
+            exact
+        );
+    }
+    Ok(())
+}
+
+/// The inexact data really is order-sensitive: summing in rank order and in reverse differs for
+/// some element, so the bitwise-identity test above can fail.
+#[test]
+fn inexact_float_sums_depend_on_order() {
+    let p = Params {
+        n: 7,
+        count: 64,
+        slice: 0,
+        seed: 0,
+        dtype: DataType::Float32,
+        comb: Combiner::Sum,
+        cap: None,
+        in_place: false,
+        root: 0,
+    };
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|r| inexact_data(&p, r)).collect();
+    let mut reversed = inputs.clone();
+    reversed.reverse();
+    let bytes = p.count * 4;
+    assert_ne!(
+        fold(p.dtype, p.comb, &inputs, 0, bytes),
+        fold(p.dtype, p.comb, &reversed, 0, bytes)
+    );
+}
+
+/// Every data type and combiner through recursive doubling, at shapes with and without folding.
+#[test]
+fn recursive_doubling_every_dtype_and_combiner() {
+    for (i, dtype) in DataType::ALL.into_iter().enumerate() {
+        for (j, comb) in COMBS.into_iter().enumerate() {
+            for (n, count, slice, cap) in [
+                (5, 37, 4, Some(13)),
+                (3, 2, 0, None),
+                (8, 100, 9, Some(5)),
+                (12, 3, 1, Some(1)),
+            ] {
+                for in_place in [false, true] {
+                    let p = Params {
+                        n,
+                        count,
+                        slice,
+                        seed: (i * 31 + j * 7 + n) as u64,
+                        dtype,
+                        comb,
+                        cap,
+                        in_place,
+                        root: 0,
+                    };
+                    let what = format!("{p:?}");
+                    check_all_reduce_with(&p, schedule::recursive_doubling_all_reduce)
+                        .expect(&what);
+                }
             }
         }
     }
