@@ -121,3 +121,36 @@ fn unique_ids_print_and_parse() {
     assert!(text.starts_with("weft1@"), "{text}");
     assert_eq!(text.parse::<UniqueId>().unwrap(), id);
 }
+
+#[test]
+fn bootstrap_over_ipv6() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped: no IPv6 loopback on this machine");
+        return;
+    }
+    let port = std::net::TcpListener::bind("[::1]:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let id = UniqueId {
+        addr: format!("[::1]:{port}"),
+        token: "ipv6-test".into(),
+    };
+    let cfg = common::config(Wire::Shm);
+    let sums: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                let (id, cfg) = (id.clone(), cfg.clone());
+                s.spawn(move || {
+                    let comm = weftcc::Communicator::init_with(rank, 3, &id, cfg).unwrap();
+                    let mut b = [rank as f64];
+                    comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+                    b[0]
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(sums, vec![3.0; 3]);
+}

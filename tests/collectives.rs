@@ -12,7 +12,7 @@ mod common;
 
 use common::{with_ranks, Wire};
 use half::{bf16, f16};
-use weftcc::{Communicator, Element, ReduceOp};
+use weftcc::{AllReduceAlgo, Communicator, Element, ReduceOp};
 
 /// Test-side view of an element type: built from small integers, read back as f64, with the
 /// type's own wrapping for integers.
@@ -271,8 +271,12 @@ fn counts(n: usize, large: bool) -> Vec<usize> {
 }
 
 fn run_type<T: Val>(comm: &Communicator, large: bool, errors: &mut Vec<String>) {
+    run_colls::<T>(comm, &COLLS, large, errors)
+}
+
+fn run_colls<T: Val>(comm: &Communicator, colls: &[Coll], large: bool, errors: &mut Vec<String>) {
     let n = comm.size();
-    for c in COLLS {
+    for &c in colls {
         let ops: &[ReduceOp] = if has_op(c) { &OPS } else { &[ReduceOp::Sum] };
         for &op in ops {
             for count in counts(n, false) {
@@ -322,6 +326,59 @@ fn matrix(n: usize, wire: Wire) {
         errors.len(),
         errors[..errors.len().min(20)].join("\n")
     );
+}
+
+/// All-reduce with one algorithm forced, so both are covered at every size (the default picks
+/// recursive doubling for small messages and the ring for large ones).
+fn forced(n: usize, wire: Wire, algo: AllReduceAlgo) {
+    let mut cfg = common::config(wire);
+    cfg.algo = algo;
+    let errors: Vec<String> = common::with_ranks_config(n, cfg, |_, comm| {
+        let mut errors = Vec::new();
+        let ar = [Coll::AllReduce];
+        run_colls::<i8>(comm, &ar, false, &mut errors);
+        run_colls::<u32>(comm, &ar, false, &mut errors);
+        run_colls::<i64>(comm, &ar, false, &mut errors);
+        run_colls::<f16>(comm, &ar, false, &mut errors);
+        run_colls::<f32>(comm, &ar, true, &mut errors);
+        run_colls::<bf16>(comm, &ar, false, &mut errors);
+        run_colls::<f64>(comm, &ar, false, &mut errors);
+        errors
+    })
+    .into_iter()
+    .flatten()
+    .collect();
+    assert!(
+        errors.is_empty(),
+        "{} wrong cases, first ones:\n{}",
+        errors.len(),
+        errors[..errors.len().min(20)].join("\n")
+    );
+}
+
+#[test]
+fn ring_all_reduce_at_every_size() {
+    for (n, wire) in [
+        (2, Wire::Shm),
+        (3, Wire::Tcp),
+        (5, Wire::Shm),
+        (8, Wire::Shm),
+    ] {
+        forced(n, wire, AllReduceAlgo::Ring);
+    }
+}
+
+#[test]
+fn recursive_doubling_all_reduce_at_every_size() {
+    for (n, wire) in [
+        (2, Wire::Tcp),
+        (3, Wire::Shm),
+        (4, Wire::Shm),
+        (6, Wire::Tcp),
+        (8, Wire::Shm),
+    ] {
+        forced(n, wire, AllReduceAlgo::RecursiveDoubling);
+    }
 }
 
 macro_rules! matrix_tests {

@@ -29,6 +29,8 @@ use weftcc_transports::mesh::{Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
 
+/// Default largest all-reduce sent by recursive doubling (`WEFT_RD_MAX_BYTES`).
+pub const DEFAULT_RD_MAX_BYTES: usize = 64 * 1024;
 /// Default largest message (slice) of a pipelined transfer, in bytes (`WEFT_SLICE_BYTES`).
 pub const DEFAULT_SLICE_BYTES: usize = 256 * 1024;
 /// How often the watcher thread re-polls the store for a job-wide abort.
@@ -130,6 +132,37 @@ pub struct CommConfig {
     /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
     /// sleep until a peer signals.
     pub backoff: Backoff,
+    /// All-reduce algorithm (`WEFT_ALGO=ring|rd`); `Auto` picks by message size.
+    pub algo: AllReduceAlgo,
+    /// Largest all-reduce (bytes) that `Auto` sends by recursive doubling (`WEFT_RD_MAX_BYTES`).
+    pub rd_max_bytes: usize,
+}
+
+/// Which all-reduce algorithm to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllReduceAlgo {
+    /// Recursive doubling up to [`CommConfig::rd_max_bytes`], ring above.
+    Auto,
+    /// Ring reduce-scatter + all-gather: bandwidth-optimal, 2(n-1) dependent steps.
+    Ring,
+    /// Recursive doubling: ⌈log2 n⌉ (+2) dependent steps, every step moves the whole vector.
+    RecursiveDoubling,
+}
+
+impl FromStr for AllReduceAlgo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<AllReduceAlgo> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(AllReduceAlgo::Auto),
+            "ring" => Ok(AllReduceAlgo::Ring),
+            "rd" | "recursive_doubling" | "recursive-doubling" => {
+                Ok(AllReduceAlgo::RecursiveDoubling)
+            }
+            other => Err(Error::Config(format!(
+                "WEFT_ALGO={other:?}: expected ring, rd (recursive doubling) or auto"
+            ))),
+        }
+    }
 }
 
 impl CommConfig {
@@ -164,6 +197,13 @@ impl CommConfig {
             host_id: weftcc_transports::mesh::host_id(),
             buffsize: size("WEFT_BUFFSIZE", 4 << 20)?,
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
+            algo: std::env::var("WEFT_ALGO").unwrap_or_default().parse()?,
+            rd_max_bytes: match std::env::var("WEFT_RD_MAX_BYTES") {
+                Ok(v) if !v.trim().is_empty() => parse_size(&v).ok_or_else(|| {
+                    Error::Config(format!("WEFT_RD_MAX_BYTES={v:?} is not a size"))
+                })?,
+                _ => DEFAULT_RD_MAX_BYTES,
+            },
             backoff: Backoff {
                 spin: micros("WEFT_SPIN_US", Backoff::default().spin)?,
                 yield_for: micros("WEFT_YIELD_US", Backoff::default().yield_for)?,
@@ -1212,7 +1252,19 @@ impl Inner {
         let seq = st.coll_seq;
         *lock(&self.current) = (call.kind, seq);
         let sched = match call.kind {
-            OpKind::AllReduce => schedule::ring_all_reduce(r, n, count, slice),
+            OpKind::AllReduce => {
+                let bytes = count.saturating_mul(call.dtype.size());
+                let rd = match self.config.algo {
+                    AllReduceAlgo::Ring => false,
+                    AllReduceAlgo::RecursiveDoubling => true,
+                    AllReduceAlgo::Auto => bytes <= self.config.rd_max_bytes,
+                };
+                if rd {
+                    schedule::recursive_doubling_all_reduce(r, n, count, slice)
+                } else {
+                    schedule::ring_all_reduce(r, n, count, slice)
+                }
+            }
             OpKind::Reduce => schedule::chain_reduce(r, n, call.root, count, slice),
             OpKind::Broadcast => schedule::chain_broadcast(r, n, call.root, count, slice),
             OpKind::AllGather => schedule::ring_all_gather(r, n, count, slice),

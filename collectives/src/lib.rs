@@ -18,7 +18,7 @@ pub mod reduce;
 pub mod schedule;
 pub mod sim;
 
-pub use comm::{CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
+pub use comm::{AllReduceAlgo, CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
 pub use dtype::{DataType, Element};
 pub use env::LaunchInfo;
 pub use error::{Error, Result};
