@@ -1557,13 +1557,10 @@ fn meta_push(meta: &mut Vec<(usize, Vec<usize>)>, peer: usize, len: usize) {
     }
 }
 
+/// A fingerprint of a list of message sizes, carried in the header's root field (never
+/// [`NO_ROOT`]).
 fn fingerprint(sizes: &[usize]) -> u32 {
-    let mut h = 0x811c_9dc5u32;
-    for s in sizes {
-        for b in (*s as u64).to_le_bytes() {
-            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
-        }
-    }
+    let h = crate::header::fnv1a32(sizes.iter().flat_map(|s| (*s as u64).to_le_bytes()));
     if h == NO_ROOT {
         0
     } else {

@@ -167,10 +167,9 @@ impl LaunchInfo {
                     .unwrap_or("none");
                 let shared = format!("{launcher:?}-{master_addr}-{master_port}-{job}");
                 // Hashed: transports accept tokens of at most 64 bytes.
-                let h = shared.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-                });
-                format!("{}-{h:016x}", format!("{launcher:?}").to_lowercase())
+                let h = crate::header::fnv1a32(shared.bytes());
+                let h2 = crate::header::fnv1a32(shared.bytes().rev());
+                format!("{}-{h:08x}{h2:08x}", format!("{launcher:?}").to_lowercase())
             }
         };
         Ok(LaunchInfo {

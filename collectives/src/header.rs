@@ -81,7 +81,12 @@ impl OpDesc {
 /// FNV-1a over the header's fields: catches a stream that is out of step (bytes of data read as
 /// a header) rather than deliberate forgery.
 fn checksum(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5u32, |h, &x| {
+    fnv1a32(bytes.iter().copied())
+}
+
+/// 32-bit FNV-1a: a cheap, stable hash for checksums and fingerprints (not for security).
+pub(crate) fn fnv1a32(bytes: impl IntoIterator<Item = u8>) -> u32 {
+    bytes.into_iter().fold(0x811c_9dc5u32, |h, x| {
         (h ^ u32::from(x)).wrapping_mul(0x0100_0193)
     })
 }
