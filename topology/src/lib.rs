@@ -1,0 +1,28 @@
+//! weftcc-topology: the machine model weftcc's algorithms are chosen from.
+//!
+//! * [`model`]: devices (GPUs, NICs, CPU/NUMA nodes), the path class between every pair
+//!   (`NV#`, `PIX`, `PXB`, `PHB`, `NODE`, `SYS`), link speeds, and a typed graph with PCIe
+//!   switches and NVSwitches ([`Topology::graph`]).
+//! * Parsers: [`nvsmi::parse`] (`nvidia-smi topo -m`), [`xml::read`] / [`xml::write`] (NCCL's
+//!   topology XML), and [`discover::discover`] (sysfs, /sys/class/infiniband, `nvidia-smi`).
+//! * [`search`]: rings that maximise the bottleneck bandwidth (several channels when links
+//!   allow) and the double binary tree across hosts.
+//! * [`tuner`]: the α-β cost model per (algorithm, protocol) and the `WEFT_ALGO` / `WEFT_PROTO`
+//!   override syntax.
+//! * [`report`]: warnings and the text / JSON / DOT / SVG renderings used by `weft topo`.
+//!
+//! Nothing here panics on malformed input: every parser returns a [`TopoError`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod error;
+mod graph;
+pub mod model;
+pub mod nvsmi;
+pub mod search;
+
+pub use error::{Result, TopoError};
+pub use model::{
+    class_rank, CpuNode, Gpu, Graph, GraphLink, GraphNode, HostInfo, LinkKind, LinkSpeeds, Nic,
+    NicKind, NodeKind, PathClass, Topology,
+};

@@ -1,0 +1,534 @@
+//! The topology model: devices (GPUs, NICs, CPU/NUMA nodes), the path class between every pair of
+//! devices (as `nvidia-smi topo -m` and NCCL classify them), link speeds, and a derived graph with
+//! PCI switches, NVSwitches and typed links.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// How two devices reach each other, best first (`nvidia-smi topo -m` and NCCL vocabulary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum PathClass {
+    /// The device itself (`X`).
+    Loc,
+    /// A bonded set of this many NVLinks (`NV#`).
+    NvLink(u32),
+    /// NVLink through an intermediate GPU (NCCL's NVB; `nvidia-smi` does not print it).
+    Nvb,
+    /// At most one PCIe switch (`PIX`).
+    Pix,
+    /// Several PCIe switches, not through a host bridge (`PXB`).
+    Pxb,
+    /// Through a PCIe host bridge, typically the CPU (`PHB`).
+    Phb,
+    /// Across PCIe host bridges within one NUMA node (`NODE`).
+    Node,
+    /// Across NUMA nodes / sockets, over QPI/UPI/xGMI (`SYS`, old `SOC`).
+    Sys,
+    /// No path reported (`N/A`).
+    Na,
+}
+
+impl PathClass {
+    /// Parses one `nvidia-smi topo -m` cell (case-insensitive); `None` when unknown.
+    pub fn parse(s: &str) -> Option<PathClass> {
+        let u = s.trim().to_ascii_uppercase();
+        Some(match u.as_str() {
+            "X" | "LOC" => PathClass::Loc,
+            "NVB" => PathClass::Nvb,
+            "PIX" => PathClass::Pix,
+            "PXB" | "PSB" => PathClass::Pxb,
+            "PHB" => PathClass::Phb,
+            "NODE" => PathClass::Node,
+            "SYS" | "SOC" => PathClass::Sys,
+            "N/A" | "NA" => PathClass::Na,
+            _ => {
+                let n = u.strip_prefix("NV")?;
+                let count: u32 = n.parse().ok()?;
+                if count == 0 || count > 64 {
+                    return None;
+                }
+                PathClass::NvLink(count)
+            }
+        })
+    }
+
+    /// The label `nvidia-smi` prints.
+    pub fn label(self) -> String {
+        match self {
+            PathClass::Loc => "X".into(),
+            PathClass::NvLink(n) => format!("NV{n}"),
+            PathClass::Nvb => "NVB".into(),
+            PathClass::Pix => "PIX".into(),
+            PathClass::Pxb => "PXB".into(),
+            PathClass::Phb => "PHB".into(),
+            PathClass::Node => "NODE".into(),
+            PathClass::Sys => "SYS".into(),
+            PathClass::Na => "N/A".into(),
+        }
+    }
+
+    /// True for direct NVLink (`NV#`).
+    pub fn is_nvlink(self) -> bool {
+        matches!(self, PathClass::NvLink(_))
+    }
+
+    /// A short human description of the link type.
+    pub fn describe(self) -> &'static str {
+        match self {
+            PathClass::Loc => "self",
+            PathClass::NvLink(_) => "NVLink",
+            PathClass::Nvb => "NVLink through another GPU",
+            PathClass::Pix => "PCIe, one switch",
+            PathClass::Pxb => "PCIe, several switches",
+            PathClass::Phb => "PCIe through the host bridge (CPU)",
+            PathClass::Node => "PCIe across host bridges, same NUMA node",
+            PathClass::Sys => "across sockets (QPI/UPI/xGMI)",
+            PathClass::Na => "no path",
+        }
+    }
+}
+
+impl fmt::Display for PathClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+impl From<PathClass> for String {
+    fn from(c: PathClass) -> String {
+        c.label()
+    }
+}
+
+impl TryFrom<String> for PathClass {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        PathClass::parse(&s).ok_or_else(|| format!("unknown path class {s:?}"))
+    }
+}
+
+/// Bandwidth (GB/s, 1e9 bytes/s, one direction) and latency (µs per hop) of each path class.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LinkSpeeds {
+    /// One NVLink (A100/H100 generations ≈ 20 GB/s usable per link and direction).
+    pub nvlink_gbps: f64,
+    /// A PCIe path through switches (Gen4 x16 ≈ 24 GB/s).
+    pub pcie_gbps: f64,
+    /// A PCIe path through the CPU's host bridge(s).
+    pub host_bridge_gbps: f64,
+    /// A path across sockets.
+    pub inter_socket_gbps: f64,
+    /// Latency of one NVLink hop, µs.
+    pub nvlink_lat_us: f64,
+    /// Latency of one PCIe hop, µs.
+    pub pcie_lat_us: f64,
+    /// Latency of one inter-socket hop, µs.
+    pub inter_socket_lat_us: f64,
+    /// Latency of one network hop, µs.
+    pub net_lat_us: f64,
+}
+
+impl Default for LinkSpeeds {
+    fn default() -> Self {
+        LinkSpeeds {
+            nvlink_gbps: 20.0,
+            pcie_gbps: 24.0,
+            host_bridge_gbps: 18.0,
+            inter_socket_gbps: 10.0,
+            nvlink_lat_us: 0.6,
+            pcie_lat_us: 1.0,
+            inter_socket_lat_us: 2.0,
+            net_lat_us: 5.0,
+        }
+    }
+}
+
+impl LinkSpeeds {
+    /// Bandwidth of a path of this class, GB/s (0 for `N/A` and self).
+    pub fn bandwidth(&self, c: PathClass) -> f64 {
+        match c {
+            PathClass::Loc | PathClass::Na => 0.0,
+            PathClass::NvLink(n) => self.nvlink_gbps * f64::from(n),
+            PathClass::Nvb => self.nvlink_gbps,
+            PathClass::Pix | PathClass::Pxb => self.pcie_gbps,
+            PathClass::Phb | PathClass::Node => self.host_bridge_gbps,
+            PathClass::Sys => self.inter_socket_gbps,
+        }
+    }
+
+    /// Latency of a path of this class, µs.
+    pub fn latency(&self, c: PathClass) -> f64 {
+        match c {
+            PathClass::Loc => 0.0,
+            PathClass::NvLink(_) => self.nvlink_lat_us,
+            PathClass::Nvb => 2.0 * self.nvlink_lat_us,
+            PathClass::Pix | PathClass::Pxb | PathClass::Phb | PathClass::Node => self.pcie_lat_us,
+            PathClass::Sys => self.inter_socket_lat_us,
+            PathClass::Na => f64::INFINITY,
+        }
+    }
+}
+
+/// A GPU.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Gpu {
+    /// Index as the driver numbers it (`GPU3` → 3).
+    pub index: u32,
+    /// Product name when known.
+    pub name: Option<String>,
+    /// PCI bus id (`0000:07:00.0`) when known.
+    pub bus_id: Option<String>,
+    /// CPU affinity list (`0-19,40-59`) when known.
+    pub cpu_affinity: Option<String>,
+    /// NUMA node of the CPUs close to it when known.
+    pub numa: Option<u32>,
+    /// Compute capability × 10 (e.g. 90) when known.
+    pub sm: Option<u32>,
+}
+
+/// What kind of network device a NIC is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NicKind {
+    /// InfiniBand / RoCE verbs device (`mlx5_0`).
+    Ib,
+    /// Ethernet interface.
+    Ethernet,
+    /// Not known.
+    #[default]
+    Unknown,
+}
+
+/// A network interface.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Nic {
+    /// Device name (`mlx5_0`, `eth0`).
+    pub name: String,
+    /// Column label in `nvidia-smi topo -m` (`NIC0`), or the name.
+    pub label: String,
+    /// Speed, Gbit/s, when known.
+    pub speed_gbit: Option<f64>,
+    /// NUMA node when known.
+    pub numa: Option<u32>,
+    /// PCI bus id when known.
+    pub bus_id: Option<String>,
+    /// Kind.
+    pub kind: NicKind,
+}
+
+/// A CPU socket / NUMA node.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CpuNode {
+    /// NUMA node id.
+    pub numa: u32,
+    /// CPU list (`0-19,40-59`) when known.
+    pub cpulist: Option<String>,
+    /// Number of logical CPUs when known.
+    pub cpus: Option<u32>,
+    /// Memory of the node in bytes when known.
+    pub mem_bytes: Option<u64>,
+}
+
+/// Identity of the host this topology describes.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct HostInfo {
+    /// Host name when known.
+    pub hostname: Option<String>,
+    /// weftcc host id (`weftcc_transports::host_id()`: WEFT_HOST_ID, else hostname + boot id).
+    pub host_id: Option<String>,
+}
+
+/// A machine: devices and the path class between every pair of devices.
+///
+/// Devices are numbered GPUs first, then NICs: device `d < gpus.len()` is `gpus[d]`, device
+/// `gpus.len() + k` is `nics[k]`. `paths[a][b]` is the class between devices `a` and `b`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Topology {
+    /// Where this came from (`nvidia-smi`, `xml`, `discovery`).
+    pub source: String,
+    /// Host identity.
+    pub host: HostInfo,
+    /// CPU sockets / NUMA nodes.
+    pub cpus: Vec<CpuNode>,
+    /// GPUs.
+    pub gpus: Vec<Gpu>,
+    /// NICs.
+    pub nics: Vec<Nic>,
+    /// Path class matrix over devices (GPUs then NICs).
+    pub paths: Vec<Vec<PathClass>>,
+    /// GPU pairs (indices into `gpus`) known to lack peer-to-peer access.
+    pub p2p_missing: Vec<(usize, usize)>,
+    /// Size of /dev/shm in bytes when known.
+    pub shm_bytes: Option<u64>,
+}
+
+impl Topology {
+    /// Number of devices (GPUs + NICs).
+    pub fn ndevices(&self) -> usize {
+        self.gpus.len() + self.nics.len()
+    }
+
+    /// Label of a device (`GPU0`, `NIC1`).
+    pub fn device_label(&self, d: usize) -> String {
+        if d < self.gpus.len() {
+            format!("GPU{}", self.gpus[d].index)
+        } else if let Some(n) = self.nics.get(d - self.gpus.len()) {
+            n.label.clone()
+        } else {
+            format!("dev{d}")
+        }
+    }
+
+    /// Path class between devices `a` and `b` (`N/A` when out of range).
+    pub fn path(&self, a: usize, b: usize) -> PathClass {
+        if a == b && a < self.ndevices() {
+            return PathClass::Loc;
+        }
+        self.paths
+            .get(a)
+            .and_then(|r| r.get(b))
+            .copied()
+            .unwrap_or(PathClass::Na)
+    }
+
+    /// Path class between GPUs `i` and `j` (indices into `gpus`).
+    pub fn gpu_path(&self, i: usize, j: usize) -> PathClass {
+        self.path(i, j)
+    }
+
+    /// Path class between GPU `i` and NIC `k` (indices into `gpus` and `nics`).
+    pub fn gpu_nic_path(&self, i: usize, k: usize) -> PathClass {
+        self.path(i, self.gpus.len() + k)
+    }
+
+    /// Checks that the matrix is square, sized to the devices, symmetric and `X` on the diagonal.
+    pub fn validate(&self) -> crate::Result<()> {
+        let n = self.ndevices();
+        if self.paths.len() != n || self.paths.iter().any(|r| r.len() != n) {
+            return Err(crate::TopoError::Invalid(format!(
+                "path matrix is not {n}x{n} for {n} devices"
+            )));
+        }
+        for a in 0..n {
+            for b in 0..n {
+                let c = self.paths[a][b];
+                if a == b && c != PathClass::Loc {
+                    return Err(crate::TopoError::Invalid(format!(
+                        "{} to itself is {c}, expected X",
+                        self.device_label(a)
+                    )));
+                }
+                if a != b && c == PathClass::Loc {
+                    return Err(crate::TopoError::Invalid(format!(
+                        "{} to {} is X but they are different devices",
+                        self.device_label(a),
+                        self.device_label(b)
+                    )));
+                }
+                if self.paths[b][a] != c {
+                    return Err(crate::TopoError::Invalid(format!(
+                        "asymmetric matrix: {} to {} is {c} but {} to {} is {}",
+                        self.device_label(a),
+                        self.device_label(b),
+                        self.device_label(b),
+                        self.device_label(a),
+                        self.paths[b][a]
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Socket group of every device: devices joined by anything better than `SYS` share a group.
+    /// GPUs (and NICs) with a known NUMA node but no path information fall back to that node.
+    /// Groups are numbered 0.. in order of first appearance.
+    pub fn socket_groups(&self) -> Vec<usize> {
+        let n = self.ndevices();
+        let mut uf = UnionFind::new(n);
+        for a in 0..n {
+            for b in (a + 1)..n {
+                let c = self.path(a, b);
+                if !matches!(c, PathClass::Sys | PathClass::Na) {
+                    uf.union(a, b);
+                }
+            }
+        }
+        // Devices with no path information: use the NUMA node.
+        let numa = |d: usize| -> Option<u32> {
+            if d < self.gpus.len() {
+                self.gpus[d].numa
+            } else {
+                self.nics[d - self.gpus.len()].numa
+            }
+        };
+        for a in 0..n {
+            for b in (a + 1)..n {
+                if self.path(a, b) == PathClass::Na {
+                    if let (Some(x), Some(y)) = (numa(a), numa(b)) {
+                        if x == y {
+                            uf.union(a, b);
+                        }
+                    }
+                }
+            }
+        }
+        let mut ids = vec![usize::MAX; n];
+        let mut next = 0;
+        let mut out = vec![0; n];
+        for (d, o) in out.iter_mut().enumerate() {
+            let r = uf.find(d);
+            if ids[r] == usize::MAX {
+                ids[r] = next;
+                next += 1;
+            }
+            *o = ids[r];
+        }
+        out
+    }
+
+    /// The NIC closest to GPU `i`, with its class (`None` without NICs).
+    pub fn closest_nic(&self, i: usize) -> Option<(usize, PathClass)> {
+        (0..self.nics.len())
+            .map(|k| (k, self.gpu_nic_path(i, k)))
+            .min_by_key(|&(_, c)| class_rank(c))
+    }
+
+    /// The graph view: CPU nodes, PCI switches, NVSwitches, GPUs and NICs with typed links,
+    /// derived from the path matrix.
+    pub fn graph(&self, speeds: &LinkSpeeds) -> Graph {
+        crate::graph::derive(self, speeds)
+    }
+}
+
+/// Sort key of a class: lower is better.
+pub fn class_rank(c: PathClass) -> u32 {
+    match c {
+        PathClass::Loc => 0,
+        PathClass::NvLink(n) => 100 - n.min(99),
+        PathClass::Nvb => 150,
+        PathClass::Pix => 200,
+        PathClass::Pxb => 300,
+        PathClass::Phb => 400,
+        PathClass::Node => 500,
+        PathClass::Sys => 600,
+        PathClass::Na => 1000,
+    }
+}
+
+/// A vertex of the topology graph.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum NodeKind {
+    /// A CPU socket / NUMA node.
+    Cpu {
+        /// NUMA node id.
+        numa: u32,
+    },
+    /// A PCIe switch (synthesised from PIX/PXB groups when not known).
+    PciSwitch {
+        /// Sequence number.
+        id: usize,
+    },
+    /// A PCIe host bridge shared by devices that meet at `PHB`.
+    HostBridge {
+        /// Sequence number.
+        id: usize,
+    },
+    /// An NVSwitch fabric (all GPUs joined with the same NVLink count).
+    NvSwitch {
+        /// Sequence number.
+        id: usize,
+    },
+    /// A GPU (index into `Topology::gpus`).
+    Gpu {
+        /// Index into `Topology::gpus`.
+        gpu: usize,
+    },
+    /// A NIC (index into `Topology::nics`).
+    Nic {
+        /// Index into `Topology::nics`.
+        nic: usize,
+    },
+}
+
+/// Type of a graph edge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum LinkKind {
+    /// NVLink with this many links.
+    NvLink {
+        /// Number of links.
+        count: u32,
+    },
+    /// A PCIe link below a switch.
+    PcieSwitch,
+    /// A PCIe link between switches (bridge).
+    PcieBridge,
+    /// A PCIe link to the CPU's host bridge.
+    HostBridge,
+    /// The link between sockets (QPI/UPI/xGMI).
+    InterSocket,
+}
+
+/// A graph vertex.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GraphNode {
+    /// Stable name (`cpu0`, `sw1`, `nvs0`, `gpu3`, `nic0`).
+    pub id: String,
+    /// What it is.
+    pub kind: NodeKind,
+}
+
+/// A graph edge, with the bandwidth (GB/s) and latency (µs) of the link.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GraphLink {
+    /// Index of one end in `Graph::nodes`.
+    pub a: usize,
+    /// Index of the other end.
+    pub b: usize,
+    /// Link type.
+    pub kind: LinkKind,
+    /// Bandwidth, GB/s per direction.
+    pub bw_gbps: f64,
+    /// Latency, µs.
+    pub lat_us: f64,
+}
+
+/// The topology as a graph.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Graph {
+    /// Vertices.
+    pub nodes: Vec<GraphNode>,
+    /// Edges.
+    pub links: Vec<GraphLink>,
+}
+
+/// Union-find over `0..n`.
+#[derive(Debug, Clone)]
+pub(crate) struct UnionFind {
+    parent: Vec<usize>,
+}
+
+impl UnionFind {
+    pub(crate) fn new(n: usize) -> Self {
+        UnionFind {
+            parent: (0..n).collect(),
+        }
+    }
+    pub(crate) fn find(&mut self, mut x: usize) -> usize {
+        while self.parent[x] != x {
+            self.parent[x] = self.parent[self.parent[x]];
+            x = self.parent[x];
+        }
+        x
+    }
+    pub(crate) fn union(&mut self, a: usize, b: usize) {
+        let (ra, rb) = (self.find(a), self.find(b));
+        if ra != rb {
+            let (lo, hi) = if ra < rb { (ra, rb) } else { (rb, ra) };
+            self.parent[hi] = lo;
+        }
+    }
+}
