@@ -7,6 +7,7 @@
 
 mod perf;
 mod run;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +29,8 @@ enum Command {
     Run(run::RunArgs),
     /// Benchmark a collective, printing nccl-tests-compatible tables.
     Perf(perf::PerfArgs),
+    /// Train the reference MLP data-parallel (DDP reducer, checkpoints, resume).
+    Train(train::TrainArgs),
 }
 
 fn main() {
@@ -35,6 +38,7 @@ fn main() {
     let code = match cli.command {
         Command::Run(args) => run::main(args),
         Command::Perf(args) => perf::main(args),
+        Command::Train(args) => train::main(args),
     };
     std::process::exit(code);
 }

@@ -1,0 +1,288 @@
+//! `weft train`: the reference data-parallel trainer (an MLP through weftcc-ddp's reducer).
+//!
+//! Run alone it trains in one process; under `weft run -n N` (or torchrun, srun, mpirun) each
+//! worker is one rank. With `--checkpoint-dir` rank 0 writes atomic checkpoints every
+//! `--checkpoint-every` steps and `--resume` continues from the newest one, so that
+//! `weft run --max-restarts K -- weft train --resume …` survives worker failures.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use weftcc::{Communicator, UniqueId};
+use weftcc_ddp::optim::OptimizerKind;
+use weftcc_ddp::trainer::DataSource;
+use weftcc_ddp::{train, CommHook, ReducerConfig, TrainConfig};
+
+const AFTER_HELP: &str = "\
+Examples:
+  weft train --epochs 3                                   # one process, synthetic data
+  weft run -n 4 -- weft train --hidden 512,512,512 --bucket-mb 5 --hook bf16
+  weft run -n 2 --max-restarts 3 -- weft train --checkpoint-dir ckpt --checkpoint-every 50 --resume
+  weft train --data ~/mnist --hidden 256,128 --optimizer adamw --lr 1e-3 --warmup 100
+
+Per-epoch log (rank 0): loss, accuracy, test accuracy, step time, time the communicator was busy,
+communication not hidden behind backward, and the hidden fraction.
+
+Testing aid: WEFT_TRAIN_KILL_AT=RANK:STEP makes that rank SIGKILL itself after STEP optimizer
+steps, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0).";
+
+/// Command-line arguments of `weft train`.
+#[derive(clap::Args, Debug)]
+#[command(after_help = AFTER_HELP)]
+pub struct TrainArgs {
+    /// Directory with MNIST-format IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte,
+    /// optional t10k-*); default: the synthetic set.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Synthetic set: training samples.
+    #[arg(long, default_value_t = 8192)]
+    pub samples: usize,
+    /// Synthetic set: test samples.
+    #[arg(long, default_value_t = 2048)]
+    pub test_samples: usize,
+    /// Synthetic set: features per sample.
+    #[arg(long, default_value_t = 32)]
+    pub dim: usize,
+    /// Synthetic set: classes.
+    #[arg(long, default_value_t = 10)]
+    pub classes: usize,
+    /// Hidden layer widths, comma-separated (depth = count + 1 layers).
+    #[arg(long, default_value = "64,64", value_delimiter = ',')]
+    pub hidden: Vec<usize>,
+    #[arg(long, default_value_t = 5)]
+    pub epochs: u64,
+    /// Samples per rank per micro-batch (global batch = batch × accum × ranks).
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Micro-batches per optimizer step (all but the last without communication: no_sync).
+    #[arg(long, default_value_t = 1)]
+    pub accum: usize,
+    /// sgd (with momentum) or adamw.
+    #[arg(long, default_value = "sgd")]
+    pub optimizer: String,
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    #[arg(long = "weight-decay")]
+    pub weight_decay: Option<f32>,
+    /// Linear learning-rate warm-up, in steps.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Bucket capacity in MiB (fractions allowed).
+    #[arg(long = "bucket-mb", default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// First bucket's capacity in MiB.
+    #[arg(long = "first-bucket-mb", default_value_t = 1.0)]
+    pub first_bucket_mb: f64,
+    /// Communication hook: none (f32 average), bf16 or fp16 compression.
+    #[arg(long, default_value = "none")]
+    pub hook: CommHook,
+    /// Register a parameter that never gets a gradient (exercises unused-parameter handling).
+    #[arg(long = "unused-param")]
+    pub unused_param: bool,
+    /// Where rank 0 writes checkpoints.
+    #[arg(long = "checkpoint-dir")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N optimizer steps (0: never).
+    #[arg(long = "checkpoint-every", default_value_t = 0)]
+    pub checkpoint_every: u64,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 2)]
+    pub keep: usize,
+    /// Continue from the newest checkpoint in --checkpoint-dir (if any).
+    #[arg(long)]
+    pub resume: bool,
+    /// Stop after this many optimizer steps in total.
+    #[arg(long = "max-steps")]
+    pub max_steps: Option<u64>,
+    /// No progress bar.
+    #[arg(long = "no-progress")]
+    pub no_progress: bool,
+    /// Rank 0 writes the final parameters here (raw little-endian f32, parameter after parameter).
+    #[arg(long = "save-params")]
+    pub save_params: Option<PathBuf>,
+    /// Rank 0 writes per-epoch statistics here as JSON lines.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+fn mib(x: f64) -> usize {
+    ((x * 1048576.0).round() as usize).max(4)
+}
+
+fn config(a: &TrainArgs) -> Result<TrainConfig, String> {
+    let optimizer = match a.optimizer.to_ascii_lowercase().as_str() {
+        "sgd" => OptimizerKind::Sgd {
+            momentum: a.momentum,
+            weight_decay: a.weight_decay.unwrap_or(0.0),
+        },
+        "adamw" | "adam" => match OptimizerKind::adamw() {
+            OptimizerKind::AdamW {
+                beta1, beta2, eps, ..
+            } => OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: a.weight_decay.unwrap_or(0.01),
+            },
+            k => k,
+        },
+        o => return Err(format!("unknown optimizer {o:?}: expected sgd or adamw")),
+    };
+    if !(a.bucket_mb > 0.0 && a.first_bucket_mb > 0.0) {
+        return Err("bucket sizes must be positive".into());
+    }
+    Ok(TrainConfig {
+        data: match &a.data {
+            Some(d) => DataSource::Idx(d.clone()),
+            None => DataSource::Synthetic {
+                train: a.samples,
+                test: a.test_samples,
+                dim: a.dim,
+                classes: a.classes,
+            },
+        },
+        hidden: a.hidden.clone(),
+        unused_param: a.unused_param,
+        epochs: a.epochs,
+        batch: a.batch,
+        accum: a.accum,
+        optimizer,
+        lr: a.lr,
+        warmup: a.warmup,
+        seed: a.seed,
+        reducer: ReducerConfig {
+            bucket_cap_bytes: mib(a.bucket_mb),
+            first_bucket_bytes: mib(a.first_bucket_mb),
+            hook: a.hook,
+            rebuild_buckets: true,
+        },
+        checkpoint_dir: a.checkpoint_dir.clone(),
+        checkpoint_every: a.checkpoint_every,
+        keep: a.keep,
+        resume: a.resume,
+        progress: !a.no_progress,
+        log: true,
+        max_steps: a.max_steps,
+    })
+}
+
+fn launched() -> bool {
+    ["WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+fn kill_hook() -> Option<(usize, u64)> {
+    let first_attempt = std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .map(|v| v.trim() == "0")
+        .unwrap_or(true);
+    let spec = std::env::var("WEFT_TRAIN_KILL_AT").ok()?;
+    let (r, s) = spec.split_once(':')?;
+    first_attempt.then_some((r.trim().parse().ok()?, s.trim().parse().ok()?))
+}
+
+pub fn main(args: TrainArgs) -> i32 {
+    let cfg = match config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("weft train: {e}");
+            return 2;
+        }
+    };
+    let comm = if launched() {
+        Communicator::from_env()
+    } else {
+        UniqueId::new().and_then(|id| Communicator::init(0, 1, &id))
+    };
+    let comm = match comm {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("weft train: cannot join the job: {e}");
+            return 1;
+        }
+    };
+    let rank = comm.rank();
+    if rank == 0 {
+        println!(
+            "weft train: {} ranks, restart {}, hidden {:?}, batch {} x accum {} x {} ranks, bucket {} B (first {} B), hook {:?}",
+            comm.size(),
+            std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|_| "0".into()),
+            cfg.hidden,
+            cfg.batch,
+            cfg.accum,
+            comm.size(),
+            cfg.reducer.bucket_cap_bytes,
+            cfg.reducer.first_bucket_bytes,
+            cfg.reducer.hook
+        );
+    }
+    let kill = kill_hook();
+    let mut on_step = |step: u64| {
+        if kill == Some((rank, step)) {
+            eprintln!("weft train: WEFT_TRAIN_KILL_AT: rank {rank} kills itself after step {step}");
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::SIGKILL);
+        }
+    };
+    let report = match train(&comm, &cfg, &mut on_step) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("weft train: rank {rank}: {e}");
+            return 1;
+        }
+    };
+    if rank == 0 {
+        if let Some(s) = report.resumed_from {
+            println!("weft train: resumed from the checkpoint after step {s}");
+        }
+        println!(
+            "weft train: done after {} steps; {} buckets",
+            report.steps,
+            report.buckets.len()
+        );
+        if let Some(path) = &args.json {
+            let mut out = String::new();
+            for e in &report.epochs {
+                let v = serde_json::json!({
+                    "ranks": comm.size(),
+                    "epoch": e.epoch,
+                    "steps": e.steps,
+                    "train_loss": e.train_loss,
+                    "train_acc": e.train_acc,
+                    "test_loss": e.test_loss,
+                    "test_acc": e.test_acc,
+                    "step_ms": e.step_time.as_secs_f64() * 1e3,
+                    "comm_ms": e.comm_time.as_secs_f64() * 1e3,
+                    "exposed_ms": e.exposed_comm.as_secs_f64() * 1e3,
+                    "hidden_fraction": e.hidden_fraction,
+                    "buckets": e.buckets,
+                });
+                out.push_str(&v.to_string());
+                out.push('\n');
+            }
+            if let Err(e) = std::fs::write(path, out) {
+                eprintln!("weft train: {}: {e}", path.display());
+                return 1;
+            }
+        }
+        if let Some(path) = &args.save_params {
+            let bytes: Vec<u8> = report
+                .params
+                .iter()
+                .flatten()
+                .flat_map(|x| x.to_bits().to_le_bytes())
+                .collect();
+            let written = std::fs::File::create(path)
+                .and_then(|mut f| f.write_all(&bytes).and_then(|_| f.sync_all()));
+            if let Err(e) = written {
+                eprintln!("weft train: {}: {e}", path.display());
+                return 1;
+            }
+        }
+    }
+    0
+}
