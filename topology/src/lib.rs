@@ -15,11 +15,15 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod discover;
 pub mod error;
 mod graph;
 pub mod model;
 pub mod nvsmi;
+pub mod report;
 pub mod search;
+pub mod tuner;
+pub mod xml;
 
 pub use error::{Result, TopoError};
 pub use model::{

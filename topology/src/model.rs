@@ -341,21 +341,12 @@ impl Topology {
         Ok(())
     }
 
-    /// Socket group of every device: devices joined by anything better than `SYS` share a group.
-    /// GPUs (and NICs) with a known NUMA node but no path information fall back to that node.
-    /// Groups are numbered 0.. in order of first appearance.
+    /// Socket group of every device. Devices joined by a PCIe class (`PIX`, `PXB`, `PHB`,
+    /// `NODE`) or reporting the same NUMA node share a group; groups joined by NVLink merge
+    /// unless something says they are apart (a `SYS` pair between them, or different NUMA
+    /// nodes). Groups are numbered 0.. in order of first appearance.
     pub fn socket_groups(&self) -> Vec<usize> {
         let n = self.ndevices();
-        let mut uf = UnionFind::new(n);
-        for a in 0..n {
-            for b in (a + 1)..n {
-                let c = self.path(a, b);
-                if !matches!(c, PathClass::Sys | PathClass::Na) {
-                    uf.union(a, b);
-                }
-            }
-        }
-        // Devices with no path information: use the NUMA node.
         let numa = |d: usize| -> Option<u32> {
             if d < self.gpus.len() {
                 self.gpus[d].numa
@@ -363,15 +354,45 @@ impl Topology {
                 self.nics[d - self.gpus.len()].numa
             }
         };
+        let mut uf = UnionFind::new(n);
         for a in 0..n {
             for b in (a + 1)..n {
-                if self.path(a, b) == PathClass::Na {
-                    if let (Some(x), Some(y)) = (numa(a), numa(b)) {
-                        if x == y {
-                            uf.union(a, b);
+                let pci = matches!(
+                    self.path(a, b),
+                    PathClass::Pix | PathClass::Pxb | PathClass::Phb | PathClass::Node
+                );
+                let same_numa = matches!((numa(a), numa(b)), (Some(x), Some(y)) if x == y);
+                if pci || same_numa {
+                    uf.union(a, b);
+                }
+            }
+        }
+        loop {
+            let mut apart = std::collections::HashSet::new();
+            for a in 0..n {
+                for b in (a + 1)..n {
+                    let differ = matches!((numa(a), numa(b)), (Some(x), Some(y)) if x != y);
+                    if differ || self.path(a, b) == PathClass::Sys {
+                        let (ra, rb) = (uf.find(a), uf.find(b));
+                        apart.insert((ra.min(rb), ra.max(rb)));
+                    }
+                }
+            }
+            let mut merged = false;
+            'search: for a in 0..n {
+                for b in (a + 1)..n {
+                    if matches!(self.path(a, b), PathClass::NvLink(_) | PathClass::Nvb) {
+                        let (ra, rb) = (uf.find(a), uf.find(b));
+                        if ra != rb && !apart.contains(&(ra.min(rb), ra.max(rb))) {
+                            uf.union(ra, rb);
+                            merged = true;
+                            break 'search;
                         }
                     }
                 }
+            }
+            if !merged {
+                break;
             }
         }
         let mut ids = vec![usize::MAX; n];

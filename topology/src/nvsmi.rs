@@ -29,6 +29,9 @@ fn strip_ansi(s: &str) -> String {
     out
 }
 
+/// Most devices (GPUs + NICs) one host may have.
+pub const MAX_DEVICES: usize = 512;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Extra {
     CpuAffinity,
@@ -155,8 +158,11 @@ pub fn parse(text: &str) -> Result<Topology> {
             return Err(TopoError::smi(hline + 1, format!("bad GPU column {c:?}")));
         }
     }
-    if cols.len() > 4096 {
-        return Err(TopoError::smi(hline + 1, "more than 4096 columns"));
+    if cols.len() > MAX_DEVICES {
+        return Err(TopoError::smi(
+            hline + 1,
+            format!("more than {MAX_DEVICES} device columns"),
+        ));
     }
 
     let mut cells: Vec<Option<Vec<PathClass>>> = vec![None; ncols];

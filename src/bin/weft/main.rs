@@ -7,6 +7,7 @@
 
 mod perf;
 mod run;
+mod topo;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Command {
     Run(run::RunArgs),
     /// Benchmark a collective, printing nccl-tests-compatible tables.
     Perf(perf::PerfArgs),
+    /// Show the machine's topology, the rings and trees chosen, predictions and warnings.
+    Topo(topo::TopoArgs),
     /// Train the reference MLP data-parallel (DDP reducer, checkpoints, resume).
     Train(train::TrainArgs),
 }
@@ -38,6 +41,7 @@ fn main() {
     let code = match cli.command {
         Command::Run(args) => run::main(args),
         Command::Perf(args) => perf::main(args),
+        Command::Topo(args) => topo::main(args),
         Command::Train(args) => train::main(args),
     };
     std::process::exit(code);

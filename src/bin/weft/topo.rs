@@ -1,0 +1,192 @@
+//! `weft topo`: the topology diagnostic. Describes this machine (or an `nvidia-smi topo -m`
+//! dump, or an NCCL topology XML), the rings and trees weftcc would choose with their
+//! bottleneck bandwidth, predicted time and bus bandwidth per collective, and warnings.
+
+use clap::{Args, ValueEnum};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use weftcc_topology::discover::discover;
+use weftcc_topology::report::{
+    build, render_dot, render_json, render_svg, render_text, ReportOptions,
+};
+use weftcc_topology::tuner::{Calibration, Selection};
+use weftcc_topology::{nvsmi, xml, Topology};
+
+/// Output format of `weft topo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Human-readable report.
+    Text,
+    /// Everything, machine-readable.
+    Json,
+    /// Graphviz DOT of the topology with the first ring.
+    Dot,
+}
+
+#[derive(Args, Debug)]
+pub struct TopoArgs {
+    /// Read an `nvidia-smi topo -m` dump ("-" for stdin) instead of discovering this machine.
+    #[arg(long = "nvidia-smi", value_name = "FILE", conflicts_with = "xml")]
+    nvidia_smi: Option<PathBuf>,
+    /// Read an NCCL topology XML (e.g. from NCCL_TOPO_DUMP_FILE; "-" for stdin).
+    #[arg(long, value_name = "FILE")]
+    xml: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "text")]
+    format: Format,
+    /// Also write a drawing of the topology with the chosen ring (SVG).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// Also write the topology as NCCL-compatible XML (usable as NCCL_TOPO_FILE).
+    #[arg(long = "dump-xml", value_name = "FILE")]
+    dump_xml: Option<PathBuf>,
+    /// Hosts to model (trees and predictions across hosts like this one).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    hosts: u32,
+    /// Ranks per host (default: one per GPU, or 2 on a host without GPUs).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    ranks: Option<u32>,
+    /// Measured link figures (JSON, see docs/topology.md).
+    #[arg(long, value_name = "FILE")]
+    calibration: Option<PathBuf>,
+}
+
+fn read_input(p: &Path) -> Result<String, String> {
+    if p.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .map_err(|e| format!("stdin: {e}"))?;
+        return Ok(s);
+    }
+    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn load(args: &TopoArgs) -> Result<(Topology, Vec<String>), String> {
+    if let Some(p) = &args.nvidia_smi {
+        let t = nvsmi::parse(&read_input(p)?).map_err(|e| format!("{}: {e}", p.display()))?;
+        return Ok((t, Vec::new()));
+    }
+    if let Some(p) = &args.xml {
+        let t = xml::read(&read_input(p)?).map_err(|e| format!("{}: {e}", p.display()))?;
+        return Ok((t, Vec::new()));
+    }
+    let d = discover();
+    Ok((d.topology, d.notes))
+}
+
+fn run(args: TopoArgs) -> Result<(), String> {
+    let (topo, notes) = load(&args)?;
+    let mut opts = ReportOptions {
+        nhosts: args.hosts as usize,
+        ranks_per_host: args.ranks.map(|r| r as usize),
+        algos: Selection::from_env("WEFT_ALGO").map_err(|e| e.to_string())?,
+        protos: Selection::from_env("WEFT_PROTO").map_err(|e| e.to_string())?,
+        ..ReportOptions::default()
+    };
+    if let Ok(v) = std::env::var("WEFT_BUFFSIZE") {
+        opts.buffsize =
+            weftcc_transports::parse_size(&v).map_err(|e| format!("WEFT_BUFFSIZE: {e}"))? as u64;
+    }
+    if let Some(p) = &args.calibration {
+        opts.calibration = Some(
+            Calibration::from_json(&read_input(p)?).map_err(|e| format!("{}: {e}", p.display()))?,
+        );
+    }
+    let report = build(&topo, &opts);
+    let out = match args.format {
+        Format::Text => {
+            let mut s = render_text(&report);
+            for n in &notes {
+                s.push_str(&format!("note: {n}\n"));
+            }
+            s
+        }
+        Format::Json => render_json(&report) + "\n",
+        Format::Dot => render_dot(&report),
+    };
+    print!("{out}");
+    if let Some(p) = &args.svg {
+        std::fs::write(p, render_svg(&report)).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    if let Some(p) = &args.dump_xml {
+        std::fs::write(p, xml::write(&topo)).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Entry point: 0 on success, 1 on error (message on stderr).
+pub fn main(args: TopoArgs) -> i32 {
+    match run(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("weft topo: {e}");
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixtures() -> Vec<PathBuf> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("topology/tests/fixtures");
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn args(nvidia_smi: Option<PathBuf>, xml: Option<PathBuf>, format: Format) -> TopoArgs {
+        TopoArgs {
+            nvidia_smi,
+            xml,
+            format,
+            svg: None,
+            dump_xml: None,
+            hosts: 2,
+            ranks: None,
+            calibration: None,
+        }
+    }
+
+    #[test]
+    fn every_fixture_in_every_format_and_back_through_xml() {
+        let tmp = std::env::temp_dir().join(format!("weft-topo-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        for f in fixtures() {
+            for format in [Format::Text, Format::Json, Format::Dot] {
+                let mut a = args(Some(f.clone()), None, format);
+                a.svg = Some(tmp.join("t.svg"));
+                a.dump_xml = Some(tmp.join("t.xml"));
+                run(a).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            }
+            let svg = std::fs::read_to_string(tmp.join("t.svg")).unwrap();
+            assert!(svg.starts_with("<svg"));
+            run(args(None, Some(tmp.join("t.xml")), Format::Text)).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+
+    #[test]
+    fn errors_are_reported_not_panics() {
+        let e = run(args(Some("/nonexistent/file".into()), None, Format::Text)).unwrap_err();
+        assert!(e.contains("/nonexistent/file"));
+        let bad = std::env::temp_dir().join(format!("weft-topo-bad-{}", std::process::id()));
+        std::fs::write(&bad, "GPU0 GPU1\nGPU0 X NV1\n").unwrap();
+        let e = run(args(Some(bad.clone()), None, Format::Text)).unwrap_err();
+        assert!(e.contains("missing row for GPU1"), "{e}");
+        let e = run(args(None, Some(bad.clone()), Format::Json)).unwrap_err();
+        assert!(e.contains("NCCL topology XML"), "{e}");
+        let _ = std::fs::remove_file(&bad);
+    }
+
+    #[test]
+    fn this_machine() {
+        run(args(None, None, Format::Json)).unwrap();
+    }
+}

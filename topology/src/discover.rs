@@ -1,0 +1,404 @@
+//! Local discovery: CPUs and NUMA nodes from sysfs, NICs (with speed and NUMA node) from
+//! /sys/class/net and /sys/class/infiniband, GPUs from `nvidia-smi` on the PATH when it runs
+//! (no driver or no binary: no GPUs), /dev/shm size, and the weftcc host id. On a machine
+//! without GPUs this still describes the host. Discovery never fails: what cannot be read is
+//! left out (and listed in [`Discovered::notes`]).
+
+use crate::error::{Result, TopoError};
+use crate::model::{CpuNode, HostInfo, Nic, NicKind, PathClass, Topology};
+use crate::nvsmi::{self, count_cpus};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where discovery looks.
+#[derive(Debug, Clone)]
+pub struct DiscoverOptions {
+    /// sysfs mount point (`/sys`).
+    pub sysfs: PathBuf,
+    /// The `nvidia-smi` program (`nvidia-smi`, found on the PATH); `None` skips GPUs.
+    pub nvidia_smi: Option<PathBuf>,
+    /// Shared-memory mount whose size is reported (`/dev/shm`).
+    pub shm: Option<PathBuf>,
+    /// Longest time `nvidia-smi` may take per call.
+    pub timeout: Duration,
+}
+
+impl Default for DiscoverOptions {
+    fn default() -> Self {
+        DiscoverOptions {
+            sysfs: PathBuf::from("/sys"),
+            nvidia_smi: Some(PathBuf::from("nvidia-smi")),
+            shm: Some(PathBuf::from("/dev/shm")),
+            timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// A discovered topology with notes on what could not be found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Discovered {
+    /// The host.
+    pub topology: Topology,
+    /// Things that were skipped and why (`nvidia-smi not found`, ...).
+    pub notes: Vec<String>,
+}
+
+fn read_trim(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+fn read_numa(dev: &Path) -> Option<u32> {
+    read_trim(&dev.join("numa_node"))
+        .and_then(|s| s.parse::<i64>().ok())
+        .and_then(|n| if n >= 0 { u32::try_from(n).ok() } else { None })
+}
+
+fn bus_of(dev: &Path) -> Option<String> {
+    std::fs::canonicalize(dev)
+        .ok()
+        .and_then(|p| {
+            p.file_name()
+                .map(|f| f.to_string_lossy().to_ascii_lowercase())
+        })
+        .filter(|b| b.contains(':'))
+}
+
+fn sorted_dir(p: &Path) -> Vec<(String, PathBuf)> {
+    let mut v: Vec<(String, PathBuf)> = std::fs::read_dir(p)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort_by_key(|a| natural_key(&a.0));
+    v
+}
+
+fn natural_key(s: &str) -> (String, u64) {
+    let digits: String = s
+        .chars()
+        .rev()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    let head = s[..s.len() - digits.len()].to_string();
+    (head, digits.parse().unwrap_or(0))
+}
+
+/// CPU sockets / NUMA nodes from `<sysfs>/devices/system/node`.
+pub fn cpus_from_sysfs(sysfs: &Path) -> Vec<CpuNode> {
+    let mut out = Vec::new();
+    for (name, path) in sorted_dir(&sysfs.join("devices/system/node")) {
+        let Some(id) = name
+            .strip_prefix("node")
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let cpulist = read_trim(&path.join("cpulist")).filter(|s| !s.is_empty());
+        let mem_bytes = read_trim(&path.join("meminfo")).and_then(|m| {
+            m.lines().find_map(|l| {
+                let mut it = l.split_whitespace();
+                // "Node 0 MemTotal:  12345 kB"
+                let (_, _, key, val) = (it.next()?, it.next()?, it.next()?, it.next()?);
+                (key == "MemTotal:")
+                    .then(|| val.parse::<u64>().ok())
+                    .flatten()
+                    .map(|kb| kb * 1024)
+            })
+        });
+        out.push(CpuNode {
+            numa: id,
+            cpus: cpulist.as_deref().map(count_cpus),
+            cpulist,
+            mem_bytes,
+        });
+    }
+    if out.is_empty() {
+        let cpulist = read_trim(&sysfs.join("devices/system/cpu/online")).filter(|s| !s.is_empty());
+        out.push(CpuNode {
+            numa: 0,
+            cpus: cpulist.as_deref().map(count_cpus),
+            cpulist,
+            mem_bytes: None,
+        });
+    }
+    out
+}
+
+/// NICs: verbs devices from `<sysfs>/class/infiniband` (speed from the first active port's
+/// rate) and physical interfaces from `<sysfs>/class/net` (speed in Mbit/s; virtual interfaces
+/// such as lo, docker0 and veth pairs have no `device` link and are left out).
+pub fn nics_from_sysfs(sysfs: &Path) -> Vec<Nic> {
+    let mut out = Vec::new();
+    for (name, path) in sorted_dir(&sysfs.join("class/infiniband")) {
+        let dev = path.join("device");
+        let mut speed = None;
+        for (_, port) in sorted_dir(&path.join("ports")) {
+            // "100 Gb/sec (4X EDR)"
+            let rate = read_trim(&port.join("rate")).and_then(|r| {
+                r.split_whitespace()
+                    .next()
+                    .and_then(|n| n.parse::<f64>().ok())
+            });
+            let active = read_trim(&port.join("state")).is_none_or(|s| s.contains("ACTIVE"));
+            if let (Some(r), true) = (rate, active) {
+                speed = Some(speed.map_or(r, |s: f64| s.max(r)));
+            }
+        }
+        out.push(Nic {
+            label: name.clone(),
+            name,
+            speed_gbit: speed,
+            numa: read_numa(&dev),
+            bus_id: bus_of(&dev),
+            kind: NicKind::Ib,
+        });
+    }
+    for (name, path) in sorted_dir(&sysfs.join("class/net")) {
+        let dev = path.join("device");
+        if name == "lo" || !dev.exists() {
+            continue;
+        }
+        let speed = read_trim(&path.join("speed"))
+            .and_then(|s| s.parse::<i64>().ok())
+            .filter(|&s| s > 0)
+            .map(|mbit| mbit as f64 / 1000.0);
+        out.push(Nic {
+            label: name.clone(),
+            name,
+            speed_gbit: speed,
+            numa: read_numa(&dev),
+            bus_id: bus_of(&dev),
+            kind: NicKind::Ethernet,
+        });
+    }
+    out
+}
+
+/// Runs a program with a time limit; stdout on success.
+fn run(prog: &Path, args: &[&str], timeout: Duration) -> Result<String> {
+    let io = |e: std::io::Error| TopoError::Io {
+        path: format!("{} {}", prog.display(), args.join(" ")),
+        source: e,
+    };
+    let mut child = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(io)?;
+    let mut stdout = child.stdout.take();
+    let reader = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        if let Some(out) = stdout.as_mut() {
+            let _ = out.take(16 << 20).read_to_end(&mut s);
+        }
+        s
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait().map_err(io)? {
+            Some(s) => break s,
+            None if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "timed out",
+                )));
+            }
+            None => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    let out = reader.join().unwrap_or_default();
+    if !status.success() {
+        return Err(io(std::io::Error::other(format!("exited with {status}"))));
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Parses `nvidia-smi topo -p2p r`: pairs of GPU positions whose status is not `OK`.
+pub fn parse_p2p(text: &str) -> Vec<(usize, usize)> {
+    let mut cols: Vec<String> = Vec::new();
+    let mut out = Vec::new();
+    for l in text.lines() {
+        let t: Vec<&str> = l.split_whitespace().collect();
+        if t.is_empty() {
+            continue;
+        }
+        if cols.is_empty() {
+            if t.iter().all(|x| x.starts_with("GPU")) {
+                cols = t.iter().map(|s| s.to_string()).collect();
+            }
+            continue;
+        }
+        let Some(i) = cols.iter().position(|c| c == t[0]) else {
+            if !cols.is_empty() {
+                continue;
+            }
+            continue;
+        };
+        for (j, cell) in t.iter().skip(1).take(cols.len()).enumerate() {
+            if i != j && !cell.eq_ignore_ascii_case("OK") && !cell.eq_ignore_ascii_case("X") {
+                out.push((i.min(j), i.max(j)));
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+fn shm_size(p: &Path) -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(p).ok()?;
+    Some((s.blocks() as u64).saturating_mul(s.fragment_size() as u64))
+}
+
+/// Discovers this host with the default options.
+pub fn discover() -> Discovered {
+    discover_with(&DiscoverOptions::default())
+}
+
+/// Discovers a host with the given sysfs root, `nvidia-smi` program and /dev/shm.
+pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
+    let mut notes = Vec::new();
+    let mut topo = Topology {
+        source: "discovery".into(),
+        host: HostInfo {
+            hostname: nix::unistd::gethostname()
+                .ok()
+                .map(|h| h.to_string_lossy().into_owned()),
+            host_id: Some(weftcc_transports::host_id()),
+        },
+        ..Topology::default()
+    };
+    // GPUs (and the NICs nvidia-smi knows about) from nvidia-smi.
+    if let Some(prog) = &opts.nvidia_smi {
+        match run(prog, &["topo", "-m"], opts.timeout).and_then(|t| nvsmi::parse(&t)) {
+            Ok(t) => {
+                topo.gpus = t.gpus;
+                topo.nics = t.nics;
+                topo.paths = t.paths;
+                if let Ok(q) = run(
+                    prog,
+                    &["--query-gpu=index,name,pci.bus_id", "--format=csv,noheader"],
+                    opts.timeout,
+                ) {
+                    for line in q.lines() {
+                        let f: Vec<&str> = line.split(',').map(|s| s.trim()).collect();
+                        if let [idx, name, bus] = f[..] {
+                            if let Some(g) = topo
+                                .gpus
+                                .iter_mut()
+                                .find(|g| idx.parse::<u32>().ok() == Some(g.index))
+                            {
+                                g.name = Some(name.to_string());
+                                // nvidia-smi prints 8-digit domains: 00000000:07:00.0
+                                let bus = bus.to_ascii_lowercase();
+                                let bus = match bus.split_once(':') {
+                                    Some((dom, rest)) if dom.len() > 4 => {
+                                        format!("{}:{rest}", &dom[dom.len() - 4..])
+                                    }
+                                    _ => bus,
+                                };
+                                g.bus_id = Some(bus);
+                            }
+                        }
+                    }
+                }
+                if let Ok(p) = run(prog, &["topo", "-p2p", "r"], opts.timeout) {
+                    topo.p2p_missing = parse_p2p(&p);
+                }
+            }
+            Err(e) => notes.push(format!("no GPUs: {e}")),
+        }
+    }
+    // CPUs.
+    topo.cpus = cpus_from_sysfs(&opts.sysfs);
+    for g in topo.gpus.iter_mut() {
+        if g.numa.is_none() {
+            if let Some(aff) = &g.cpu_affinity {
+                g.numa = topo
+                    .cpus
+                    .iter()
+                    .find(|c| c.cpulist.as_deref() == Some(aff.as_str()))
+                    .map(|c| c.numa);
+            }
+        }
+    }
+    // NICs: merge sysfs figures into the ones nvidia-smi named, append the others.
+    let ng = topo.gpus.len();
+    for nic in nics_from_sysfs(&opts.sysfs) {
+        if let Some(k) = topo.nics.iter().position(|n| n.name == nic.name) {
+            let n = &mut topo.nics[k];
+            n.speed_gbit = nic.speed_gbit.or(n.speed_gbit);
+            n.numa = nic.numa.or(n.numa);
+            n.bus_id = nic.bus_id.or(n.bus_id.take());
+            continue;
+        }
+        // A new device: its paths from NUMA nodes (NODE on the same node, SYS across).
+        let d = topo.ndevices();
+        let numa = |x: usize, t: &Topology| -> Option<u32> {
+            if x < ng {
+                t.gpus[x].numa
+            } else {
+                t.nics.get(x - ng).and_then(|n| n.numa)
+            }
+        };
+        topo.nics.push(nic);
+        let n = topo.ndevices();
+        for row in topo.paths.iter_mut() {
+            row.push(PathClass::Na);
+        }
+        topo.paths.push(vec![PathClass::Na; n]);
+        for other in 0..n {
+            let c = if other == d {
+                PathClass::Loc
+            } else {
+                match (numa(d, &topo), numa(other, &topo)) {
+                    (Some(a), Some(b)) if a == b => PathClass::Node,
+                    (Some(_), Some(_)) => PathClass::Sys,
+                    _ => PathClass::Na,
+                }
+            };
+            topo.paths[d][other] = c;
+            topo.paths[other][d] = c;
+        }
+    }
+    if let Some(shm) = &opts.shm {
+        topo.shm_bytes = shm_size(shm);
+        if topo.shm_bytes.is_none() {
+            notes.push(format!("{}: size unknown", shm.display()));
+        }
+    }
+    if let Err(e) = topo.validate() {
+        notes.push(format!("inconsistent discovery ({e}); paths dropped"));
+        let n = topo.ndevices();
+        topo.paths = (0..n)
+            .map(|a| {
+                (0..n)
+                    .map(|b| {
+                        if a == b {
+                            PathClass::Loc
+                        } else {
+                            PathClass::Na
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+    }
+    Discovered {
+        topology: topo,
+        notes,
+    }
+}

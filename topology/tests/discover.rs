@@ -1,0 +1,183 @@
+//! Discovery from a fake sysfs tree and a fake `nvidia-smi`, and on this machine.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use weftcc_topology::discover::{discover, discover_with, parse_p2p, DiscoverOptions};
+use weftcc_topology::{NicKind, PathClass};
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("weft-topo-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn put(root: &Path, rel: &str, content: &str) {
+    let p = root.join(rel);
+    fs::create_dir_all(p.parent().unwrap()).unwrap();
+    fs::write(p, content).unwrap();
+}
+
+fn fake_sysfs(root: &Path) {
+    put(root, "devices/system/node/node0/cpulist", "0-15,32-47\n");
+    put(
+        root,
+        "devices/system/node/node0/meminfo",
+        "Node 0 MemTotal:       65536 kB\nNode 0 MemFree:  1 kB\n",
+    );
+    put(root, "devices/system/node/node1/cpulist", "16-31,48-63\n");
+    put(root, "devices/system/node/possible", "0-1\n");
+    // InfiniBand device on node 1, one active 200 Gb/s port.
+    put(root, "devices/pci0000:80/0000:81:00.0/numa_node", "1\n");
+    put(
+        root,
+        "class/infiniband/mlx5_0/ports/1/rate",
+        "200 Gb/sec (4X HDR)\n",
+    );
+    put(root, "class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n");
+    std::os::unix::fs::symlink(
+        root.join("devices/pci0000:80/0000:81:00.0"),
+        root.join("class/infiniband/mlx5_0/device"),
+    )
+    .unwrap();
+    // Physical Ethernet on node 0 (25 Gb/s), virtual docker0 and lo without a device link.
+    put(root, "devices/pci0000:00/0000:01:00.0/numa_node", "0\n");
+    put(root, "class/net/eth0/speed", "25000\n");
+    std::os::unix::fs::symlink(
+        root.join("devices/pci0000:00/0000:01:00.0"),
+        root.join("class/net/eth0/device"),
+    )
+    .unwrap();
+    put(root, "class/net/docker0/speed", "10000\n");
+    put(root, "class/net/lo/speed", "-1\n");
+    // A down link reports -1 and no NUMA node (-1).
+    put(root, "devices/pci0000:00/0000:02:00.0/numa_node", "-1\n");
+    put(root, "class/net/eth1/speed", "-1\n");
+    std::os::unix::fs::symlink(
+        root.join("devices/pci0000:00/0000:02:00.0"),
+        root.join("class/net/eth1/device"),
+    )
+    .unwrap();
+}
+
+#[test]
+fn cpu_only_host_from_sysfs() {
+    let root = tmpdir("cpu");
+    fake_sysfs(&root);
+    let d = discover_with(&DiscoverOptions {
+        sysfs: root.clone(),
+        nvidia_smi: Some(root.join("no-such-nvidia-smi")),
+        shm: None,
+        timeout: Duration::from_secs(5),
+    });
+    let t = &d.topology;
+    assert!(t.gpus.is_empty());
+    assert!(
+        d.notes.iter().any(|n| n.contains("no GPUs")),
+        "{:?}",
+        d.notes
+    );
+    assert_eq!(t.cpus.len(), 2);
+    assert_eq!(t.cpus[0].cpus, Some(32));
+    assert_eq!(t.cpus[0].mem_bytes, Some(65536 * 1024));
+    let names: Vec<&str> = t.nics.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, vec!["mlx5_0", "eth0", "eth1"]);
+    assert_eq!(t.nics[0].kind, NicKind::Ib);
+    assert_eq!(t.nics[0].speed_gbit, Some(200.0));
+    assert_eq!(t.nics[0].numa, Some(1));
+    assert_eq!(t.nics[0].bus_id.as_deref(), Some("0000:81:00.0"));
+    assert_eq!(t.nics[1].speed_gbit, Some(25.0));
+    assert_eq!(t.nics[2].speed_gbit, None);
+    assert_eq!(t.nics[2].numa, None);
+    assert_eq!(t.path(0, 1), PathClass::Sys);
+    assert_eq!(t.path(1, 2), PathClass::Na);
+    t.validate().unwrap();
+    assert!(t.host.host_id.is_some());
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[test]
+fn gpus_from_a_fake_nvidia_smi() {
+    let root = tmpdir("gpu");
+    fake_sysfs(&root);
+    let fixture = format!(
+        "{}/tests/fixtures/pcie4_nic_far.txt",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let script = root.join("nvidia-smi");
+    put(
+        &root,
+        "nvidia-smi",
+        &format!(
+            "#!/bin/sh\ncase \"$1 $2\" in\n  'topo -m') cat '{fixture}' ;;\n  'topo -p2p') printf ' \\tGPU0\\tGPU1\\tGPU2\\tGPU3\\n GPU0\\tX\\tOK\\tOK\\tOK\\n GPU1\\tOK\\tX\\tCNS\\tOK\\n GPU2\\tOK\\tCNS\\tX\\tOK\\n GPU3\\tOK\\tOK\\tOK\\tX\\n' ;;\n  *) printf '0, NVIDIA L40S, 00000000:17:00.0\\n1, NVIDIA L40S, 00000000:18:00.0\\n' ;;\nesac\n"
+        ),
+    );
+    let mut perm = fs::metadata(&script).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    fs::set_permissions(&script, perm).unwrap();
+    let d = discover_with(&DiscoverOptions {
+        sysfs: root.clone(),
+        nvidia_smi: Some(script),
+        shm: None,
+        timeout: Duration::from_secs(10),
+    });
+    let t = &d.topology;
+    assert_eq!(t.gpus.len(), 4, "{:?}", d.notes);
+    assert_eq!(t.gpus[0].name.as_deref(), Some("NVIDIA L40S"));
+    assert_eq!(t.gpus[1].bus_id.as_deref(), Some("0000:18:00.0"));
+    assert_eq!(t.p2p_missing, vec![(1, 2)]);
+    // mlx5_0 came from nvidia-smi and got its speed from sysfs; eth0/eth1 were appended.
+    assert_eq!(t.nics[0].name, "mlx5_0");
+    assert_eq!(t.nics[0].speed_gbit, Some(200.0));
+    assert_eq!(t.nics.len(), 3);
+    assert_eq!(t.gpu_nic_path(0, 0), PathClass::Sys);
+    assert_eq!(t.gpu_nic_path(0, 1), PathClass::Node);
+    t.validate().unwrap();
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_hanging_nvidia_smi_times_out() {
+    let root = tmpdir("hang");
+    put(&root, "nvidia-smi", "#!/bin/sh\nsleep 30\n");
+    let script = root.join("nvidia-smi");
+    let mut perm = fs::metadata(&script).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    fs::set_permissions(&script, perm).unwrap();
+    let t0 = std::time::Instant::now();
+    let d = discover_with(&DiscoverOptions {
+        sysfs: root.clone(),
+        nvidia_smi: Some(script),
+        shm: None,
+        timeout: Duration::from_millis(300),
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(d.topology.gpus.is_empty());
+    assert!(
+        d.notes.iter().any(|n| n.contains("timed out")),
+        "{:?}",
+        d.notes
+    );
+    // No sysfs at all: one CPU node, no NICs.
+    assert_eq!(d.topology.cpus.len(), 1);
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[test]
+fn this_machine() {
+    let d = discover();
+    let t = &d.topology;
+    t.validate().unwrap();
+    assert!(!t.cpus.is_empty());
+    assert!(t.host.host_id.is_some());
+}
+
+#[test]
+fn p2p_matrix() {
+    assert!(parse_p2p("").is_empty());
+    assert_eq!(
+        parse_p2p(" \tGPU0\tGPU1\n GPU0\tX\tNS\n GPU1\tNS\tX\n\nLegend:\n  X = Self\n"),
+        vec![(0, 1)]
+    );
+}

@@ -1,0 +1,121 @@
+//! `weft topo` content: warnings on the fixtures and the four renderings.
+
+use weftcc_topology::report::{
+    build, render_dot, render_json, render_svg, render_text, ReportOptions,
+};
+use weftcc_topology::{nvsmi, Topology};
+
+fn load(name: &str) -> Topology {
+    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    nvsmi::parse(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+fn codes(t: &Topology, opts: &ReportOptions) -> Vec<String> {
+    build(t, opts)
+        .warnings
+        .into_iter()
+        .map(|w| w.code)
+        .collect()
+}
+
+#[test]
+fn socket_groups_follow_numa_and_nvlink() {
+    let t = load("dgx1_v100.txt");
+    let g = t.socket_groups();
+    assert_eq!(&g[..8], &[0, 0, 0, 0, 1, 1, 1, 1]);
+    let t = load("nvlink_bridged_pairs.txt");
+    assert_eq!(t.socket_groups(), vec![0, 0, 1, 1]);
+    let t = load("dgx_a100.txt");
+    assert_eq!(t.socket_groups()[..8].iter().max(), Some(&3));
+}
+
+#[test]
+fn warnings_users_can_act_on() {
+    let o = ReportOptions::default();
+    assert!(codes(&load("pcie8_dual_socket.txt"), &o).contains(&"cross_socket".to_string()));
+    assert!(codes(&load("nvlink_bridged_pairs.txt"), &o).contains(&"cross_socket".to_string()));
+    assert!(!codes(&load("dgx1_v100.txt"), &o).contains(&"cross_socket".to_string()));
+    assert!(codes(&load("pcie4_nic_far.txt"), &o).contains(&"nic_far".to_string()));
+    assert!(codes(&load("dgx_h100.txt"), &o).is_empty());
+    assert!(codes(&load("dgx_a100.txt"), &o).is_empty());
+
+    let mut t = load("dgx1_v100.txt");
+    t.p2p_missing = vec![(0, 1), (0, 5)];
+    let r = build(&t, &o);
+    let w = r.warnings.iter().find(|w| w.code == "p2p_missing").unwrap();
+    assert!(w.message.contains("GPU0-GPU1"));
+    assert!(
+        !w.message.contains("GPU0-GPU5"),
+        "no NVLink there: {}",
+        w.message
+    );
+
+    t.shm_bytes = Some(64 << 20);
+    let r = build(&t, &o);
+    let w = r.warnings.iter().find(|w| w.code == "shm_small").unwrap();
+    assert!(
+        w.message.contains("64 MiB") && w.message.contains("224 MiB"),
+        "{}",
+        w.message
+    );
+    t.shm_bytes = Some(1 << 30);
+    assert!(!codes(&t, &o).contains(&"shm_small".to_string()));
+
+    assert_eq!(codes(&Topology::default(), &o), vec!["no_gpu".to_string()]);
+}
+
+#[test]
+fn renderings() {
+    let t = load("dgx1_v100.txt");
+    let opts = ReportOptions {
+        nhosts: 4,
+        ..ReportOptions::default()
+    };
+    let r = build(&t, &opts);
+    assert_eq!(r.model.nranks, 32);
+    let text = render_text(&r);
+    for want in [
+        "link matrix",
+        "NV2/40",
+        "ring 0:",
+        "socket crossings 0",
+        "tree 1 across 4 hosts",
+        "allreduce",
+        "busbw",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&render_json(&r)).unwrap();
+    assert_eq!(v["rings"]["rings"].as_array().unwrap().len(), 4);
+    assert_eq!(v["topology"]["paths"][0][3], "NV2");
+    let dot = render_dot(&r);
+    assert!(dot.starts_with("graph topology {") && dot.trim_end().ends_with('}'));
+    assert!(dot.contains("color=red"));
+    for f in [
+        "dgx1_v100.txt",
+        "dgx_a100.txt",
+        "pcie8_dual_socket.txt",
+        "single_gpu.txt",
+    ] {
+        let r = build(&load(f), &ReportOptions::default());
+        let svg = render_svg(&r);
+        // Well-formed XML.
+        let mut rd = quick_xml::Reader::from_str(&svg);
+        let mut depth = 0i32;
+        loop {
+            match rd.read_event().unwrap() {
+                quick_xml::events::Event::Start(_) => depth += 1,
+                quick_xml::events::Event::End(_) => depth -= 1,
+                quick_xml::events::Event::Eof => break,
+                _ => {}
+            }
+        }
+        assert_eq!(depth, 0, "{f}");
+        assert!(svg.contains("GPU0"), "{f}");
+    }
+    // A host without GPUs still renders.
+    let r = build(&Topology::default(), &ReportOptions::default());
+    assert!(render_text(&r).contains("rings: none"));
+    let _ = render_svg(&r);
+    let _ = render_dot(&r);
+}
