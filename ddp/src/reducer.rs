@@ -16,6 +16,7 @@
 //! order gradients actually became ready on rank 0, which is broadcast so that every rank
 //! builds the identical layout.
 
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -118,9 +119,8 @@ pub struct StepTimings {
     /// From `prepare_for_backward` to `finish` being called.
     pub backward: Duration,
     /// Time the communicator was busy with this iteration's buckets (their all-reduces run one
-    /// after another on the worker thread): sum over buckets of done − max(launch, previous
-    /// done). Completion times are observed when `grad_ready`/`finish` poll, so this is an
-    /// upper bound accurate to one `grad_ready` interval.
+    /// after another on its worker thread): sum over buckets of done − max(launch, previous
+    /// done), completion times taken by the reducer's watcher thread as each operation ends.
     pub comm: Duration,
     /// Time `finish` spent waiting for communication (not hidden behind backward).
     pub exposed: Duration,
@@ -145,14 +145,45 @@ enum InFlight {
     F16(Handle<Vec<f16>>),
 }
 
-impl InFlight {
-    fn is_done(&self) -> bool {
-        match self {
-            InFlight::F32(h) => h.is_done(),
-            InFlight::Bf16(h) => h.is_done(),
-            InFlight::F16(h) => h.is_done(),
-        }
-    }
+enum Returned {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+/// A finished bucket, as reported by the watcher thread.
+struct Done {
+    bucket: usize,
+    result: std::result::Result<Returned, weftcc_collectives::Error>,
+    at: Instant,
+}
+
+/// The watcher thread waits for each launched bucket (in launch order, which is the order the
+/// communicator runs them) and sends the buffer back with its completion time.
+type Watcher = (mpsc::Sender<(usize, InFlight)>, mpsc::Receiver<Done>);
+
+fn spawn_watcher() -> Result<Watcher> {
+    let (jobs_tx, jobs_rx) = mpsc::channel::<(usize, InFlight)>();
+    let (done_tx, done_rx) = mpsc::channel::<Done>();
+    std::thread::Builder::new()
+        .name("weft-ddp-watch".into())
+        .spawn(move || {
+            for (bucket, inf) in jobs_rx {
+                let result = match inf {
+                    InFlight::F32(h) => h.wait().map(Returned::F32),
+                    InFlight::Bf16(h) => h.wait().map(Returned::Bf16),
+                    InFlight::F16(h) => h.wait().map(Returned::F16),
+                };
+                let at = Instant::now();
+                if done_tx.send(Done { bucket, result, at }).is_err() {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| {
+            ReducerError::InvalidArgument(format!("cannot start the watcher thread: {e}"))
+        })?;
+    Ok((jobs_tx, done_rx))
 }
 
 struct Bucket {
@@ -161,7 +192,7 @@ struct Bucket {
     /// failure lost it).
     data: Option<Vec<f32>>,
     pending: usize,
-    inflight: Option<InFlight>,
+    inflight: bool,
     launched_at: Option<Instant>,
     done_at: Option<Instant>,
 }
@@ -182,6 +213,9 @@ pub struct Reducer<'c> {
     rebuilt: bool,
     broken: Option<String>,
     backward_start: Option<Instant>,
+    jobs: mpsc::Sender<(usize, InFlight)>,
+    done: mpsc::Receiver<Done>,
+    outstanding: usize,
 }
 
 /// Groups parameters (taken in `order`) into buckets: first bucket up to `first_cap` bytes,
@@ -257,6 +291,7 @@ impl<'c> Reducer<'c> {
             )));
         }
         let initial: Vec<usize> = (0..sizes.len()).rev().collect();
+        let (jobs, done) = spawn_watcher()?;
         let mut r = Reducer {
             comm,
             cfg,
@@ -271,6 +306,9 @@ impl<'c> Reducer<'c> {
             rebuilt: false,
             broken: None,
             backward_start: None,
+            jobs,
+            done,
+            outstanding: 0,
         };
         r.layout(&initial, None);
         Ok(r)
@@ -302,7 +340,7 @@ impl<'c> Reducer<'c> {
                 pending: params.len(),
                 params,
                 data: Some(data),
-                inflight: None,
+                inflight: false,
                 launched_at: None,
                 done_at: None,
             });
@@ -412,7 +450,7 @@ impl<'c> Reducer<'c> {
     pub fn zero_grad(&mut self) -> Result<()> {
         self.check_usable()?;
         for (bi, b) in self.buckets.iter_mut().enumerate() {
-            if b.inflight.is_some() {
+            if b.inflight {
                 return Err(ReducerError::InFlight {
                     param: b.params[0],
                     bucket: bi,
@@ -431,7 +469,7 @@ impl<'c> Reducer<'c> {
         self.check_param(param)?;
         let (bi, off) = self.loc[param];
         let b = &self.buckets[bi];
-        if b.inflight.is_some() {
+        if b.inflight {
             return Err(ReducerError::InFlight { param, bucket: bi });
         }
         let d = b
@@ -448,7 +486,7 @@ impl<'c> Reducer<'c> {
         let (bi, off) = self.loc[param];
         let n = self.sizes[param];
         let b = &mut self.buckets[bi];
-        if b.inflight.is_some() {
+        if b.inflight {
             return Err(ReducerError::InFlight { param, bucket: bi });
         }
         let d = b
@@ -497,23 +535,9 @@ impl<'c> Reducer<'c> {
         let (bi, _) = self.loc[param];
         self.buckets[bi].pending -= 1;
         if self.sync {
-            self.poll_done();
             self.launch_ready()?;
         }
         Ok(())
-    }
-
-    fn poll_done(&mut self) {
-        let now = Instant::now();
-        for b in &mut self.buckets[..self.next_launch] {
-            if b.done_at.is_none() {
-                if b.inflight.as_ref().is_some_and(InFlight::is_done) {
-                    b.done_at = Some(now);
-                } else {
-                    break;
-                }
-            }
-        }
     }
 
     fn launch_ready(&mut self) -> Result<()> {
@@ -554,9 +578,12 @@ impl<'c> Reducer<'c> {
                 InFlight::F16(comm.all_reduce_async::<f16, _>(c, ReduceOp::Sum))
             }
         };
-        b.inflight = Some(inflight);
+        b.inflight = true;
         b.launched_at = Some(Instant::now());
-        Ok(())
+        self.outstanding += 1;
+        self.jobs
+            .send((bi, inflight))
+            .map_err(|_| ReducerError::Broken("the watcher thread is gone".into()))
     }
 
     /// Ends the backward pass. For a synchronised pass: marks gradients that were never
@@ -590,7 +617,6 @@ impl<'c> Reducer<'c> {
                 self.buckets[bi].pending -= 1;
             }
         }
-        self.poll_done();
         let launched = self.launch_ready();
         let waited = self.wait_all();
         if let Err(e) = launched.and(waited) {
@@ -621,24 +647,26 @@ impl<'c> Reducer<'c> {
 
     fn wait_all(&mut self) -> Result<()> {
         let mut first_err: Option<ReducerError> = None;
-        for b in &mut self.buckets {
-            let Some(inf) = b.inflight.take() else {
+        while self.outstanding > 0 {
+            let Ok(done) = self.done.recv() else {
+                first_err.get_or_insert(ReducerError::Broken("the watcher thread is gone".into()));
+                break;
+            };
+            self.outstanding -= 1;
+            let Some(b) = self.buckets.get_mut(done.bucket) else {
                 continue;
             };
-            let r: Result<()> = match inf {
-                InFlight::F32(h) => h.wait().map(|d| b.data = Some(d)).map_err(Into::into),
-                InFlight::Bf16(h) => h
-                    .wait()
-                    .map_err(Into::into)
-                    .and_then(|c| decompress(&mut b.data, c.iter().map(|x| x.to_f32()))),
-                InFlight::F16(h) => h
-                    .wait()
-                    .map_err(Into::into)
-                    .and_then(|c| decompress(&mut b.data, c.iter().map(|x| x.to_f32()))),
+            b.inflight = false;
+            b.done_at = Some(done.at);
+            let r: Result<()> = match done.result {
+                Ok(Returned::F32(d)) => {
+                    b.data = Some(d);
+                    Ok(())
+                }
+                Ok(Returned::Bf16(c)) => decompress(&mut b.data, c.iter().map(|x| x.to_f32())),
+                Ok(Returned::F16(c)) => decompress(&mut b.data, c.iter().map(|x| x.to_f32())),
+                Err(e) => Err(e.into()),
             };
-            if b.done_at.is_none() {
-                b.done_at = Some(Instant::now());
-            }
             if let Err(e) = r {
                 b.data = None;
                 first_err.get_or_insert(e);
