@@ -2,7 +2,7 @@
 //! collective, and warnings a user can act on; as text, JSON, Graphviz DOT or SVG.
 
 use crate::model::{class_rank, LinkKind, LinkSpeeds, NodeKind, PathClass, Topology};
-use crate::search::{double_binary_tree, host_chain, rings, RingPlan, Tree};
+use crate::search::{double_binary_tree, host_chain, network_order, rings, RingPlan, Tree};
 use crate::tuner::{Algorithm, Calibration, Collective, Model, ModelInput, Protocol, Selection};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -80,6 +80,9 @@ pub struct Report {
     pub rings: RingPlan,
     /// Chain through the host's GPUs used by tree algorithms.
     pub chain: Vec<usize>,
+    /// The host's part of a ring through several hosts: from the GPU receiving from the
+    /// previous host to the one sending to the next (the first ring opened next to the NICs).
+    pub host_ring: Vec<usize>,
     /// Hosts modelled.
     pub nhosts: usize,
     /// Ranks per host modelled.
@@ -221,6 +224,11 @@ pub fn warnings(topo: &Topology, opts: &ReportOptions, ranks_per_host: usize) ->
 pub fn build(topo: &Topology, opts: &ReportOptions) -> Report {
     let plan = rings(topo, &opts.speeds);
     let chain = host_chain(&plan, topo.gpus.len());
+    let host_ring = plan
+        .rings
+        .first()
+        .map(|r| network_order(topo, r))
+        .unwrap_or_default();
     let nhosts = opts.nhosts.max(1);
     let rph = opts
         .ranks_per_host
@@ -252,6 +260,7 @@ pub fn build(topo: &Topology, opts: &ReportOptions) -> Report {
         speeds: opts.speeds,
         rings: plan,
         chain,
+        host_ring,
         nhosts,
         ranks_per_host: rph,
         trees: double_binary_tree(nhosts),
@@ -409,6 +418,28 @@ pub fn render_text(r: &Report) -> String {
             .map(|&g| t.gpus.get(g).map_or(g, |x| x.index as usize).to_string())
             .collect();
         let _ = writeln!(o, "tree chain inside the host: {}", chain.join(" - "));
+    }
+    if r.nhosts > 1 && r.host_ring.len() > 1 {
+        let part: Vec<String> = r
+            .host_ring
+            .iter()
+            .map(|&g| t.gpus.get(g).map_or(g, |x| x.index as usize).to_string())
+            .collect();
+        let near = |g: usize| {
+            t.closest_nic(g).map_or(String::new(), |(k, c)| {
+                format!(" ({} {})", t.nics[k].name, c.label())
+            })
+        };
+        let _ = writeln!(
+            o,
+            "ring across {} hosts: each host runs {}; enters at GPU{}{}, leaves from GPU{}{}",
+            r.nhosts,
+            part.join(" > "),
+            part[0],
+            near(r.host_ring[0]),
+            part[part.len() - 1],
+            near(r.host_ring[r.host_ring.len() - 1])
+        );
     }
     if r.nhosts > 1 {
         for (k, tree) in r.trees.iter().enumerate() {

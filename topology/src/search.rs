@@ -458,6 +458,33 @@ pub fn host_chain(plan: &RingPlan, ngpus: usize) -> Vec<usize> {
         .unwrap_or_else(|| (0..ngpus).collect())
 }
 
+/// Where a host's ring is opened when the ring runs through several hosts: the order of the
+/// host's GPUs from the one that receives from the previous host to the one that sends to the
+/// next. The cut is placed so that both ends are as close to a NIC as possible, then on the
+/// slowest hop of the ring (which the network hop replaces), so the order inside is unchanged.
+pub fn network_order(topo: &Topology, ring: &Ring) -> Vec<usize> {
+    let n = ring.order.len();
+    if n < 2 {
+        return ring.order.clone();
+    }
+    let nic_rank = |g: usize| {
+        topo.closest_nic(g)
+            .map_or(0, |(_, c)| crate::model::class_rank(c))
+    };
+    let k = (0..n)
+        .min_by_key(|&k| {
+            let (last, first) = (ring.order[k], ring.order[(k + 1) % n]);
+            let hop = ring.hops.get(k).copied().unwrap_or(PathClass::Na);
+            (
+                nic_rank(first).max(nic_rank(last)),
+                std::cmp::Reverse(crate::model::class_rank(hop)),
+                k,
+            )
+        })
+        .unwrap_or(n - 1);
+    (0..n).map(|i| ring.order[(k + 1 + i) % n]).collect()
+}
+
 /// One ring through several hosts: the hosts in order, each visited once with its own
 /// host-local order inside. Returns (host, local GPU) pairs.
 pub fn global_ring(host_orders: &[Vec<usize>]) -> Vec<(usize, usize)> {

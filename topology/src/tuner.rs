@@ -213,10 +213,9 @@ pub struct LinkFigure {
 }
 
 impl LinkFigure {
-    /// Least-squares fit of `time_us = α + bytes / (gbps · 1e3)` to measured (bytes, time µs)
-    /// samples. Needs two distinct sizes and a positive slope.
+    /// Least-squares fit (relative errors) of `time_us = α + bytes / (gbps · 1e3)` to measured
+    /// (bytes, time µs) samples. Needs two distinct sizes and a positive slope.
     pub fn fit(samples: &[(f64, f64)]) -> Result<LinkFigure> {
-        let n = samples.len() as f64;
         if samples.len() < 2 {
             return Err(TopoError::Tuner(
                 "calibration needs at least 2 samples".into(),
@@ -224,17 +223,28 @@ impl LinkFigure {
         }
         if samples
             .iter()
-            .any(|(b, t)| !b.is_finite() || !t.is_finite() || *b < 0.0 || *t < 0.0)
+            .any(|(b, t)| !b.is_finite() || !t.is_finite() || *b < 0.0 || *t <= 0.0)
         {
             return Err(TopoError::Tuner(
-                "calibration samples must be finite and non-negative".into(),
+                "calibration samples must be finite, sizes non-negative and times positive".into(),
             ));
         }
-        let mx = samples.iter().map(|s| s.0).sum::<f64>() / n;
-        let my = samples.iter().map(|s| s.1).sum::<f64>() / n;
-        let sxx: f64 = samples.iter().map(|s| (s.0 - mx).powi(2)).sum();
-        let sxy: f64 = samples.iter().map(|s| (s.0 - mx) * (s.1 - my)).sum();
-        if sxx <= 0.0 {
+        // Weighted by 1/t²: relative errors count, so small sizes fix α and large ones β.
+        let w: Vec<f64> = samples.iter().map(|s| 1.0 / (s.1 * s.1)).collect();
+        let sw: f64 = w.iter().sum();
+        let mx = samples.iter().zip(&w).map(|(s, w)| w * s.0).sum::<f64>() / sw;
+        let my = samples.iter().zip(&w).map(|(s, w)| w * s.1).sum::<f64>() / sw;
+        let sxx: f64 = samples
+            .iter()
+            .zip(&w)
+            .map(|(s, w)| w * (s.0 - mx).powi(2))
+            .sum();
+        let sxy: f64 = samples
+            .iter()
+            .zip(&w)
+            .map(|(s, w)| w * (s.0 - mx) * (s.1 - my))
+            .sum();
+        if sxx <= 0.0 || !sxx.is_finite() {
             return Err(TopoError::Tuner(
                 "calibration needs at least two different sizes".into(),
             ));
@@ -280,6 +290,90 @@ impl Calibration {
     /// JSON text.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// One measured collective (e.g. a `weft perf --json` row).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    /// Collective.
+    pub collective: Collective,
+    /// Ranks.
+    pub nranks: usize,
+    /// nccl-tests size, bytes.
+    pub bytes: u64,
+    /// Measured time, µs.
+    pub time_us: f64,
+}
+
+impl Calibration {
+    /// Fits the intra-host figure from measurements on one host: the bandwidth from the slope
+    /// of time against bytes × bus factor, the per-hop latency from the intercept spread over
+    /// the ring's steps (2(n-1) for all-reduce, n-1 otherwise). The Simple protocol's base
+    /// latency and hop factor are then 0 and 1 so that the model reproduces the measurements.
+    pub fn fit_intra(samples: &[Measurement]) -> Result<Calibration> {
+        let usable: Vec<&Measurement> = samples.iter().filter(|m| m.nranks > 1).collect();
+        let points: Vec<(f64, f64)> = usable
+            .iter()
+            .map(|m| {
+                (
+                    m.bytes as f64 * m.collective.bus_factor(m.nranks),
+                    m.time_us,
+                )
+            })
+            .collect();
+        let f = LinkFigure::fit(&points)?;
+        let steps = usable
+            .iter()
+            .map(|m| match m.collective {
+                Collective::AllReduce => 2.0 * (m.nranks as f64 - 1.0),
+                _ => m.nranks as f64 - 1.0,
+            })
+            .sum::<f64>()
+            / usable.len().max(1) as f64;
+        Ok(Calibration {
+            intra: Some(LinkFigure {
+                alpha_us: f.alpha_us / steps.max(1.0),
+                gbps: f.gbps,
+            }),
+            net: None,
+            protocols: vec![(
+                Protocol::Simple,
+                ProtoFigures {
+                    base_us: 0.0,
+                    hop_factor: 1.0,
+                    efficiency: 1.0,
+                },
+            )],
+        })
+    }
+
+    /// Reads the rows `weft perf --json` writes (`collective`, `size`, `nranks`,
+    /// `oop.time_us`); rows of collectives the model does not cover are skipped.
+    pub fn perf_rows(json: &str) -> Result<Vec<Measurement>> {
+        #[derive(Deserialize)]
+        struct Half {
+            time_us: f64,
+        }
+        #[derive(Deserialize)]
+        struct Row {
+            collective: String,
+            size: u64,
+            nranks: usize,
+            oop: Half,
+        }
+        let rows: Vec<Row> = serde_json::from_str(json)?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|r| {
+                Some(Measurement {
+                    collective: r.collective.parse().ok()?,
+                    nranks: r.nranks,
+                    bytes: r.size,
+                    time_us: r.oop.time_us,
+                })
+            })
+            .collect())
     }
 }
 

@@ -80,6 +80,7 @@ fn renderings() {
         "ring 0:",
         "socket crossings 0",
         "tree 1 across 4 hosts",
+        "ring across 4 hosts",
         "allreduce",
         "busbw",
     ] {

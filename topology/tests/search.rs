@@ -1,6 +1,6 @@
 //! Ring search on the fixtures: NVLink where it exists, sockets crossed at most once each way.
 
-use weftcc_topology::search::{double_binary_tree, host_chain, rings};
+use weftcc_topology::search::{double_binary_tree, global_ring, host_chain, network_order, rings};
 use weftcc_topology::{nvsmi, LinkSpeeds, PathClass, Topology};
 
 fn load(name: &str) -> Topology {
@@ -147,4 +147,34 @@ fn trees_for_host_counts() {
             assert_ne!(a.root, b.root, "n={n}");
         }
     }
+}
+
+#[test]
+fn rings_across_hosts_enter_and_leave_next_to_the_nics() {
+    let t = load("pcie8_dual_socket.txt");
+    let plan = rings(&t, &LinkSpeeds::default());
+    let order = network_order(&t, &plan.rings[0]);
+    assert_valid_ring(&t, &order);
+    let (first, last) = (order[0], order[order.len() - 1]);
+    assert_eq!(t.closest_nic(first).unwrap().1, PathClass::Pix, "{order:?}");
+    assert_eq!(t.closest_nic(last).unwrap().1, PathClass::Pix, "{order:?}");
+    // The socket crossing left inside the host is the only SYS hop of the open chain.
+    let sys = order
+        .windows(2)
+        .filter(|w| t.gpu_path(w[0], w[1]) == PathClass::Sys)
+        .count();
+    assert_eq!(sys, 1, "{order:?}");
+    // Consecutive hops of the open chain are ring hops (same order, rotated).
+    let r = &plan.rings[0].order;
+    let pos = r.iter().position(|&g| g == order[0]).unwrap();
+    for (i, g) in order.iter().enumerate() {
+        assert_eq!(*g, r[(pos + i) % r.len()]);
+    }
+    let global = global_ring(&[order.clone(), order.clone()]);
+    assert_eq!(global.len(), 16);
+    // Without NICs the slowest hop is cut.
+    let t = load("nvlink_bridged_pairs.txt");
+    let plan = rings(&t, &LinkSpeeds::default());
+    let order = network_order(&t, &plan.rings[0]);
+    assert_ne!(t.gpu_path(order[3], order[0]), PathClass::NvLink(4));
 }

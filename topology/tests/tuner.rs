@@ -2,7 +2,8 @@
 
 use weftcc_topology::search::rings;
 use weftcc_topology::tuner::{
-    Algorithm, Calibration, Collective, LinkFigure, Model, ModelInput, Protocol, Selection,
+    Algorithm, Calibration, Collective, LinkFigure, Measurement, Model, ModelInput, Protocol,
+    Selection,
 };
 use weftcc_topology::{nvsmi, LinkSpeeds, TopoError};
 
@@ -187,4 +188,49 @@ fn model_from_a_fixture() {
         )
         .unwrap();
     assert!(big.busbw_gbps > 300.0 && big.busbw_gbps <= 360.0, "{big:?}");
+}
+
+#[test]
+fn calibration_from_perf_rows_reproduces_them() {
+    // 4 ranks, all-reduce: 6 steps of 2 µs, bus bandwidth 5 GB/s.
+    let rows: Vec<String> = [8u64, 1024, 1 << 20, 16 << 20]
+        .iter()
+        .map(|&b| {
+            let t = 12.0 + b as f64 * 1.5 / 5e3;
+            format!(
+                r#"{{"collective":"all-reduce","size":{b},"count":1,"type":"float","redop":"sum","root":-1,"nranks":4,"oop":{{"time_us":{t},"algbw":0,"busbw":0,"wrong":0}},"ip":{{"time_us":{t},"algbw":0,"busbw":0,"wrong":null}}}}"#
+            )
+        })
+        .chain(std::iter::once(
+            r#"{"collective":"all-to-all","size":8,"nranks":4,"oop":{"time_us":1}}"#.to_string(),
+        ))
+        .collect();
+    let json = format!("[{}]", rows.join(","));
+    let m = Calibration::perf_rows(&json).unwrap();
+    assert_eq!(m.len(), 4);
+    assert_eq!(m[0].collective, Collective::AllReduce);
+    let cal = Calibration::fit_intra(&m).unwrap();
+    let f = cal.intra.unwrap();
+    assert!(
+        (f.gbps - 5.0).abs() < 1e-6 && (f.alpha_us - 2.0).abs() < 1e-6,
+        "{f:?}"
+    );
+    let model = Model::new(input(4, 1), Some(&cal));
+    for s in &m {
+        let p = model
+            .predict(s.collective, Algorithm::Ring, Protocol::Simple, s.bytes)
+            .unwrap();
+        assert!(
+            (p.time_us - s.time_us).abs() < 1e-6 * s.time_us.max(1.0),
+            "{p:?} vs {s:?}"
+        );
+    }
+    assert!(Calibration::perf_rows("[{").is_err());
+    assert!(Calibration::fit_intra(&[Measurement {
+        collective: Collective::AllReduce,
+        nranks: 1,
+        bytes: 8,
+        time_us: 1.0
+    }])
+    .is_err());
 }

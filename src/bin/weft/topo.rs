@@ -47,8 +47,14 @@ pub struct TopoArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
     ranks: Option<u32>,
     /// Measured link figures (JSON, see docs/topology.md).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "calibrate")]
     calibration: Option<PathBuf>,
+    /// Fit the link figures from `weft perf --json` rows measured on this host.
+    #[arg(long, value_name = "PERF_JSON")]
+    calibrate: Option<PathBuf>,
+    /// Write the link figures in use (from --calibrate or --calibration) to this file.
+    #[arg(long = "save-calibration", value_name = "FILE")]
+    save_calibration: Option<PathBuf>,
 }
 
 fn read_input(p: &Path) -> Result<String, String> {
@@ -92,6 +98,19 @@ fn run(args: TopoArgs) -> Result<(), String> {
         opts.calibration = Some(
             Calibration::from_json(&read_input(p)?).map_err(|e| format!("{}: {e}", p.display()))?,
         );
+    }
+    if let Some(p) = &args.calibrate {
+        let rows =
+            Calibration::perf_rows(&read_input(p)?).map_err(|e| format!("{}: {e}", p.display()))?;
+        opts.calibration =
+            Some(Calibration::fit_intra(&rows).map_err(|e| format!("{}: {e}", p.display()))?);
+    }
+    if let Some(p) = &args.save_calibration {
+        let cal = opts
+            .calibration
+            .as_ref()
+            .ok_or("--save-calibration needs --calibrate or --calibration")?;
+        std::fs::write(p, cal.to_json() + "\n").map_err(|e| format!("{}: {e}", p.display()))?;
     }
     let report = build(&topo, &opts);
     let out = match args.format {
@@ -151,6 +170,8 @@ mod tests {
             hosts: 2,
             ranks: None,
             calibration: None,
+            calibrate: None,
+            save_calibration: None,
         }
     }
 
