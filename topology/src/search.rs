@@ -179,7 +179,10 @@ impl Capacity {
             PathClass::Pix | PathClass::Pxb => 1.0e3,
             _ => 2.0e3,
         };
-        cross + slow + 1.0 / cap.max(1e-9)
+        // Among equal rings, prefer the natural order (0 > 1 > 2 ...): a negligible cost on the
+        // forward index distance, whose sum over a cycle is smallest for the identity.
+        let forward = ((j + self.n - i) % self.n) as f64;
+        cross + slow + 1.0 / cap.max(1e-9) + 1e-9 * forward
     }
 }
 

@@ -153,15 +153,24 @@ pub fn read(text: &str) -> Result<Topology> {
                     )))
                 }
                 "cpu" => {
-                    let numa: u32 = num(&a, "numaid", "cpu", pos)?.ok_or_else(|| {
+                    let id: i64 = num(&a, "numaid", "cpu", pos)?.ok_or_else(|| {
                         TopoError::Xml(format!("at byte {pos}: <cpu> without numaid"))
                     })?;
-                    if cpus.iter().any(|c| c.numa == numa) {
-                        return Err(TopoError::Xml(format!(
-                            "at byte {pos}: two <cpu numaid=\"{numa}\">"
-                        )));
-                    }
-                    let aff = a.get("affinity").cloned();
+                    // numaid="-1" (unknown): the first id not taken.
+                    let numa = match u32::try_from(id) {
+                        Ok(n) => {
+                            if cpus.iter().any(|c| c.numa == n) {
+                                return Err(TopoError::Xml(format!(
+                                    "at byte {pos}: two <cpu numaid=\"{n}\">"
+                                )));
+                            }
+                            n
+                        }
+                        Err(_) => (0u32..)
+                            .find(|n| !cpus.iter().any(|c| c.numa == *n))
+                            .unwrap_or(0),
+                    };
+                    let aff = a.get("affinity").map(|m| mask_to_cpulist(m));
                     cpus.push(CpuNode {
                         numa,
                         cpus: aff.as_deref().map(count_cpus),
@@ -403,6 +412,75 @@ fn pci_class(a: &Placed, b: &Placed, ca: &[usize], cb: &[usize], pcis: &[Pci]) -
     }
 }
 
+/// NCCL writes CPU affinity as a Linux cpumask (`0000ffff,ffffffff`: 32-bit hex groups, most
+/// significant first). Turns one into a list (`0-47`); anything that is not a mask is kept.
+pub fn mask_to_cpulist(mask: &str) -> String {
+    let m = mask.trim();
+    let groups: Vec<&str> = m.split(',').collect();
+    let is_mask = groups.len() <= 1024
+        && groups
+            .iter()
+            .all(|g| !g.is_empty() && g.len() <= 8 && g.bytes().all(|b| b.is_ascii_hexdigit()))
+        && (groups.len() > 1 || m.len() == 8 || m.bytes().any(|b| b.is_ascii_alphabetic()));
+    if !is_mask {
+        return m.to_string();
+    }
+    let mut cpus = Vec::new();
+    for (gi, g) in groups.iter().rev().enumerate() {
+        let v = u32::from_str_radix(g, 16).unwrap_or(0);
+        for bit in 0..32 {
+            if v & (1 << bit) != 0 {
+                cpus.push(gi as u32 * 32 + bit);
+            }
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            cpus[i].to_string()
+        } else {
+            format!("{}-{}", cpus[i], cpus[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+/// The reverse of [`mask_to_cpulist`]: `0-19,40-59` as a cpumask; kept as is when malformed.
+pub fn cpulist_to_mask(list: &str) -> String {
+    let mut cpus: Vec<u32> = Vec::new();
+    for part in list.trim().split(',') {
+        let range = match part.split_once('-') {
+            Some((a, b)) => a
+                .trim()
+                .parse::<u32>()
+                .ok()
+                .zip(b.trim().parse::<u32>().ok()),
+            None => part.trim().parse::<u32>().ok().map(|a| (a, a)),
+        };
+        match range {
+            Some((a, b)) if a <= b && b < 32 * 1024 => cpus.extend(a..=b),
+            _ => return list.to_string(),
+        }
+    }
+    let ngroups = cpus.iter().max().map_or(1, |m| m / 32 + 1) as usize;
+    let mut groups = vec![0u32; ngroups];
+    for c in cpus {
+        groups[(c / 32) as usize] |= 1 << (c % 32);
+    }
+    groups
+        .iter()
+        .rev()
+        .map(|g| format!("{g:08x}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -456,7 +534,7 @@ pub fn write(topo: &Topology) -> String {
             });
         let _ = write!(o, "  <cpu numaid=\"{}\"", s.numa);
         if let Some(a) = aff {
-            let _ = write!(o, " affinity=\"{}\"", esc(&a));
+            let _ = write!(o, " affinity=\"{}\"", esc(&cpulist_to_mask(&a)));
         }
         o.push_str(" arch=\"x86_64\">\n");
         for e in &s.children {

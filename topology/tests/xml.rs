@@ -105,6 +105,33 @@ fn reads_an_nccl_style_dump() {
     assert_eq!(t.nics[1].speed_gbit, Some(25.0));
     assert_eq!(t.cpus.len(), 2);
     assert_eq!(t.gpus[3].numa, Some(1));
+    // NCCL's cpumask affinity becomes a CPU list.
+    assert_eq!(t.cpus[0].cpulist.as_deref(), Some("0-15"));
+    assert_eq!(t.cpus[1].cpulist.as_deref(), Some("48-63"));
+    assert_eq!(t.cpus[1].cpus, Some(16));
+}
+
+#[test]
+fn cpumasks() {
+    use weftcc_topology::xml::{cpulist_to_mask, mask_to_cpulist};
+    assert_eq!(mask_to_cpulist("00000000,0000ffff"), "0-15");
+    assert_eq!(mask_to_cpulist("ffff0000,00000000"), "48-63");
+    assert_eq!(mask_to_cpulist("0000000f,00f00000"), "20-23,32-35");
+    assert_eq!(mask_to_cpulist("0-3"), "0-3");
+    assert_eq!(mask_to_cpulist("5"), "5");
+    assert_eq!(cpulist_to_mask("0-19,40-59"), "0fffff00,000fffff");
+    assert_eq!(cpulist_to_mask("0-63"), "ffffffff,ffffffff");
+    assert_eq!(cpulist_to_mask("x"), "x");
+    assert_eq!(cpulist_to_mask("5-2"), "5-2");
+    for l in ["0-19,40-59", "0-55,112-167", "3", "0,2,4-7"] {
+        assert_eq!(mask_to_cpulist(&cpulist_to_mask(l)), l);
+    }
+    // numaid="-1" is accepted.
+    let t = xml::read(
+        "<system><cpu numaid=\"-1\"><pci busid=\"1\"><gpu dev=\"0\"/></pci></cpu></system>",
+    )
+    .unwrap();
+    assert_eq!(t.cpus[0].numa, 0);
 }
 
 fn xml_err(s: &str) -> String {
