@@ -149,19 +149,51 @@ pub enum AllReduceAlgo {
     RecursiveDoubling,
 }
 
-impl FromStr for AllReduceAlgo {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<AllReduceAlgo> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(AllReduceAlgo::Auto),
-            "ring" => Ok(AllReduceAlgo::Ring),
-            "rd" | "recursive_doubling" | "recursive-doubling" => {
-                Ok(AllReduceAlgo::RecursiveDoubling)
+impl AllReduceAlgo {
+    /// Reads a `WEFT_ALGO` value in NCCL_ALGO's syntax: `ring`, `rd`, `ring,rd`, `^rd`,
+    /// `allreduce:ring;broadcast:...`. Entries for other collectives are ignored; algorithms the
+    /// communicator does not run yet (such as `tree`) leave the choice to `Auto` with a warning
+    /// rather than failing, so one value can serve weftcc and NCCL-era scripts.
+    pub fn from_spec(spec: &str) -> Result<AllReduceAlgo> {
+        let mut allowed: Option<(bool, bool)> = None; // (ring, rd)
+        for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+            let list = match entry.split_once(':') {
+                Some((coll, list)) => {
+                    let coll = coll.trim().to_ascii_lowercase().replace(['-', '_'], "");
+                    if coll != "allreduce" {
+                        continue;
+                    }
+                    list.trim()
+                }
+                None => entry,
+            };
+            let (exclude, list) = match list.strip_prefix('^') {
+                Some(rest) => (true, rest),
+                None => (false, list),
+            };
+            let mut named = (false, false);
+            for name in list.split(',').map(|n| n.trim().to_ascii_lowercase()) {
+                match name.as_str() {
+                    "ring" => named.0 = true,
+                    "rd" | "recursive_doubling" | "recursive-doubling" => named.1 = true,
+                    "" | "auto" | "default" => named = (true, true),
+                    "tree" | "collnet" | "collnet_direct" | "collnet_chain" | "nvls" | "nvls_tree" | "pat" => {
+                        tracing::warn!(target: "weftcc::tuning", algorithm = %name, "WEFT_ALGO names an algorithm this communicator does not run yet; ignored")
+                    }
+                    other => {
+                        return Err(Error::Config(format!(
+                            "WEFT_ALGO={spec:?}: unknown algorithm {other:?} (ring, rd, tree; ^ excludes)"
+                        )))
+                    }
+                }
             }
-            other => Err(Error::Config(format!(
-                "WEFT_ALGO={other:?}: expected ring, rd (recursive doubling) or auto"
-            ))),
+            allowed = Some(if exclude { (!named.0, !named.1) } else { named });
         }
+        Ok(match allowed {
+            Some((true, false)) => AllReduceAlgo::Ring,
+            Some((false, true)) => AllReduceAlgo::RecursiveDoubling,
+            _ => AllReduceAlgo::Auto,
+        })
     }
 }
 
@@ -197,7 +229,7 @@ impl CommConfig {
             host_id: weftcc_transports::mesh::host_id(),
             buffsize: size("WEFT_BUFFSIZE", 4 << 20)?,
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
-            algo: std::env::var("WEFT_ALGO").unwrap_or_default().parse()?,
+            algo: AllReduceAlgo::from_spec(&std::env::var("WEFT_ALGO").unwrap_or_default())?,
             rd_max_bytes: match std::env::var("WEFT_RD_MAX_BYTES") {
                 Ok(v) if !v.trim().is_empty() => parse_size(&v).ok_or_else(|| {
                     Error::Config(format!("WEFT_RD_MAX_BYTES={v:?} is not a size"))
@@ -1766,6 +1798,21 @@ mod tests {
         assert_eq!(id.to_string().parse::<UniqueId>().unwrap(), id);
         assert!("weft1@nohost#t".parse::<UniqueId>().is_err());
         assert!("x".parse::<UniqueId>().is_err());
+    }
+
+    #[test]
+    fn algorithm_specs_follow_nccl_syntax() {
+        let a = |s: &str| AllReduceAlgo::from_spec(s).unwrap();
+        assert_eq!(a(""), AllReduceAlgo::Auto);
+        assert_eq!(a("ring"), AllReduceAlgo::Ring);
+        assert_eq!(a("RD"), AllReduceAlgo::RecursiveDoubling);
+        assert_eq!(a("^rd"), AllReduceAlgo::Ring);
+        assert_eq!(a("^ring"), AllReduceAlgo::RecursiveDoubling);
+        assert_eq!(a("ring,rd"), AllReduceAlgo::Auto);
+        assert_eq!(a("allreduce:ring;broadcast:tree"), AllReduceAlgo::Ring);
+        assert_eq!(a("broadcast:ring"), AllReduceAlgo::Auto);
+        assert_eq!(a("tree"), AllReduceAlgo::Auto);
+        assert!(AllReduceAlgo::from_spec("bogus").is_err());
     }
 
     #[test]
