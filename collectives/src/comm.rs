@@ -1053,21 +1053,35 @@ impl Inner {
         }
         let local = !matches!(&e, Error::Aborted { by: Some(_), .. })
             && !matches!(&e, Error::PeerLost { detail, .. } if detail.starts_with("reported by"));
+        // A local abort() is its own root cause: poison at once, so neither the caller of
+        // abort() nor anyone waiting depends on how fast the store answers.
+        if matches!(&e, Error::Aborted { by: None, .. }) {
+            if self.poison_with(e.clone()) && self.size > 1 {
+                let _ = self.publish_or_adopt(e);
+            }
+            return;
+        }
         let e = if local && self.size > 1 {
             self.publish_or_adopt(e)
         } else {
             e
         };
+        self.poison_with(e);
+    }
+
+    /// Sets the poison if it is not set yet; returns whether this call set it.
+    fn poison_with(&self, e: Error) -> bool {
         {
             let mut slot = lock(&self.poison.error);
             if slot.is_some() {
-                return;
+                return false;
             }
             tracing::warn!(target: "weftcc::error", rank = self.rank, "{e}");
             *slot = Some(e);
             self.poison.set.store(true, Ordering::Release);
         }
         self.turn_cv.notify_all();
+        true
     }
 
     fn publish_or_adopt(&self, e: Error) -> Error {
