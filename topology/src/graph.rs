@@ -98,8 +98,13 @@ pub(crate) fn pci_tree(topo: &Topology) -> Vec<SocketTree> {
     out
 }
 
-/// True when every pair of GPUs is joined by the same NVLink count (an NVSwitch system), with at
-/// least 3 GPUs; returns the count.
+/// Most NVLinks one GPU has (H100: 18). More links than this to all peers together means the
+/// links go to an NVSwitch, not directly to each peer.
+pub(crate) const MAX_GPU_NVLINKS: u32 = 18;
+
+/// The NVLink count of an NVSwitch system: every pair of GPUs is joined by the same count `k`
+/// and either there are 8 or more GPUs or `k × (n-1)` exceeds what one GPU has (a direct
+/// all-to-all mesh of 4 GPUs with NV4 or NV6 is not a switch).
 pub(crate) fn nvswitch_links(topo: &Topology) -> Option<u32> {
     let n = topo.gpus.len();
     if n < 3 {
@@ -116,7 +121,8 @@ pub(crate) fn nvswitch_links(topo: &Topology) -> Option<u32> {
             }
         }
     }
-    Some(first)
+    let direct_links = u64::from(first) * (n as u64 - 1);
+    (n >= 8 || direct_links > u64::from(MAX_GPU_NVLINKS)).then_some(first)
 }
 
 pub(crate) fn derive(topo: &Topology, speeds: &LinkSpeeds) -> Graph {

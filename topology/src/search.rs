@@ -284,7 +284,9 @@ fn cycle_dfs(n: usize, allowed: &dyn Fn(usize, usize) -> Option<f64>) -> Option<
     go(n, allowed, &mut path, &mut used, &mut budget).then_some(path)
 }
 
-fn best_ring(cap: &Capacity) -> Option<Ring> {
+/// The ring with the largest bottleneck, or with `fixed`: the cheapest ring whose every hop
+/// can still carry `fixed` GB/s (its bottleneck is then reported as `fixed`).
+fn best_ring(cap: &Capacity, fixed: Option<f64>) -> Option<Ring> {
     let n = cap.n;
     if n == 0 {
         return None;
@@ -306,6 +308,9 @@ fn best_ring(cap: &Capacity) -> Option<Ring> {
         }
     }
     thresholds.sort_by(|a, b| b.total_cmp(a));
+    if let Some(f) = fixed {
+        thresholds = vec![f];
+    }
     for t in thresholds {
         let allowed = |i: usize, j: usize| -> Option<f64> {
             if i == j {
@@ -342,9 +347,36 @@ pub const MAX_CHANNELS: usize = 16;
 /// The rings through this host's GPUs (empty without GPUs).
 pub fn rings(topo: &Topology, speeds: &LinkSpeeds) -> RingPlan {
     let mut cap = Capacity::new(topo, speeds);
+    let greedy = plan_rings(&mut cap, None);
+    // With direct NVLinks left unused, rings at a fraction of the best bandwidth may fit more
+    // channels (4 GPUs in an NV4 mesh: 6 rings at 40 GB/s beat 2 at 80).
+    let nvlink_left = !cap.nvswitch && cap.nv_tx.iter().any(|&x| x > 1e-6);
+    let Some(b) = greedy.rings.first().map(|r| r.bottleneck_gbps) else {
+        return greedy;
+    };
+    if !nvlink_left || b <= 1e-9 || !greedy.rings[0].all_nvlink() {
+        return greedy;
+    }
+    let mut best = greedy;
+    for div in 1..=4 {
+        let mut c = Capacity::new(topo, speeds);
+        let p = plan_rings(&mut c, Some(b / f64::from(div)));
+        if p.total_gbps() > best.total_gbps() + 1e-6 {
+            best = p;
+        }
+    }
+    best
+}
+
+fn plan_rings(cap: &mut Capacity, fixed: Option<f64>) -> RingPlan {
     let mut plan = RingPlan::default();
     while plan.rings.len() < MAX_CHANNELS {
-        let Some(r) = best_ring(&cap) else { break };
+        let Some(mut r) = best_ring(cap, fixed) else {
+            break;
+        };
+        if let Some(f) = fixed {
+            r.bottleneck_gbps = r.bottleneck_gbps.min(f);
+        }
         if let Some(first) = plan.rings.first() {
             if r.bottleneck_gbps + 1e-9 < 0.5 * first.bottleneck_gbps {
                 break;

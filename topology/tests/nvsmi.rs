@@ -12,6 +12,7 @@ pub const FIXTURES: &[&str] = &[
     "dgx2_v100.txt",
     "dgx_a100.txt",
     "dgx_h100.txt",
+    "hgx_a100_4gpu.txt",
     "nvlink_bridged_pairs.txt",
     "nvlink_pairs8_dual_socket.txt",
     "pcie2_phb.txt",

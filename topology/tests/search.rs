@@ -178,3 +178,21 @@ fn rings_across_hosts_enter_and_leave_next_to_the_nics() {
     let order = network_order(&t, &plan.rings[0]);
     assert_ne!(t.gpu_path(order[3], order[0]), PathClass::NvLink(4));
 }
+
+#[test]
+fn direct_nvlink_mesh_gets_several_channels() {
+    // 4 GPUs, every pair NV4 directly (no NVSwitch): 12 links = 240 GB/s per GPU.
+    let t = load("hgx_a100_4gpu.txt");
+    let plan = rings(&t, &LinkSpeeds::default());
+    for r in &plan.rings {
+        assert_valid_ring(&t, &r.order);
+        assert!(r.all_nvlink());
+    }
+    // Two rings at 80 GB/s would leave the 0-2 and 1-3 bundles idle; six at 40 use them all.
+    assert!((plan.total_gbps() - 240.0).abs() < 1e-6, "{plan:?}");
+    let g = t.graph(&LinkSpeeds::default());
+    assert!(!g
+        .nodes
+        .iter()
+        .any(|n| matches!(n.kind, weftcc_topology::NodeKind::NvSwitch { .. })));
+}
