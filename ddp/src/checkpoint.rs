@@ -206,6 +206,15 @@ impl Checkpoint {
             // Makes the rename durable; not all file systems support fsync on directories.
             let _ = d.sync_all();
         }
+        // Temporary files of writers that died before their rename.
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                if name.starts_with(".ckpt-") && name.contains(".weft.tmp-") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         let mut all = list(dir)?;
         while all.len() > keep.max(1) {
             let (_, p) = all.remove(0);
@@ -289,11 +298,15 @@ mod tests {
     fn round_trip_atomic_keep_and_corruption() {
         let dir = std::env::temp_dir().join(format!("weft-ckpt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let stale = dir.join(".ckpt-0000000005.weft.tmp-1");
+        std::fs::write(&stale, b"torn").unwrap();
         for s in [10, 20, 30] {
             sample(s).save(&dir, 2).unwrap();
         }
         let l = list(&dir).unwrap();
         assert_eq!(l.iter().map(|x| x.0).collect::<Vec<_>>(), vec![20, 30]);
+        assert!(!stale.exists(), "stale temporary file removed");
         let c = newest(&dir).unwrap().unwrap();
         assert_eq!(c.meta, sample(30).meta);
         assert_eq!(c.to_bytes(), sample(30).to_bytes());
