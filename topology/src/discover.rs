@@ -111,7 +111,7 @@ pub fn cpus_from_sysfs(sysfs: &Path) -> Vec<CpuNode> {
                 (key == "MemTotal:")
                     .then(|| val.parse::<u64>().ok())
                     .flatten()
-                    .map(|kb| kb * 1024)
+                    .map(|kb| kb.saturating_mul(1024))
             })
         });
         out.push(CpuNode {

@@ -352,7 +352,7 @@ pub fn count_cpus(list: &str) -> u32 {
     list.split(',')
         .map(|part| match part.split_once('-') {
             Some((a, b)) => match (a.trim().parse::<u32>(), b.trim().parse::<u32>()) {
-                (Ok(a), Ok(b)) if b >= a => b - a + 1,
+                (Ok(a), Ok(b)) if b >= a => (b - a).saturating_add(1),
                 _ => 0,
             },
             None => u32::from(part.trim().parse::<u32>().is_ok()),
@@ -385,5 +385,7 @@ mod tests {
         assert_eq!(count_cpus("0-19,40-59"), 40);
         assert_eq!(count_cpus("3"), 1);
         assert_eq!(count_cpus("5-2"), 0);
+        assert_eq!(count_cpus("0-4294967295"), u32::MAX);
+        assert_eq!(count_cpus("0-4294967295,0-4294967295"), u32::MAX);
     }
 }

@@ -249,7 +249,7 @@ fn cycle_dfs(n: usize, allowed: &dyn Fn(usize, usize) -> Option<f64>) -> Option<
     let mut path = vec![0usize];
     let mut used = vec![false; n];
     used[0] = true;
-    let mut budget: u64 = 2_000_000;
+    let mut budget: u64 = 200_000;
     fn go(
         n: usize,
         allowed: &dyn Fn(usize, usize) -> Option<f64>,

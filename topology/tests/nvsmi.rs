@@ -185,3 +185,45 @@ fn garbage_never_panics() {
     let _ = nvsmi::parse(&"GPU0 ".repeat(5000));
     let _ = nvsmi::parse("\u{0}\u{1}\u{2}GPU0\u{ffff}");
 }
+
+#[test]
+fn hostile_values_do_not_overflow() {
+    let t = nvsmi::parse(
+        "GPU0 GPU1 CPU Affinity NUMA Affinity\nGPU0 X NV64 0-4294967295 4294967295\nGPU1 NV64 X 0 0\n",
+    )
+    .unwrap();
+    assert_eq!(
+        t.cpus.iter().map(|c| c.cpus.unwrap_or(0)).max(),
+        Some(u32::MAX)
+    );
+    let _ = weftcc_topology::search::rings(&t, &weftcc_topology::LinkSpeeds::default());
+    let r = weftcc_topology::report::build(&t, &Default::default());
+    let _ = weftcc_topology::report::render_text(&r);
+    let _ = weftcc_topology::xml::write(&t);
+    // A big all-NVLink host (beyond the exact search) stays fast.
+    let n = 64;
+    let mut text = String::new();
+    text += &(0..n)
+        .map(|i| format!("GPU{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    text.push('\n');
+    for i in 0..n {
+        text += &format!("GPU{i}");
+        for j in 0..n {
+            text += if i == j {
+                " X"
+            } else if (i + j) % 3 == 0 {
+                " NV2"
+            } else {
+                " SYS"
+            };
+        }
+        text.push('\n');
+    }
+    let t = nvsmi::parse(&text).unwrap();
+    let t0 = std::time::Instant::now();
+    let plan = weftcc_topology::search::rings(&t, &weftcc_topology::LinkSpeeds::default());
+    assert!(t0.elapsed().as_secs() < 20, "{:?}", t0.elapsed());
+    assert!(!plan.rings.is_empty());
+}
