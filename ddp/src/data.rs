@@ -61,6 +61,7 @@ impl Dataset {
 /// from `seed` (the same for the training and test split), unit noise. Learnable by a linear
 /// model to ≈ 90 % and by an MLP further; chance is 1/classes.
 pub fn synthetic(n: usize, dim: usize, classes: usize, seed: u64, split: u64) -> Dataset {
+    let n = if classes == 0 { 0 } else { n };
     let mut crng = Rng::new(seed, 0x5eed);
     let sep = 0.6;
     let centres: Vec<f64> = (0..classes * dim).map(|_| crng.normal() * sep).collect();
@@ -277,11 +278,15 @@ impl DistributedSampler {
         self.epoch = Some(epoch);
     }
 
-    /// This rank's indices for micro-batch `micro` of step `step` of the current epoch.
-    pub fn micro_batch(&self, step: usize, micro: usize) -> &[usize] {
+    /// This rank's indices for micro-batch `micro` of step `step` of the current epoch; `None`
+    /// past the end of the epoch or before [`Self::set_epoch`].
+    pub fn micro_batch(&self, step: usize, micro: usize) -> Option<&[usize]> {
+        if step >= self.steps_per_epoch() || micro >= self.accum || self.rank >= self.world {
+            return None;
+        }
         let start =
             step * self.global_batch() + (micro * self.world + self.rank) * self.per_rank_batch;
-        &self.perm[start..start + self.per_rank_batch]
+        self.perm.get(start..start + self.per_rank_batch)
     }
 }
 
@@ -299,7 +304,7 @@ mod tests {
             assert_eq!(s.steps_per_epoch(), 4);
             for step in 0..s.steps_per_epoch() {
                 for m in 0..2 {
-                    all.extend_from_slice(s.micro_batch(step, m));
+                    all.extend_from_slice(s.micro_batch(step, m).unwrap());
                 }
             }
         }
@@ -308,7 +313,7 @@ mod tests {
         let mut want = Vec::new();
         for st in 0..4 {
             for m in 0..2 {
-                want.extend_from_slice(single.micro_batch(st, m));
+                want.extend_from_slice(single.micro_batch(st, m).unwrap());
             }
         }
         all.sort();
@@ -320,6 +325,11 @@ mod tests {
         let mut e2 = single.clone();
         e2.set_epoch(2);
         assert_ne!(e2.micro_batch(0, 0), single.micro_batch(0, 0));
+        assert!(e2.micro_batch(4, 0).is_none());
+        assert!(e2.micro_batch(0, 2).is_none());
+        assert!(DistributedSampler::new(10, 1, 0, 2, 1, 0)
+            .micro_batch(0, 0)
+            .is_none());
     }
 
     #[test]

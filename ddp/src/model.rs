@@ -82,6 +82,35 @@ fn shape_err(e: ndarray::ShapeError) -> ReducerError {
     ReducerError::InvalidArgument(format!("tensor shape: {e}"))
 }
 
+/// Checks that a batch and the parameters fit the shape (user data must not cause a panic).
+fn check_inputs(
+    shape: &MlpShape,
+    params: &[Vec<f32>],
+    x: &[f32],
+    labels: &[u32],
+) -> Result<(), ReducerError> {
+    let bad = |m: String| Err(ReducerError::InvalidArgument(m));
+    if params.len() < 2 * shape.layers() {
+        return bad(format!(
+            "{} parameter tensors for a {}-layer network",
+            params.len(),
+            shape.layers()
+        ));
+    }
+    if Some(x.len()) != labels.len().checked_mul(shape.input) {
+        return bad(format!(
+            "{} features for {} samples of {}",
+            x.len(),
+            labels.len(),
+            shape.input
+        ));
+    }
+    if let Some(&y) = labels.iter().find(|&&y| y as usize >= shape.classes) {
+        return bad(format!("label {y} with {} classes", shape.classes));
+    }
+    Ok(())
+}
+
 /// Forward pass; returns the activations of every layer (input first, logits last).
 pub fn forward(
     shape: &MlpShape,
@@ -89,6 +118,13 @@ pub fn forward(
     x: &[f32],
     batch: usize,
 ) -> Result<Vec<Array2<f32>>, ReducerError> {
+    if params.len() < 2 * shape.layers() {
+        return Err(ReducerError::InvalidArgument(format!(
+            "{} parameter tensors for a {}-layer network",
+            params.len(),
+            shape.layers()
+        )));
+    }
     let d = shape.dims();
     let mut acts = Vec::with_capacity(d.len());
     acts.push(
@@ -118,8 +154,15 @@ pub fn loss_and_grad(
     logits: &Array2<f32>,
     labels: &[u32],
     scale: f32,
-) -> (BatchResult, Array2<f32>) {
+) -> Result<(BatchResult, Array2<f32>), ReducerError> {
     let batch = logits.nrows();
+    if labels.len() != batch || labels.iter().any(|&y| y as usize >= logits.ncols()) {
+        return Err(ReducerError::InvalidArgument(format!(
+            "{} labels (each < {}) for {batch} rows of logits",
+            labels.len(),
+            logits.ncols()
+        )));
+    }
     let mut g = logits.clone();
     let mut loss = 0.0f64;
     let mut correct = 0;
@@ -147,14 +190,14 @@ pub fn loss_and_grad(
         row.mapv_inplace(|e| e / sum * k);
         row[y] -= k;
     }
-    (
+    Ok((
         BatchResult {
-            loss: loss / batch as f64,
+            loss: loss / batch.max(1) as f64,
             correct,
             count: batch,
         },
         g,
-    )
+    ))
 }
 
 /// Forward and backward pass of one batch. Gradients are *added* to the reducer's gradient
@@ -169,10 +212,11 @@ pub fn forward_backward(
     scale: f32,
     reducer: &mut Reducer<'_>,
 ) -> Result<BatchResult, ReducerError> {
+    check_inputs(shape, params, x, labels)?;
     let batch = labels.len();
     let d = shape.dims();
     let acts = forward(shape, params, x, batch)?;
-    let (res, mut dz) = loss_and_grad(&acts[shape.layers()], labels, scale);
+    let (res, mut dz) = loss_and_grad(&acts[shape.layers()], labels, scale)?;
     for l in (0..shape.layers()).rev() {
         let (pw, pb) = (2 * l, 2 * l + 1);
         {
@@ -211,13 +255,15 @@ pub fn evaluate(
     labels: &[u32],
     batch: usize,
 ) -> Result<BatchResult, ReducerError> {
+    check_inputs(shape, params, x, labels)?;
     let mut total = BatchResult::default();
     let d = shape.input;
+    let batch = batch.max(1);
     let mut i = 0;
     while i < labels.len() {
         let n = batch.min(labels.len() - i);
         let acts = forward(shape, params, &x[i * d..(i + n) * d], n)?;
-        let (r, _) = loss_and_grad(&acts[shape.layers()], &labels[i..i + n], 1.0);
+        let (r, _) = loss_and_grad(&acts[shape.layers()], &labels[i..i + n], 1.0)?;
         total.loss += r.loss * n as f64;
         total.correct += r.correct;
         total.count += n;
@@ -227,4 +273,72 @@ pub fn evaluate(
         total.loss /= total.count as f64;
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reducer::ReducerConfig;
+    use weftcc_collectives::{Communicator, UniqueId};
+
+    fn one_rank() -> Communicator {
+        let id = UniqueId::new().unwrap();
+        Communicator::init(0, 1, &id).unwrap()
+    }
+
+    /// Backward agrees with finite differences of the forward loss.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let shape = MlpShape {
+            input: 5,
+            hidden: vec![7, 6],
+            classes: 3,
+            unused_param: false,
+        };
+        let mut rng = Rng::new(4, 0);
+        let params = shape.init(&mut rng);
+        let batch = 4;
+        let x: Vec<f32> = (0..batch * 5).map(|_| rng.normal() as f32).collect();
+        let y = vec![0u32, 2, 1, 2];
+        let comm = one_rank();
+        let mut red = Reducer::new(&comm, &shape.param_sizes(), ReducerConfig::default()).unwrap();
+        red.zero_grad().unwrap();
+        red.prepare_for_backward(true).unwrap();
+        forward_backward(&shape, &params, &x, &y, 1.0, &mut red).unwrap();
+        red.finish().unwrap();
+        let loss = |p: &[Vec<f32>]| evaluate(&shape, p, &x, &y, batch).unwrap().loss;
+        for (pi, tensor) in params.iter().enumerate() {
+            for k in [0, tensor.len() / 2, tensor.len() - 1] {
+                let h = 1e-2f32;
+                let mut plus = params.clone();
+                plus[pi][k] += h;
+                let mut minus = params.clone();
+                minus[pi][k] -= h;
+                let numeric = (loss(&plus) - loss(&minus)) / (2.0 * h as f64);
+                let analytic = red.grad(pi).unwrap()[k] as f64;
+                assert!(
+                    (numeric - analytic).abs() <= 2e-3 + 2e-2 * analytic.abs(),
+                    "param {pi}[{k}]: numeric {numeric} analytic {analytic}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let shape = MlpShape {
+            input: 2,
+            hidden: vec![3],
+            classes: 2,
+            unused_param: false,
+        };
+        let params = shape.init(&mut Rng::new(1, 1));
+        assert!(evaluate(&shape, &params, &[0.0; 4], &[0, 2], 8).is_err());
+        assert!(evaluate(&shape, &params, &[0.0; 3], &[0, 1], 8).is_err());
+        assert!(evaluate(&shape, &params[..1], &[0.0; 4], &[0, 1], 8).is_err());
+        assert!(forward(&shape, &params[..1], &[0.0; 4], 2).is_err());
+        assert!(evaluate(&shape, &params, &[0.0; 4], &[0, 1], 0).is_ok());
+        let logits = Array2::<f32>::zeros((2, 2));
+        assert!(loss_and_grad(&logits, &[0], 1.0).is_err());
+    }
 }

@@ -230,14 +230,14 @@ pub fn assign_buckets(
     let mut cur: Vec<usize> = Vec::new();
     let mut bytes = 0usize;
     for &p in order {
-        let b = sizes[p] * 4;
+        let b = sizes.get(p).copied().unwrap_or(0).saturating_mul(4);
         let limit = if out.is_empty() { first_cap } else { cap };
-        if !cur.is_empty() && bytes + b > limit {
+        if !cur.is_empty() && bytes.saturating_add(b) > limit {
             out.push(std::mem::take(&mut cur));
             bytes = 0;
         }
         cur.push(p);
-        bytes += b;
+        bytes = bytes.saturating_add(b);
     }
     if !cur.is_empty() {
         out.push(cur);

@@ -281,7 +281,9 @@ pub fn train(
             let t0 = Instant::now();
             reducer.zero_grad()?;
             for micro in 0..cfg.accum {
-                let idx = sampler.micro_batch(step_in_epoch as usize, micro);
+                let idx = sampler
+                    .micro_batch(step_in_epoch as usize, micro)
+                    .ok_or_else(|| TrainError::Config("sampler position out of range".into()))?;
                 train_set.gather(idx, &mut xb, &mut yb);
                 reducer.prepare_for_backward(micro + 1 == cfg.accum)?;
                 let r = model::forward_backward(&shape, &params, &xb, &yb, scale, &mut reducer)?;
