@@ -6,7 +6,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum TopoError {
     /// An `nvidia-smi topo -m` text could not be understood.
-    #[error("nvidia-smi topo -m, line {line}: {msg}")]
+    #[error("nvidia-smi topo -m{}: {msg}", line_part(.line))]
     NvidiaSmi {
         /// 1-based line number in the input (0 when the problem is not tied to one line).
         line: usize,
@@ -34,6 +34,14 @@ pub enum TopoError {
     /// JSON (calibration files) could not be read or written.
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),
+}
+
+fn line_part(line: &usize) -> String {
+    if *line > 0 {
+        format!(", line {line}")
+    } else {
+        String::new()
+    }
 }
 
 impl TopoError {

@@ -668,9 +668,13 @@ impl<T: FromStr<Err = TopoError> + PartialEq + Copy> Selection<T> {
     /// Reads and parses an environment variable (unset or empty: no restriction).
     pub fn from_env(var: &str) -> Result<Selection<T>> {
         match std::env::var(var) {
-            Ok(v) => {
-                Selection::parse(&v).map_err(|e| TopoError::Tuner(format!("{var}={v:?}: {e}")))
-            }
+            Ok(v) => Selection::parse(&v).map_err(|e| {
+                let msg = match e {
+                    TopoError::Tuner(m) => m,
+                    other => other.to_string(),
+                };
+                TopoError::Tuner(format!("{var}={v:?}: {msg}"))
+            }),
             Err(_) => Ok(Selection::default()),
         }
     }

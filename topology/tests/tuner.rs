@@ -234,3 +234,17 @@ fn calibration_from_perf_rows_reproduces_them() {
     }])
     .is_err());
 }
+
+#[test]
+fn env_errors_name_the_variable() {
+    // A variable name no other test uses.
+    std::env::set_var("WEFT_TOPO_TEST_ALGO", "ring,bogus");
+    let e = Selection::<Algorithm>::from_env("WEFT_TOPO_TEST_ALGO").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "tuner: WEFT_TOPO_TEST_ALGO=\"ring,bogus\": unknown algorithm \"bogus\" (ring, tree, rd)"
+    );
+    assert!(Selection::<Algorithm>::from_env("WEFT_TOPO_TEST_UNSET")
+        .unwrap()
+        .is_unrestricted());
+}
