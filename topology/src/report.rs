@@ -78,8 +78,11 @@ pub struct Report {
     pub speeds: LinkSpeeds,
     /// Rings through the host's GPUs.
     pub rings: RingPlan,
-    /// Chain through the host's GPUs used by tree algorithms.
+    /// Chain through the host's GPUs used by tree algorithms (its first GPU is the one next
+    /// to the network).
     pub chain: Vec<usize>,
+    /// Slowest hop of the chain, GB/s (0 with fewer than 2 GPUs).
+    pub chain_gbps: f64,
     /// The host's part of a ring through several hosts: from the GPU receiving from the
     /// previous host to the one sending to the next (the first ring opened next to the NICs).
     pub host_ring: Vec<usize>,
@@ -223,12 +226,21 @@ pub fn warnings(topo: &Topology, opts: &ReportOptions, ranks_per_host: usize) ->
 /// Builds the report.
 pub fn build(topo: &Topology, opts: &ReportOptions) -> Report {
     let plan = rings(topo, &opts.speeds);
-    let chain = host_chain(&plan, topo.gpus.len());
     let host_ring = plan
         .rings
         .first()
         .map(|r| network_order(topo, r))
         .unwrap_or_default();
+    let chain = if host_ring.is_empty() {
+        host_chain(&plan, topo.gpus.len())
+    } else {
+        host_ring.clone()
+    };
+    let chain_gbps = chain
+        .windows(2)
+        .map(|w| opts.speeds.bandwidth(topo.gpu_path(w[0], w[1])))
+        .fold(None, |m: Option<f64>, b| Some(m.map_or(b, |x| x.min(b))))
+        .unwrap_or(0.0);
     let nhosts = opts.nhosts.max(1);
     let rph = opts
         .ranks_per_host
@@ -260,6 +272,7 @@ pub fn build(topo: &Topology, opts: &ReportOptions) -> Report {
         speeds: opts.speeds,
         rings: plan,
         chain,
+        chain_gbps,
         host_ring,
         nhosts,
         ranks_per_host: rph,
@@ -417,7 +430,16 @@ pub fn render_text(r: &Report) -> String {
             .iter()
             .map(|&g| t.gpus.get(g).map_or(g, |x| x.index as usize).to_string())
             .collect();
-        let _ = writeln!(o, "tree chain inside the host: {}", chain.join(" - "));
+        if chain.len() > 1 {
+            let _ = writeln!(
+                o,
+                "tree chain inside the host: {}   slowest hop {:.1} GB/s",
+                chain.join(" - "),
+                r.chain_gbps
+            );
+        } else {
+            let _ = writeln!(o, "tree chain inside the host: {}", chain.join(" - "));
+        }
     }
     if r.nhosts > 1 && r.host_ring.len() > 1 {
         let part: Vec<String> = r
@@ -442,6 +464,17 @@ pub fn render_text(r: &Report) -> String {
         );
     }
     if r.nhosts > 1 {
+        let net = r.model.net_gbps;
+        let tree_bw = if r.chain.len() > 1 {
+            r.chain_gbps.min(net)
+        } else {
+            net
+        };
+        let _ = writeln!(
+            o,
+            "trees: 2, each carrying half the data; bottleneck {tree_bw:.1} GB/s (chain inside \
+             the host and network {net:.1} GB/s)"
+        );
         for (k, tree) in r.trees.iter().enumerate() {
             let edges: Vec<String> = (0..tree.parent.len())
                 .filter_map(|h| tree.parent[h].map(|p| format!("{h}->{p}")))

@@ -81,6 +81,8 @@ fn renderings() {
         "socket crossings 0",
         "tree 1 across 4 hosts",
         "ring across 4 hosts",
+        "slowest hop 40.0 GB/s",
+        "trees: 2, each carrying half the data",
         "allreduce",
         "busbw",
     ] {
