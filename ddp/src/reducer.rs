@@ -139,27 +139,32 @@ impl StepTimings {
     }
 }
 
+/// A launched bucket: the all-reduce handle, and for the compression hooks the f32 bucket
+/// memory that the result is cast back into.
 enum InFlight {
     F32(Handle<Vec<f32>>),
-    Bf16(Handle<Vec<bf16>>),
-    F16(Handle<Vec<f16>>),
-}
-
-enum Returned {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
+    Bf16(Handle<Vec<bf16>>, Vec<f32>),
+    F16(Handle<Vec<f16>>, Vec<f32>),
 }
 
 /// A finished bucket, as reported by the watcher thread.
 struct Done {
     bucket: usize,
-    result: std::result::Result<Returned, weftcc_collectives::Error>,
+    result: std::result::Result<Vec<f32>, weftcc_collectives::Error>,
+    /// When the all-reduce ended (before any cast back).
     at: Instant,
 }
 
+fn cast_back<T: Copy>(mut out: Vec<f32>, c: &[T], f: impl Fn(T) -> f32) -> Vec<f32> {
+    for (o, &v) in out.iter_mut().zip(c) {
+        *o = f(v);
+    }
+    out
+}
+
 /// The watcher thread waits for each launched bucket (in launch order, which is the order the
-/// communicator runs them) and sends the buffer back with its completion time.
+/// communicator runs them), casts compressed results back to f32 (off the training thread), and
+/// sends the buffer back with its completion time.
 type Watcher = (mpsc::Sender<(usize, InFlight)>, mpsc::Receiver<Done>);
 
 fn spawn_watcher() -> Result<Watcher> {
@@ -169,12 +174,19 @@ fn spawn_watcher() -> Result<Watcher> {
         .name("weft-ddp-watch".into())
         .spawn(move || {
             for (bucket, inf) in jobs_rx {
-                let result = match inf {
-                    InFlight::F32(h) => h.wait().map(Returned::F32),
-                    InFlight::Bf16(h) => h.wait().map(Returned::Bf16),
-                    InFlight::F16(h) => h.wait().map(Returned::F16),
+                let (result, at) = match inf {
+                    InFlight::F32(h) => (h.wait(), Instant::now()),
+                    InFlight::Bf16(h, out) => {
+                        let r = h.wait();
+                        let at = Instant::now();
+                        (r.map(|c| cast_back(out, &c, bf16::to_f32)), at)
+                    }
+                    InFlight::F16(h, out) => {
+                        let r = h.wait();
+                        let at = Instant::now();
+                        (r.map(|c| cast_back(out, &c, f16::to_f32)), at)
+                    }
                 };
-                let at = Instant::now();
                 if done_tx.send(Done { bucket, result, at }).is_err() {
                     break;
                 }
@@ -553,29 +565,21 @@ impl<'c> Reducer<'c> {
         let comm = self.comm;
         let hook = self.cfg.hook;
         let b = &mut self.buckets[bi];
+        let data = b
+            .data
+            .take()
+            .ok_or_else(|| ReducerError::Broken("bucket memory lost".into()))?;
         let inflight = match hook {
             CommHook::Average => {
-                let data = b
-                    .data
-                    .take()
-                    .ok_or_else(|| ReducerError::Broken("bucket memory lost".into()))?;
                 InFlight::F32(comm.all_reduce_async::<f32, _>(data, ReduceOp::Avg))
             }
             CommHook::Bf16Compress => {
-                let d = b
-                    .data
-                    .as_ref()
-                    .ok_or_else(|| ReducerError::Broken("bucket memory lost".into()))?;
-                let c: Vec<bf16> = d.iter().map(|&x| bf16::from_f32(x / n)).collect();
-                InFlight::Bf16(comm.all_reduce_async::<bf16, _>(c, ReduceOp::Sum))
+                let c: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x / n)).collect();
+                InFlight::Bf16(comm.all_reduce_async::<bf16, _>(c, ReduceOp::Sum), data)
             }
             CommHook::Fp16Compress => {
-                let d = b
-                    .data
-                    .as_ref()
-                    .ok_or_else(|| ReducerError::Broken("bucket memory lost".into()))?;
-                let c: Vec<f16> = d.iter().map(|&x| f16::from_f32(x / n)).collect();
-                InFlight::F16(comm.all_reduce_async::<f16, _>(c, ReduceOp::Sum))
+                let c: Vec<f16> = data.iter().map(|&x| f16::from_f32(x / n)).collect();
+                InFlight::F16(comm.all_reduce_async::<f16, _>(c, ReduceOp::Sum), data)
             }
         };
         b.inflight = true;
@@ -658,18 +662,12 @@ impl<'c> Reducer<'c> {
             };
             b.inflight = false;
             b.done_at = Some(done.at);
-            let r: Result<()> = match done.result {
-                Ok(Returned::F32(d)) => {
-                    b.data = Some(d);
-                    Ok(())
+            match done.result {
+                Ok(d) => b.data = Some(d),
+                Err(e) => {
+                    b.data = None;
+                    first_err.get_or_insert(e.into());
                 }
-                Ok(Returned::Bf16(c)) => decompress(&mut b.data, c.iter().map(|x| x.to_f32())),
-                Ok(Returned::F16(c)) => decompress(&mut b.data, c.iter().map(|x| x.to_f32())),
-                Err(e) => Err(e.into()),
-            };
-            if let Err(e) = r {
-                b.data = None;
-                first_err.get_or_insert(e);
             }
         }
         match first_err {
@@ -700,16 +698,6 @@ impl<'c> Reducer<'c> {
         self.rebuilt = true;
         Ok(())
     }
-}
-
-fn decompress(data: &mut Option<Vec<f32>>, vals: impl Iterator<Item = f32>) -> Result<()> {
-    let d = data
-        .as_mut()
-        .ok_or_else(|| ReducerError::Broken("bucket memory lost".into()))?;
-    for (x, v) in d.iter_mut().zip(vals) {
-        *x = v;
-    }
-    Ok(())
 }
 
 fn validate_permutation(order: &[usize], n: usize) -> std::result::Result<(), String> {
