@@ -77,6 +77,22 @@ fn input<T: Val>(rank: usize, i: usize, op: ReduceOp) -> i128 {
     }
 }
 
+/// `input` repeats with this period in the index: 11 values, times product factors (period 2)
+/// and signs (period 3). Checked by `inputs_repeat_with_their_period`.
+const PERIOD: usize = 66;
+
+#[test]
+fn inputs_repeat_with_their_period() {
+    for op in OPS {
+        for r in 0..8 {
+            for i in 0..500 {
+                assert_eq!(input::<i32>(r, i, op), input::<i32>(r, i + PERIOD, op));
+                assert_eq!(input::<u8>(r, i, op), input::<u8>(r, i + PERIOD, op));
+            }
+        }
+    }
+}
+
 fn pattern<T: Val>(rank: usize, len: usize, op: ReduceOp) -> Vec<T> {
     (0..len)
         .map(|i| T::from_i128_wrapping(input::<T>(rank, i, op)))
@@ -85,17 +101,22 @@ fn pattern<T: Val>(rank: usize, len: usize, op: ReduceOp) -> Vec<T> {
 
 const PREMUL: f64 = 2.0;
 
-/// The reduction of element `i` of every rank's input, computed exactly then cast to T.
+/// The reduction of element `i` of every rank's input, computed exactly then cast to T
+/// (without allocating: the large cases check millions of elements).
 fn reduced<T: Val>(n: usize, i: usize, op: ReduceOp) -> T {
-    let vals: Vec<i128> = (0..n).map(|r| input::<T>(r, i, op)).collect();
+    let vals = (0..n).map(|r| input::<T>(r, i, op));
     match op {
-        ReduceOp::Sum => T::from_i128_wrapping(vals.iter().sum()),
-        ReduceOp::Prod => T::from_i128_wrapping(vals.iter().product()),
-        ReduceOp::Min => T::from_i128_wrapping(*vals.iter().min().unwrap()),
-        ReduceOp::Max => T::from_i128_wrapping(*vals.iter().max().unwrap()),
-        ReduceOp::PreMulSum(s) => T::from_f64(vals.iter().map(|&v| v as f64 * s).sum::<f64>()),
+        ReduceOp::Sum => T::from_i128_wrapping(vals.sum()),
+        ReduceOp::Prod => T::from_i128_wrapping(vals.product()),
+        ReduceOp::Min => T::from_i128_wrapping(vals.min().unwrap_or(0)),
+        ReduceOp::Max => T::from_i128_wrapping(vals.max().unwrap_or(0)),
+        ReduceOp::PreMulSum(s) if T::INT => {
+            // Each rank's scaled value is exact (s is integral); the sum wraps in the type.
+            T::from_i128_wrapping(vals.map(|v| (v as f64 * s).round() as i128).sum())
+        }
+        ReduceOp::PreMulSum(s) => T::from_f64(vals.map(|v| v as f64 * s).sum::<f64>()),
         ReduceOp::Avg => {
-            let sum: i128 = vals.iter().sum();
+            let sum: i128 = vals.sum();
             if T::INT {
                 // Integer average: the wrapped sum, divided with truncation (as C does).
                 let wrapped = T::from_i128_wrapping(sum).to_f64() as i128;
@@ -216,10 +237,22 @@ fn run_case<T: Val>(
     if let Err(e) = result {
         return fail(format!("error {e}"));
     }
+    // The inputs repeat every PERIOD elements, so the expected values come from small tables and
+    // checking millions of elements costs a memory scan.
+    let red_tab: Vec<T> = (0..PERIOD).map(|i| reduced::<T>(n, i, op)).collect();
+    let in_tab: Vec<Vec<T>> = (0..n)
+        .map(|r| {
+            (0..PERIOD)
+                .map(|i| T::from_i128_wrapping(input::<T>(r, i, op)))
+                .collect()
+        })
+        .collect();
+    let red = |i: usize| red_tab[i % PERIOD];
+    let inv = |r: usize, i: usize| in_tab[r][i % PERIOD];
     let want = |i: usize| -> T {
         match c {
-            Coll::AllReduce => reduced::<T>(n, i, op),
-            Coll::Reduce if rank == root => reduced::<T>(n, i, op),
+            Coll::AllReduce => red(i),
+            Coll::Reduce if rank == root => red(i),
             Coll::Reduce => {
                 if in_place {
                     inp[i]
@@ -227,27 +260,25 @@ fn run_case<T: Val>(
                     sentinel
                 }
             }
-            Coll::Broadcast => T::from_i128_wrapping(input::<T>(root, i, op)),
-            Coll::AllGather => {
-                T::from_i128_wrapping(input::<T>(i / count.max(1), i % count.max(1), op))
-            }
+            Coll::Broadcast => inv(root, i),
+            Coll::AllGather => inv(i / count.max(1), i % count.max(1)),
             Coll::ReduceScatter => {
                 if in_place {
                     let block = rank * count;
                     if (block..block + count).contains(&i) {
-                        reduced::<T>(n, i, op)
+                        red(i)
                     } else {
                         out[i] // outside the result block: unspecified, as in NCCL
                     }
                 } else {
-                    reduced::<T>(n, rank * count + i, op)
+                    red(rank * count + i)
                 }
             }
             Coll::AllToAll => {
                 let (from, k) = (i / count.max(1), i % count.max(1));
-                T::from_i128_wrapping(input::<T>(from, rank * count + k, op))
+                inv(from, rank * count + k)
             }
-            Coll::SendRecv => T::from_i128_wrapping(input::<T>((rank + n - 1) % n, i, op)),
+            Coll::SendRecv => inv((rank + n - 1) % n, i),
         }
     };
     for (i, &got) in out.iter().enumerate() {

@@ -36,7 +36,7 @@ pub const DEFAULT_SLICE_BYTES: usize = 256 * 1024;
 /// How often the watcher thread re-polls the store for a job-wide abort.
 const WATCH_PERIOD: Duration = Duration::from_millis(100);
 /// Longest a failure report waits on the store.
-const ALARM_TIMEOUT: Duration = Duration::from_secs(2);
+const ALARM_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a program passes between ranks to form a communicator: the rendezvous address where
 /// rank 0 serves the bootstrap store, and a random job token. Printable and parseable
@@ -400,10 +400,12 @@ impl Communicator {
             timeout: config.timeout,
             buffsize: config.buffsize,
         };
-        let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
+        // Every store connection first: the mesh's closing barrier then guarantees that all ranks
+        // hold theirs before any rank can return (and rank 0 drop the store).
         let watch_client =
             StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
         let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
+        let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
         let inner = Arc::new(Inner {
             rank,
             size: nranks,
