@@ -199,18 +199,11 @@ fn sigstop_of_a_rank_becomes_a_timeout_on_the_others() {
     let job = start(n, &[("WEFT_TIMEOUT", "1.5")]);
     wait_ready(&job, n);
     let victim = 1;
-    let pid = job.children[victim].id() as i32;
-    // SAFETY-free: signals through the kill(1) command to keep this test crate safe code.
+    let pid = nix::unistd::Pid::from_raw(job.children[victim].id() as i32);
     let stopped = Instant::now();
-    assert!(Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
     let errors = collect_errors(&job, &[0, 2], stopped, Duration::from_secs(4));
-    let _ = Command::new("kill")
-        .args(["-CONT", &pid.to_string()])
-        .status();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
     let mut timeouts = 0;
     for (rank, after, line) in errors {
         assert!(
