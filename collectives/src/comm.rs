@@ -10,7 +10,7 @@
 //! an error on all ranks within a fraction of a second instead of a hang.
 
 use crate::dtype::{DataType, Element};
-use crate::engine::{self, Area, Backoff, Context, Layout, Placement};
+use crate::engine::{self, Area, Backoff, Context, Layout, Placement, Prepared, Workspace};
 use crate::env::{self, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::header::{OpDesc, NO_ROOT};
@@ -19,6 +19,7 @@ use crate::reduce;
 use crate::schedule::{self, Action, BufId, Region, Schedule, Step};
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -117,7 +118,8 @@ fn random_token() -> std::result::Result<String, TransportError> {
 /// Settings of a communicator. [`CommConfig::from_env`] reads the `WEFT_*` variables.
 #[derive(Debug, Clone)]
 pub struct CommConfig {
-    /// Per-operation timeout (`WEFT_TIMEOUT` seconds, default 600).
+    /// How long an operation may go without progress before it fails with `Error::Timeout`
+    /// (`WEFT_TIMEOUT` seconds, default 600).
     pub timeout: Duration,
     /// Force TCP between ranks of one host (`WEFT_SHM_DISABLE=1`).
     pub shm_disable: bool,
@@ -298,6 +300,9 @@ struct Turn {
 struct State {
     mesh: Mesh,
     scratch: Vec<u64>,
+    /// Prepared schedules of recent distinct calls (a training loop repeats the same few).
+    schedules: HashMap<ScheduleKey, Prepared, BuildHasherDefault<KeyHasher>>,
+    workspace: Workspace,
     coll_seq: u64,
     send_seq: Vec<u64>,
     recv_seq: Vec<u64>,
@@ -424,6 +429,8 @@ impl Communicator {
             state: Mutex::new(State {
                 mesh,
                 scratch: Vec::new(),
+                schedules: HashMap::default(),
+                workspace: Workspace::default(),
                 coll_seq: 0,
                 send_seq: vec![0; nranks],
                 recv_seq: vec![0; nranks],
@@ -1299,36 +1306,51 @@ impl Inner {
         st.coll_seq += 1;
         let seq = st.coll_seq;
         *lock(&self.current) = (call.kind, seq);
-        let sched = match call.kind {
-            OpKind::AllReduce => {
-                let bytes = count.saturating_mul(call.dtype.size());
-                let rd = match self.config.algo {
-                    AllReduceAlgo::Ring => false,
-                    AllReduceAlgo::RecursiveDoubling => true,
-                    AllReduceAlgo::Auto => bytes <= self.config.rd_max_bytes,
-                };
-                if rd {
+        let use_rd = |bytes: usize| match self.config.algo {
+            AllReduceAlgo::Ring => false,
+            AllReduceAlgo::RecursiveDoubling => true,
+            AllReduceAlgo::Auto => bytes <= self.config.rd_max_bytes,
+        };
+        let key = ScheduleKey {
+            kind: call.kind,
+            count,
+            slice,
+            root: if call.has_root() { call.root } else { 0 },
+            in_place: plan.in_place && call.kind == OpKind::AllToAll,
+            algo: match call.kind {
+                OpKind::AllReduce if use_rd(count.saturating_mul(call.dtype.size())) => 1,
+                _ => 0,
+            },
+        };
+        if !st.schedules.contains_key(&key) {
+            let sched = match call.kind {
+                OpKind::AllReduce if key.algo == 1 => {
                     schedule::recursive_doubling_all_reduce(r, n, count, slice)
-                } else {
-                    schedule::ring_all_reduce(r, n, count, slice)
+                }
+                OpKind::AllReduce => schedule::ring_all_reduce(r, n, count, slice),
+                OpKind::Reduce => schedule::chain_reduce(r, n, call.root, count, slice),
+                OpKind::Broadcast => schedule::chain_broadcast(r, n, call.root, count, slice),
+                OpKind::AllGather => schedule::ring_all_gather(r, n, count, slice),
+                OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
+                OpKind::AllToAll => {
+                    schedule::pairwise_all_to_all(r, n, count, slice, plan.in_place)
+                }
+                OpKind::Barrier => schedule::dissemination_barrier(r, n),
+                OpKind::SendRecv => {
+                    return Err(self.invalid(call.kind, "point-to-point through execute_raw".into()))
                 }
             }
-            OpKind::Reduce => schedule::chain_reduce(r, n, call.root, count, slice),
-            OpKind::Broadcast => schedule::chain_broadcast(r, n, call.root, count, slice),
-            OpKind::AllGather => schedule::ring_all_gather(r, n, count, slice),
-            OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
-            OpKind::AllToAll => schedule::pairwise_all_to_all(r, n, count, slice, plan.in_place),
-            OpKind::Barrier => schedule::dissemination_barrier(r, n),
-            OpKind::SendRecv => {
-                return Err(self.invalid(call.kind, "point-to-point through execute_raw".into()))
+            .map_err(|e| Error::Internal {
+                rank: r,
+                op: call.kind,
+                seq,
+                reason: e.to_string(),
+            })?;
+            if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
+                st.schedules.clear();
             }
+            st.schedules.insert(key, Prepared::new(sched));
         }
-        .map_err(|e| Error::Internal {
-            rank: r,
-            op: call.kind,
-            seq,
-            reason: e.to_string(),
-        })?;
         let desc = OpDesc {
             kind: call.kind,
             seq,
@@ -1372,51 +1394,72 @@ impl Inner {
             _ => None,
         };
 
-        let scratch_bytes = sched.scratch_elems * call.dtype.size();
-        if st.scratch.len() * 8 < scratch_bytes {
-            st.scratch.resize(scratch_bytes.div_ceil(8), 0);
+        let State {
+            mesh,
+            scratch,
+            schedules,
+            workspace,
+            ..
+        } = st;
+        let prepared = schedules
+            .get(&key)
+            .ok_or_else(|| internal("schedule cache".into()))?;
+        let scratch_bytes = prepared.schedule().scratch_elems * call.dtype.size();
+        if scratch.len() * 8 < scratch_bytes {
+            scratch.resize(scratch_bytes.div_ceil(8), 0);
         }
-        let State { mesh, scratch, .. } = st;
         let scratch_area: &mut [u8] =
             &mut bytemuck::cast_slice_mut(scratch.as_mut_slice())[..scratch_bytes];
-        let mut areas: Vec<Area<'_>> = Vec::with_capacity(3);
-        areas.push(Area::ReadWrite(recv));
-        areas.push(Area::ReadWrite(scratch_area));
-        let scratch_place = Placement {
-            area: 1,
-            byte_offset: 0,
-        };
-        let output = Placement {
-            area: 0,
-            byte_offset: plan.output_offset,
-        };
-        let input = if let Some(tmp) = scaled.as_ref() {
-            areas.push(Area::ReadOnly(
+        // Areas: 0 the receive buffer, 1 scratch, 2 the send buffer (or the scaled input).
+        let (input_area, input) = match (scaled.as_ref(), send) {
+            (Some(tmp), _) => (
                 &bytemuck::cast_slice(tmp.as_slice())[..plan.input_len],
-            ));
-            Placement {
-                area: 2,
-                byte_offset: 0,
-            }
-        } else if let Some(s) = send {
-            areas.push(Area::ReadOnly(s));
-            Placement {
-                area: 2,
-                byte_offset: 0,
-            }
-        } else {
-            Placement {
-                area: 0,
-                byte_offset: plan.input_offset,
-            }
+                Placement {
+                    area: 2,
+                    byte_offset: 0,
+                },
+            ),
+            (None, Some(s)) => (
+                s,
+                Placement {
+                    area: 2,
+                    byte_offset: 0,
+                },
+            ),
+            (None, None) => (
+                &[][..],
+                Placement {
+                    area: 0,
+                    byte_offset: plan.input_offset,
+                },
+            ),
         };
+        let mut areas = [
+            Area::ReadWrite(recv),
+            Area::ReadWrite(scratch_area),
+            Area::ReadOnly(input_area),
+        ];
         let layout = Layout::Fixed {
             input,
-            output,
-            scratch: scratch_place,
+            output: Placement {
+                area: 0,
+                byte_offset: plan.output_offset,
+            },
+            scratch: Placement {
+                area: 1,
+                byte_offset: 0,
+            },
         };
         self.execute(
-            mesh, call.kind, desc, call.dtype, call.op, &sched, &layout, &mut areas,
+            mesh,
+            desc,
+            call.dtype,
+            call.op,
+            prepared,
+            &layout,
+            &mut areas,
+            &[],
+            workspace,
         )?;
 
         // Avg: divide the reduced result once, where a result was written.
@@ -1441,30 +1484,30 @@ impl Inner {
     fn execute(
         &self,
         mesh: &mut Mesh,
-        kind: OpKind,
         desc: OpDesc,
         dtype: DataType,
         op: ReduceOp,
-        sched: &Schedule,
+        prepared: &Prepared,
         layout: &Layout,
         areas: &mut [Area<'_>],
+        headers: &[(usize, OpDesc, OpDesc)],
+        workspace: &mut Workspace,
     ) -> Result<()> {
-        let timeout = self.timeout();
         let poisoned = || self.poisoned();
         let ctx = Context {
             rank: self.rank,
             desc,
             dtype,
             combiner: op.combiner(),
-            deadline: Instant::now() + timeout,
-            timeout,
+            timeout: self.timeout(),
             abort: &self.abort,
             backoff: self.config.backoff,
             poisoned: &poisoned,
         };
-        let _ = kind;
         let (conns, waiter) = mesh.parts();
-        engine::execute(&ctx, sched, layout, areas, conns, waiter)
+        engine::execute_prepared(
+            &ctx, prepared, layout, areas, conns, waiter, headers, workspace,
+        )
     }
 
     /// Runs grouped sends and receives as one operation.
@@ -1535,8 +1578,6 @@ impl Inner {
         let layout = Layout::Concatenated { inputs, outputs };
         // One header per peer and direction: the pair's message sequence number, total bytes and
         // a fingerprint of the message sizes, so mismatched sends and receives are detected.
-        let timeout = self.timeout();
-        let poisoned = || self.poisoned();
         let desc_for = |seq: u64, sizes: &[usize]| OpDesc {
             kind: OpKind::SendRecv,
             seq,
@@ -1582,21 +1623,63 @@ impl Inner {
         }
         let first_seq = headers.first().map(|h| h.1.seq).unwrap_or(0);
         *lock(&self.current) = (OpKind::SendRecv, first_seq);
-        let ctx = Context {
-            rank: self.rank,
-            desc: desc_for(first_seq, &[]),
-            dtype: DataType::Uint8,
-            combiner: crate::op::Combiner::Sum,
-            deadline: Instant::now() + timeout,
-            timeout,
-            abort: &self.abort,
-            backoff: self.config.backoff,
-            poisoned: &poisoned,
-        };
-        let (conns, waiter) = st.mesh.parts();
-        engine::execute_with_headers(&ctx, &sched, &layout, &mut areas, conns, waiter, &headers)
+        let prepared = Prepared::new(sched);
+        let State {
+            mesh, workspace, ..
+        } = st;
+        self.execute(
+            mesh,
+            desc_for(first_seq, &[]),
+            DataType::Uint8,
+            ReduceOp::Sum,
+            &prepared,
+            &layout,
+            &mut areas,
+            &headers,
+            workspace,
+        )
     }
 }
+
+/// What makes two calls' schedules identical (rank and size are fixed per communicator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ScheduleKey {
+    kind: OpKind,
+    count: usize,
+    slice: usize,
+    root: usize,
+    in_place: bool,
+    /// Which algorithm (0 = the collective's default, 1 = recursive doubling).
+    algo: u8,
+}
+
+/// A fast hasher for [`ScheduleKey`] (SipHash's flood resistance buys nothing for keys that
+/// are this rank's own calls, and cost a tenth of a small operation).
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+}
+
+/// Bound on cached schedules: a sweep over many sizes must not grow memory without limit.
+const SCHEDULE_CACHE_ENTRIES: usize = 64;
 
 fn meta_push(meta: &mut Vec<(usize, Vec<usize>)>, peer: usize, len: usize) {
     match meta.iter_mut().find(|(p, _)| *p == peer) {

@@ -116,7 +116,6 @@ pub struct Context<'a> {
     pub desc: OpDesc,
     pub dtype: DataType,
     pub combiner: Combiner,
-    pub deadline: Instant,
     pub timeout: Duration,
     pub abort: &'a AtomicBool,
     /// How long to spin, then to yield the CPU, after the last progress before sleeping.
@@ -172,50 +171,137 @@ impl Context<'_> {
     }
 }
 
-/// Progress of the header exchange or of one message on a connection.
+/// A schedule prepared for execution: its steps grouped per peer and direction. Built once per
+/// distinct call and cached by the communicator, so that a repeated call allocates nothing.
+#[derive(Debug)]
+pub struct Prepared {
+    schedule: Schedule,
+    /// Step indices grouped by lane and direction; each lane's cursors walk a range of it.
+    order: Vec<usize>,
+    lanes: Vec<Lane>,
+    /// Local copy steps, in schedule order.
+    copies: Vec<usize>,
+}
+
+/// The steps exchanged with one peer: `order[send]` go to it, `order[recv]` come from it.
+#[derive(Debug, Clone)]
+struct Lane {
+    peer: usize,
+    send: std::ops::Range<usize>,
+    recv: std::ops::Range<usize>,
+}
+
+impl Prepared {
+    /// Groups `schedule`'s steps by peer and direction.
+    pub fn new(schedule: Schedule) -> Prepared {
+        let mut peers: Vec<usize> = Vec::new();
+        let mut add = |p: usize| {
+            if !peers.contains(&p) {
+                peers.push(p);
+            }
+        };
+        for &p in schedule.send_peers.iter().chain(&schedule.recv_peers) {
+            add(p);
+        }
+        for step in &schedule.steps {
+            match step.action {
+                Action::Send { peer, .. }
+                | Action::RecvCopy { peer, .. }
+                | Action::RecvReduce { peer, .. } => add(peer),
+                Action::Copy { .. } => {}
+            }
+        }
+        // Per lane and direction, the steps in schedule order (a small counting sort).
+        let lane_of = |p: usize| peers.iter().position(|&q| q == p).unwrap_or(0);
+        let mut buckets: Vec<Vec<usize>> = vec![Vec::new(); 2 * peers.len()];
+        let mut copies = Vec::new();
+        for (i, step) in schedule.steps.iter().enumerate() {
+            match step.action {
+                Action::Send { peer, .. } => buckets[2 * lane_of(peer)].push(i),
+                Action::RecvCopy { peer, .. } | Action::RecvReduce { peer, .. } => {
+                    buckets[2 * lane_of(peer) + 1].push(i)
+                }
+                Action::Copy { .. } => copies.push(i),
+            }
+        }
+        let mut order = Vec::with_capacity(schedule.steps.len());
+        let mut lanes = Vec::with_capacity(peers.len());
+        for (k, &peer) in peers.iter().enumerate() {
+            let s0 = order.len();
+            order.extend_from_slice(&buckets[2 * k]);
+            let r0 = order.len();
+            order.extend_from_slice(&buckets[2 * k + 1]);
+            lanes.push(Lane {
+                peer,
+                send: s0..r0,
+                recv: r0..order.len(),
+            });
+        }
+        Prepared {
+            schedule,
+            order,
+            lanes,
+            copies,
+        }
+    }
+
+    /// The schedule this was prepared from.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+}
+
+/// Memory the engine reuses from one operation to the next (kept by the communicator).
+#[derive(Default)]
+pub struct Workspace {
+    places: Vec<[(usize, usize, usize); 2]>,
+    done: Vec<bool>,
+    cursors: Vec<[Cursor; 2]>,
+    interest: Vec<Interest>,
+    /// Header and first message of a connection, sent in one write.
+    stage: Vec<u8>,
+}
+
+/// Progress of the header exchange and of the messages in one direction of one lane.
+#[derive(Clone)]
 struct Cursor {
-    /// Steps of this direction, in schedule order.
-    steps: Vec<usize>,
-    /// Index into `steps` of the step in progress.
+    /// Index into [`Prepared::order`] of the step in progress, and one past the lane's last.
     next: usize,
+    end: usize,
     /// Bytes of the current message (data, then padding) already moved.
     moved: usize,
     header_done: bool,
     header_moved: usize,
     header: [u8; HEADER_LEN],
     /// The header this rank expects from the peer (receive side).
-    expect: Option<OpDesc>,
+    expect: OpDesc,
 }
 
-impl Default for Cursor {
-    fn default() -> Self {
+impl Cursor {
+    fn new(range: &std::ops::Range<usize>, expect: OpDesc) -> Cursor {
         Cursor {
-            steps: Vec::new(),
-            next: 0,
+            next: range.start,
+            end: range.end,
             moved: 0,
             header_done: false,
             header_moved: 0,
             header: [0; HEADER_LEN],
-            expect: None,
+            expect,
         }
     }
-}
 
-impl Cursor {
     fn pending(&self) -> bool {
-        !self.header_done || self.next < self.steps.len()
+        !self.header_done || self.next < self.end
     }
-}
-
-struct PeerState {
-    peer: usize,
-    send: Option<Cursor>,
-    recv: Option<Cursor>,
 }
 
 fn padded(bytes: usize) -> usize {
     bytes.div_ceil(8) * 8
 }
+
+/// Largest first message sent in the same write as the header (small operations then cost one
+/// transport message per direction).
+const COALESCE_MAX: usize = 4096;
 
 /// Runs `schedule` to completion (or error) over `conns`, with `ctx.desc` as the header on
 /// every connection.
@@ -227,24 +313,40 @@ pub fn execute(
     conns: &mut [Option<Box<dyn Connection>>],
     waiter: &mut dyn IdleWaiter,
 ) -> Result<()> {
-    execute_with_headers(ctx, schedule, layout, areas, conns, waiter, &[])
+    let prepared = Prepared::new(schedule.clone());
+    let mut ws = Workspace::default();
+    execute_prepared(ctx, &prepared, layout, areas, conns, waiter, &[], &mut ws)
 }
 
-/// [`execute`] with per-peer headers: `(peer, header sent to it, header expected from it)`.
-/// Peers not listed use `ctx.desc` both ways (point-to-point groups differ per peer).
-pub fn execute_with_headers(
+/// Runs a prepared schedule with per-peer headers: `(peer, header sent to it, header expected
+/// from it)`. Peers not listed use `ctx.desc` both ways (point-to-point groups differ per peer).
+///
+/// `ctx.timeout` bounds how long the operation may go without progress: it counts from the
+/// moment nothing moved, restarts whenever something does, and an operation that never has to
+/// wait never reads the clock.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_prepared(
     ctx: &Context<'_>,
-    schedule: &Schedule,
+    prepared: &Prepared,
     layout: &Layout,
     areas: &mut [Area<'_>],
     conns: &mut [Option<Box<dyn Connection>>],
     waiter: &mut dyn IdleWaiter,
     headers: &[(usize, OpDesc, OpDesc)],
+    ws: &mut Workspace,
 ) -> Result<()> {
     let esize = ctx.dtype.size();
-    let steps = &schedule.steps;
+    let steps = &prepared.schedule.steps;
+    let order = &prepared.order;
+    let Workspace {
+        places,
+        done,
+        cursors,
+        interest,
+        stage,
+    } = ws;
     // Resolve every region once, validating bounds, so the loop below cannot go out of range.
-    let mut places: Vec<[(usize, usize, usize); 2]> = Vec::with_capacity(steps.len());
+    places.clear();
     let resolve = |r: &Region| -> Result<(usize, usize, usize)> {
         let (area, off) = layout
             .place(r, esize)
@@ -268,86 +370,40 @@ pub fn execute_with_headers(
         places.push(p);
     }
 
-    // Per-peer cursors.
-    let mut peers: Vec<PeerState> = Vec::new();
-    let index_of = |peers: &mut Vec<PeerState>, peer: usize| -> usize {
-        match peers.iter().position(|p| p.peer == peer) {
-            Some(i) => i,
-            None => {
-                peers.push(PeerState {
-                    peer,
-                    send: None,
-                    recv: None,
-                });
-                peers.len() - 1
-            }
-        }
-    };
-    for &p in schedule.send_peers.iter().chain(&schedule.recv_peers) {
-        index_of(&mut peers, p);
-    }
-    let mut copies = Vec::new();
-    for (i, step) in steps.iter().enumerate() {
-        match step.action {
-            Action::Send { peer, .. } => {
-                let k = index_of(&mut peers, peer);
-                peers[k]
-                    .send
-                    .get_or_insert_with(Cursor::default)
-                    .steps
-                    .push(i);
-            }
-            Action::RecvCopy { peer, .. } | Action::RecvReduce { peer, .. } => {
-                let k = index_of(&mut peers, peer);
-                peers[k]
-                    .recv
-                    .get_or_insert_with(Cursor::default)
-                    .steps
-                    .push(i);
-            }
-            Action::Copy { .. } => copies.push(i),
-        }
-    }
     // Headers flow both ways on every connection the operation uses, even where data flows one
     // way: a broadcast root then hears from its successor, so a root or kind mismatch is seen
     // by both sides instead of leaving stray bytes for the next operation.
-    for p in peers.iter_mut() {
-        p.send.get_or_insert_with(Cursor::default);
-        p.recv.get_or_insert_with(Cursor::default);
-    }
-    for p in &peers {
-        if p.peer == ctx.rank || conns.get(p.peer).is_none_or(|c| c.is_none()) {
-            return Err(ctx.internal(format!("no connection to rank {}", p.peer)));
+    cursors.clear();
+    for lane in &prepared.lanes {
+        if lane.peer == ctx.rank || conns.get(lane.peer).is_none_or(|c| c.is_none()) {
+            return Err(ctx.internal(format!("no connection to rank {}", lane.peer)));
         }
-    }
-    for p in peers.iter_mut() {
         let (out, expect) = headers
             .iter()
-            .find(|h| h.0 == p.peer)
+            .find(|h| h.0 == lane.peer)
             .map(|h| (h.1, h.2))
             .unwrap_or((ctx.desc, ctx.desc));
-        if let Some(c) = p.send.as_mut() {
-            c.header = out.encode(ctx.rank as u32);
-        }
-        if let Some(c) = p.recv.as_mut() {
-            c.expect = Some(expect);
-        }
+        let mut send = Cursor::new(&lane.send, out);
+        send.header = out.encode(ctx.rank as u32);
+        cursors.push([send, Cursor::new(&lane.recv, expect)]);
     }
 
-    let mut done = vec![false; steps.len()];
+    done.clear();
+    done.resize(steps.len(), false);
     let ready = |done: &[bool], i: usize| steps[i].deps.iter().all(|&d| done.get(d) == Some(&true));
+    let copies = &prepared.copies;
     let mut copies_left = copies.len();
     let mut idle_since: Option<Instant> = None;
-    let mut last_liveness = Instant::now();
-    let mut interest: Vec<Interest> = Vec::with_capacity(peers.len());
+    let mut deadline: Option<Instant> = None;
+    let mut last_liveness: Option<Instant> = None;
 
     loop {
         let mut progressed = false;
 
         // Local copies whose inputs are final.
         if copies_left > 0 {
-            for &i in &copies {
-                if !done[i] && ready(&done, i) {
+            for &i in copies {
+                if !done[i] && ready(done, i) {
                     let [(da, doff, len), (sa, soff, _)] = places[i];
                     copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
                     done[i] = true;
@@ -358,27 +414,29 @@ pub fn execute_with_headers(
         }
 
         let mut pending = copies_left > 0;
-        for p in peers.iter_mut() {
-            let conn = match conns.get_mut(p.peer).and_then(|c| c.as_mut()) {
+        for (lane, [send, recv]) in prepared.lanes.iter().zip(cursors.iter_mut()) {
+            let conn = match conns.get_mut(lane.peer).and_then(|c| c.as_mut()) {
                 Some(c) => c,
-                None => return Err(ctx.internal(format!("no connection to rank {}", p.peer))),
+                None => return Err(ctx.internal(format!("no connection to rank {}", lane.peer))),
             };
-            if let Some(cur) = p.send.as_mut() {
-                progressed |=
-                    pump_sends(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
-                pending |= cur.pending();
-            }
-            if let Some(cur) = p.recv.as_mut() {
-                progressed |=
-                    pump_recvs(ctx, cur, conn.as_mut(), steps, &places, areas, &mut done)?;
-                pending |= cur.pending();
-            }
+            let mut io = Io {
+                ctx,
+                conn: conn.as_mut(),
+                steps,
+                order,
+                places,
+                done,
+            };
+            progressed |= pump_sends(&mut io, send, areas, stage)?;
+            progressed |= pump_recvs(&mut io, recv, areas)?;
+            pending |= send.pending() || recv.pending();
         }
         if !pending {
             return Ok(());
         }
         if progressed {
             idle_since = None;
+            deadline = None;
             continue;
         }
 
@@ -390,14 +448,14 @@ pub fn execute_with_headers(
             return Err(e);
         }
         let now = Instant::now();
-        if now >= ctx.deadline {
-            let mut waiting_on: Vec<usize> = peers
+        let deadline = *deadline.get_or_insert(now + ctx.timeout);
+        if now >= deadline {
+            let mut waiting_on: Vec<usize> = prepared
+                .lanes
                 .iter()
-                .filter(|p| {
-                    p.send.as_ref().is_some_and(Cursor::pending)
-                        || p.recv.as_ref().is_some_and(Cursor::pending)
-                })
-                .map(|p| p.peer)
+                .zip(cursors.iter())
+                .filter(|(_, [s, r])| s.pending() || r.pending())
+                .map(|(lane, _)| lane.peer)
                 .collect();
             waiting_on.sort_unstable();
             return Err(Error::Timeout {
@@ -417,67 +475,116 @@ pub fn execute_with_headers(
             std::thread::yield_now();
             continue;
         }
-        if now.duration_since(last_liveness) >= LIVENESS_PERIOD {
-            last_liveness = now;
-            for p in &peers {
-                let waiting = p.send.as_ref().is_some_and(Cursor::pending)
-                    || p.recv.as_ref().is_some_and(Cursor::pending);
-                if let (true, Some(Some(conn))) = (waiting, conns.get_mut(p.peer)) {
-                    conn.check_peer().map_err(|e| ctx.transport(p.peer, e))?;
+        if now.duration_since(*last_liveness.get_or_insert(now)) >= LIVENESS_PERIOD {
+            last_liveness = Some(now);
+            for (lane, [s, r]) in prepared.lanes.iter().zip(cursors.iter()) {
+                if let (true, Some(Some(conn))) =
+                    (s.pending() || r.pending(), conns.get_mut(lane.peer))
+                {
+                    conn.check_peer().map_err(|e| ctx.transport(lane.peer, e))?;
                 }
             }
         }
         interest.clear();
-        interest.extend(peers.iter().filter_map(|p| {
-            let send = p.send.as_ref().is_some_and(Cursor::pending);
-            let recv = p.recv.as_ref().is_some_and(Cursor::pending);
-            (send || recv).then_some(Interest {
-                peer: p.peer,
-                recv,
-                send,
-            })
-        }));
-        let sleep = ctx.deadline.saturating_duration_since(now).min(MAX_SLEEP);
+        interest.extend(
+            prepared
+                .lanes
+                .iter()
+                .zip(cursors.iter())
+                .filter_map(|(lane, [s, r])| {
+                    (s.pending() || r.pending()).then_some(Interest {
+                        peer: lane.peer,
+                        recv: r.pending(),
+                        send: s.pending(),
+                    })
+                }),
+        );
+        let sleep = deadline.saturating_duration_since(now).min(MAX_SLEEP);
         waiter
-            .wait(&interest, sleep)
+            .wait(interest, sleep)
             .map_err(|e| ctx.transport(ctx.rank, e))?;
+    }
+}
+
+/// What the pumps of one connection share.
+struct Io<'x, 'c> {
+    ctx: &'x Context<'c>,
+    conn: &'x mut dyn Connection,
+    steps: &'x [crate::schedule::Step],
+    order: &'x [usize],
+    places: &'x [[(usize, usize, usize); 2]],
+    done: &'x mut [bool],
+}
+
+impl Io<'_, '_> {
+    fn ready(&self, i: usize) -> bool {
+        self.steps[i]
+            .deps
+            .iter()
+            .all(|&d| self.done.get(d) == Some(&true))
     }
 }
 
 /// Pushes the header and then every send step whose dependencies are met, until the connection
 /// is full. Returns whether any byte moved.
 fn pump_sends(
-    ctx: &Context<'_>,
+    io: &mut Io<'_, '_>,
     cur: &mut Cursor,
-    conn: &mut dyn Connection,
-    steps: &[crate::schedule::Step],
-    places: &[[(usize, usize, usize); 2]],
     areas: &[Area<'_>],
-    done: &mut [bool],
+    stage: &mut Vec<u8>,
 ) -> Result<bool> {
-    let peer = conn.peer();
+    let ctx = io.ctx;
+    let peer = io.conn.peer();
     let mut progressed = false;
     if !cur.header_done {
-        let n = conn
-            .try_send(&cur.header[cur.header_moved..])
-            .map_err(|e| ctx.transport(peer, e))?;
-        cur.header_moved += n;
-        progressed |= n > 0;
-        if cur.header_moved < HEADER_LEN {
-            return Ok(progressed);
+        // A small first message that is ready goes out in the same write as the header.
+        let first = io.order[cur.next..cur.end]
+            .first()
+            .copied()
+            .filter(|&i| cur.header_moved == 0 && io.ready(i));
+        match first.map(|i| (i, io.places[i][0])) {
+            Some((_, (area, off, len))) if padded(len) <= COALESCE_MAX => {
+                stage.clear();
+                stage.extend_from_slice(&cur.header);
+                stage.extend_from_slice(&areas[area].bytes()[off..off + len]);
+                stage.resize(HEADER_LEN + padded(len), 0);
+                let n = io
+                    .conn
+                    .try_send(stage)
+                    .map_err(|e| ctx.transport(peer, e))?;
+                progressed |= n > 0;
+                if n < HEADER_LEN {
+                    cur.header_moved = n;
+                    return Ok(progressed);
+                }
+                cur.header_done = true;
+                cur.moved = n - HEADER_LEN;
+            }
+            _ => {
+                let n = io
+                    .conn
+                    .try_send(&cur.header[cur.header_moved..])
+                    .map_err(|e| ctx.transport(peer, e))?;
+                cur.header_moved += n;
+                progressed |= n > 0;
+                if cur.header_moved < HEADER_LEN {
+                    return Ok(progressed);
+                }
+                cur.header_done = true;
+            }
         }
-        cur.header_done = true;
     }
     const ZEROS: [u8; 8] = [0; 8];
-    while let Some(&i) = cur.steps.get(cur.next) {
-        if !steps[i].deps.iter().all(|&d| done.get(d) == Some(&true)) {
+    while cur.next < cur.end {
+        let i = io.order[cur.next];
+        if !io.ready(i) {
             break;
         }
-        let (area, off, len) = places[i][0];
+        let (area, off, len) = io.places[i][0];
         let total = padded(len);
         if cur.moved < len {
             let src = &areas[area].bytes()[off + cur.moved..off + len];
-            let n = conn.try_send(src).map_err(|e| ctx.transport(peer, e))?;
+            let n = io.conn.try_send(src).map_err(|e| ctx.transport(peer, e))?;
             cur.moved += n;
             progressed |= n > 0;
             if cur.moved < len {
@@ -485,7 +592,8 @@ fn pump_sends(
             }
         }
         if cur.moved < total {
-            let n = conn
+            let n = io
+                .conn
                 .try_send(&ZEROS[..total - cur.moved])
                 .map_err(|e| ctx.transport(peer, e))?;
             cur.moved += n;
@@ -494,7 +602,7 @@ fn pump_sends(
                 break;
             }
         }
-        done[i] = true;
+        io.done[i] = true;
         cur.next += 1;
         cur.moved = 0;
         progressed = true;
@@ -502,20 +610,97 @@ fn pump_sends(
     Ok(progressed)
 }
 
-/// Pulls the header and then the data of every receive step whose dependencies are met.
-fn pump_recvs(
+/// Copies or reduces `incoming` into receive step `i`'s destination at byte `at`.
+fn deliver(
     ctx: &Context<'_>,
-    cur: &mut Cursor,
-    conn: &mut dyn Connection,
-    steps: &[crate::schedule::Step],
-    places: &[[(usize, usize, usize); 2]],
+    step: &crate::schedule::Step,
+    place: [(usize, usize, usize); 2],
     areas: &mut [Area<'_>],
-    done: &mut [bool],
-) -> Result<bool> {
-    let peer = conn.peer();
+    at: usize,
+    incoming: &[u8],
+) -> std::result::Result<(), String> {
+    let [(da, doff, _), (la, loff, _)] = place;
+    match step.action {
+        Action::RecvReduce { .. } => reduce_from(
+            areas,
+            ctx.dtype,
+            ctx.combiner,
+            (da, doff + at),
+            (la, loff + at),
+            incoming,
+        ),
+        _ => match &mut areas[da] {
+            Area::ReadWrite(b) => {
+                b[doff + at..doff + at + incoming.len()].copy_from_slice(incoming);
+                Ok(())
+            }
+            Area::ReadOnly(_) => Err("receive into read-only memory".into()),
+        },
+    }
+}
+
+/// Pulls the header and then the data of every receive step whose dependencies are met.
+fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> Result<bool> {
+    let ctx = io.ctx;
+    let peer = io.conn.peer();
+    let esize = ctx.dtype.size();
     let mut progressed = false;
+    if !cur.header_done && cur.header_moved == 0 {
+        // Header and a small first message in one read, when both are there in one piece.
+        let first = io.order[cur.next..cur.end]
+            .first()
+            .copied()
+            .filter(|&i| io.ready(i) && padded(io.places[i][0].2) <= COALESCE_MAX);
+        if let Some(i) = first {
+            let (step, place) = (&io.steps[i], io.places[i]);
+            let len = place[0].2;
+            let total = padded(len);
+            let mut failure: Option<Error> = None;
+            let mut moved = 0usize;
+            let header = &mut cur.header;
+            let expect = cur.expect;
+            let mut take = |src: &[u8]| -> usize {
+                if src.len() < HEADER_LEN {
+                    return 0; // the plain path below takes a partial header
+                }
+                header.copy_from_slice(&src[..HEADER_LEN]);
+                if let Err(e) = check_header(ctx, peer, header, &expect) {
+                    failure = Some(e);
+                    return HEADER_LEN;
+                }
+                let data = &src[HEADER_LEN..];
+                let n = data.len().min(len) / esize * esize;
+                if n > 0 {
+                    if let Err(e) = deliver(ctx, step, place, areas, 0, &data[..n]) {
+                        failure = Some(ctx.internal(e));
+                        return HEADER_LEN;
+                    }
+                }
+                moved = if n == len {
+                    len + (data.len() - len).min(total - len)
+                } else {
+                    n
+                };
+                HEADER_LEN + moved
+            };
+            let n = io
+                .conn
+                .try_recv(HEADER_LEN + total, &mut take)
+                .map_err(|e| ctx.transport(peer, e))?;
+            if let Some(e) = failure {
+                return Err(e);
+            }
+            if n > 0 {
+                cur.header_done = true;
+                cur.header_moved = HEADER_LEN;
+                cur.moved = moved;
+                progressed = true;
+            }
+        }
+    }
     if !cur.header_done {
-        let n = conn
+        let n = io
+            .conn
             .try_recv_into(&mut cur.header[cur.header_moved..])
             .map_err(|e| ctx.transport(peer, e))?;
         cur.header_moved += n;
@@ -524,52 +709,31 @@ fn pump_recvs(
             return Ok(progressed);
         }
         cur.header_done = true;
-        check_header(ctx, peer, &cur.header, &cur.expect.unwrap_or(ctx.desc))?;
+        check_header(ctx, peer, &cur.header, &cur.expect)?;
     }
-    let esize = ctx.dtype.size();
-    while let Some(&i) = cur.steps.get(cur.next) {
-        if !steps[i].deps.iter().all(|&d| done.get(d) == Some(&true)) {
+    while cur.next < cur.end {
+        let i = io.order[cur.next];
+        if !io.ready(i) {
             break;
         }
-        let [(da, doff, len), (la, loff, _)] = places[i];
-        let reduce_with = match steps[i].action {
-            Action::RecvReduce { .. } => Some((la, loff)),
-            _ => None,
-        };
+        let [(da, doff, len), _] = io.places[i];
+        let reduce = matches!(io.steps[i].action, Action::RecvReduce { .. });
         let total = padded(len);
         while cur.moved < len {
             let at = cur.moved;
-            let mut failure: Option<String> = None;
-            let n = match reduce_with {
-                None => {
-                    // Copy: receive straight into the destination.
-                    let dst = match &mut areas[da] {
-                        Area::ReadWrite(b) => &mut b[doff + at..doff + len],
-                        Area::ReadOnly(_) => {
-                            return Err(ctx.internal("receive into read-only memory".into()))
-                        }
-                    };
-                    conn.try_recv_into(dst)
-                        .map_err(|e| ctx.transport(peer, e))?
-                }
-                Some((la, loff)) => {
-                    let dtype = ctx.dtype;
-                    let comb = ctx.combiner;
-                    let want = len - at;
-                    conn.try_recv(want, &mut |src: &[u8]| {
+            let n = if reduce {
+                let mut failure: Option<String> = None;
+                let want = len - at;
+                let (step, place) = (&io.steps[i], io.places[i]);
+                let n = io
+                    .conn
+                    .try_recv(want, &mut |src: &[u8]| {
                         // Whole elements only; a partial element stays in the transport.
                         let n = src.len().min(want) / esize * esize;
                         if n == 0 {
                             return 0;
                         }
-                        match reduce_from(
-                            areas,
-                            dtype,
-                            comb,
-                            (da, doff + at),
-                            (la, loff + at),
-                            &src[..n],
-                        ) {
+                        match deliver(ctx, step, place, areas, at, &src[..n]) {
                             Ok(()) => n,
                             Err(e) => {
                                 failure = Some(e);
@@ -577,12 +741,23 @@ fn pump_recvs(
                             }
                         }
                     })
-                    .map_err(|e| ctx.transport(peer, e))?
+                    .map_err(|e| ctx.transport(peer, e))?;
+                if let Some(e) = failure {
+                    return Err(ctx.internal(e));
                 }
+                n
+            } else {
+                // Copy: receive straight into the destination.
+                let dst = match &mut areas[da] {
+                    Area::ReadWrite(b) => &mut b[doff + at..doff + len],
+                    Area::ReadOnly(_) => {
+                        return Err(ctx.internal("receive into read-only memory".into()))
+                    }
+                };
+                io.conn
+                    .try_recv_into(dst)
+                    .map_err(|e| ctx.transport(peer, e))?
             };
-            if let Some(e) = failure {
-                return Err(ctx.internal(e));
-            }
             if n == 0 {
                 return Ok(progressed);
             }
@@ -591,7 +766,8 @@ fn pump_recvs(
         }
         while cur.moved < total {
             let want = total - cur.moved;
-            let n = conn
+            let n = io
+                .conn
                 .try_recv(want, &mut |src: &[u8]| src.len().min(want))
                 .map_err(|e| ctx.transport(peer, e))?;
             if n == 0 {
@@ -600,7 +776,7 @@ fn pump_recvs(
             cur.moved += n;
             progressed = true;
         }
-        done[i] = true;
+        io.done[i] = true;
         cur.next += 1;
         cur.moved = 0;
         progressed = true;

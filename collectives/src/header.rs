@@ -8,7 +8,7 @@ use std::fmt;
 /// Size of an encoded header. A multiple of 8 so the data after it stays 8-byte aligned.
 pub const HEADER_LEN: usize = 64;
 const MAGIC: [u8; 4] = *b"WFOP";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Root value meaning "no root".
 pub const NO_ROOT: u32 = u32::MAX;
 
@@ -39,7 +39,7 @@ impl OpDesc {
         b[16..24].copy_from_slice(&self.count.to_le_bytes());
         b[24..28].copy_from_slice(&self.root.to_le_bytes());
         b[28..32].copy_from_slice(&sender.to_le_bytes());
-        let sum = checksum(&b[..60]);
+        let sum = checksum(&b);
         b[60..64].copy_from_slice(&sum.to_le_bytes());
         b
     }
@@ -53,7 +53,7 @@ impl OpDesc {
             return Err(HeaderError::Version(b[4]));
         }
         let sum = u32::from_le_bytes([b[60], b[61], b[62], b[63]]);
-        if sum != checksum(&b[..60]) {
+        if sum != checksum(b) || b[32..60].iter().any(|&x| x != 0) {
             return Err(HeaderError::Checksum);
         }
         let kind = OpKind::from_code(b[5]).ok_or(HeaderError::Field("kind", b[5]))?;
@@ -78,10 +78,19 @@ impl OpDesc {
     }
 }
 
-/// FNV-1a over the header's fields: catches a stream that is out of step (bytes of data read as
-/// a header) rather than deliberate forgery.
-fn checksum(bytes: &[u8]) -> u32 {
-    fnv1a32(bytes.iter().copied())
+/// A hash of the header's 32 bytes of fields, a 64-bit word at a time (bytes 32..60 must be
+/// zero, and are checked as such): catches a stream that is out of step (bytes of data read as a
+/// header) rather than deliberate forgery. Each round is a bijection of the running state, so a
+/// change in any one word always changes the 64-bit state.
+fn checksum(b: &[u8; HEADER_LEN]) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in b[..32].chunks_exact(8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(w);
+        h = (h ^ u64::from_le_bytes(word)).wrapping_mul(0x0000_0100_0000_01b3);
+        h ^= h >> 29;
+    }
+    (h ^ (h >> 32)) as u32
 }
 
 /// 32-bit FNV-1a: a cheap, stable hash for checksums and fingerprints (not for security).
