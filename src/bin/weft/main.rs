@@ -3,7 +3,8 @@
 //! * `weft run`: a torchrun-compatible launcher that starts one worker process per local rank,
 //!   forwards their output with a `[rank]: ` prefix and stops (or restarts) the job when a worker
 //!   fails.
-//! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives.
+//! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives (`--plot` draws them,
+//!   `--baseline` overlays a peer's curve converted by `weft baseline-json`).
 
 mod perf;
 mod run;
@@ -30,6 +31,8 @@ enum Command {
     Run(run::RunArgs),
     /// Benchmark a collective, printing nccl-tests-compatible tables.
     Perf(perf::PerfArgs),
+    /// Convert baseline.sh or nccl-tests output into JSON for `weft perf --baseline`.
+    BaselineJson(perf::baseline::BaselineArgs),
     /// Show the machine's topology, the rings and trees chosen, predictions and warnings.
     Topo(topo::TopoArgs),
     /// Train the reference MLP data-parallel (DDP reducer, checkpoints, resume).
@@ -41,6 +44,7 @@ fn main() {
     let code = match cli.command {
         Command::Run(args) => run::main(args),
         Command::Perf(args) => perf::main(args),
+        Command::BaselineJson(args) => perf::baseline::main(args),
         Command::Topo(args) => topo::main(args),
         Command::Train(args) => train::main(args),
     };

@@ -11,6 +11,8 @@ use weftcc::{Communicator, DataType, Element, Error, ReduceOp};
 
 use crate::run::Launch;
 
+pub mod baseline;
+pub mod plot;
 pub mod spec;
 
 use spec::{Collective, Measured, Pattern};
@@ -76,6 +78,13 @@ pub struct PerfArgs {
     /// Rank 0 writes the rows as a JSON array to this file.
     #[arg(long = "json", value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
+    /// Rank 0 draws busbw against size (log-scale x) as an SVG file.
+    #[arg(long = "plot", value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+    /// Overlay a baseline on the plot: `weft baseline-json` output or a `weft perf --json` file
+    /// (repeatable).
+    #[arg(long = "baseline", value_name = "FILE", requires = "plot")]
+    pub baseline: Vec<std::path::PathBuf>,
 }
 
 /// The parsed, validated options.
@@ -157,6 +166,18 @@ pub fn main(args: PerfArgs) -> i32 {
             return 2;
         }
     };
+    let baselines = match args
+        .baseline
+        .iter()
+        .map(|p| baseline::read(p))
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("weft perf: {e}");
+            return 2;
+        }
+    };
     if !started_by_launcher() {
         let np = args.np as usize;
         if let Err(e) = check_ranks(&opts, np) {
@@ -178,7 +199,12 @@ pub fn main(args: PerfArgs) -> i32 {
         }
         return 2;
     }
-    match bench(&comm, &opts, args.json.as_deref()) {
+    let outputs = Outputs {
+        json: args.json.as_deref(),
+        plot: args.plot.as_deref(),
+        baselines: &baselines,
+    };
+    match bench(&comm, &opts, &outputs) {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
@@ -340,12 +366,55 @@ fn gather_ranks(comm: &Communicator) -> Result<Vec<(u64, u64, String)>, Error> {
         .collect())
 }
 
-/// Runs every (type, op, size) combination; returns Ok(false) when any value was wrong.
-fn bench(
-    comm: &Communicator,
+/// Files rank 0 writes after the sweep.
+struct Outputs<'a> {
+    json: Option<&'a std::path::Path>,
+    plot: Option<&'a std::path::Path>,
+    baselines: &'a [baseline::Baseline],
+}
+
+/// The plot of a finished sweep: one curve per (type, op) and placement, then the baselines.
+fn plot_svg(
     opts: &Options,
-    json: Option<&std::path::Path>,
-) -> Result<bool, PerfError> {
+    nranks: usize,
+    rows: &[Row],
+    baselines: &[baseline::Baseline],
+) -> String {
+    let mut series: Vec<plot::Series> = Vec::new();
+    for &dtype in &opts.dtypes {
+        for &op in &opts.ops {
+            let mine: Vec<&Row> = rows
+                .iter()
+                .filter(|r| r.dtype == dtype && r.op == op)
+                .collect();
+            let what = match op {
+                Some(o) => format!("{} {}", dtype.name(), o.name()),
+                None => dtype.name().to_string(),
+            };
+            for (place, pick) in [
+                ("out-of-place", (|r: &Row| r.oop.busbw) as fn(&Row) -> f64),
+                ("in-place", |r: &Row| r.ip.busbw),
+            ] {
+                series.push(plot::Series {
+                    label: format!("weft {what}, {place}"),
+                    points: mine.iter().map(|r| (r.size, pick(r))).collect(),
+                    dashed: false,
+                });
+            }
+        }
+    }
+    let mut limits = Vec::new();
+    for b in baselines {
+        let (curve, lims) = b.plot_parts();
+        series.push(curve);
+        limits.extend(lims);
+    }
+    let title = format!("weft perf {}, {nranks} ranks", opts.collective.name());
+    plot::svg(&title, &series, &limits)
+}
+
+/// Runs every (type, op, size) combination; returns Ok(false) when any value was wrong.
+fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool, PerfError> {
     let me = comm.rank();
     let n = comm.size();
     let ranks = gather_ranks(comm)?;
@@ -426,7 +495,11 @@ fn bench(
             spec::footer(if opts.check { Some(wrong) } else { None }, avg)
         );
         let _ = out.flush();
-        if let Some(path) = json {
+        if let Some(path) = outputs.plot {
+            std::fs::write(path, plot_svg(opts, n, &rows, outputs.baselines))
+                .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
+        }
+        if let Some(path) = outputs.json {
             let value: Vec<JsonRow> = rows.iter().map(|r| r.json(opts.collective)).collect();
             let text = serde_json::to_string_pretty(&value).expect("JSON of plain values");
             std::fs::write(path, text + "\n")
