@@ -583,8 +583,13 @@ fn pump_sends(
         let (area, off, len) = io.places[i][0];
         let total = padded(len);
         if cur.moved < len {
+            // The source stays unchanged until the step completes (later steps that overwrite
+            // it depend on this one), which is what a pinned write asks.
             let src = &areas[area].bytes()[off + cur.moved..off + len];
-            let n = io.conn.try_send(src).map_err(|e| ctx.transport(peer, e))?;
+            let n = io
+                .conn
+                .try_send_pinned(src)
+                .map_err(|e| ctx.transport(peer, e))?;
             cur.moved += n;
             progressed |= n > 0;
             if cur.moved < len {

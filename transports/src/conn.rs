@@ -35,6 +35,15 @@ pub trait Connection: Send {
     /// Accepts as many leading bytes of `data` as fit now; returns how many (0 when full).
     fn try_send(&mut self, data: &[u8]) -> Result<usize>;
 
+    /// Like [`Connection::try_send`], for a caller that promises to call again with exactly the
+    /// rest of `data` (the same memory, unchanged) until every byte is accepted, without another
+    /// write in between. A transport may then let the peer copy straight out of `data` (shared
+    /// memory does, with cross-memory attach) and accept bytes only once they were copied, which
+    /// saves the copy into its buffer. The collectives engine sends every message this way.
+    fn try_send_pinned(&mut self, data: &[u8]) -> Result<usize> {
+        self.try_send(data)
+    }
+
     /// Lends up to `max` received bytes as one contiguous slice to `consume`, which returns how
     /// many of them it used (a prefix, at most the slice's length). Returns that number; 0 when
     /// nothing is available (or `max` is 0).

@@ -26,6 +26,23 @@
 //!
 //! Liveness: a dropped connection sets its closed flags; a dead process is found through a pidfd
 //! (readable once the process exited, zombies included), falling back to `kill(pid, 0)`.
+//!
+//! Single copy for large writes: a write of at least [`cma_min_bytes`] is not copied into the
+//! ring. The sender posts a *reference* (its address and length, and the ring position it stands
+//! at) in the ring's control page and accepts the bytes only as the receiver reports them copied;
+//! the receiver copies them straight out of the sender's address space with
+//! `process_vm_readv` (cross-memory attach), into the caller's destination when the engine
+//! receives into memory ([`Connection::try_recv_into`]) or into a small staging buffer it lends
+//! to a reduction. A received copy step then costs one copy instead of two. The receiver enables
+//! this per ring at connect time, after reading a cookie out of the sender's memory proves that
+//! the kernel allows it (same user, no ptrace restriction); otherwise (and with
+//! `WEFT_SHM_CMA=0`) every byte goes through the ring.
+//!
+//! ```text
+//! ring control page, continued: @256 CMA enabled u32 (receiver) | @320 refs posted u64 (sender)
+//!   @384 refs finished u64 (receiver) | @448 reference bytes copied, all refs u64 (receiver)
+//!   @512 reference slots: { ring position u64, address u64, length u64, pad } × REF_SLOTS
+//! ```
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
@@ -48,7 +65,7 @@ pub const MIN_BUFFSIZE: usize = 64 << 10;
 pub const MAX_BUFFSIZE: usize = 1 << 30;
 
 const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const MAX_SLOTS: usize = 1 << 16;
 
 // Header offsets.
@@ -63,6 +80,8 @@ const H_PID: usize = 48;
 const H_RANK: usize = 52;
 const H_DOORBELL: usize = 64;
 const H_SLEEPING: usize = 68;
+/// Address, in the owner's process, of [`CMA_COOKIE`] (peers read it to test cross-memory attach).
+const H_CMA_PROBE: usize = 72;
 const H_SLOTS: usize = 128;
 
 // Ring control offsets.
@@ -70,6 +89,50 @@ const R_HEAD: usize = 0;
 const R_TAIL: usize = 64;
 const R_SENDER_CLOSED: usize = 128;
 const R_RECEIVER_CLOSED: usize = 192;
+const R_CMA_OK: usize = 256;
+const R_REF_HEAD: usize = 320;
+const R_REF_TAIL: usize = 384;
+const R_REF_COPIED: usize = 448;
+const R_REFS: usize = 512;
+const REF_SLOT_BYTES: usize = 32;
+const REF_SLOTS: u64 = 4;
+
+/// What peers read out of this process to prove that `process_vm_readv` works.
+static CMA_COOKIE: u64 = MAGIC ^ 0x00c0_ffee_00c0_ffee;
+/// Default smallest write sent by reference (`WEFT_SHM_CMA_MIN`).
+pub const DEFAULT_CMA_MIN: usize = 64 << 10;
+/// Staging for references the receiver lends to a reduction (one slice's worth).
+const CMA_STAGE_BYTES: usize = 256 << 10;
+
+/// Smallest write sent by reference instead of through the ring: `WEFT_SHM_CMA_MIN` bytes
+/// (default [`DEFAULT_CMA_MIN`]); `None` when `WEFT_SHM_CMA=0` disables single copy.
+pub fn cma_min_bytes() -> Option<usize> {
+    if env_nonempty("WEFT_SHM_CMA").is_some_and(|v| v == "0") {
+        return None;
+    }
+    Some(
+        env_nonempty("WEFT_SHM_CMA_MIN")
+            .and_then(|v| parse_size(&v).ok())
+            .unwrap_or(DEFAULT_CMA_MIN)
+            .max(8),
+    )
+}
+
+/// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`; returns how many were copied.
+fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Result<usize, Errno> {
+    use nix::sys::uio::{process_vm_readv, RemoteIoVec};
+    use std::io::IoSliceMut;
+    let len = dst.len();
+    let remote = [RemoteIoVec {
+        base: addr as usize,
+        len,
+    }];
+    process_vm_readv(
+        nix::unistd::Pid::from_raw(pid),
+        &mut [IoSliceMut::new(dst)],
+        &remote,
+    )
+}
 
 const MIB: u64 = 1 << 20;
 
@@ -421,6 +484,8 @@ impl ShmSegment {
             map.u32_at(H_PID)
                 .store(std::process::id(), Ordering::Relaxed);
             map.u32_at(H_RANK).store(rank as u32, Ordering::Relaxed);
+            map.u64_at(H_CMA_PROBE)
+                .store(std::ptr::addr_of!(CMA_COOKIE) as u64, Ordering::Relaxed);
             for (slot, &p) in peers.iter().enumerate() {
                 map.u32_at(H_SLOTS + 4 * slot)
                     .store(p as u32, Ordering::Relaxed);
@@ -491,6 +556,21 @@ impl ShmSegment {
         let tx = remote.layout.ring_offset(tx_slot);
         let rx_tail = self.map.u64_at(rx + R_TAIL).load(Ordering::Acquire);
         let tx_head = remote.u64_at(tx + R_HEAD).load(Ordering::Acquire);
+        let cma_min = cma_min_bytes();
+        let peer_pid = remote.owner_pid() as i32;
+        if cma_min.is_some() {
+            // Enable references on the ring the peer writes to us only if we can read its memory.
+            let probe = remote.u64_at(H_CMA_PROBE).load(Ordering::Relaxed);
+            let mut cookie = [0u8; 8];
+            let ok = matches!(cma_read(peer_pid, probe, &mut cookie), Ok(8))
+                && u64::from_ne_bytes(cookie) == CMA_COOKIE;
+            if !ok {
+                tracing::debug!(target: "weftcc::shm", peer, "cross-memory attach unavailable; single copy disabled");
+            }
+            self.map
+                .u32_at(rx + R_CMA_OK)
+                .store(u32::from(ok), Ordering::Release);
+        }
         Ok(ShmConnection {
             peer,
             own: self.map.clone(),
@@ -501,6 +581,17 @@ impl ShmSegment {
             tx_head,
             watch,
             peer_dead: false,
+            peer_pid,
+            cma_min,
+            out_ref: None,
+            tx_ref_bytes: 0,
+            tx_refs: 0,
+            rx_refs_done: 0,
+            rx_front_copied: 0,
+            rx_copied_total: 0,
+            stage: Vec::new(),
+            stage_start: 0,
+            stage_end: 0,
         })
     }
 
@@ -564,6 +655,41 @@ pub struct ShmConnection {
     tx_head: u64,
     watch: ProcessWatch,
     peer_dead: bool,
+    peer_pid: i32,
+    /// Smallest write sent by reference; `None` when disabled here.
+    cma_min: Option<usize>,
+    /// The reference this side is sending, if any.
+    out_ref: Option<OutRef>,
+    /// Bytes and count of references posted before the current one (sender side).
+    tx_ref_bytes: u64,
+    tx_refs: u64,
+    /// Receiver side: references finished, bytes copied of the front one and of all of them.
+    rx_refs_done: u64,
+    rx_front_copied: u64,
+    rx_copied_total: u64,
+    /// Referenced bytes copied but not yet consumed (8-byte aligned storage).
+    stage: Vec<u64>,
+    stage_start: usize,
+    stage_end: usize,
+}
+
+/// A write being sent by reference.
+#[derive(Debug, Clone, Copy)]
+struct OutRef {
+    addr: usize,
+    len: usize,
+    /// Bytes already reported accepted to the caller.
+    reported: usize,
+    /// The peer's all-references copy counter when this reference's first byte is copied.
+    base: u64,
+}
+
+/// A reference as the receiver reads it.
+#[derive(Debug, Clone, Copy)]
+struct InRef {
+    ring_pos: u64,
+    addr: u64,
+    len: u64,
 }
 
 impl ShmConnection {
@@ -582,8 +708,161 @@ impl ShmConnection {
     }
 
     fn rx_empty(&self) -> bool {
-        self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire) == self.rx_tail
+        self.stage_start == self.stage_end
+            && self.front_ref().is_none()
+            && self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire) == self.rx_tail
     }
+
+    /// Continues or starts a write by reference; `None` when `data` goes through the ring.
+    fn try_send_ref(&mut self, data: &[u8]) -> Option<Result<usize>> {
+        let r = &*self.remote;
+        if let Some(mut out) = self.out_ref {
+            if data.as_ptr() as usize != out.addr + out.reported
+                || data.len() != out.len - out.reported
+            {
+                return Some(Err(TransportError::Protocol(format!(
+                    "pinned write to peer {} did not continue with the rest of its bytes",
+                    self.peer
+                ))));
+            }
+            let copied = r.u64_at(self.tx + R_REF_COPIED).load(Ordering::Acquire);
+            let done = (copied.wrapping_sub(out.base) as usize).min(out.len);
+            let newly = done.saturating_sub(out.reported);
+            out.reported += newly;
+            self.out_ref = if out.reported == out.len {
+                None
+            } else {
+                Some(out)
+            };
+            return Some(Ok(newly));
+        }
+        let min = self.cma_min?;
+        if data.len() < min || r.u32_at(self.tx + R_CMA_OK).load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let done = r.u64_at(self.tx + R_REF_TAIL).load(Ordering::Acquire);
+        if self.tx_refs.wrapping_sub(done) >= REF_SLOTS {
+            return None;
+        }
+        let slot = self.tx + R_REFS + (self.tx_refs % REF_SLOTS) as usize * REF_SLOT_BYTES;
+        r.u64_at(slot).store(self.tx_head, Ordering::Relaxed);
+        r.u64_at(slot + 8)
+            .store(data.as_ptr() as u64, Ordering::Relaxed);
+        r.u64_at(slot + 16)
+            .store(data.len() as u64, Ordering::Relaxed);
+        self.out_ref = Some(OutRef {
+            addr: data.as_ptr() as usize,
+            len: data.len(),
+            reported: 0,
+            base: self.tx_ref_bytes,
+        });
+        self.tx_ref_bytes += data.len() as u64;
+        self.tx_refs += 1;
+        r.u64_at(self.tx + R_REF_HEAD)
+            .store(self.tx_refs, Ordering::Release);
+        r.ring_doorbell();
+        Some(Ok(0))
+    }
+
+    /// The oldest reference not yet fully copied, if the sender posted one.
+    fn front_ref(&self) -> Option<InRef> {
+        let m = &*self.own;
+        let posted = m.u64_at(self.rx + R_REF_HEAD).load(Ordering::Acquire);
+        if posted == self.rx_refs_done {
+            return None;
+        }
+        let slot = self.rx + R_REFS + (self.rx_refs_done % REF_SLOTS) as usize * REF_SLOT_BYTES;
+        Some(InRef {
+            ring_pos: m.u64_at(slot).load(Ordering::Relaxed),
+            addr: m.u64_at(slot + 8).load(Ordering::Relaxed),
+            len: m.u64_at(slot + 16).load(Ordering::Relaxed),
+        })
+    }
+
+    /// The reference to serve now: the front one, once every ring byte before it was read.
+    fn ref_at_tail(&self) -> Result<Option<InRef>> {
+        match self.front_ref() {
+            Some(f) if f.ring_pos == self.rx_tail => Ok(Some(f)),
+            Some(f) if f.ring_pos.wrapping_sub(self.rx_tail) > self.own.layout.capacity as u64 => {
+                Err(self.corrupt("reference outside the ring"))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Copies up to `dst.len()` bytes of reference `f` out of the sender; reports them copied.
+    fn copy_ref(&mut self, f: InRef, dst: &mut [u8]) -> Result<usize> {
+        let left = f.len.saturating_sub(self.rx_front_copied);
+        let n = dst.len().min(left as usize);
+        if n == 0 {
+            return Ok(0);
+        }
+        let got = match cma_read(self.peer_pid, f.addr + self.rx_front_copied, &mut dst[..n]) {
+            Ok(got) => got,
+            Err(Errno::ESRCH) => {
+                self.peer_dead = true;
+                return Err(self.lost("peer process exited"));
+            }
+            Err(e) => {
+                return Err(TransportError::Protocol(format!(
+                    "process_vm_readv from peer {} (pid {}): {e}",
+                    self.peer, self.peer_pid
+                )))
+            }
+        };
+        self.rx_front_copied += got as u64;
+        self.rx_copied_total += got as u64;
+        let m = &*self.own;
+        m.u64_at(self.rx + R_REF_COPIED)
+            .store(self.rx_copied_total, Ordering::Release);
+        if self.rx_front_copied == f.len {
+            self.rx_refs_done += 1;
+            self.rx_front_copied = 0;
+            m.u64_at(self.rx + R_REF_TAIL)
+                .store(self.rx_refs_done, Ordering::Release);
+        }
+        self.remote.ring_doorbell();
+        Ok(got)
+    }
+
+    /// Lends staged reference bytes (copying more from the sender first if none are staged).
+    fn lend_ref(
+        &mut self,
+        f: Option<InRef>,
+        max: usize,
+        consume: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<usize> {
+        if self.stage_start == self.stage_end {
+            let Some(f) = f else { return Ok(0) };
+            if self.stage.is_empty() {
+                self.stage = vec![0u64; CMA_STAGE_BYTES / 8];
+            }
+            let mut stage = std::mem::take(&mut self.stage);
+            let want = max.min(CMA_STAGE_BYTES);
+            let got = self.copy_ref(f, &mut words_as_bytes_mut(&mut stage)[..want]);
+            self.stage = stage;
+            self.stage_start = 0;
+            self.stage_end = got?;
+        }
+        let n = (self.stage_end - self.stage_start).min(max);
+        let bytes = words_as_bytes(&self.stage);
+        let used = consume(&bytes[self.stage_start..self.stage_start + n]).min(n);
+        self.stage_start += used;
+        Ok(used)
+    }
+}
+
+fn words_as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
+    let len = words.len() * 8;
+    // SAFETY: u64 has no padding and any byte pattern is a valid u64; the byte view covers
+    // exactly the slice's memory and borrows it mutably for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) }
+}
+
+fn words_as_bytes(words: &[u64]) -> &[u8] {
+    let len = words.len() * 8;
+    // SAFETY: as in `words_as_bytes_mut`, read-only.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) }
 }
 
 impl Connection for ShmConnection {
@@ -605,6 +884,12 @@ impl Connection for ShmConnection {
             != 0
         {
             return Err(self.lost("peer closed the connection"));
+        }
+        if self.out_ref.is_some() {
+            return Err(TransportError::Protocol(format!(
+                "plain write to peer {} while a pinned write is unfinished",
+                self.peer
+            )));
         }
         let cap = r.layout.capacity;
         let tail = r.u64_at(self.tx + R_TAIL).load(Ordering::Acquire);
@@ -635,10 +920,43 @@ impl Connection for ShmConnection {
         Ok(n)
     }
 
+    fn try_send_pinned(&mut self, data: &[u8]) -> Result<usize> {
+        if self.peer_dead {
+            return Err(self.lost("peer process exited"));
+        }
+        if self
+            .remote
+            .u32_at(self.tx + R_RECEIVER_CLOSED)
+            .load(Ordering::Acquire)
+            != 0
+        {
+            return Err(self.lost("peer closed the connection"));
+        }
+        match self.try_send_ref(data) {
+            Some(result) => result,
+            None => self.try_send(data),
+        }
+    }
+
     fn try_recv(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
+        // Referenced bytes come first when they precede the ring's unread bytes.
+        if self.stage_start < self.stage_end {
+            return self.lend_ref(None, max, consume);
+        }
+        let front = self.front_ref();
+        if let Some(f) = self.ref_at_tail()? {
+            if max == 0 {
+                return Ok(0);
+            }
+            return self.lend_ref(Some(f), max, consume);
+        }
         let m = &*self.own;
         let closed = m.u32_at(self.rx + R_SENDER_CLOSED).load(Ordering::Acquire) != 0;
-        let head = m.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+        let mut head = m.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+        if let Some(f) = front {
+            // Ring bytes after a pending reference wait for it.
+            head = f.ring_pos;
+        }
         let cap = m.layout.capacity;
         let avail = head.wrapping_sub(self.rx_tail);
         if avail > cap as u64 {
@@ -670,6 +988,24 @@ impl Connection for ShmConnection {
             self.remote.ring_doorbell();
         }
         Ok(used)
+    }
+
+    fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
+        // A reference at the head of the stream is copied straight into `dst`: the single copy.
+        if self.stage_start == self.stage_end && !dst.is_empty() {
+            if let Some(f) = self.ref_at_tail()? {
+                return self.copy_ref(f, dst);
+            }
+        }
+        let max = dst.len();
+        let mut filled = 0usize;
+        self.try_recv(max, &mut |src: &[u8]| {
+            let n = src.len().min(max);
+            dst[..n].copy_from_slice(&src[..n]);
+            filled = n;
+            n
+        })?;
+        Ok(filled)
     }
 
     fn check_peer(&mut self) -> Result<()> {

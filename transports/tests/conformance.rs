@@ -88,12 +88,19 @@ fn recv_interest(peer: usize) -> [Interest; 1] {
     }]
 }
 
-/// Sends all of `data`, waiting for space when the transport is full.
-fn send_all(end: &mut End, data: &[u8], start: Instant) {
+/// Sends all of `data`, waiting for space when the transport is full; `pinned` sends it as the
+/// engine does (`try_send_pinned`: shared memory then lets the peer copy it out of `data`).
+fn send_all(end: &mut End, data: &[u8], start: Instant, pinned: bool) {
     let peer = end.0.peer();
     let mut off = 0;
     while off < data.len() {
-        let n = end.0.try_send(&data[off..]).expect("try_send");
+        let n = if pinned {
+            end.0
+                .try_send_pinned(&data[off..])
+                .expect("try_send_pinned")
+        } else {
+            end.0.try_send(&data[off..]).expect("try_send")
+        };
         off += n;
         if n == 0 {
             assert!(
@@ -129,7 +136,7 @@ fn sizes(rng: &mut Rng, count: usize, align8: bool) -> Vec<usize> {
 
 /// Ordered delivery of many messages of random sizes, with partial consumption and
 /// `try_recv_into` on the receiving side.
-fn ordered_random(make: fn() -> Option<(End, End)>) {
+fn ordered_random(make: fn() -> Option<(End, End)>, pinned: bool) {
     let Some((mut a, mut b)) = make() else { return };
     let seed = 0x1234_5678;
     let mut rng = Rng(seed);
@@ -143,7 +150,7 @@ fn ordered_random(make: fn() -> Option<(End, End)>) {
             for &m in msgs {
                 let mut buf = vec![0u8; m];
                 fill(seed, off, &mut buf);
-                send_all(&mut a, &buf, start);
+                send_all(&mut a, &buf, start, pinned);
                 off += m as u64;
             }
             // Keep `a` alive until the receiver is done (dropping early is its own test).
@@ -202,7 +209,7 @@ fn ordered_random(make: fn() -> Option<(End, End)>) {
 }
 
 /// Messages whose lengths are multiples of 8 are lent 8-aligned when consumed in multiples of 8.
-fn aligned_lending(make: fn() -> Option<(End, End)>) {
+fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
     let Some((mut a, mut b)) = make() else { return };
     let seed = 77;
     let mut rng = Rng(seed);
@@ -216,7 +223,7 @@ fn aligned_lending(make: fn() -> Option<(End, End)>) {
             for &m in msgs {
                 let mut buf = vec![0u8; m];
                 fill(seed, off, &mut buf);
-                send_all(&mut a, &buf, start);
+                send_all(&mut a, &buf, start, pinned);
                 off += m as u64;
             }
             a
@@ -439,7 +446,7 @@ fn peer_dropped(make: fn() -> Option<(End, End)>) {
     let Some((mut a, mut b)) = make() else { return };
     let mut data = vec![0u8; 40_000];
     fill(5, 0, &mut data);
-    send_all(&mut a, &data, Instant::now());
+    send_all(&mut a, &data, Instant::now(), false);
     drop(a);
     let t = Instant::now();
     // Buffered bytes must still be readable.
@@ -492,17 +499,64 @@ fn peer_dropped(make: fn() -> Option<(End, End)>) {
     }
 }
 
+/// A pinned write whose receiver goes away half-way ends in `PeerLost`, never a hang.
+fn pinned_write_to_dropped_peer(make: fn() -> Option<(End, End)>) {
+    let Some((mut a, mut b)) = make() else { return };
+    // More than any transport buffers (TCP: both socket buffers and the staging).
+    let data = vec![5u8; 48 << 20];
+    let mut off = a.0.try_send_pinned(&data).expect("first pinned write");
+    // The receiver takes a little, then disappears.
+    let mut got = 0;
+    let start = Instant::now();
+    while got < 1000 {
+        let mut buf = [0u8; 100];
+        got += b.0.try_recv_into(&mut buf).expect("recv");
+        off += a.0.try_send_pinned(&data[off..]).expect("pinned write");
+        assert!(start.elapsed() < DEADLINE, "nothing arrived");
+    }
+    drop(b);
+    loop {
+        match a.0.try_send_pinned(&data[off..]) {
+            Ok(n) => off += n,
+            Err(TransportError::PeerLost { .. }) => return,
+            Err(e) => panic!("expected PeerLost, got {e}"),
+        }
+        assert!(off < data.len(), "a dropped peer accepted everything");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no PeerLost after the peer dropped"
+        );
+        let _ = a.1.wait(&send_interest(1), Duration::from_millis(10));
+        if let Err(e) = a.0.check_peer() {
+            assert!(matches!(e, TransportError::PeerLost { .. }), "{e}");
+            return;
+        }
+    }
+}
+
 macro_rules! suite {
     ($name:ident, $make:expr) => {
         mod $name {
             use super::*;
             #[test]
             fn ordered_random_sizes() {
-                ordered_random($make);
+                ordered_random($make, false);
+            }
+            #[test]
+            fn ordered_random_sizes_pinned() {
+                ordered_random($make, true);
             }
             #[test]
             fn aligned_lending_for_8_byte_messages() {
-                aligned_lending($make);
+                aligned_lending($make, false);
+            }
+            #[test]
+            fn aligned_lending_for_8_byte_messages_pinned() {
+                aligned_lending($make, true);
+            }
+            #[test]
+            fn pinned_write_to_dropped_peer_fails() {
+                pinned_write_to_dropped_peer($make);
             }
             #[test]
             fn bidirectional_traffic() {
