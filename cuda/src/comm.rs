@@ -1,0 +1,934 @@
+//! [`DeviceComm`]: collectives on device buffers, with NCCL's stream semantics.
+//!
+//! A call checks its arguments, enqueues the collective on the caller's [`Stream`] and returns;
+//! work enqueued on that stream afterwards sees the result, as if the collective were a kernel.
+//! Each `*_blocking` form also waits (within the communicator's timeout) and reports errors.
+//!
+//! Two transports, chosen at creation by all ranks together:
+//! * [`Transport::Ipc`] (all ranks on one host, every pair of GPUs able to reach each other's
+//!   memory per `cuDeviceCanAccessPeer`, or sharing a GPU; stream memory operations available):
+//!   the schedules of `weftcc-collectives` run on the GPUs, peer copies through CUDA IPC
+//!   mappings, reductions by the NVRTC kernels, all stream-ordered (see `ipc.rs`).
+//! * [`Transport::Staged`] (otherwise, e.g. ranks on several hosts): a proxy thread per
+//!   communicator waits for an event recorded on the caller's stream, copies the input to
+//!   pinned host memory, runs the host communicator's collective (`execute_raw`: shared memory
+//!   or TCP), copies the result back, and releases the caller's stream, which was told with
+//!   `cuStreamWaitValue32` to wait for a host-mapped flag. If the driver offers no stream
+//!   memory operations, the enqueue waits for the caller's stream and the operation instead
+//!   (correct, but not asynchronous).
+//!
+//! Errors poison the communicator (every later call fails with the first error), as for the
+//! host communicator. After a failure the caller's stream is always released (the staged
+//! proxy still raises the flag; the IPC path raises its own flags), so no stream hangs
+//! forever: the failed operation's output is garbage and [`DeviceComm::error`] says why.
+//!
+//! Buffers must stay alive until the stream has passed the operation (as with NCCL).
+
+use crate::driver::check;
+use crate::error::{CudaError, Result};
+use crate::ipc::IpcPeers;
+use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
+use cudarc::driver::sys;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use weftcc_collectives::{schedule, Communicator, DataType, Element, OpKind, RawOp, ReduceOp};
+
+/// How a device communicator moves data between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// CUDA IPC peer copies and GPU reduction kernels (ranks on one host).
+    Ipc,
+    /// Staging through pinned host memory into the host communicator.
+    Staged,
+}
+
+/// `WEFT_CUDA_IPC=0` forces the staged transport.
+pub const IPC_ENV: &str = "WEFT_CUDA_IPC";
+/// Bytes per IPC slot (the largest message of a pipelined transfer); default 1 MiB.
+pub const SLOT_ENV: &str = "WEFT_CUDA_SLOT_BYTES";
+/// Slots per peer (messages in flight per pair); default 4.
+pub const DEPTH_ENV: &str = "WEFT_CUDA_DEPTH";
+
+/// True when the loaded driver exports `name` (resolving a missing symbol through cudarc would
+/// panic).
+fn has_symbol(name: &str) -> bool {
+    // SAFETY: only reached after ensure_driver succeeded (a Context exists), so culib() finds the
+    // library; we only look the symbol up, never call it through this type.
+    unsafe {
+        sys::culib()
+            .get::<unsafe extern "C" fn()>(name.as_bytes())
+            .is_ok()
+    }
+}
+
+/// Whether `cuStreamWaitValue32_v2`/`cuStreamWriteValue32_v2` exist and work on this device.
+fn stream_mem_ops(ctx: &Context) -> bool {
+    if !has_symbol("cuStreamWaitValue32_v2") || !has_symbol("cuStreamWriteValue32_v2") {
+        return false;
+    }
+    let probe = || -> Result<()> {
+        let flag = PinnedBuffer::new(ctx, 4)?;
+        let dptr = flag.device_ptr()?;
+        let s = ctx.stream()?;
+        // SAFETY: `dptr` maps the 4 pinned bytes of `flag`, alive until after the sync below.
+        check("cuStreamWaitValue32", unsafe {
+            sys::cuStreamWaitValue32_v2(
+                s.as_raw(),
+                dptr,
+                0,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        })?;
+        s.synchronize(Duration::from_secs(10))
+    };
+    probe().is_ok()
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| weftcc_collectives::comm::parse_size(&v))
+        .filter(|&v| v > 0)
+        .unwrap_or(default)
+}
+
+/// A device buffer argument, untyped: address and bytes.
+#[derive(Debug, Clone, Copy)]
+struct DevSpan {
+    ptr: u64,
+    bytes: usize,
+}
+
+/// One staged operation for the proxy thread.
+struct Job {
+    seq: u64,
+    ticket: u32,
+    op: RawOp,
+    send: Option<DevSpan>,
+    recv: DevSpan,
+    /// Recorded on the caller's stream: the inputs are ready once it has completed.
+    ready: Event,
+    done: Arc<(Mutex<Option<Result<()>>>, Condvar)>,
+}
+
+struct Proxy {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Option<JoinHandle<()>>,
+    /// The release counter the caller's streams wait on (host-mapped, pinned).
+    flag: Arc<PinnedBuffer>,
+    flag_dev: u64,
+    tickets: AtomicU32,
+    mem_ops: bool,
+}
+
+/// Shared between the communicator and its proxy thread.
+struct Shared {
+    rank: usize,
+    error: Mutex<Option<CudaError>>,
+}
+
+impl Shared {
+    fn poison(&self, e: &CudaError) {
+        let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            *g = Some(e.clone());
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Some(e) => Err(CudaError::Poisoned {
+                rank: self.rank,
+                first: e.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A communicator for device buffers, built on a host [`Communicator`].
+pub struct DeviceComm {
+    host: Arc<Communicator>,
+    ctx: Context,
+    transport: Transport,
+    rank: usize,
+    size: usize,
+    shared: Arc<Shared>,
+    ipc: Option<Mutex<IpcPeers>>,
+    proxy: Option<Proxy>,
+    seq: AtomicU64,
+}
+
+impl std::fmt::Debug for DeviceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.ctx.ordinal())
+            .field("transport", &self.transport)
+            .finish()
+    }
+}
+
+static SHARED_GPU_WARNING: Once = Once::new();
+
+/// What each rank tells the others at creation.
+const REC: usize = 128;
+
+fn hostname() -> String {
+    std::env::var("WEFT_HOST_ID").unwrap_or_else(|_| {
+        nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "unknown".into())
+    })
+}
+
+impl DeviceComm {
+    /// Creates the device communicator of this rank (collective: every rank of `host` calls
+    /// it). `ctx` is this rank's GPU. Loads the kernels, chooses the transport with the other
+    /// ranks, and sets it up.
+    pub fn new(host: Communicator, ctx: Context) -> Result<DeviceComm> {
+        let (rank, size) = (host.rank(), host.size());
+        ctx.bind()?;
+        // Local facts: host, GPU, and whether this rank can take part in IPC.
+        let info = crate::driver::device_info(ctx.ordinal())?;
+        let mem_ops = stream_mem_ops(&ctx);
+        let ipc_allowed = std::env::var(IPC_ENV).map_or(true, |v| v != "0");
+        let kernels_ok = ctx.load_kernels();
+        let mut mine = [0u8; REC];
+        let h = hostname();
+        let hb = &h.as_bytes()[..h.len().min(64)];
+        mine[..hb.len()].copy_from_slice(hb);
+        let bus = info.pci_bus_id.as_bytes();
+        let bus = &bus[..bus.len().min(48)];
+        mine[64..64 + bus.len()].copy_from_slice(bus);
+        mine[120] = u8::from(mem_ops && ipc_allowed);
+        mine[121] = u8::from(kernels_ok.is_ok());
+        let mut all = vec![0u8; REC * size];
+        host.all_gather(&mine[..], &mut all[..])?;
+        let field = |r: usize, a: usize, b: usize| {
+            let s = &all[r * REC + a..r * REC + b];
+            let end = s.iter().position(|&c| c == 0).unwrap_or(s.len());
+            String::from_utf8_lossy(&s[..end]).into_owned()
+        };
+        let one_host = (0..size).all(|r| field(r, 0, 64) == field(0, 0, 64));
+        let my_bus = info.pci_bus_id.clone();
+        let mut sharing = false;
+        let mut p2p_ok = true;
+        for r in 0..size {
+            if r == rank {
+                continue;
+            }
+            let bus = field(r, 64, 112);
+            if bus.eq_ignore_ascii_case(&my_bus) {
+                sharing = true;
+                continue;
+            }
+            p2p_ok &= peer_reachable(&ctx, &bus);
+        }
+        if sharing && one_host {
+            SHARED_GPU_WARNING.call_once(|| {
+                tracing::warn!(
+                    target: "weftcc::cuda",
+                    "several ranks share GPU {my_bus}: correct, but they take turns on it (fine for tests, slow for training)"
+                );
+            });
+        }
+        let all_flags = (0..size).all(|r| all[r * REC + 120] == 1 && all[r * REC + 121] == 1);
+        let mut vote = [u8::from(one_host && p2p_ok && all_flags)];
+        host.all_reduce_in_place(&mut vote[..], ReduceOp::Min)?;
+        // Kernels are needed by the IPC path and by nothing else; report them only then.
+        let transport = if vote[0] == 1 || (size == 1 && kernels_ok.is_ok()) {
+            Transport::Ipc
+        } else {
+            Transport::Staged
+        };
+        let host = Arc::new(host);
+        let shared = Arc::new(Shared {
+            rank,
+            error: Mutex::new(None),
+        });
+        let (ipc, proxy) = match transport {
+            Transport::Ipc => {
+                let slot = env_usize(SLOT_ENV, 1 << 20).next_multiple_of(16);
+                let depth = env_usize(DEPTH_ENV, 4);
+                (
+                    Some(Mutex::new(IpcPeers::connect(&host, &ctx, slot, depth)?)),
+                    None,
+                )
+            }
+            Transport::Staged => (None, Some(Proxy::start(&ctx, &host, &shared, mem_ops)?)),
+        };
+        tracing::info!(target: "weftcc::cuda", rank, size, device = ctx.ordinal(), ?transport, "device communicator ready");
+        Ok(DeviceComm {
+            host,
+            ctx,
+            transport,
+            rank,
+            size,
+            shared,
+            ipc,
+            proxy,
+            seq: AtomicU64::new(0),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The transport chosen at creation.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// This rank's context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// The host communicator underneath (do not run host collectives on it while staged device
+    /// operations are in flight: the proxy uses it too).
+    pub fn host(&self) -> &Communicator {
+        &self.host
+    }
+
+    /// The first fatal error, if any.
+    pub fn error(&self) -> Option<CudaError> {
+        self.shared
+            .error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Waits for everything enqueued on `stream` (at most the host communicator's timeout) and
+    /// reports the first error of this communicator. On a timeout the communicator is aborted
+    /// (see [`DeviceComm::abort`]).
+    pub fn synchronize(&self, stream: &Stream) -> Result<()> {
+        let timeout = self.host.timeout();
+        if let Err(e) = stream.synchronize(timeout) {
+            let e = CudaError::Timeout {
+                rank: self.rank,
+                op: OpKind::Barrier,
+                seq: self.seq.load(Ordering::Relaxed),
+                after: timeout,
+            }
+            .to_string()
+                + &format!(" ({e})");
+            let e = CudaError::Other(e);
+            self.shared.poison(&e);
+            self.abort();
+            return Err(e);
+        }
+        self.shared.check()
+    }
+
+    /// Makes the communicator unusable and releases every stream waiting on it (the data of
+    /// operations in flight is garbage). The host communicator is aborted too, so the other
+    /// ranks learn of it.
+    pub fn abort(&self) {
+        self.shared.poison(&CudaError::Other(format!(
+            "rank {}: device communicator aborted",
+            self.rank
+        )));
+        if let Some(ipc) = &self.ipc {
+            let g = ipc.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = g.release_all();
+        }
+        self.host.abort();
+    }
+
+    fn invalid(&self, op: OpKind, reason: String) -> CudaError {
+        CudaError::InvalidArgument {
+            rank: self.rank,
+            op,
+            reason,
+        }
+    }
+
+    fn span<T: Element>(&self, op: OpKind, b: &DeviceBuffer<T>) -> Result<DevSpan> {
+        if b.context().ordinal() != self.ctx.ordinal() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "buffer on device {} but the communicator uses device {}",
+                    b.context().ordinal(),
+                    self.ctx.ordinal()
+                ),
+            ));
+        }
+        Ok(DevSpan {
+            ptr: b.device_ptr(),
+            bytes: b.byte_len(),
+        })
+    }
+
+    /// Enqueues `call` with raw device addresses.
+    ///
+    /// # Safety
+    /// `send` (if any) and `recv` must be device memory of this communicator's device, valid for
+    /// the given number of bytes until `stream` has passed the operation, and `stream` must be
+    /// the caller's stream of this context.
+    pub unsafe fn enqueue_raw(
+        &self,
+        call: RawOp,
+        send: Option<(u64, usize)>,
+        recv: (u64, usize),
+        stream: &Stream,
+    ) -> Result<()> {
+        self.enqueue(
+            call,
+            send.map(|(ptr, bytes)| DevSpan { ptr, bytes }),
+            DevSpan {
+                ptr: recv.0,
+                bytes: recv.1,
+            },
+            stream,
+        )
+    }
+
+    fn enqueue(
+        &self,
+        call: RawOp,
+        send: Option<DevSpan>,
+        recv: DevSpan,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.shared.check()?;
+        if stream.context().ordinal() != self.ctx.ordinal() {
+            return Err(self.invalid(call.kind, "stream of another device".into()));
+        }
+        let plan = plan(
+            self.rank,
+            self.size,
+            &call,
+            send.map(|s| s.bytes),
+            recv.bytes,
+        )
+        .map_err(|r| self.invalid(call.kind, r))?;
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let r = match self.transport {
+            Transport::Ipc => self.enqueue_ipc(&call, send, recv, &plan, stream),
+            Transport::Staged => self.enqueue_staged(seq, call, send, recv, stream),
+        };
+        r.map_err(|e| {
+            let e = match e {
+                e @ (CudaError::InvalidArgument { .. } | CudaError::Poisoned { .. }) => e,
+                other => CudaError::Collective {
+                    rank: self.rank,
+                    op: call.kind,
+                    seq,
+                    detail: other.to_string(),
+                },
+            };
+            if !matches!(e, CudaError::InvalidArgument { .. }) {
+                self.shared.poison(&e);
+                if let Some(ipc) = &self.ipc {
+                    let g = ipc.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = g.release_all();
+                }
+            }
+            e
+        })
+    }
+
+    fn enqueue_ipc(
+        &self,
+        call: &RawOp,
+        send: Option<DevSpan>,
+        recv: DevSpan,
+        plan: &Plan,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (r, n, count) = (self.rank, self.size, call.count);
+        if count == 0 {
+            return Ok(());
+        }
+        let mut ipc = self
+            .ipc
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+            .ok_or_else(|| CudaError::Other("IPC transport without IPC state".into()))?;
+        let es = call.dtype.size();
+        let slice = (ipc.slot_bytes / es).max(1);
+        let in_place = send.is_none();
+        let mut input = match send {
+            Some(s) => s.ptr,
+            None => recv.ptr + plan.input_offset as u64,
+        };
+        let output = recv.ptr + plan.output_offset as u64;
+        let kernels = self.ctx.kernels()?;
+        // PreMulSum: scale this rank's input once, into a buffer of our own.
+        if let ReduceOp::PreMulSum(factor) = call.op {
+            if has_reduction(call.kind) {
+                let elems = plan.input_len / es;
+                let scaled = ipc.prescale_buffer(plan.input_len)?;
+                kernels.scale(call.dtype, scaled, input, factor, elems, stream.as_raw())?;
+                input = scaled;
+            }
+        }
+        let sched = match call.kind {
+            OpKind::AllReduce => schedule::ring_all_reduce(r, n, count, slice),
+            OpKind::Reduce => schedule::chain_reduce(r, n, call.root, count, slice),
+            OpKind::Broadcast => schedule::chain_broadcast(r, n, call.root, count, slice),
+            OpKind::AllGather => schedule::ring_all_gather(r, n, count, slice),
+            OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
+            OpKind::AllToAll => schedule::pairwise_all_to_all(r, n, count, slice, in_place),
+            OpKind::Barrier | OpKind::SendRecv => {
+                return Err(self.invalid(call.kind, "not a device collective".into()))
+            }
+        }
+        .map_err(|e| self.invalid(call.kind, e.to_string()))?;
+        ipc.enqueue(
+            &sched,
+            call.dtype,
+            call.op.combiner(),
+            input,
+            output,
+            stream,
+        )?;
+        // Avg: divide the reduced result once.
+        if call.op == ReduceOp::Avg && has_reduction(call.kind) {
+            let out_elems = match call.kind {
+                OpKind::Reduce if call.root != r => 0,
+                _ => count,
+            };
+            kernels.divide(call.dtype, output, n, out_elems, stream.as_raw())?;
+        }
+        Ok(())
+    }
+
+    fn enqueue_staged(
+        &self,
+        seq: u64,
+        call: RawOp,
+        send: Option<DevSpan>,
+        recv: DevSpan,
+        stream: &Stream,
+    ) -> Result<()> {
+        let proxy = self
+            .proxy
+            .as_ref()
+            .ok_or_else(|| CudaError::Other("staged transport without proxy".into()))?;
+        let ready = self.ctx.event(false)?;
+        ready.record(stream)?;
+        let ticket = proxy
+            .tickets
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
+        let done = Arc::new((Mutex::new(None), Condvar::new()));
+        if proxy.mem_ops {
+            // SAFETY: flag_dev maps the pinned release counter, alive as long as the proxy (the
+            // Drop of DeviceComm releases all tickets before freeing it).
+            check("cuStreamWaitValue32", unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream.as_raw(),
+                    proxy.flag_dev,
+                    ticket,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            })?;
+        }
+        let job = Job {
+            seq,
+            ticket,
+            op: call,
+            send,
+            recv,
+            ready,
+            done: done.clone(),
+        };
+        let tx = proxy.tx.lock().unwrap_or_else(|p| p.into_inner());
+        tx.as_ref()
+            .ok_or_else(|| CudaError::Other("proxy thread stopped".into()))?
+            .send(job)
+            .map_err(|_| CudaError::Other("proxy thread stopped".into()))?;
+        drop(tx);
+        if !proxy.mem_ops {
+            // No stream memory operations: complete the operation before returning.
+            let (m, cv) = &*done;
+            let timeout = self.host.timeout() * 2;
+            let g = m.lock().unwrap_or_else(|p| p.into_inner());
+            let (g, _) = cv
+                .wait_timeout_while(g, timeout, |r| r.is_none())
+                .unwrap_or_else(|p| p.into_inner());
+            match &*g {
+                Some(r) => r.clone()?,
+                None => return Err(CudaError::Other("proxy did not answer".into())),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The device-side shape of a call (same rules as the host communicator's).
+struct Plan {
+    input_offset: usize,
+    output_offset: usize,
+    input_len: usize,
+}
+
+fn has_reduction(k: OpKind) -> bool {
+    matches!(
+        k,
+        OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
+    )
+}
+
+fn plan(
+    rank: usize,
+    n: usize,
+    call: &RawOp,
+    send: Option<usize>,
+    recv: usize,
+) -> std::result::Result<Plan, String> {
+    let es = call.dtype.size();
+    if matches!(call.kind, OpKind::Reduce | OpKind::Broadcast) && call.root >= n {
+        return Err(format!("root {} is out of range for {n} ranks", call.root));
+    }
+    let count_bytes = call.count.checked_mul(es).ok_or("count overflows")?;
+    let all_bytes = count_bytes.checked_mul(n).ok_or("count overflows")?;
+    let is_root = call.root == rank;
+    let (input_len, output_len, in_off, out_off) = match call.kind {
+        OpKind::AllReduce => (count_bytes, count_bytes, 0, 0),
+        OpKind::Reduce => (count_bytes, if is_root { count_bytes } else { 0 }, 0, 0),
+        OpKind::Broadcast => (if is_root { count_bytes } else { 0 }, count_bytes, 0, 0),
+        OpKind::AllGather => (count_bytes, all_bytes, rank * count_bytes, 0),
+        OpKind::ReduceScatter => (all_bytes, count_bytes, 0, rank * count_bytes),
+        OpKind::AllToAll => (all_bytes, all_bytes, 0, 0),
+        OpKind::Barrier | OpKind::SendRecv => return Err("not a device collective".into()),
+    };
+    match send {
+        Some(s) => {
+            if s < input_len {
+                return Err(format!("send buffer has {s} bytes, expected {input_len}"));
+            }
+            if recv < output_len {
+                return Err(format!(
+                    "receive buffer has {recv} bytes, expected {output_len}"
+                ));
+            }
+            Ok(Plan {
+                input_offset: 0,
+                output_offset: 0,
+                input_len,
+            })
+        }
+        None => {
+            let whole = match call.kind {
+                OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => all_bytes,
+                _ => count_bytes,
+            };
+            if recv != whole {
+                return Err(format!("buffer has {recv} bytes, expected {whole}"));
+            }
+            Ok(Plan {
+                input_offset: in_off,
+                output_offset: out_off,
+                input_len,
+            })
+        }
+    }
+}
+
+/// Checks that a GPU with PCI bus id `bus` can be reached from `ctx`'s GPU by peer access.
+fn peer_reachable(ctx: &Context, bus: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(bus) else {
+        return false;
+    };
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: driver initialised (a Context exists); `c` is NUL-terminated; `dev` is an out
+    // pointer.
+    let r = unsafe { sys::cuDeviceGetByPCIBusId(&mut dev, c.as_ptr()) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return false;
+    }
+    crate::driver::p2p_link(ctx.device(), dev).is_ok_and(|l| l.access)
+}
+
+impl Proxy {
+    fn start(
+        ctx: &Context,
+        host: &Arc<Communicator>,
+        shared: &Arc<Shared>,
+        mem_ops: bool,
+    ) -> Result<Proxy> {
+        let flag = Arc::new(PinnedBuffer::new(ctx, 64)?);
+        let flag_dev = flag.device_ptr()?;
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (ctx2, host2, shared2, flag2) =
+            (ctx.clone(), host.clone(), shared.clone(), flag.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("weft-cuda-proxy-{}", host.rank()))
+            .spawn(move || proxy_loop(ctx2, host2, shared2, flag2, rx))
+            .map_err(|e| CudaError::Other(format!("cannot start the proxy thread: {e}")))?;
+        Ok(Proxy {
+            tx: Mutex::new(Some(tx)),
+            thread: Some(thread),
+            flag,
+            flag_dev,
+            tickets: AtomicU32::new(0),
+            mem_ops,
+        })
+    }
+}
+
+/// The release counter inside the pinned flag buffer.
+fn release_counter(flag: &PinnedBuffer) -> &AtomicU32 {
+    // SAFETY: the buffer holds at least 4 bytes of pinned memory, page aligned (so aligned for
+    // u32), alive as long as `flag`; it is only accessed atomically by the host and read by the
+    // GPU's wait operations.
+    unsafe { &*(flag.host_ptr() as *const AtomicU32) }
+}
+
+fn proxy_loop(
+    ctx: Context,
+    host: Arc<Communicator>,
+    shared: Arc<Shared>,
+    flag: Arc<PinnedBuffer>,
+    rx: mpsc::Receiver<Job>,
+) {
+    let mut staging: Option<(PinnedBuffer, PinnedBuffer)> = None;
+    let stream = ctx.bind().and_then(|_| ctx.stream());
+    for job in rx {
+        let r = match (&stream, shared.check()) {
+            (_, Err(e)) => Err(e),
+            (Err(e), _) => Err(e.clone()),
+            (Ok(s), Ok(())) => run_staged(&ctx, &host, s, &mut staging, &job),
+        };
+        let r = r.map_err(|e| match e {
+            e @ CudaError::Poisoned { .. } => e,
+            other => CudaError::Collective {
+                rank: host.rank(),
+                op: job.op.kind,
+                seq: job.seq,
+                detail: other.to_string(),
+            },
+        });
+        if let Err(e) = &r {
+            shared.poison(e);
+        }
+        // Release the caller's stream whatever happened (an error is reported by the
+        // communicator; the output of this operation is then garbage).
+        release_counter(&flag).store(job.ticket, Ordering::Release);
+        let (m, cv) = &*job.done;
+        *m.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        cv.notify_all();
+    }
+}
+
+fn grow(ctx: &Context, b: &mut PinnedBuffer, bytes: usize) -> Result<()> {
+    if b.len() < bytes {
+        *b = PinnedBuffer::new(ctx, bytes)?;
+    }
+    Ok(())
+}
+
+fn run_staged(
+    ctx: &Context,
+    host: &Communicator,
+    stream: &Stream,
+    staging: &mut Option<(PinnedBuffer, PinnedBuffer)>,
+    job: &Job,
+) -> Result<()> {
+    let timeout = host.timeout();
+    job.ready.synchronize(timeout)?;
+    if staging.is_none() {
+        *staging = Some((
+            PinnedBuffer::new(ctx, 1 << 20)?,
+            PinnedBuffer::new(ctx, 1 << 20)?,
+        ));
+    }
+    let (sin, sout) = staging
+        .as_mut()
+        .ok_or_else(|| CudaError::Other("no staging".into()))?;
+    let send_bytes = job.send.map_or(0, |s| s.bytes);
+    grow(ctx, sin, send_bytes)?;
+    grow(ctx, sout, job.recv.bytes)?;
+    ctx.bind()?;
+    let d2h = |dst: &mut PinnedBuffer, src: DevSpan| -> Result<()> {
+        if src.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: `dst` holds at least src.bytes (grown above); `src` is valid device memory
+        // per the enqueue contract; completion is awaited below before the bytes are used.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.host_ptr().cast(), src.ptr, src.bytes, stream.as_raw())
+        })
+    };
+    match job.send {
+        Some(s) => d2h(sin, s)?,
+        None => d2h(sout, job.recv)?,
+    }
+    stream.synchronize(timeout)?;
+    let recv = &mut sout.as_mut_slice()[..job.recv.bytes];
+    match job.send {
+        Some(s) => host.execute_raw(job.op, Some(&sin.as_slice()[..s.bytes]), recv)?,
+        None => host.execute_raw(job.op, None, recv)?,
+    }
+    let untouched = job.op.kind == OpKind::Reduce && job.op.root != host.rank();
+    if !untouched && job.recv.bytes > 0 {
+        // SAFETY: as above, host to device; `sout` outlives the synchronize below.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                job.recv.ptr,
+                sout.host_ptr().cast(),
+                job.recv.bytes,
+                stream.as_raw(),
+            )
+        })?;
+    }
+    stream.synchronize(timeout)
+}
+
+impl Drop for DeviceComm {
+    fn drop(&mut self) {
+        if let Some(mut p) = self.proxy.take() {
+            // Close the queue; the thread finishes the queued jobs (each bounded by the
+            // timeout) and exits.
+            drop(p.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+            // Release any stream still waiting on a ticket that was never processed.
+            release_counter(&p.flag).store(
+                u32::MAX / 2 + p.tickets.load(Ordering::Relaxed),
+                Ordering::Release,
+            );
+        }
+    }
+}
+
+macro_rules! collective {
+    ($(#[$m:meta])* $name:ident, $ip:ident, $blocking:ident, $kind:expr, count: |$n:ident, $s:ident, $r:ident| $count:expr $(, $arg:ident : $ty:ty => $set:ident)*) => {
+        $(#[$m])*
+        pub fn $name<T: Element>(
+            &self,
+            send: &DeviceBuffer<T>,
+            recv: &mut DeviceBuffer<T>,
+            $($arg: $ty,)*
+            stream: &Stream,
+        ) -> Result<()> {
+            let ($n, $s, $r) = (self.size, send.len(), recv.len());
+            let call = RawOp::new($kind, T::DTYPE, $count)$(.$set($arg))*;
+            let (s, r) = (self.span(call.kind, send)?, self.span(call.kind, recv)?);
+            self.enqueue(call, Some(s), r, stream)
+        }
+
+        /// In-place form of the collective above (NCCL's in-place layout: all-gather and
+        /// reduce-scatter use block `rank` of the buffer).
+        pub fn $ip<T: Element>(
+            &self,
+            buf: &mut DeviceBuffer<T>,
+            $($arg: $ty,)*
+            stream: &Stream,
+        ) -> Result<()> {
+            let $n = self.size;
+            let ($s, $r) = (buf.len(), buf.len());
+            let _ = $s;
+            let call = RawOp::new($kind, T::DTYPE, in_place_count($kind, $n, $r))$(.$set($arg))*;
+            let b = self.span(call.kind, buf)?;
+            self.enqueue(call, None, b, stream)
+        }
+
+        /// Blocking form: enqueues on `stream`, then waits for it (within the timeout).
+        pub fn $blocking<T: Element>(
+            &self,
+            send: &DeviceBuffer<T>,
+            recv: &mut DeviceBuffer<T>,
+            $($arg: $ty,)*
+            stream: &Stream,
+        ) -> Result<()> {
+            self.$name(send, recv, $($arg,)* stream)?;
+            self.synchronize(stream)
+        }
+    };
+}
+
+/// Elements per rank of an in-place call on a buffer of `len` elements.
+fn in_place_count(kind: OpKind, n: usize, len: usize) -> usize {
+    match kind {
+        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => len / n.max(1),
+        _ => len,
+    }
+}
+
+impl DeviceComm {
+    collective!(
+        /// All-reduce: every rank's `recv` holds the reduction of all `send`s.
+        all_reduce, all_reduce_in_place, all_reduce_blocking, OpKind::AllReduce,
+        count: |_n, _s, r| r, op: ReduceOp => with_op
+    );
+    collective!(
+        /// Reduce: `root`'s `recv` holds the reduction (others' `recv` is not written).
+        reduce, reduce_in_place, reduce_blocking, OpKind::Reduce,
+        count: |_n, s, _r| s, op: ReduceOp => with_op, root: usize => with_root
+    );
+    collective!(
+        /// Broadcast of `root`'s `send` into every `recv`.
+        broadcast, broadcast_in_place, broadcast_blocking, OpKind::Broadcast,
+        count: |_n, _s, r| r, root: usize => with_root
+    );
+    collective!(
+        /// All-gather: `recv` (n × count) holds every rank's `send` (count) in rank order.
+        all_gather, all_gather_in_place, all_gather_blocking, OpKind::AllGather,
+        count: |_n, s, _r| s
+    );
+    collective!(
+        /// Reduce-scatter: `recv` (count) holds block `rank` of the reduction of the `send`s
+        /// (n × count).
+        reduce_scatter, reduce_scatter_in_place, reduce_scatter_blocking, OpKind::ReduceScatter,
+        count: |_n, _s, r| r, op: ReduceOp => with_op
+    );
+    collective!(
+        /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
+        all_to_all, all_to_all_in_place, all_to_all_blocking, OpKind::AllToAll,
+        count: |n, _s, r| r / n.max(1)
+    );
+
+    /// The data type of a call (for callers working with raw buffers).
+    pub fn dtype_of<T: Element>() -> DataType {
+        T::DTYPE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_follow_the_host_rules() {
+        let c = RawOp::new(OpKind::AllGather, DataType::Float32, 4);
+        let p = plan(1, 3, &c, None, 48).unwrap();
+        assert_eq!((p.input_offset, p.output_offset, p.input_len), (16, 0, 16));
+        assert!(plan(1, 3, &c, None, 44).is_err());
+        let c = RawOp::new(OpKind::ReduceScatter, DataType::Float64, 2);
+        let p = plan(2, 3, &c, None, 48).unwrap();
+        assert_eq!((p.input_offset, p.output_offset, p.input_len), (0, 32, 48));
+        let c = RawOp::new(OpKind::Reduce, DataType::Int8, 5).with_root(3);
+        assert!(plan(0, 3, &c, Some(5), 5).is_err());
+        let c = RawOp::new(OpKind::AllReduce, DataType::Int8, 5);
+        assert!(plan(0, 3, &c, Some(4), 5).is_err());
+        assert!(plan(0, 3, &c, Some(5), 4).is_err());
+        assert!(plan(
+            0,
+            3,
+            &RawOp::new(OpKind::Barrier, DataType::Int8, 0),
+            None,
+            0
+        )
+        .is_err());
+        assert_eq!(in_place_count(OpKind::AllToAll, 4, 12), 3);
+        assert_eq!(in_place_count(OpKind::Broadcast, 4, 12), 12);
+    }
+}

@@ -1,0 +1,30 @@
+//! weftcc on NVIDIA GPUs.
+//!
+//! * [`driver`]: the "is there a CUDA driver" guard in front of every driver call
+//!   ([`CudaError::NoDriver`] instead of cudarc's panic), devices, and the driver's P2P/NVLink
+//!   matrix ([`p2p_matrix`]).
+//! * [`Context`], [`Stream`], [`Event`], [`DeviceBuffer`], [`PinnedBuffer`]: owners of driver
+//!   handles, usable from any thread.
+//! * [`kernels`]: the reduction kernels for every data type and operation, CUDA C compiled once
+//!   per process with NVRTC.
+//! * [`DeviceComm`]: collectives on device buffers, enqueued on the caller's stream with NCCL's
+//!   semantics, over CUDA IPC between ranks of one host or staged through pinned host memory
+//!   into the host communicator otherwise.
+//!
+//! The crate is built with cudarc's `dynamic-loading`: it builds and its tests pass (skipping
+//! the GPU parts) on machines without CUDA.
+
+pub mod comm;
+pub mod driver;
+pub mod error;
+mod ipc;
+pub mod kernels;
+pub mod memory;
+
+pub use comm::{DeviceComm, Transport};
+pub use driver::{
+    device_count, device_info, devices, driver_present, driver_version, ensure_driver, p2p_matrix,
+    p2p_report, DeviceInfo, P2pLink,
+};
+pub use error::{CudaError, Result};
+pub use memory::{Context, DeviceBuffer, Event, MemoryKind, PinnedBuffer, Stream};
