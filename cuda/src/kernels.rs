@@ -10,6 +10,7 @@
 
 use crate::driver::{check, ensure_driver, ensure_nvrtc};
 use crate::error::{CudaError, Result};
+use crate::memory::{DeviceBuffer, Stream};
 use cudarc::driver::sys;
 use std::sync::OnceLock;
 use weftcc_collectives::{Combiner, DataType};
@@ -255,6 +256,87 @@ impl Drop for Kernels {
         // the context that owns us, whose primary context is still retained at this point).
         let _ = unsafe { sys::cuModuleUnload(self.module) };
     }
+}
+
+/// Checks that device buffers of one operation have the same length and device as `dst`.
+fn same_shape<T: weftcc_collectives::Element>(
+    dst: &DeviceBuffer<T>,
+    others: &[&DeviceBuffer<T>],
+    stream: &Stream,
+) -> Result<()> {
+    for o in others {
+        if o.len() != dst.len() || o.context().ordinal() != dst.context().ordinal() {
+            return Err(CudaError::Other(
+                "kernel operands differ in length or device".into(),
+            ));
+        }
+    }
+    if stream.context().ordinal() != dst.context().ordinal() {
+        return Err(CudaError::Other("stream of another device".into()));
+    }
+    Ok(())
+}
+
+/// Enqueues `dst = a ⊕ b` on `stream` with the NVRTC kernel (buffers of equal length on the
+/// stream's device; `dst` may not alias `a` or `b` here, the executor's in-place uses are
+/// element-wise safe but Rust's borrows forbid them in this API).
+pub fn reduce_on_device<T: weftcc_collectives::Element>(
+    comb: Combiner,
+    dst: &mut DeviceBuffer<T>,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    stream: &Stream,
+) -> Result<()> {
+    same_shape(dst, &[a, b], stream)?;
+    let k = dst.context().kernels()?;
+    k.reduce(
+        comb,
+        T::DTYPE,
+        dst.device_ptr(),
+        a.device_ptr(),
+        b.device_ptr(),
+        dst.len(),
+        stream.as_raw(),
+    )
+}
+
+/// Enqueues `dst = src × factor` (PreMulSum's scaling) on `stream`.
+pub fn scale_on_device<T: weftcc_collectives::Element>(
+    dst: &mut DeviceBuffer<T>,
+    src: &DeviceBuffer<T>,
+    factor: f64,
+    stream: &Stream,
+) -> Result<()> {
+    same_shape(dst, &[src], stream)?;
+    let k = dst.context().kernels()?;
+    k.scale(
+        T::DTYPE,
+        dst.device_ptr(),
+        src.device_ptr(),
+        factor,
+        dst.len(),
+        stream.as_raw(),
+    )
+}
+
+/// Enqueues `buf = buf / divisor` (Avg's division) on `stream`.
+pub fn divide_on_device<T: weftcc_collectives::Element>(
+    buf: &mut DeviceBuffer<T>,
+    divisor: usize,
+    stream: &Stream,
+) -> Result<()> {
+    same_shape(buf, &[], stream)?;
+    if divisor == 0 {
+        return Err(CudaError::Other("division by zero".into()));
+    }
+    let k = buf.context().kernels()?;
+    k.divide(
+        T::DTYPE,
+        buf.device_ptr(),
+        divisor,
+        buf.len(),
+        stream.as_raw(),
+    )
 }
 
 #[cfg(test)]

@@ -1,0 +1,600 @@
+//! GPU tests. Without a CUDA driver (or device) every test prints "skipped: no CUDA driver" and
+//! passes. With one, they run:
+//! * every reduction kernel (all types × sum/prod/min/max, scale, divide) on the device against
+//!   the CPU kernels of weftcc-collectives, bit for bit;
+//! * the correctness matrix over CUDA IPC: collectives × data types × reductions × in/out of
+//!   place × sizes (single element, odd, several IPC slots), 2, 3 and 4 ranks as processes
+//!   sharing the visible GPUs (rank r uses GPU r mod count), each result checked against a
+//!   host reference computed with the CPU kernels;
+//! * the same matrix (smaller) over the staged transport (`WEFT_CUDA_IPC=0`);
+//! * stream semantics: results visible to later work on the same stream without a host
+//!   synchronisation, and many operations in flight back to back.
+//!
+//! The rank processes are this test binary itself, started with the ignored `child` test
+//! selected and the case named in `WEFT_CUDA_TEST_CHILD`.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use weftcc_collectives::reduce;
+use weftcc_collectives::{Combiner, Communicator, DataType, Element, OpKind, ReduceOp, UniqueId};
+use weftcc_cuda::kernels::{divide_on_device, reduce_on_device, scale_on_device};
+use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream, Transport};
+
+const CHILD: &str = "WEFT_CUDA_TEST_CHILD";
+
+/// True (after printing why) when there is no GPU to test on.
+fn skip() -> bool {
+    match weftcc_cuda::device_count() {
+        Ok(n) if n > 0 => false,
+        Ok(_) => {
+            println!("skipped: no CUDA device");
+            true
+        }
+        Err(CudaError::NoDriver(why)) => {
+            println!("skipped: no CUDA driver ({why})");
+            true
+        }
+        Err(e) => panic!("device enumeration failed with a driver present: {e}"),
+    }
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// Runs `case` on `n` rank processes and fails if any of them fails.
+fn run_ranks(case: &str, n: usize, env: &[(&str, &str)]) {
+    let exe = std::env::current_exe().expect("test binary");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut kids: Vec<_> = (0..n)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args(["child", "--exact", "--ignored", "--nocapture"])
+                .env(CHILD, case)
+                .env("WEFT_TEST_RANK", r.to_string())
+                .env("WEFT_TEST_SIZE", n.to_string())
+                .env("WEFT_TEST_ADDR", &addr)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn().expect("spawn a rank")
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let mut failed = Vec::new();
+    for (r, kid) in kids.iter_mut().enumerate() {
+        loop {
+            match kid.try_wait().expect("wait for a rank") {
+                Some(status) => {
+                    if !status.success() {
+                        failed.push(r);
+                    }
+                    break;
+                }
+                None if Instant::now() > deadline => {
+                    let _ = kid.kill();
+                    failed.push(r);
+                    break;
+                }
+                None => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+    let mut report = String::new();
+    for (r, kid) in kids.into_iter().enumerate() {
+        let out = kid.wait_with_output().expect("rank output");
+        report += &format!(
+            "--- rank {r} ---\n{}{}\n",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(
+        failed.is_empty(),
+        "{case} with {n} ranks: ranks {failed:?} failed\n{report}"
+    );
+    println!("{case} with {n} ranks: ok");
+}
+
+#[test]
+#[ignore = "entry point of the rank processes the GPU tests start; does nothing on its own"]
+fn child() {
+    let Ok(case) = std::env::var(CHILD) else {
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} not set"));
+    let rank: usize = var("WEFT_TEST_RANK").parse().expect("rank");
+    let size: usize = var("WEFT_TEST_SIZE").parse().expect("size");
+    let id = UniqueId {
+        addr: var("WEFT_TEST_ADDR"),
+        token: "weft-cuda-test".into(),
+    };
+    let host = Communicator::init(rank, size, &id).expect("host communicator");
+    let ndev = weftcc_cuda::device_count().expect("devices");
+    let ctx = Context::new(rank % ndev).expect("context");
+    let comm = DeviceComm::new(host, ctx.clone()).expect("device communicator");
+    let stream = ctx.stream().expect("stream");
+    match case.as_str() {
+        "ipc-matrix" => {
+            assert_eq!(
+                comm.transport(),
+                Transport::Ipc,
+                "expected the IPC transport"
+            );
+            matrix(&comm, &ctx, &stream, true);
+        }
+        "staged-matrix" => {
+            assert_eq!(comm.transport(), Transport::Staged);
+            matrix(&comm, &ctx, &stream, false);
+        }
+        "stream-order" => stream_order(&comm, &ctx, &stream),
+        other => panic!("unknown case {other}"),
+    }
+    comm.host().barrier().expect("final barrier");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host reference.
+
+/// Rank `r`'s input element `i`: small integers, so every reduction order gives exact results
+/// in every type (sums ≤ 4 × 4 × 4, products ≤ 3^4).
+fn value(op: ReduceOp, r: usize, i: usize) -> f64 {
+    match op {
+        ReduceOp::Prod => ((r * 5 + i * 3) % 3 + 1) as f64,
+        _ => ((r * 3 + i * 7) % 5) as f64,
+    }
+}
+
+fn to_bytes(t: DataType, v: f64) -> Vec<u8> {
+    match t {
+        DataType::Int8 => (v as i8).to_le_bytes().to_vec(),
+        DataType::Uint8 => (v as u8).to_le_bytes().to_vec(),
+        DataType::Int32 => (v as i32).to_le_bytes().to_vec(),
+        DataType::Uint32 => (v as u32).to_le_bytes().to_vec(),
+        DataType::Int64 => (v as i64).to_le_bytes().to_vec(),
+        DataType::Uint64 => (v as u64).to_le_bytes().to_vec(),
+        DataType::Float16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+        DataType::Float32 => (v as f32).to_le_bytes().to_vec(),
+        DataType::Float64 => v.to_le_bytes().to_vec(),
+        DataType::Bfloat16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
+    }
+}
+
+fn input(t: DataType, op: ReduceOp, r: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .flat_map(|i| to_bytes(t, value(op, r, i)))
+        .collect()
+}
+
+/// PreMulSum's scalar of rank `r` (differs between ranks, as NCCL allows).
+fn premul(r: usize) -> f64 {
+    (r + 1) as f64
+}
+
+/// The reduction of every rank's `len`-element input, with the CPU kernels.
+fn reduced(t: DataType, op: ReduceOp, n: usize, len: usize) -> Vec<u8> {
+    let scaled = |r: usize| {
+        let x = input(t, op, r, len);
+        match op {
+            ReduceOp::PreMulSum(_) => {
+                let mut y = vec![0u8; x.len()];
+                reduce::scale_into(t, &mut y, &x, premul(r)).expect("scale");
+                y
+            }
+            _ => x,
+        }
+    };
+    let mut acc = scaled(0);
+    for r in 1..n {
+        reduce::reduce_in_place(t, op.combiner(), &mut acc, &scaled(r)).expect("reduce");
+    }
+    if op == ReduceOp::Avg {
+        reduce::divide_in_place(t, &mut acc, n).expect("divide");
+    }
+    acc
+}
+
+/// What `me`'s receive buffer must hold afterwards (None: must be left untouched).
+fn expected(
+    kind: OpKind,
+    t: DataType,
+    op: ReduceOp,
+    n: usize,
+    me: usize,
+    count: usize,
+    root: usize,
+) -> Option<Vec<u8>> {
+    let es = t.size();
+    match kind {
+        OpKind::AllReduce => Some(reduced(t, op, n, count)),
+        OpKind::Reduce => (me == root).then(|| reduced(t, op, n, count)),
+        OpKind::Broadcast => Some(input(t, op, root, count)),
+        OpKind::AllGather => Some((0..n).flat_map(|r| input(t, op, r, count)).collect()),
+        OpKind::ReduceScatter => {
+            Some(reduced(t, op, n, count * n)[me * count * es..(me + 1) * count * es].to_vec())
+        }
+        OpKind::AllToAll => Some(
+            (0..n)
+                .flat_map(|r| {
+                    input(t, op, r, count * n)[me * count * es..(me + 1) * count * es].to_vec()
+                })
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The matrix.
+
+const KINDS: [OpKind; 6] = [
+    OpKind::AllReduce,
+    OpKind::Reduce,
+    OpKind::Broadcast,
+    OpKind::AllGather,
+    OpKind::ReduceScatter,
+    OpKind::AllToAll,
+];
+
+fn reduces(k: OpKind) -> bool {
+    matches!(
+        k,
+        OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
+    )
+}
+
+fn matrix(comm: &DeviceComm, ctx: &Context, stream: &Stream, full: bool) {
+    let n = comm.size();
+    let me = comm.rank();
+    let mut cases = 0usize;
+    for kind in KINDS {
+        let ops: Vec<ReduceOp> = if reduces(kind) {
+            vec![
+                ReduceOp::Sum,
+                ReduceOp::Prod,
+                ReduceOp::Min,
+                ReduceOp::Max,
+                ReduceOp::Avg,
+                ReduceOp::PreMulSum(premul(me)),
+            ]
+        } else {
+            vec![ReduceOp::Sum]
+        };
+        let types: Vec<DataType> = if full {
+            DataType::ALL.to_vec()
+        } else {
+            vec![DataType::Int8, DataType::Float32, DataType::Bfloat16]
+        };
+        for &t in &types {
+            for &op in &ops {
+                // One element, an odd count, and (for the common types) several IPC slots of
+                // the default 1 MiB per rank's block.
+                let mut counts = vec![1usize, 1037];
+                if matches!(t, DataType::Float32 | DataType::Int8) && op == ReduceOp::Sum {
+                    counts.push((3 << 20) / t.size() + 5);
+                }
+                for &count in &counts {
+                    for in_place in [false, true] {
+                        let root = n - 1;
+                        one_case(comm, ctx, stream, kind, t, op, count, root, in_place);
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("rank {me}: {cases} cases right");
+}
+
+macro_rules! typed {
+    ($t:expr, $f:ident($($a:expr),*)) => {
+        match $t {
+            DataType::Int8 => $f::<i8>($($a),*),
+            DataType::Uint8 => $f::<u8>($($a),*),
+            DataType::Int32 => $f::<i32>($($a),*),
+            DataType::Uint32 => $f::<u32>($($a),*),
+            DataType::Int64 => $f::<i64>($($a),*),
+            DataType::Uint64 => $f::<u64>($($a),*),
+            DataType::Float16 => $f::<half::f16>($($a),*),
+            DataType::Float32 => $f::<f32>($($a),*),
+            DataType::Float64 => $f::<f64>($($a),*),
+            DataType::Bfloat16 => $f::<half::bf16>($($a),*),
+        }
+    };
+}
+
+#[allow(clippy::too_many_arguments)]
+fn one_case(
+    comm: &DeviceComm,
+    ctx: &Context,
+    stream: &Stream,
+    kind: OpKind,
+    t: DataType,
+    op: ReduceOp,
+    count: usize,
+    root: usize,
+    in_place: bool,
+) {
+    typed!(
+        t,
+        run_case(comm, ctx, stream, kind, op, count, root, in_place)
+    )
+}
+
+fn upload<T: Element>(ctx: &Context, bytes: &[u8]) -> DeviceBuffer<T> {
+    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+    ctx.upload(&v).expect("upload")
+}
+
+fn download<T: Element>(b: &DeviceBuffer<T>) -> Vec<u8> {
+    bytemuck::cast_slice(&b.to_vec().expect("download")).to_vec()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_case<T: Element>(
+    comm: &DeviceComm,
+    ctx: &Context,
+    stream: &Stream,
+    kind: OpKind,
+    op: ReduceOp,
+    count: usize,
+    root: usize,
+    in_place: bool,
+) {
+    let (n, me) = (comm.size(), comm.rank());
+    let t = T::DTYPE;
+    let es = t.size();
+    let all = count * n;
+    let (send_len, recv_len) = match kind {
+        OpKind::AllGather => (count, all),
+        OpKind::ReduceScatter => (all, count),
+        OpKind::AllToAll => (all, all),
+        _ => (count, count),
+    };
+    let what = format!(
+        "{kind} {t} {op} count {count} {}",
+        if in_place { "in place" } else { "out of place" }
+    );
+    // A sentinel the results never take (they are small non-negative integers or wrap).
+    let sentinel = to_bytes(t, 99.0);
+    let mine = input(t, op, me, send_len);
+    let got = if in_place {
+        let whole = match kind {
+            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => all,
+            _ => count,
+        };
+        let mut init: Vec<u8> = sentinel.repeat(whole);
+        match kind {
+            OpKind::AllGather => {
+                init[me * count * es..(me + 1) * count * es].copy_from_slice(&mine)
+            }
+            _ => init.copy_from_slice(&mine),
+        }
+        let mut buf = upload::<T>(ctx, &init);
+        let r = match kind {
+            OpKind::AllReduce => comm.all_reduce_in_place(&mut buf, op, stream),
+            OpKind::Reduce => comm.reduce_in_place(&mut buf, op, root, stream),
+            OpKind::Broadcast => comm.broadcast_in_place(&mut buf, root, stream),
+            OpKind::AllGather => comm.all_gather_in_place(&mut buf, stream),
+            OpKind::ReduceScatter => comm.reduce_scatter_in_place(&mut buf, op, stream),
+            _ => comm.all_to_all_in_place(&mut buf, stream),
+        };
+        r.and_then(|_| comm.synchronize(stream))
+            .unwrap_or_else(|e| panic!("rank {me}: {what}: {e}"));
+        let b = download(&buf);
+        match kind {
+            OpKind::ReduceScatter => b[me * count * es..(me + 1) * count * es].to_vec(),
+            // Reduce in place on a non-root: the buffer is the input, unchanged.
+            OpKind::Reduce if me != root => {
+                assert_eq!(b, mine, "rank {me}: {what}: non-root buffer changed");
+                return;
+            }
+            _ => b,
+        }
+    } else {
+        let send = upload::<T>(ctx, &mine);
+        let mut recv = upload::<T>(ctx, &sentinel.repeat(recv_len));
+        let r = match kind {
+            OpKind::AllReduce => comm.all_reduce(&send, &mut recv, op, stream),
+            OpKind::Reduce => comm.reduce(&send, &mut recv, op, root, stream),
+            OpKind::Broadcast => comm.broadcast(&send, &mut recv, root, stream),
+            OpKind::AllGather => comm.all_gather(&send, &mut recv, stream),
+            OpKind::ReduceScatter => comm.reduce_scatter(&send, &mut recv, op, stream),
+            _ => comm.all_to_all(&send, &mut recv, stream),
+        };
+        r.and_then(|_| comm.synchronize(stream))
+            .unwrap_or_else(|e| panic!("rank {me}: {what}: {e}"));
+        download(&recv)
+    };
+    match expected(kind, t, op, n, me, count, root) {
+        Some(want) => {
+            if got != want {
+                let bad = got
+                    .chunks(es)
+                    .zip(want.chunks(es))
+                    .position(|(g, w)| g != w)
+                    .unwrap_or(0);
+                panic!(
+                    "rank {me}: {what}: element {bad} is {:?}, expected {:?}",
+                    &got[bad * es..(bad + 1) * es],
+                    &want[bad * es..(bad + 1) * es]
+                );
+            }
+        }
+        None => assert_eq!(
+            got,
+            sentinel.repeat(recv_len),
+            "rank {me}: {what}: receive buffer of a non-root was written"
+        ),
+    }
+}
+
+/// Results are visible to later work on the same stream with no host synchronisation between,
+/// and many operations can be in flight at once.
+fn stream_order(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
+    let (n, me) = (comm.size(), comm.rank());
+    let len = (5 << 20) / 4 + 3;
+    let x: Vec<f32> = (0..len).map(|i| ((i + me) % 3) as f32).collect();
+    let mut buf = ctx.upload(&x).expect("upload");
+    let mut copy = ctx.alloc::<f32>(len).expect("alloc");
+    const ROUNDS: usize = 6;
+    for _ in 0..ROUNDS {
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, stream)
+            .expect("enqueue");
+    }
+    // Ordered after the collectives by the stream alone.
+    copy.copy_from_device(&buf, stream).expect("enqueue copy");
+    comm.synchronize(stream).expect("synchronize");
+    let got = copy.to_vec().expect("download");
+    for (i, g) in got.iter().enumerate() {
+        let base: f32 = (0..n).map(|r| ((i + r) % 3) as f32).sum();
+        let want = base * (n as f32).powi(ROUNDS as i32 - 1);
+        assert_eq!(*g, want, "rank {me}: element {i}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests.
+
+#[test]
+fn kernels_match_the_cpu_kernels_on_the_device() {
+    if skip() {
+        return;
+    }
+    let ctx = Context::new(0).expect("context");
+    let stream = ctx.stream().expect("stream");
+    for t in DataType::ALL {
+        typed!(t, kernel_case(&ctx, &stream));
+    }
+}
+
+fn noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+fn same(t: DataType, a: &[u8], b: &[u8]) -> bool {
+    a == b
+        || (t.is_float() && {
+            let f = |x: &[u8]| match t {
+                DataType::Float16 => half::f16::from_le_bytes([x[0], x[1]]).to_f64(),
+                DataType::Bfloat16 => half::bf16::from_le_bytes([x[0], x[1]]).to_f64(),
+                DataType::Float32 => f32::from_le_bytes(x.try_into().expect("4")) as f64,
+                _ => f64::from_le_bytes(x.try_into().expect("8")),
+            };
+            let (x, y) = (f(a), f(b));
+            (x.is_nan() && y.is_nan()) || (x == 0.0 && y == 0.0)
+        })
+}
+
+fn kernel_case<T: Element>(ctx: &Context, stream: &Stream) {
+    let t = T::DTYPE;
+    let es = t.size();
+    let n = 100_003;
+    let a = noise(3 + t.code() as u64, n * es);
+    let b = noise(5 + t.code() as u64, n * es);
+    let (da, db) = (upload::<T>(ctx, &a), upload::<T>(ctx, &b));
+    let mut out = ctx.alloc::<T>(n).expect("alloc");
+    let check = |what: &str, got: Vec<u8>, want: Vec<u8>| {
+        for (i, (g, w)) in got.chunks(es).zip(want.chunks(es)).enumerate() {
+            assert!(
+                same(t, g, w),
+                "{t} {what} element {i}: GPU {g:?}, CPU {w:?}"
+            );
+        }
+    };
+    for comb in [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max] {
+        reduce_on_device(comb, &mut out, &da, &db, stream).expect("launch");
+        stream.synchronize(Duration::from_secs(60)).expect("sync");
+        let mut want = vec![0u8; n * es];
+        reduce::reduce_into(t, comb, &mut want, &a, &b).expect("cpu");
+        check(&format!("{comb:?}"), download(&out), want);
+    }
+    scale_on_device(&mut out, &da, -2.5, stream).expect("launch");
+    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let mut want = vec![0u8; n * es];
+    reduce::scale_into(t, &mut want, &a, -2.5).expect("cpu");
+    check("scale", download(&out), want);
+    let mut buf = upload::<T>(ctx, &a);
+    divide_on_device(&mut buf, 3, stream).expect("launch");
+    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let mut want = a.clone();
+    reduce::divide_in_place(t, &mut want, 3).expect("cpu");
+    check("divide", download(&buf), want);
+}
+
+#[test]
+fn ipc_matrix_2_ranks() {
+    if skip() {
+        return;
+    }
+    run_ranks("ipc-matrix", 2, &[]);
+}
+
+#[test]
+fn ipc_matrix_3_and_4_ranks() {
+    if skip() {
+        return;
+    }
+    run_ranks("ipc-matrix", 3, &[]);
+    run_ranks("ipc-matrix", 4, &[]);
+}
+
+#[test]
+fn ipc_matrix_small_slots_deep_pipeline() {
+    if skip() {
+        return;
+    }
+    // 4 KiB slots, 2 deep: many messages per operation, slots reused constantly.
+    run_ranks(
+        "ipc-matrix",
+        2,
+        &[("WEFT_CUDA_SLOT_BYTES", "4K"), ("WEFT_CUDA_DEPTH", "2")],
+    );
+}
+
+#[test]
+fn staged_matrix_2_and_3_ranks() {
+    if skip() {
+        return;
+    }
+    run_ranks("staged-matrix", 2, &[("WEFT_CUDA_IPC", "0")]);
+    run_ranks("staged-matrix", 3, &[("WEFT_CUDA_IPC", "0")]);
+}
+
+#[test]
+fn results_follow_stream_order() {
+    if skip() {
+        return;
+    }
+    run_ranks("stream-order", 2, &[]);
+    run_ranks("stream-order", 3, &[("WEFT_CUDA_IPC", "0")]);
+}
+
+#[test]
+fn device_communicator_without_a_driver_is_a_clean_error() {
+    if weftcc_cuda::driver_present() {
+        println!("driver present: the no-driver path is covered by the unit test with the forced-absent probe");
+        return;
+    }
+    println!("skipped: no CUDA driver (checking the error path instead)");
+    match Context::new(0) {
+        Err(CudaError::NoDriver(msg)) => assert!(msg.contains("libcuda"), "{msg}"),
+        other => panic!("expected NoDriver, got {other:?}"),
+    }
+    assert!(matches!(
+        weftcc_cuda::p2p_report(),
+        Err(CudaError::NoDriver(_))
+    ));
+}
