@@ -473,3 +473,132 @@ impl Drop for IpcPeers {
         }
     }
 }
+
+/// The CUDA IPC handle of a device buffer, for another process of the same host
+/// (`cuIpcGetMemHandle`): 64 opaque bytes plus the buffer's length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle {
+    /// The driver's handle bytes.
+    pub bytes: [u8; HANDLE],
+    /// Bytes the mapping may address.
+    pub len: usize,
+}
+
+impl IpcHandle {
+    /// Exports `buf` (which must be a whole allocation, as every [`crate::DeviceBuffer`] is).
+    pub fn export<T: weftcc_collectives::Element>(
+        buf: &crate::DeviceBuffer<T>,
+    ) -> Result<IpcHandle> {
+        buf.context().bind()?;
+        Ok(IpcHandle {
+            bytes: mem_handle(buf.device_ptr())?,
+            len: buf.byte_len(),
+        })
+    }
+
+    /// Hex text (`len:hex`), for passing through an environment variable or a pipe.
+    pub fn to_text(&self) -> String {
+        let hex: String = self.bytes.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}:{hex}", self.len)
+    }
+
+    /// Parses [`IpcHandle::to_text`].
+    pub fn from_text(s: &str) -> Option<IpcHandle> {
+        let (len, hex) = s.split_once(':')?;
+        if hex.len() != 2 * HANDLE {
+            return None;
+        }
+        let mut bytes = [0u8; HANDLE];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(IpcHandle {
+            bytes,
+            len: len.parse().ok()?,
+        })
+    }
+}
+
+/// Another process's device buffer mapped into this one (`cuIpcOpenMemHandle`, with peer
+/// access enabled by the driver where the GPUs allow it). Closed on drop.
+pub struct IpcMapping {
+    ctx: Context,
+    ptr: u64,
+    len: usize,
+}
+
+impl IpcMapping {
+    /// Maps `handle` into `ctx`.
+    pub fn open(ctx: &Context, handle: &IpcHandle) -> Result<IpcMapping> {
+        ctx.bind()?;
+        Ok(IpcMapping {
+            ctx: ctx.clone(),
+            ptr: open_handle(&handle.bytes)?,
+            len: handle.len,
+        })
+    }
+
+    /// The mapped address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the mapping is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Enqueues a peer copy of `src` into the mapped memory at byte `offset` (the NVLink/PCIe
+    /// path between GPUs, or a device copy when both share one GPU).
+    pub fn copy_from<T: weftcc_collectives::Element>(
+        &self,
+        offset: usize,
+        src: &crate::DeviceBuffer<T>,
+        stream: &Stream,
+    ) -> Result<()> {
+        if offset
+            .checked_add(src.byte_len())
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(CudaError::Other("copy beyond the IPC mapping".into()));
+        }
+        self.ctx.bind()?;
+        copy_d2d(
+            stream,
+            self.ptr + offset as u64,
+            src.device_ptr(),
+            src.byte_len(),
+        )
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: opened by cuIpcOpenMemHandle in `open`, closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handle_text_round_trips() {
+        let mut bytes = [0u8; HANDLE];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i * 37) as u8;
+        }
+        let h = IpcHandle { bytes, len: 12345 };
+        assert_eq!(IpcHandle::from_text(&h.to_text()), Some(h));
+        assert_eq!(IpcHandle::from_text("12:00"), None);
+        assert_eq!(IpcHandle::from_text("x"), None);
+    }
+}

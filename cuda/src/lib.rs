@@ -17,7 +17,7 @@
 pub mod comm;
 pub mod driver;
 pub mod error;
-mod ipc;
+pub mod ipc;
 pub mod kernels;
 pub mod memory;
 
@@ -27,4 +27,5 @@ pub use driver::{
     p2p_report, DeviceInfo, P2pLink,
 };
 pub use error::{CudaError, Result};
+pub use ipc::{IpcHandle, IpcMapping};
 pub use memory::{Context, DeviceBuffer, Event, MemoryKind, PinnedBuffer, Stream};
