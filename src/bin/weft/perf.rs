@@ -15,6 +15,8 @@ pub mod baseline;
 pub mod plot;
 pub mod spec;
 
+mod cuda;
+
 use spec::{Collective, Measured, Pattern};
 
 const AFTER_HELP: &str = "\
@@ -85,6 +87,18 @@ pub struct PerfArgs {
     /// (repeatable).
     #[arg(long = "baseline", value_name = "FILE", requires = "plot")]
     pub baseline: Vec<std::path::PathBuf>,
+    /// Where the buffers live: `host` memory, or `cuda` device memory (one GPU per local rank).
+    #[arg(long = "device", value_enum, default_value = "host")]
+    pub device: DeviceKind,
+}
+
+/// Memory the benchmark's buffers live in.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Host memory (the CPU transports).
+    Host,
+    /// CUDA device memory (weftcc-cuda).
+    Cuda,
 }
 
 /// The parsed, validated options.
@@ -178,6 +192,9 @@ pub fn main(args: PerfArgs) -> i32 {
             return 2;
         }
     };
+    if args.device == DeviceKind::Cuda {
+        return cuda::main(&args, &opts);
+    }
     if !started_by_launcher() {
         let np = args.np as usize;
         if let Err(e) = check_ranks(&opts, np) {

@@ -1,0 +1,334 @@
+//! `weft perf --device cuda`: the same sweeps as the host benchmark, on GPU buffers, through
+//! `weftcc_cuda::DeviceComm` (CUDA IPC between the ranks of one host, staged through pinned
+//! host memory otherwise). Each rank uses GPU `local rank mod device count`. Operations are
+//! enqueued on one stream per rank and timed like nccl-tests: wall time of `-n` enqueued calls
+//! plus the final stream synchronisation.
+
+use std::io::Write;
+use std::time::Instant;
+
+use weftcc::{Communicator, DataType, ReduceOp};
+use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream};
+
+use super::spec::{self, Collective, Measured, Pattern};
+use super::{Num, Options, PerfArgs, Row};
+
+/// Entry point of `weft perf --device cuda` (after the options were parsed).
+pub(super) fn main(args: &PerfArgs, opts: &Options) -> i32 {
+    if let Err(e) = weftcc_cuda::ensure_driver() {
+        super::say(&format!("--device cuda: {e}"));
+        return 1;
+    }
+    if opts.collective == Collective::SendRecv {
+        super::say("--device cuda: sendrecv is not available on device buffers yet");
+        return 2;
+    }
+    if !super::started_by_launcher() {
+        let np = args.np as usize;
+        if let Err(e) = super::check_ranks(opts, np) {
+            super::say(&e);
+            return 2;
+        }
+        return super::self_launch(np);
+    }
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            super::say(&format!("cannot create the communicator: {e}"));
+            return 1;
+        }
+    };
+    if let Err(e) = super::check_ranks(opts, comm.size()) {
+        if comm.rank() == 0 {
+            super::say(&e);
+        }
+        return 2;
+    }
+    match run(comm, opts, args.json.as_deref()) {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            super::say(&e.to_string());
+            1
+        }
+    }
+}
+
+fn local_rank(comm: &Communicator) -> usize {
+    [
+        "WEFT_LOCAL_RANK",
+        "LOCAL_RANK",
+        "SLURM_LOCALID",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.parse().ok())
+    .unwrap_or(comm.rank())
+}
+
+fn run(
+    comm: Communicator,
+    opts: &Options,
+    json: Option<&std::path::Path>,
+) -> Result<bool, CudaError> {
+    let ndev = weftcc_cuda::device_count()?;
+    if ndev == 0 {
+        return Err(CudaError::Other("no CUDA device visible".into()));
+    }
+    let device = local_rank(&comm) % ndev;
+    let ranks = super::gather_ranks(&comm)?;
+    let ctx = Context::new(device)?;
+    let dcomm = DeviceComm::new(comm, ctx.clone())?;
+    let stream = ctx.stream()?;
+    let host = dcomm.host();
+    let (me, n) = (dcomm.rank(), dcomm.size());
+    // Device ordinals of every rank, for the header.
+    let mut devs = vec![0u64; n];
+    host.all_gather(&[device as u64][..], &mut devs[..])?;
+    let mut out = std::io::stdout().lock();
+    if me == 0 {
+        let info = weftcc_cuda::device_info(device)?;
+        let mut text = format!(
+            "# weft perf {} --device cuda: weftcc {}, {n} ranks, transport {:?}, driver {}\n",
+            opts.collective.name(),
+            env!("CARGO_PKG_VERSION"),
+            dcomm.transport(),
+            weftcc_cuda::driver_version()?
+        );
+        text += &format!(
+            "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0\n#\n# Using devices\n",
+            opts.min_bytes, opts.max_bytes, opts.step_text, opts.warmup, opts.iters, u8::from(opts.check),
+        );
+        for (r, (pid, _local, hostname)) in ranks.iter().enumerate() {
+            let line = spec::rank_line(r, *pid, hostname, devs[r]);
+            text += &line.replace("[cpu] host memory", &format!("[gpu] {}", info.name));
+            text.push('\n');
+        }
+        text += "#\n";
+        text += spec::COLUMN_HEADER;
+        let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+    }
+    let mut rows = Vec::new();
+    for &dtype in &opts.dtypes {
+        for &op in &opts.ops {
+            for &size in &opts.sizes {
+                let row = match dtype {
+                    DataType::Int8 => bench_size::<i8>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Uint8 => bench_size::<u8>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Int32 => bench_size::<i32>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Uint32 => bench_size::<u32>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Int64 => bench_size::<i64>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Uint64 => bench_size::<u64>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Float16 => {
+                        bench_size::<half::f16>(&dcomm, &ctx, &stream, opts, op, size)?
+                    }
+                    DataType::Float32 => bench_size::<f32>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Float64 => bench_size::<f64>(&dcomm, &ctx, &stream, opts, op, size)?,
+                    DataType::Bfloat16 => {
+                        bench_size::<half::bf16>(&dcomm, &ctx, &stream, opts, op, size)?
+                    }
+                };
+                let Some(row) = row else { continue };
+                if me == 0 {
+                    let line = spec::format_row(
+                        row.size,
+                        row.count,
+                        row.dtype.name(),
+                        row.op.map_or("none", |o| o.name()),
+                        row.root,
+                        &row.oop,
+                        &row.ip,
+                    );
+                    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+                }
+                rows.push(row);
+            }
+        }
+    }
+    let wrong: u64 = rows
+        .iter()
+        .map(|r| r.oop.wrong.unwrap_or(0) + r.ip.wrong.unwrap_or(0))
+        .sum();
+    if me == 0 {
+        let bw: Vec<f64> = rows
+            .iter()
+            .flat_map(|r| [r.oop.busbw, r.ip.busbw])
+            .collect();
+        let avg = if bw.is_empty() {
+            0.0
+        } else {
+            bw.iter().sum::<f64>() / bw.len() as f64
+        };
+        let _ = write!(out, "{}", spec::footer(opts.check.then_some(wrong), avg));
+        let _ = out.flush();
+        if let Some(path) = json {
+            let value: Vec<_> = rows.iter().map(|r| r.json(opts.collective)).collect();
+            let text = serde_json::to_string_pretty(&value)
+                .map_err(|e| CudaError::Other(e.to_string()))?;
+            std::fs::write(path, text + "\n")
+                .map_err(|e| CudaError::Other(format!("cannot write {}: {e}", path.display())))?;
+        }
+    }
+    host.barrier()?;
+    Ok(wrong == 0)
+}
+
+/// Out-of-place call on device buffers.
+fn run_oop<T: Num>(
+    c: &DeviceComm,
+    coll: Collective,
+    op: ReduceOp,
+    root: usize,
+    send: &DeviceBuffer<T>,
+    recv: &mut DeviceBuffer<T>,
+    s: &Stream,
+) -> Result<(), CudaError> {
+    match coll {
+        Collective::AllReduce => c.all_reduce(send, recv, op, s),
+        Collective::Reduce => c.reduce(send, recv, op, root, s),
+        Collective::Broadcast => c.broadcast(send, recv, root, s),
+        Collective::AllGather => c.all_gather(send, recv, s),
+        Collective::ReduceScatter => c.reduce_scatter(send, recv, op, s),
+        Collective::AllToAll => c.all_to_all(send, recv, s),
+        Collective::SendRecv => Err(CudaError::Other("sendrecv on device buffers".into())),
+    }
+}
+
+/// In-place call on a device buffer.
+fn run_ip<T: Num>(
+    c: &DeviceComm,
+    coll: Collective,
+    op: ReduceOp,
+    root: usize,
+    buf: &mut DeviceBuffer<T>,
+    s: &Stream,
+) -> Result<(), CudaError> {
+    match coll {
+        Collective::AllReduce => c.all_reduce_in_place(buf, op, s),
+        Collective::Reduce => c.reduce_in_place(buf, op, root, s),
+        Collective::Broadcast => c.broadcast_in_place(buf, root, s),
+        Collective::AllGather => c.all_gather_in_place(buf, s),
+        Collective::ReduceScatter => c.reduce_scatter_in_place(buf, op, s),
+        Collective::AllToAll => c.all_to_all_in_place(buf, s),
+        Collective::SendRecv => Err(CudaError::Other("sendrecv on device buffers".into())),
+    }
+}
+
+/// Seconds per call: `warmup` calls, a barrier, then `iters` enqueued calls and one
+/// synchronisation of the stream.
+fn time_loop(
+    c: &DeviceComm,
+    s: &Stream,
+    warmup: u64,
+    iters: u64,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    c.synchronize(s)?;
+    c.host().barrier()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    c.synchronize(s)?;
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+fn upload<T: Num>(ctx: &Context, v: &[T]) -> Result<DeviceBuffer<T>, CudaError> {
+    ctx.upload(v)
+}
+
+/// One size of one (type, op) combination, as the host benchmark's `bench_size`.
+fn bench_size<T: Num>(
+    c: &DeviceComm,
+    ctx: &Context,
+    s: &Stream,
+    opts: &Options,
+    op: Option<ReduceOp>,
+    size: u64,
+) -> Result<Option<Row>, CudaError> {
+    let (me, n) = (c.rank(), c.size());
+    let coll = opts.collective;
+    let dtype = T::DTYPE;
+    let Some(counts) = coll.counts(size, dtype.size() as u64, n as u64) else {
+        return Ok(None);
+    };
+    let count = counts.count as usize;
+    let (send_len, recv_len) = coll.buffer_lens(count, n);
+    let ip_len = coll.in_place_len(count, n);
+    let root = if coll.has_root() { opts.root } else { 0 };
+    let rop = op.unwrap_or(ReduceOp::Sum);
+    let pattern = Pattern::new(dtype, op, n);
+    let input = |rank: usize, idx: usize| T::from_f64(pattern.value(rank, idx));
+
+    let send_host: Vec<T> = (0..send_len).map(|i| input(me, i)).collect();
+    let send = upload(ctx, &send_host)?;
+    let mut recv = upload(ctx, &vec![T::from_f64(0.0); recv_len])?;
+    let oop_s = time_loop(c, s, opts.warmup, opts.iters, || {
+        run_oop(c, coll, rop, root, &send, &mut recv, s)
+    })?;
+    let ip_init: Vec<T> = if coll.reduces() {
+        vec![T::from_f64(0.0); ip_len]
+    } else {
+        (0..ip_len).map(|i| input(me, i)).collect()
+    };
+    let mut buf = upload(ctx, &ip_init)?;
+    let ip_s = time_loop(c, s, opts.warmup, opts.iters, || {
+        run_ip(c, coll, rop, root, &mut buf, s)
+    })?;
+
+    let host = c.host();
+    let mut times = [oop_s, ip_s];
+    match opts.average {
+        0 => {}
+        1 => {
+            host.all_reduce_in_place(&mut times[..], ReduceOp::Sum)?;
+            times.iter_mut().for_each(|t| *t /= n as f64);
+        }
+        2 => host.all_reduce_in_place(&mut times[..], ReduceOp::Min)?,
+        _ => host.all_reduce_in_place(&mut times[..], ReduceOp::Max)?,
+    }
+
+    let wrong = if opts.check {
+        let tol = |e: f64| spec::tolerance(dtype, op, n, e);
+        let expected = |j: usize| spec::expected(coll, &pattern, op, n, me, count, root, j);
+        let sentinel: Vec<T> = (0..recv_len)
+            .map(|j| T::from_f64(spec::sentinel(expected(j))))
+            .collect();
+        recv.copy_from_host(&sentinel)?;
+        run_oop(c, coll, rop, root, &send, &mut recv, s)?;
+        c.synchronize(s)?;
+        let oop_wrong = super::count_wrong(&recv.to_vec()?, tol, expected);
+        let ip_in: Vec<T> = (0..ip_len)
+            .map(|j| T::from_f64(spec::in_place_input(coll, &pattern, n, me, count, j)))
+            .collect();
+        buf.copy_from_host(&ip_in)?;
+        run_ip(c, coll, rop, root, &mut buf, s)?;
+        c.synchronize(s)?;
+        let (lo, hi) = coll.in_place_output(count, n, me);
+        let got = buf.to_vec()?;
+        let ip_wrong = super::count_wrong(&got[lo..hi], tol, |j| {
+            spec::expected(coll, &pattern, op, n, me, count, root, j)
+        });
+        let mut w = [oop_wrong, ip_wrong];
+        host.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
+        Some(w)
+    } else {
+        None
+    };
+    let measured = |secs: f64, wrong: Option<u64>| {
+        Measured::new(counts.bytes, secs, coll.bus_factor(n as u64), wrong)
+    };
+    Ok(Some(Row {
+        size: counts.bytes,
+        count: counts.count,
+        dtype,
+        op,
+        root: if coll.has_root() { root as i64 } else { -1 },
+        nranks: n,
+        oop: measured(times[0], wrong.map(|w| w[0])),
+        ip: measured(times[1], wrong.map(|w| w[1])),
+    }))
+}
