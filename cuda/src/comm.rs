@@ -29,7 +29,7 @@ use crate::error::{CudaError, Result};
 use crate::ipc::IpcPeers;
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
 use cudarc::driver::sys;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -160,6 +160,8 @@ pub struct DeviceComm {
     ipc: Option<Mutex<IpcPeers>>,
     proxy: Option<Proxy>,
     seq: AtomicU64,
+    /// Wire code of the last operation enqueued (named in timeouts).
+    last_op: AtomicU8,
 }
 
 impl std::fmt::Debug for DeviceComm {
@@ -273,6 +275,7 @@ impl DeviceComm {
             ipc,
             proxy,
             seq: AtomicU64::new(0),
+            last_op: AtomicU8::new(OpKind::AllReduce as u8),
         })
     }
 
@@ -317,15 +320,14 @@ impl DeviceComm {
     pub fn synchronize(&self, stream: &Stream) -> Result<()> {
         let timeout = self.host.timeout();
         if let Err(e) = stream.synchronize(timeout) {
+            tracing::error!(target: "weftcc::cuda", rank = self.rank, "{e}");
             let e = CudaError::Timeout {
                 rank: self.rank,
-                op: OpKind::Barrier,
-                seq: self.seq.load(Ordering::Relaxed),
+                op: OpKind::from_code(self.last_op.load(Ordering::Relaxed))
+                    .unwrap_or(OpKind::AllReduce),
+                seq: self.seq.load(Ordering::Relaxed).saturating_sub(1),
                 after: timeout,
-            }
-            .to_string()
-                + &format!(" ({e})");
-            let e = CudaError::Other(e);
+            };
             self.shared.poison(&e);
             self.abort();
             return Err(e);
@@ -417,6 +419,7 @@ impl DeviceComm {
         )
         .map_err(|r| self.invalid(call.kind, r))?;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.last_op.store(call.kind as u8, Ordering::Relaxed);
         let r = match self.transport {
             Transport::Ipc => self.enqueue_ipc(&call, send, recv, &plan, stream),
             Transport::Staged => self.enqueue_staged(seq, call, send, recv, stream),

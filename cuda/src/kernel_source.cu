@@ -13,14 +13,13 @@
 #ifdef WEFT_HOST_TEST
 #define WEFT_GLOBAL extern "C"
 #define WEFT_DEVICE static inline
-#define WEFT_ALIGN16 alignas(16)
 struct weft_dim3 { unsigned int x; };
 static const weft_dim3 threadIdx = {0}, blockIdx = {0}, blockDim = {1}, gridDim = {1};
 #else
 #define WEFT_GLOBAL extern "C" __global__
-#define WEFT_DEVICE static __device__ __forceinline__
-#define WEFT_ALIGN16 __align__(16)
+#define WEFT_DEVICE static __device__ inline
 #endif
+#define WEFT_ALIGN16 __attribute__((aligned(16)))
 
 typedef unsigned long long weft_size;
 typedef signed char weft_i8_t;

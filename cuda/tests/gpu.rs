@@ -143,7 +143,7 @@ fn child() {
 /// in every type (sums ≤ 4 × 4 × 4, products ≤ 3^4).
 fn value(op: ReduceOp, r: usize, i: usize) -> f64 {
     match op {
-        ReduceOp::Prod => ((r * 5 + i * 3) % 3 + 1) as f64,
+        ReduceOp::Prod => ((r * 5 + i) % 3 + 1) as f64,
         _ => ((r * 3 + i * 7) % 5) as f64,
     }
 }
