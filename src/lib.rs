@@ -13,8 +13,10 @@
 //! ```
 //!
 //! The crates behind this facade: [`collectives`] (types, reductions, schedules, the
-//! communicator) and [`transports`] (the `Connection` trait, shared memory, TCP, bootstrap).
+//! communicator), [`transports`] (the `Connection` trait, shared memory, TCP, bootstrap) and
+//! [`cuda`] (device buffers, NVRTC kernels and CUDA IPC; builds and runs without CUDA).
 
 pub use weftcc_collectives as collectives;
 pub use weftcc_collectives::*;
+pub use weftcc_cuda as cuda;
 pub use weftcc_transports as transports;
