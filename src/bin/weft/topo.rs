@@ -136,12 +136,31 @@ fn run(args: TopoArgs) -> Result<(), String> {
 
 /// Entry point: 0 on success, 1 on error (message on stderr).
 pub fn main(args: TopoArgs) -> i32 {
+    let this_machine =
+        args.nvidia_smi.is_none() && args.xml.is_none() && args.format == Format::Text;
     match run(args) {
-        Ok(()) => 0,
+        Ok(()) => {
+            if this_machine {
+                cuda_p2p_section();
+            }
+            0
+        }
         Err(e) => {
             eprintln!("weft topo: {e}");
             1
         }
+    }
+}
+
+/// When a CUDA driver is present, the driver's own peer-to-peer view (access, NVLink hint,
+/// performance rank) after the report; nothing without a driver.
+fn cuda_p2p_section() {
+    if !weftcc_cuda::driver_present() {
+        return;
+    }
+    match weftcc_cuda::p2p_report() {
+        Ok(m) => print!("\nCUDA driver P2P matrix (NVL: peer access with native atomics, PCI: peer access, SYS: none)\n{m}"),
+        Err(e) => eprintln!("weft topo: CUDA driver P2P query failed: {e}"),
     }
 }
 
