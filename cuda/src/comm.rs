@@ -471,6 +471,7 @@ impl DeviceComm {
         };
         let output = recv.ptr + plan.output_offset as u64;
         let kernels = self.ctx.kernels()?;
+        ipc.after_previous(stream)?;
         // PreMulSum: scale this rank's input once, into a buffer of our own.
         if let ReduceOp::PreMulSum(factor) = call.op {
             if has_reduction(call.kind) {

@@ -22,7 +22,9 @@
 //!
 //! Message counters continue across operations (wrapping u32; GEQ compares cyclically), so no
 //! flag needs resetting between operations. A counter or slot is never reused before its
-//! consumer has released it, so pipelining depth is `depth` messages per peer.
+//! consumer has released it, so pipelining depth is `depth` messages per peer. Operations of
+//! one communicator run one after the other on the GPU (each waits for the previous one's
+//! completion event), as their scratch and lanes are shared.
 
 use crate::driver::check;
 use crate::error::{CudaError, Result};
@@ -61,6 +63,8 @@ pub(crate) struct IpcPeers {
     scratch: (u64, usize),
     prescaled: (u64, usize),
     retired: Vec<u64>,
+    /// Recorded on the caller's stream after the previous operation joined it.
+    done: Option<Event>,
 }
 
 // SAFETY: the raw device addresses are plain numbers; all driver handles inside are Send.
@@ -181,6 +185,7 @@ impl IpcPeers {
             scratch: (0, 0),
             prescaled: (0, 0),
             retired: Vec::new(),
+            done: None,
         };
         for p in 0..nranks {
             if p == rank {
@@ -239,6 +244,17 @@ impl IpcPeers {
             *slot = (p, bytes);
         }
         Ok(slot.0)
+    }
+
+    /// Orders the next operation after the previous one, whatever streams they were enqueued
+    /// on: scratch, the PreMulSum buffer and the lanes are reused, and a lane of the previous
+    /// operation may still be running (e.g. a send held back by flow control) when another lane
+    /// has moved on.
+    pub(crate) fn after_previous(&self, user: &Stream) -> Result<()> {
+        match &self.done {
+            Some(e) => user.wait_event(e),
+            None => Ok(()),
+        }
     }
 
     /// A device buffer for PreMulSum's scaled input.
@@ -401,6 +417,9 @@ impl IpcPeers {
             self.events[e].record(&self.lanes[&l])?;
             user.wait_event(&self.events[e])?;
         }
+        let done = self.ctx.event(false)?;
+        done.record(user)?;
+        self.done = Some(done);
         Ok(())
     }
 
