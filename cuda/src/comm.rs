@@ -233,6 +233,7 @@ impl DeviceComm {
         }
         if sharing && one_host {
             SHARED_GPU_WARNING.call_once(|| {
+                eprintln!("weftcc: warning: several ranks share GPU {my_bus}; correct, but they take turns on it");
                 tracing::warn!(
                     target: "weftcc::cuda",
                     "several ranks share GPU {my_bus}: correct, but they take turns on it (fine for tests, slow for training)"
