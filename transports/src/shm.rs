@@ -781,7 +781,11 @@ impl ShmConnection {
 
     /// The reference to serve now: the front one, once every ring byte before it was read.
     fn ref_at_tail(&self) -> Result<Option<InRef>> {
-        match self.front_ref() {
+        self.at_tail(self.front_ref())
+    }
+
+    fn at_tail(&self, front: Option<InRef>) -> Result<Option<InRef>> {
+        match front {
             Some(f) if f.ring_pos == self.rx_tail => Ok(Some(f)),
             Some(f) if f.ring_pos.wrapping_sub(self.rx_tail) > self.own.layout.capacity as u64 => {
                 Err(self.corrupt("reference outside the ring"))
@@ -944,7 +948,7 @@ impl Connection for ShmConnection {
             return self.lend_ref(None, max, consume);
         }
         let front = self.front_ref();
-        if let Some(f) = self.ref_at_tail()? {
+        if let Some(f) = self.at_tail(front)? {
             if max == 0 {
                 return Ok(0);
             }
