@@ -12,11 +12,13 @@ pub mod engine;
 pub mod env;
 pub mod error;
 pub mod header;
+pub mod hierarchical;
 pub mod logging;
 pub mod op;
 pub mod reduce;
 pub mod schedule;
 pub mod sim;
+pub mod tree;
 
 pub use comm::{AllReduceAlgo, CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
 pub use dtype::{DataType, Element};
