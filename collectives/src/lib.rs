@@ -19,10 +19,13 @@ pub mod reduce;
 pub mod schedule;
 pub mod sim;
 pub mod tree;
+pub mod tuning;
 
-pub use comm::{AllReduceAlgo, CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
+pub use comm::{CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
 pub use dtype::{DataType, Element};
 pub use env::LaunchInfo;
 pub use error::{Error, Result};
 pub use header::OpDesc;
 pub use op::{Combiner, OpKind, ReduceOp};
+pub use tuning::{Choice, Tuner};
+pub use weftcc_topology::tuner::{Algorithm, Protocol, Selection};
