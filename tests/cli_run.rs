@@ -529,3 +529,44 @@ fn perf_rejects_bad_arguments() {
     let out = perf(&["all-reduce", "-b", "1M", "-e", "1K"], None);
     assert_eq!(out.code, Some(2));
 }
+
+#[test]
+fn topo_job_gathers_every_rank_on_rank_0() {
+    // Two "hosts" by host id: ranks 0 and 2 on one, 1 on the other (TCP between them).
+    let o = weft_env(
+        &[
+            "-n",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            "WEFT_HOST_ID=cli-host-$((WEFT_RANK % 2)) exec \"$0\" topo --job",
+            WEFT,
+        ],
+        &[("WEFT_ALGO", "")],
+    );
+    assert_eq!(o.code, Some(0), "{}\n{}", o.stdout, o.stderr);
+    let lines = by_rank(&o.stdout);
+    assert_eq!(
+        lines.keys().copied().collect::<Vec<_>>(),
+        vec![0],
+        "{}",
+        o.stdout
+    );
+    let text = lines[&0].join("\n");
+    assert!(text.contains("job: 3 ranks on 2 host(s)"), "{text}");
+    assert!(
+        text.contains("host 0: ") && text.contains("ranks 0,2  (2 rank(s))"),
+        "{text}"
+    );
+    assert!(text.contains("ranks 1  (1 rank(s))"), "{text}");
+    assert!(text.contains("ring across hosts: 0 > 2 > 1 > 0"), "{text}");
+    assert!(text.contains("tree 0 across hosts"), "{text}");
+    // Large all-reduces across the two hosts go hierarchical in the model.
+    assert!(
+        lines[&0]
+            .iter()
+            .any(|l| l.contains("allreduce") && l.contains("256 MiB") && l.contains("hier")),
+        "{text}"
+    );
+}

@@ -12,7 +12,7 @@ mod common;
 
 use common::{with_ranks, Wire};
 use half::{bf16, f16};
-use weftcc::{AllReduceAlgo, Communicator, Element, ReduceOp};
+use weftcc::{Communicator, Element, ReduceOp, Selection};
 
 /// Test-side view of an element type: built from small integers, read back as f64, with the
 /// type's own wrapping for integers.
@@ -361,23 +361,33 @@ fn assert_all_right(per_rank: Vec<Vec<String>>) {
     );
 }
 
-/// All-reduce with one algorithm forced, so both are covered at every size (the default picks
-/// recursive doubling for small messages and the ring for large ones).
-fn forced(n: usize, wire: Wire, algo: AllReduceAlgo) {
+/// The collectives `WEFT_ALGO=spec` affects, run with that choice forced (so every algorithm
+/// is covered at every size, not only where the tuner would pick it). `hosts` gives each rank's
+/// host: ranks of one host use `wire`, ranks of different hosts TCP.
+fn forced(n: usize, wire: Wire, spec: &str, colls: &[Coll], hosts: Option<&[usize]>) {
     let mut cfg = common::config(wire);
-    cfg.algo = algo;
-    let errors = common::with_ranks_config(n, cfg, |_, comm| {
-        let mut errors = Vec::new();
-        let ar = [Coll::AllReduce];
-        run_colls::<i8>(comm, &ar, false, &mut errors);
-        run_colls::<u32>(comm, &ar, false, &mut errors);
-        run_colls::<i64>(comm, &ar, false, &mut errors);
-        run_colls::<f16>(comm, &ar, false, &mut errors);
-        run_colls::<f32>(comm, &ar, true, &mut errors);
-        run_colls::<bf16>(comm, &ar, false, &mut errors);
-        run_colls::<f64>(comm, &ar, false, &mut errors);
-        errors
-    });
+    cfg.algo = Selection::parse(spec).expect("algorithm spec");
+    let errors = common::with_ranks_configs(
+        n,
+        |rank| {
+            let mut c = cfg.clone();
+            if let Some(h) = hosts {
+                c.host_id = format!("test-host-{}", h[rank]);
+            }
+            c
+        },
+        |_, comm| {
+            let mut errors = Vec::new();
+            run_colls::<i8>(comm, colls, false, &mut errors);
+            run_colls::<u32>(comm, colls, false, &mut errors);
+            run_colls::<i64>(comm, colls, false, &mut errors);
+            run_colls::<f16>(comm, colls, false, &mut errors);
+            run_colls::<f32>(comm, colls, true, &mut errors);
+            run_colls::<bf16>(comm, colls, false, &mut errors);
+            run_colls::<f64>(comm, colls, false, &mut errors);
+            errors
+        },
+    );
     assert_all_right(errors);
 }
 
@@ -389,7 +399,7 @@ fn ring_all_reduce_at_every_size() {
         (5, Wire::Shm),
         (8, Wire::Shm),
     ] {
-        forced(n, wire, AllReduceAlgo::Ring);
+        forced(n, wire, "ring", &[Coll::AllReduce], None);
     }
 }
 
@@ -402,7 +412,33 @@ fn recursive_doubling_all_reduce_at_every_size() {
         (6, Wire::Tcp),
         (8, Wire::Shm),
     ] {
-        forced(n, wire, AllReduceAlgo::RecursiveDoubling);
+        forced(n, wire, "rd", &[Coll::AllReduce], None);
+    }
+}
+
+#[test]
+fn tree_algorithms_at_every_size() {
+    let colls = [Coll::AllReduce, Coll::Broadcast, Coll::Reduce];
+    for (n, wire) in [
+        (2, Wire::Shm),
+        (3, Wire::Tcp),
+        (5, Wire::Shm),
+        (8, Wire::Shm),
+    ] {
+        forced(n, wire, "tree", &colls, None);
+    }
+}
+
+#[test]
+fn hierarchical_all_reduce_at_every_size() {
+    // 2 hosts x 2 ranks (interleaved), uneven hosts (1 + 3 + 2 ranks), one rank per host.
+    let cases: [(Wire, &[usize]); 3] = [
+        (Wire::Shm, &[0, 1, 0, 1]),
+        (Wire::Shm, &[0, 1, 1, 2, 2, 1]),
+        (Wire::Tcp, &[0, 1, 2]),
+    ];
+    for (wire, hosts) in cases {
+        forced(hosts.len(), wire, "hier", &[Coll::AllReduce], Some(hosts));
     }
 }
 

@@ -14,9 +14,12 @@ use crate::engine::{self, Area, Backoff, Context, Layout, Placement, Prepared, W
 use crate::env::{self, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::header::{OpDesc, NO_ROOT};
+use crate::hierarchical::{self, HostLayout};
 use crate::op::{OpKind, ReduceOp};
 use crate::reduce;
 use crate::schedule::{self, Action, BufId, Region, Schedule, Step};
+use crate::tree;
+use crate::tuning::{Choice, Tuner};
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -26,12 +29,11 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use weftcc_topology::tuner::{Algorithm, Calibration, Protocol, Selection};
 use weftcc_transports::mesh::{Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
 
-/// Default largest all-reduce sent by recursive doubling (`WEFT_RD_MAX_BYTES`).
-pub const DEFAULT_RD_MAX_BYTES: usize = 64 * 1024;
 /// Default largest message (slice) of a pipelined transfer, in bytes (`WEFT_SLICE_BYTES`).
 pub const DEFAULT_SLICE_BYTES: usize = 256 * 1024;
 /// How often the watcher thread re-polls the store for a job-wide abort.
@@ -134,69 +136,15 @@ pub struct CommConfig {
     /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
     /// sleep until a peer signals.
     pub backoff: Backoff,
-    /// All-reduce algorithm (`WEFT_ALGO=ring|rd`); `Auto` picks by message size.
-    pub algo: AllReduceAlgo,
-    /// Largest all-reduce (bytes) that `Auto` sends by recursive doubling (`WEFT_RD_MAX_BYTES`).
-    pub rd_max_bytes: usize,
-}
-
-/// Which all-reduce algorithm to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AllReduceAlgo {
-    /// Recursive doubling up to [`CommConfig::rd_max_bytes`], ring above.
-    Auto,
-    /// Ring reduce-scatter + all-gather: bandwidth-optimal, 2(n-1) dependent steps.
-    Ring,
-    /// Recursive doubling: ⌈log2 n⌉ (+2) dependent steps, every step moves the whole vector.
-    RecursiveDoubling,
-}
-
-impl AllReduceAlgo {
-    /// Reads a `WEFT_ALGO` value in NCCL_ALGO's syntax: `ring`, `rd`, `ring,rd`, `^rd`,
-    /// `allreduce:ring;broadcast:...`. Entries for other collectives are ignored; algorithms the
-    /// communicator does not run yet (such as `tree`) leave the choice to `Auto` with a warning
-    /// rather than failing, so one value can serve weftcc and NCCL-era scripts.
-    pub fn from_spec(spec: &str) -> Result<AllReduceAlgo> {
-        let mut allowed: Option<(bool, bool)> = None; // (ring, rd)
-        for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
-            let list = match entry.split_once(':') {
-                Some((coll, list)) => {
-                    let coll = coll.trim().to_ascii_lowercase().replace(['-', '_'], "");
-                    if coll != "allreduce" {
-                        continue;
-                    }
-                    list.trim()
-                }
-                None => entry,
-            };
-            let (exclude, list) = match list.strip_prefix('^') {
-                Some(rest) => (true, rest),
-                None => (false, list),
-            };
-            let mut named = (false, false);
-            for name in list.split(',').map(|n| n.trim().to_ascii_lowercase()) {
-                match name.as_str() {
-                    "ring" => named.0 = true,
-                    "rd" | "recursive_doubling" | "recursive-doubling" => named.1 = true,
-                    "" | "auto" | "default" => named = (true, true),
-                    "tree" | "collnet" | "collnet_direct" | "collnet_chain" | "nvls" | "nvls_tree" | "pat" => {
-                        tracing::warn!(target: "weftcc::tuning", algorithm = %name, "WEFT_ALGO names an algorithm this communicator does not run yet; ignored")
-                    }
-                    other => {
-                        return Err(Error::Config(format!(
-                            "WEFT_ALGO={spec:?}: unknown algorithm {other:?} (ring, rd, tree; ^ excludes)"
-                        )))
-                    }
-                }
-            }
-            allowed = Some(if exclude { (!named.0, !named.1) } else { named });
-        }
-        Ok(match allowed {
-            Some((true, false)) => AllReduceAlgo::Ring,
-            Some((false, true)) => AllReduceAlgo::RecursiveDoubling,
-            _ => AllReduceAlgo::Auto,
-        })
-    }
+    /// Algorithms the tuner may choose (`WEFT_ALGO`, NCCL_ALGO syntax: `ring`, `tree`, `rd`,
+    /// `hier`, `^tree`, `allreduce:tree;broadcast:ring`); unrestricted by default.
+    pub algo: Selection<Algorithm>,
+    /// Protocols (`WEFT_PROTO`, NCCL_PROTO syntax). The CPU transports implement only `Simple`;
+    /// a value that excludes it is reported once and otherwise ignored.
+    pub proto: Selection<Protocol>,
+    /// Measured link figures for the tuner (`WEFT_CALIBRATION=FILE`, as saved by
+    /// `weft topo --save-calibration`); built-in figures otherwise.
+    pub calibration: Option<Calibration>,
 }
 
 impl CommConfig {
@@ -231,18 +179,45 @@ impl CommConfig {
             host_id: weftcc_transports::mesh::host_id(),
             buffsize: size("WEFT_BUFFSIZE", 4 << 20)?,
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
-            algo: AllReduceAlgo::from_spec(&std::env::var("WEFT_ALGO").unwrap_or_default())?,
-            rd_max_bytes: match std::env::var("WEFT_RD_MAX_BYTES") {
-                Ok(v) if !v.trim().is_empty() => parse_size(&v).ok_or_else(|| {
-                    Error::Config(format!("WEFT_RD_MAX_BYTES={v:?} is not a size"))
-                })?,
-                _ => DEFAULT_RD_MAX_BYTES,
+            algo: Selection::from_env("WEFT_ALGO").map_err(|e| Error::Config(e.to_string()))?,
+            proto: Selection::from_env("WEFT_PROTO").map_err(|e| Error::Config(e.to_string()))?,
+            calibration: match std::env::var("WEFT_CALIBRATION") {
+                Ok(path) if !path.trim().is_empty() => {
+                    let text = std::fs::read_to_string(path.trim())
+                        .map_err(|e| Error::Config(format!("WEFT_CALIBRATION={path:?}: {e}")))?;
+                    Some(
+                        Calibration::from_json(&text).map_err(|e| {
+                            Error::Config(format!("WEFT_CALIBRATION={path:?}: {e}"))
+                        })?,
+                    )
+                }
+                _ => None,
             },
             backoff: Backoff {
                 spin: micros("WEFT_SPIN_US", Backoff::default().spin)?,
                 yield_for: micros("WEFT_YIELD_US", Backoff::default().yield_for)?,
             },
         })
+    }
+}
+
+/// Logs (once per process) that `WEFT_PROTO` excludes the only protocol the CPU transports
+/// implement for some collective.
+fn warn_unimplemented_protocols(proto: &Selection<Protocol>) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let excluded: Vec<&str> = weftcc_topology::tuner::Collective::ALL
+        .into_iter()
+        .filter(|&c| !proto.allows(c, Protocol::Simple))
+        .map(|c| c.name())
+        .collect();
+    if !excluded.is_empty() {
+        ONCE.call_once(|| {
+            tracing::warn!(
+                target: "weftcc::tuning",
+                collectives = %excluded.join(","),
+                "WEFT_PROTO excludes Simple, the only protocol of the CPU transports; ignored"
+            );
+        });
     }
 }
 
@@ -269,6 +244,8 @@ struct Inner {
     size: usize,
     namespace: String,
     config: CommConfig,
+    /// Chooses each call's algorithm.
+    tuner: Tuner,
     timeout_ms: AtomicU64,
     abort: AtomicBool,
     poison: Poison,
@@ -411,10 +388,20 @@ impl Communicator {
             StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
         let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
         let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
+        let tuner = Tuner::new(
+            HostLayout::from_labels(mesh.host_ids()),
+            !config.shm_disable,
+            config.algo.clone(),
+            config.calibration.as_ref(),
+        );
+        if rank == 0 {
+            warn_unimplemented_protocols(&config.proto);
+        }
         let inner = Arc::new(Inner {
             rank,
             size: nranks,
             namespace,
+            tuner,
             timeout_ms: AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64),
             config,
             abort: AtomicBool::new(false),
@@ -1306,10 +1293,16 @@ impl Inner {
         st.coll_seq += 1;
         let seq = st.coll_seq;
         *lock(&self.current) = (call.kind, seq);
-        let use_rd = |bytes: usize| match self.config.algo {
-            AllReduceAlgo::Ring => false,
-            AllReduceAlgo::RecursiveDoubling => true,
-            AllReduceAlgo::Auto => bytes <= self.config.rd_max_bytes,
+        // nccl-tests size: the largest user buffer of the call.
+        let user_bytes = match call.kind {
+            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => count.saturating_mul(n),
+            _ => count,
+        }
+        .saturating_mul(call.dtype.size());
+        let choice = if n > 1 {
+            self.tuner.choose(call.kind, user_bytes, r, seq)
+        } else {
+            Choice::Ring
         };
         let key = ScheduleKey {
             kind: call.kind,
@@ -1317,26 +1310,31 @@ impl Inner {
             slice,
             root: if call.has_root() { call.root } else { 0 },
             in_place: plan.in_place && call.kind == OpKind::AllToAll,
-            algo: match call.kind {
-                OpKind::AllReduce if use_rd(count.saturating_mul(call.dtype.size())) => 1,
-                _ => 0,
-            },
+            algo: choice,
         };
         if !st.schedules.contains_key(&key) {
-            let sched = match call.kind {
-                OpKind::AllReduce if key.algo == 1 => {
+            let sched = match (call.kind, choice) {
+                (OpKind::AllReduce, Choice::Rd) => {
                     schedule::recursive_doubling_all_reduce(r, n, count, slice)
                 }
-                OpKind::AllReduce => schedule::ring_all_reduce(r, n, count, slice),
-                OpKind::Reduce => schedule::chain_reduce(r, n, call.root, count, slice),
-                OpKind::Broadcast => schedule::chain_broadcast(r, n, call.root, count, slice),
-                OpKind::AllGather => schedule::ring_all_gather(r, n, count, slice),
-                OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
-                OpKind::AllToAll => {
+                (OpKind::AllReduce, Choice::Tree) => tree::tree_all_reduce(r, n, count, slice),
+                (OpKind::AllReduce, Choice::Hier) => {
+                    hierarchical::hierarchical_all_reduce(r, self.tuner.layout(), count, slice)
+                }
+                (OpKind::AllReduce, _) => schedule::ring_all_reduce(r, n, count, slice),
+                (OpKind::Reduce, Choice::Tree) => tree::tree_reduce(r, n, call.root, count, slice),
+                (OpKind::Reduce, _) => schedule::chain_reduce(r, n, call.root, count, slice),
+                (OpKind::Broadcast, Choice::Tree) => {
+                    tree::tree_broadcast(r, n, call.root, count, slice)
+                }
+                (OpKind::Broadcast, _) => schedule::chain_broadcast(r, n, call.root, count, slice),
+                (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
+                (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
+                (OpKind::AllToAll, _) => {
                     schedule::pairwise_all_to_all(r, n, count, slice, plan.in_place)
                 }
-                OpKind::Barrier => schedule::dissemination_barrier(r, n),
-                OpKind::SendRecv => {
+                (OpKind::Barrier, _) => schedule::dissemination_barrier(r, n),
+                (OpKind::SendRecv, _) => {
                     return Err(self.invalid(call.kind, "point-to-point through execute_raw".into()))
                 }
             }
@@ -1649,8 +1647,8 @@ struct ScheduleKey {
     slice: usize,
     root: usize,
     in_place: bool,
-    /// Which algorithm (0 = the collective's default, 1 = recursive doubling).
-    algo: u8,
+    /// The tuner's choice.
+    algo: Choice,
 }
 
 /// A fast hasher for [`ScheduleKey`] (SipHash's flood resistance buys nothing for keys that
@@ -1897,21 +1895,6 @@ mod tests {
         assert_eq!(id.to_string().parse::<UniqueId>().unwrap(), id);
         assert!("weft1@nohost#t".parse::<UniqueId>().is_err());
         assert!("x".parse::<UniqueId>().is_err());
-    }
-
-    #[test]
-    fn algorithm_specs_follow_nccl_syntax() {
-        let a = |s: &str| AllReduceAlgo::from_spec(s).unwrap();
-        assert_eq!(a(""), AllReduceAlgo::Auto);
-        assert_eq!(a("ring"), AllReduceAlgo::Ring);
-        assert_eq!(a("RD"), AllReduceAlgo::RecursiveDoubling);
-        assert_eq!(a("^rd"), AllReduceAlgo::Ring);
-        assert_eq!(a("^ring"), AllReduceAlgo::RecursiveDoubling);
-        assert_eq!(a("ring,rd"), AllReduceAlgo::Auto);
-        assert_eq!(a("allreduce:ring;broadcast:tree"), AllReduceAlgo::Ring);
-        assert_eq!(a("broadcast:ring"), AllReduceAlgo::Auto);
-        assert_eq!(a("tree"), AllReduceAlgo::Auto);
-        assert!(AllReduceAlgo::from_spec("bogus").is_err());
     }
 
     #[test]

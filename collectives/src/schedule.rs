@@ -196,7 +196,7 @@ impl Schedule {
 /// The largest communicator the builders accept (keeps all rank arithmetic far from overflow).
 pub const MAX_RANKS: usize = 1 << 24;
 
-fn check_rank(rank: usize, nranks: usize) -> Result<(), ScheduleError> {
+pub(crate) fn check_rank(rank: usize, nranks: usize) -> Result<(), ScheduleError> {
     if nranks == 0 {
         Err(ScheduleError::NoRanks)
     } else if nranks > MAX_RANKS {
@@ -211,7 +211,7 @@ fn check_rank(rank: usize, nranks: usize) -> Result<(), ScheduleError> {
     }
 }
 
-fn check_root(root: usize, nranks: usize) -> Result<(), ScheduleError> {
+pub(crate) fn check_root(root: usize, nranks: usize) -> Result<(), ScheduleError> {
     if root >= nranks {
         Err(ScheduleError::RootOutOfRange { root, nranks })
     } else {
@@ -227,13 +227,13 @@ fn total(count: usize, nranks: usize) -> Result<usize, ScheduleError> {
 }
 
 /// `(rank + n - back) % n` for `back <= n` (the ring position `back` places before `rank`).
-fn before(rank: usize, back: usize, n: usize) -> usize {
+pub(crate) fn before(rank: usize, back: usize, n: usize) -> usize {
     // rank < n <= MAX_RANKS and back <= n: no overflow or underflow (saturating regardless).
     (rank.saturating_add(n).saturating_sub(back)) % n.max(1)
 }
 
 /// The `[start, end)` of chunk `i` of `count` elements split as evenly as possible into `n`.
-fn even_chunk(i: usize, count: usize, n: usize) -> (usize, usize) {
+pub(crate) fn even_chunk(i: usize, count: usize, n: usize) -> (usize, usize) {
     let n = n.max(1) as u128;
     let at = |j: usize| ((j as u128 * count as u128) / n) as usize;
     let start = at(i);
@@ -242,7 +242,11 @@ fn even_chunk(i: usize, count: usize, n: usize) -> (usize, usize) {
 
 /// Splits `len` elements at `offset` into messages of at most `slice` elements (0 means 1):
 /// `(offset, len)` pairs, none empty. Both ends of a transfer compute the same split.
-fn slices(offset: usize, len: usize, slice: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(crate) fn slices(
+    offset: usize,
+    len: usize,
+    slice: usize,
+) -> impl Iterator<Item = (usize, usize)> {
     let slice = slice.max(1);
     (0..len.div_ceil(slice)).map(move |k| {
         let start = k * slice;
@@ -252,26 +256,26 @@ fn slices(offset: usize, len: usize, slice: usize) -> impl Iterator<Item = (usiz
 
 /// Accumulates steps.
 #[derive(Default)]
-struct Builder {
-    steps: Vec<Step>,
+pub(crate) struct Builder {
+    pub(crate) steps: Vec<Step>,
 }
 
 impl Builder {
-    fn push(&mut self, action: Action, deps: Vec<StepId>) -> StepId {
+    pub(crate) fn push(&mut self, action: Action, deps: Vec<StepId>) -> StepId {
         let id = self.steps.len();
         self.steps.push(Step { action, deps });
         id
     }
 
-    fn send(&mut self, peer: usize, src: Region, deps: Vec<StepId>) -> StepId {
+    pub(crate) fn send(&mut self, peer: usize, src: Region, deps: Vec<StepId>) -> StepId {
         self.push(Action::Send { peer, src }, deps)
     }
 
-    fn recv_copy(&mut self, peer: usize, dst: Region, deps: Vec<StepId>) -> StepId {
+    pub(crate) fn recv_copy(&mut self, peer: usize, dst: Region, deps: Vec<StepId>) -> StepId {
         self.push(Action::RecvCopy { peer, dst }, deps)
     }
 
-    fn recv_reduce(
+    pub(crate) fn recv_reduce(
         &mut self,
         peer: usize,
         local: Region,
@@ -282,11 +286,11 @@ impl Builder {
     }
 
     /// A local copy of `len` elements, omitted when empty.
-    fn copy(&mut self, src: Region, dst: Region) -> Option<StepId> {
+    pub(crate) fn copy(&mut self, src: Region, dst: Region) -> Option<StepId> {
         (src.len > 0).then(|| self.push(Action::Copy { src, dst }, Vec::new()))
     }
 
-    fn finish(
+    pub(crate) fn finish(
         self,
         send_peers: Vec<usize>,
         recv_peers: Vec<usize>,
@@ -302,7 +306,7 @@ impl Builder {
 }
 
 /// The dependency list "slice `k` of the previous transfer", empty when there is none.
-fn dep_at(ids: &[StepId], k: usize) -> Vec<StepId> {
+pub(crate) fn dep_at(ids: &[StepId], k: usize) -> Vec<StepId> {
     ids.get(k).copied().into_iter().collect()
 }
 

@@ -6,8 +6,10 @@
 
 use half::{bf16, f16};
 use proptest::prelude::*;
-use weftcc_collectives::schedule::{self, Schedule, ScheduleError};
+use weftcc_collectives::hierarchical::{self, HostLayout};
+use weftcc_collectives::schedule::{self, Action, Schedule, ScheduleError};
 use weftcc_collectives::sim::{self, RankMemory, SimError};
+use weftcc_collectives::tree;
 use weftcc_collectives::{Combiner, DataType};
 
 const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];
@@ -194,24 +196,61 @@ fn build(
         .collect()
 }
 
+/// No message is longer than a slice (0 means 1 element).
+fn check_slices(scheds: &[Schedule], slice: usize) -> Result<(), TestCaseError> {
+    for (r, s) in scheds.iter().enumerate() {
+        for (i, st) in s.steps.iter().enumerate() {
+            let len = match st.action {
+                Action::Send { src, .. } => src.len,
+                Action::RecvCopy { dst, .. } | Action::RecvReduce { dst, .. } => dst.len,
+                Action::Copy { .. } => 0,
+            };
+            prop_assert!(
+                len <= slice.max(1),
+                "rank {} step {} moves {} elements",
+                r,
+                i,
+                len
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A host layout for `n` ranks drawn from `seed`: 1 to `n` hosts, ranks assigned at random (so
+/// hosts hold different numbers of ranks and need not be contiguous), every host non-empty.
+fn layout(n: usize, seed: u64) -> HostLayout {
+    let mut rng = Rng(seed ^ 0x5eed);
+    let hosts = 1 + rng.below(n);
+    let mut labels: Vec<usize> = (0..n)
+        .map(|r| if r < hosts { r } else { rng.below(hosts) })
+        .collect();
+    // Shuffle so that hosts are not numbered in rank order.
+    for i in (1..n).rev() {
+        labels.swap(i, rng.below(i + 1));
+    }
+    HostLayout::from_labels(&labels)
+}
+
 fn sim_ok(r: Result<(), SimError>) -> Result<(), TestCaseError> {
     r.map_err(|e| TestCaseError::fail(e.to_string()))
 }
-
-/// The signature shared by the all-reduce builders.
-type AllReduceBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
 
 fn check_all_reduce(p: &Params) -> Result<(), TestCaseError> {
     check_all_reduce_with(p, schedule::ring_all_reduce)
 }
 
-fn check_all_reduce_with(p: &Params, builder: AllReduceBuilder) -> Result<(), TestCaseError> {
+fn check_all_reduce_with(
+    p: &Params,
+    builder: impl Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
+) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n)
         .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
         .collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
+    check_slices(&scheds, p.slice)?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .map(|x| {
@@ -294,13 +333,19 @@ fn check_all_gather(p: &Params) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The signature shared by the rooted builders (rank, nranks, root, count, slice).
+type RootedBuilder = fn(usize, usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
+
 fn check_broadcast(p: &Params) -> Result<(), TestCaseError> {
+    check_broadcast_with(p, schedule::chain_broadcast)
+}
+
+fn check_broadcast_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
-    let scheds = build(p.n, |r| {
-        schedule::chain_broadcast(r, p.n, p.root, p.count, p.slice)
-    })?;
+    let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
+    check_slices(&scheds, p.slice)?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .map(|x| {
@@ -322,14 +367,17 @@ fn check_broadcast(p: &Params) -> Result<(), TestCaseError> {
 }
 
 fn check_reduce(p: &Params) -> Result<(), TestCaseError> {
+    check_reduce_with(p, schedule::chain_reduce)
+}
+
+fn check_reduce_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n)
         .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
         .collect();
-    let scheds = build(p.n, |r| {
-        schedule::chain_reduce(r, p.n, p.root, p.count, p.slice)
-    })?;
+    let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
+    check_slices(&scheds, p.slice)?;
     let sentinels: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
     let mut mem: Vec<RankMemory> = inputs
         .iter()
@@ -443,6 +491,42 @@ proptest! {
     }
 
     #[test]
+    fn tree_all_reduce_matches_reference(p in params(3000)) {
+        check_all_reduce_with(&p, tree::tree_all_reduce)?;
+    }
+
+    #[test]
+    fn tree_all_reduce_is_bitwise_identical(q in float_params()) {
+        check_float_all_reduce_identical(&q, tree::tree_all_reduce)?;
+    }
+
+    #[test]
+    fn hierarchical_all_reduce_matches_reference(p in params(3000)) {
+        let l = layout(p.n, p.seed);
+        check_all_reduce_with(&p, |r, _, count, slice| {
+            hierarchical::hierarchical_all_reduce(r, &l, count, slice)
+        })?;
+    }
+
+    #[test]
+    fn hierarchical_all_reduce_is_bitwise_identical(q in float_params()) {
+        let l = layout(q.n, q.seed);
+        check_float_all_reduce_identical(&q, |r, _, count, slice| {
+            hierarchical::hierarchical_all_reduce(r, &l, count, slice)
+        })?;
+    }
+
+    #[test]
+    fn tree_broadcast_matches_reference(p in params(3000)) {
+        check_broadcast_with(&p, tree::tree_broadcast)?;
+    }
+
+    #[test]
+    fn tree_reduce_matches_reference(p in params(3000)) {
+        check_reduce_with(&p, tree::tree_reduce)?;
+    }
+
+    #[test]
     fn reduce_scatter_matches_reference(p in params(300)) {
         check_reduce_scatter(&p)?;
     }
@@ -538,7 +622,7 @@ fn inexact_data(p: &Params, r: usize) -> Vec<u8> {
 /// bits, and that those are close to the exact sum.
 fn check_float_all_reduce_identical(
     p: &Params,
-    builder: AllReduceBuilder,
+    builder: impl Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
 ) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
@@ -614,7 +698,8 @@ fn inexact_float_sums_depend_on_order() {
     );
 }
 
-/// Every data type and combiner through recursive doubling, at shapes with and without folding.
+/// Every data type and combiner through recursive doubling (shapes with and without folding),
+/// the trees and the hierarchical all-reduce.
 #[test]
 fn recursive_doubling_every_dtype_and_combiner() {
     for (i, dtype) in DataType::ALL.into_iter().enumerate() {
@@ -640,6 +725,14 @@ fn recursive_doubling_every_dtype_and_combiner() {
                     let what = format!("{p:?}");
                     check_all_reduce_with(&p, schedule::recursive_doubling_all_reduce)
                         .expect(&what);
+                    check_all_reduce_with(&p, tree::tree_all_reduce).expect(&what);
+                    check_broadcast_with(&p, tree::tree_broadcast).expect(&what);
+                    check_reduce_with(&p, tree::tree_reduce).expect(&what);
+                    let l = layout(n, p.seed);
+                    check_all_reduce_with(&p, |r, _, c, s| {
+                        hierarchical::hierarchical_all_reduce(r, &l, c, s)
+                    })
+                    .expect(&what);
                 }
             }
         }

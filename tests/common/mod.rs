@@ -34,12 +34,22 @@ pub fn with_ranks_config<R: Send>(
     cfg: CommConfig,
     body: impl Fn(usize, &Communicator) -> R + Sync,
 ) -> Vec<R> {
+    with_ranks_configs(n, |_| cfg.clone(), body)
+}
+
+/// Like [`with_ranks_config`] with a configuration per rank (e.g. a host id per rank, so that
+/// ranks of different "hosts" use TCP between them and shared memory inside).
+pub fn with_ranks_configs<R: Send>(
+    n: usize,
+    cfg: impl Fn(usize) -> CommConfig + Sync,
+    body: impl Fn(usize, &Communicator) -> R + Sync,
+) -> Vec<R> {
     let id = UniqueId::new().expect("unique id");
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
                 let id = id.clone();
-                let cfg = cfg.clone();
+                let cfg = cfg(rank);
                 let body = &body;
                 s.spawn(move || {
                     let comm = Communicator::init_with(rank, n, &id, cfg)

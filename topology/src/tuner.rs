@@ -89,11 +89,19 @@ pub enum Algorithm {
     Tree,
     /// Recursive doubling (all-reduce).
     Rd,
+    /// Hierarchical (all-reduce across hosts): reduce-scatter inside each host, all-reduce of
+    /// each shard across hosts, all-gather inside each host.
+    Hier,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Tree, Algorithm::Rd];
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::Rd,
+        Algorithm::Hier,
+    ];
 
     /// Lower-case name.
     pub fn name(self) -> &'static str {
@@ -101,6 +109,7 @@ impl Algorithm {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
             Algorithm::Rd => "rd",
+            Algorithm::Hier => "hier",
         }
     }
 }
@@ -108,11 +117,18 @@ impl Algorithm {
 impl FromStr for Algorithm {
     type Err = TopoError;
     fn from_str(s: &str) -> Result<Self> {
-        let k = s.trim().to_ascii_lowercase();
+        let k = s.trim().to_ascii_lowercase().replace('-', "_");
+        let k = match k.as_str() {
+            "recursive_doubling" => "rd",
+            "hierarchical" => "hier",
+            other => other,
+        };
         Algorithm::ALL
             .into_iter()
             .find(|a| a.name() == k)
-            .ok_or_else(|| TopoError::Tuner(format!("unknown algorithm {s:?} (ring, tree, rd)")))
+            .ok_or_else(|| {
+                TopoError::Tuner(format!("unknown algorithm {s:?} (ring, tree, rd, hier)"))
+            })
     }
 }
 
@@ -392,6 +408,10 @@ pub struct ModelInput {
     pub net_gbps: f64,
     /// Latency of one network hop, µs.
     pub net_lat_us: f64,
+    /// Speed of the reduction kernel (γ = 1 / this), GB/s of input combined; 0 when reductions
+    /// cost nothing next to the links (GPUs).
+    #[serde(default)]
+    pub reduce_gbps: f64,
 }
 
 /// Bandwidth assumed between CPU ranks of one host (shared memory), GB/s.
@@ -431,6 +451,7 @@ impl ModelInput {
             intra_lat_us,
             net_gbps,
             net_lat_us: speeds.net_lat_us,
+            reduce_gbps: 0.0,
         }
     }
 
@@ -525,6 +546,12 @@ impl Model {
         };
         let bw = (link_bw * pf.efficiency).max(1e-9) * 1e3; // bytes per µs
         let b = bytes as f64;
+        // γ: µs per byte combined (0 when reductions are free).
+        let gamma = if m.reduce_gbps > 0.0 {
+            1.0 / (m.reduce_gbps * 1e3)
+        } else {
+            0.0
+        };
         let time = match (algo, coll) {
             _ if n == 1 => pf.base_us,
             (Algorithm::Ring, _) => {
@@ -538,7 +565,12 @@ impl Model {
                     Collective::AllReduce => 2 * (n - 1),
                     _ => n - 1,
                 } as f64;
-                pf.base_us + steps * hop + b * coll.bus_factor(n) / bw
+                let reduced = match coll {
+                    Collective::AllReduce | Collective::ReduceScatter => (n - 1) as f64 / n as f64,
+                    Collective::Reduce => 1.0,
+                    _ => 0.0,
+                };
+                pf.base_us + steps * hop + b * coll.bus_factor(n) / bw + reduced * b * gamma
             }
             (Algorithm::Tree, Collective::AllReduce) => {
                 let depth = ceil_log2(hosts);
@@ -547,12 +579,40 @@ impl Model {
                     * pf.hop_factor;
                 // Reduce up, then broadcast down; each rank sends and receives about the whole
                 // buffer in each phase (the two trees each carry half).
-                pf.base_us + lat + 2.0 * b / bw
+                // An interior rank combines two children's halves: about the whole buffer.
+                pf.base_us + lat + 2.0 * b / bw + b * gamma
+            }
+            (Algorithm::Tree, Collective::Broadcast | Collective::Reduce) => {
+                // Pipelined binary tree: depth ⌈log2 n⌉ (network levels first), interior ranks
+                // send (broadcast) or combine (reduce) every slice twice.
+                let depth = ceil_log2(hosts) * m.net_lat_us + ceil_log2(local) * m.intra_lat_us;
+                let combine = if coll == Collective::Reduce {
+                    2.0 * b * gamma
+                } else {
+                    0.0
+                };
+                pf.base_us + depth * pf.hop_factor + 2.0 * b / bw + combine
             }
             (Algorithm::Rd, Collective::AllReduce) => {
                 let steps = ceil_log2(n);
                 let lat = if multi { m.net_lat_us } else { m.intra_lat_us } * pf.hop_factor;
-                pf.base_us + steps * (lat + b / bw)
+                pf.base_us + steps * (lat + b / bw + b * gamma)
+            }
+            (Algorithm::Hier, Collective::AllReduce) if multi => {
+                // Ring reduce-scatter and all-gather among the host's `local` ranks, then a ring
+                // all-reduce across the hosts of each 1/local shard; the shards of one host share
+                // its network bandwidth.
+                let l = local as f64;
+                let h = hosts as f64;
+                let intra_bw = (m.intra_gbps * pf.efficiency).max(1e-9) * 1e3;
+                let net_bw = (m.net_gbps * pf.efficiency).max(1e-9) * 1e3;
+                let intra = 2.0 * (l - 1.0) * m.intra_lat_us * pf.hop_factor
+                    + 2.0 * (l - 1.0) / l * b / intra_bw
+                    + (l - 1.0) / l * b * gamma;
+                let cross = 2.0 * (h - 1.0) * m.net_lat_us * pf.hop_factor
+                    + 2.0 * (h - 1.0) / h * b / net_bw
+                    + (h - 1.0) / h * b / l * gamma;
+                pf.base_us + intra + cross
             }
             _ => return None,
         };

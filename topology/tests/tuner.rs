@@ -15,6 +15,7 @@ fn input(nranks: usize, nhosts: usize) -> ModelInput {
         intra_lat_us: 0.6,
         net_gbps: 25.0,
         net_lat_us: 5.0,
+        reduce_gbps: 0.0,
     }
 }
 
@@ -242,7 +243,7 @@ fn env_errors_name_the_variable() {
     let e = Selection::<Algorithm>::from_env("WEFT_TOPO_TEST_ALGO").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "tuner: WEFT_TOPO_TEST_ALGO=\"ring,bogus\": unknown algorithm \"bogus\" (ring, tree, rd)"
+        "tuner: WEFT_TOPO_TEST_ALGO=\"ring,bogus\": unknown algorithm \"bogus\" (ring, tree, rd, hier)"
     );
     assert!(Selection::<Algorithm>::from_env("WEFT_TOPO_TEST_UNSET")
         .unwrap()

@@ -227,6 +227,8 @@ pub struct Mesh {
     conns: Vec<Option<Box<dyn Connection>>>,
     kinds: Vec<Option<&'static str>>,
     waiter: MeshWaiter,
+    /// Host id of every rank, as each published it.
+    host_ids: Vec<String>,
 }
 
 impl Mesh {
@@ -380,6 +382,7 @@ impl Mesh {
         drop(segment);
 
         Ok(Mesh {
+            host_ids: infos.iter().map(|i| i.host_id.clone()).collect(),
             rank,
             nranks: n,
             conns,
@@ -411,6 +414,7 @@ impl Mesh {
             .into_iter()
             .enumerate()
             .map(|(r, c)| Mesh {
+                host_ids: vec!["mem".to_string(); nranks],
                 rank: r,
                 nranks,
                 kinds: (0..nranks)
@@ -441,6 +445,12 @@ impl Mesh {
     /// an out-of-range peer.
     pub fn transport_name(&self, peer: usize) -> Option<&'static str> {
         self.kinds.get(peer).copied().flatten()
+    }
+
+    /// The host id every rank published (see [`host_id`]), indexed by rank: ranks with equal
+    /// ids are on one host.
+    pub fn host_ids(&self) -> &[String] {
+        &self.host_ids
     }
 
     /// The connection to `peer`, if any.

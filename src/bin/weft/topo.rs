@@ -55,6 +55,167 @@ pub struct TopoArgs {
     /// Write the link figures in use (from --calibrate or --calibration) to this file.
     #[arg(long = "save-calibration", value_name = "FILE")]
     save_calibration: Option<PathBuf>,
+    /// Run as one rank of a job (under `weft run`, srun, torchrun, mpirun): every rank
+    /// describes its host, rank 0 gathers them through the communicator and prints the job's
+    /// hosts, ranks per host, the ring and trees across hosts and the tuner's choices.
+    #[arg(long, conflicts_with_all = ["nvidia_smi", "xml", "calibrate", "save_calibration"])]
+    job: bool,
+}
+
+/// What one rank of a job tells rank 0 about its host.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct RankHost {
+    host_id: String,
+    hostname: String,
+    gpus: usize,
+    nics: Vec<String>,
+    shm_bytes: Option<u64>,
+}
+
+/// `weft topo --job`: gathers every rank's host description on rank 0 and prints the job's
+/// topology and the tuner's predictions. Returns the text rank 0 prints (empty elsewhere).
+fn job_report(args: &TopoArgs) -> Result<String, String> {
+    use std::fmt::Write as _;
+    use weftcc::collectives::hierarchical::HostLayout;
+    use weftcc::{CommConfig, Communicator, Tuner};
+    use weftcc_topology::tuner::Collective;
+
+    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let config = CommConfig::from_env().map_err(|e| e.to_string())?;
+    let d = discover();
+    let me = RankHost {
+        // The id the transports use (WEFT_HOST_ID, else hostname + boot id).
+        host_id: config.host_id.clone(),
+        hostname: d.topology.host.hostname.clone().unwrap_or_default(),
+        gpus: d.topology.gpus.len(),
+        nics: d
+            .topology
+            .nics
+            .iter()
+            .map(|n| match n.speed_gbit {
+                Some(g) => format!("{} {g} Gbit/s", n.name),
+                None => n.name.clone(),
+            })
+            .collect(),
+        shm_bytes: d.topology.shm_bytes,
+    };
+    let mine = serde_json::to_vec(&me).map_err(|e| e.to_string())?;
+    // Lengths first, then every description padded to the longest.
+    let n = comm.size();
+    let mut lens = vec![0u64; n];
+    comm.all_gather(&[mine.len() as u64], &mut lens)
+        .map_err(|e| e.to_string())?;
+    let width = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut padded = mine.clone();
+    padded.resize(width, 0);
+    let mut all = vec![0u8; width * n];
+    comm.all_gather(&padded, &mut all)
+        .map_err(|e| e.to_string())?;
+    if comm.rank() != 0 {
+        return Ok(String::new());
+    }
+    let mut ranks: Vec<RankHost> = Vec::with_capacity(n);
+    for (r, len) in lens.iter().enumerate() {
+        let bytes = &all[r * width..r * width + *len as usize];
+        ranks.push(
+            serde_json::from_slice(bytes)
+                .map_err(|e| format!("rank {r} sent a bad host description: {e}"))?,
+        );
+    }
+    let layout = HostLayout::from_labels(&ranks.iter().map(|r| &r.host_id).collect::<Vec<_>>());
+    let mut out = String::new();
+    let _ = writeln!(out, "job: {n} ranks on {} host(s)", layout.hosts());
+    for h in 0..layout.hosts() {
+        let members = layout.members(h);
+        let first = &ranks[members[0]];
+        let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();
+        let _ = writeln!(
+            out,
+            "host {h}: {} ({})  ranks {}  ({} rank(s))  gpus {}  nics [{}]  /dev/shm {}",
+            first.hostname,
+            first.host_id,
+            list.join(","),
+            members.len(),
+            first.gpus,
+            first.nics.join(", "),
+            first
+                .shm_bytes
+                .map_or("unknown".to_string(), |b| format!("{} MiB", b >> 20))
+        );
+    }
+    let ring: Vec<String> = (0..layout.hosts())
+        .flat_map(|h| layout.members(h).iter().map(|r| r.to_string()))
+        .collect();
+    let _ = writeln!(
+        out,
+        "ring across hosts: {} > {}  (each host's ranks in a row, one network hop per host)",
+        ring.join(" > "),
+        ring.first().cloned().unwrap_or_default()
+    );
+    let trees = weftcc_topology::search::double_binary_tree(layout.hosts());
+    for (t, tree) in trees.iter().enumerate() {
+        let edges: Vec<String> = tree
+            .parent
+            .iter()
+            .enumerate()
+            .filter_map(|(c, p)| p.map(|p| format!("{c}->{p}")))
+            .collect();
+        let _ = writeln!(
+            out,
+            "tree {t} across hosts: root host {}, edges (child->parent) {}",
+            tree.root,
+            if edges.is_empty() {
+                "none".to_string()
+            } else {
+                edges.join(" ")
+            }
+        );
+    }
+    let tuner = Tuner::new(
+        layout.clone(),
+        !config.shm_disable,
+        config.algo.clone(),
+        config.calibration.as_ref(),
+    );
+    let _ = writeln!(
+        out,
+        "tuner (intra-host {} GB/s, {} us/hop; network {} GB/s, {} us/hop; reduce {} GB/s):",
+        tuner.model().input.intra_gbps,
+        tuner.model().input.intra_lat_us,
+        tuner.model().input.net_gbps,
+        tuner.model().input.net_lat_us,
+        tuner.model().input.reduce_gbps,
+    );
+    let _ = writeln!(
+        out,
+        "  {:<14} {:>9}  {:<5} {:>11} {:>11}",
+        "collective", "size", "algo", "time(us)", "busbw(GB/s)"
+    );
+    for coll in Collective::ALL {
+        for bytes in [8u64, 64 << 10, 1 << 20, 16 << 20, 256 << 20] {
+            let (choice, pred) = tuner.predict(coll, bytes);
+            let (t, bw) = pred.map_or((f64::NAN, f64::NAN), |p| (p.time_us, p.busbw_gbps));
+            let _ = writeln!(
+                out,
+                "  {:<14} {:>9}  {:<5} {:>11.1} {:>11.2}",
+                coll.name(),
+                human(bytes),
+                choice.name(),
+                t,
+                bw
+            );
+        }
+    }
+    let _ = args;
+    Ok(out)
+}
+
+fn human(b: u64) -> String {
+    match b {
+        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
 }
 
 fn read_input(p: &Path) -> Result<String, String> {
@@ -82,6 +243,10 @@ fn load(args: &TopoArgs) -> Result<(Topology, Vec<String>), String> {
 }
 
 fn run(args: TopoArgs) -> Result<(), String> {
+    if args.job {
+        print!("{}", job_report(&args)?);
+        return Ok(());
+    }
     let (topo, notes) = load(&args)?;
     let mut opts = ReportOptions {
         nhosts: args.hosts as usize,
@@ -191,6 +356,7 @@ mod tests {
             calibration: None,
             calibrate: None,
             save_calibration: None,
+            job: false,
         }
     }
 

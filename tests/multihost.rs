@@ -1,0 +1,414 @@
+//! Two "hosts" made of network namespaces joined by a veth pair shaped to 1 Gbit/s with `tc tbf`
+//! (this kernel has no netem, so no added delay), two ranks per host: ranks of one host use
+//! shared memory (same `WEFT_HOST_ID`), ranks of different hosts TCP over the veth
+//! (`WEFT_SOCKET_IFNAME`). Every collective is checked against values computed here, with the
+//! tuner's own choice and with the ring and the hierarchical all-reduce forced; the tuner's
+//! choices (WEFT_DEBUG=INFO, WEFT_DEBUG_SUBSYS=TUNING) and a small benchmark (hierarchical vs flat
+//! ring, measured vs predicted) are printed, not asserted.
+//!
+//! Needs root and `ip`/`tc` (iproute2); otherwise the test prints why and passes without running.
+//! The namespaces carry this process's id and are deleted when the test ends, failed or not.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weftcc::collectives::comm::join_host_port;
+use weftcc::collectives::hierarchical::HostLayout;
+use weftcc::collectives::tuning::Tuner;
+use weftcc::{
+    Algorithm, CommConfig, Communicator, LaunchInfo, Protocol, ReduceOp, Selection, UniqueId,
+};
+use weftcc_topology::tuner::{Calibration, Collective};
+
+const ROLE: &str = "WEFT_MULTIHOST_CHILD";
+/// Element counts checked for every collective (per rank block for the gathering ones).
+const COUNTS: [usize; 5] = [0, 1, 7, 1000, 300_001];
+/// All-reduce sizes of the benchmark, bytes.
+const BENCH_BYTES: [usize; 3] = [64 << 10, 1 << 20, 16 << 20];
+
+fn val(rank: usize, i: usize) -> i32 {
+    ((rank * 7 + i * 3) % 11) as i32 - 5
+}
+
+/// Checks every collective on `comm`; returns the first wrong case.
+fn check_all(comm: &Communicator, algo_only_all_reduce: bool) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.size());
+    let err = |what: &str, e: weftcc::Error| format!("{what}: {e}");
+    for count in COUNTS {
+        let mine: Vec<i32> = (0..count).map(|i| val(r, i)).collect();
+        let sum: Vec<i32> = (0..count)
+            .map(|i| (0..n).map(|q| val(q, i)).sum())
+            .collect();
+        let mut out = vec![0i32; count];
+        comm.all_reduce(&mine, &mut out, ReduceOp::Sum)
+            .map_err(|e| err("all_reduce", e))?;
+        if out != sum {
+            return Err(format!("all_reduce i32 count {count} wrong"));
+        }
+        let minef: Vec<f32> = mine.iter().map(|&x| x as f32).collect();
+        let mut outf = minef.clone();
+        comm.all_reduce_in_place(&mut outf, ReduceOp::Max)
+            .map_err(|e| err("all_reduce f32", e))?;
+        let want: Vec<f32> = (0..count)
+            .map(|i| (0..n).map(|q| val(q, i)).max().unwrap_or(0) as f32)
+            .collect();
+        if outf != want {
+            return Err(format!("all_reduce f32 max count {count} wrong"));
+        }
+        if algo_only_all_reduce {
+            continue;
+        }
+        for root in [1, 2] {
+            let mut b = if r == root {
+                mine.clone()
+            } else {
+                vec![0; count]
+            };
+            comm.broadcast_in_place(&mut b, root)
+                .map_err(|e| err("broadcast", e))?;
+            let want: Vec<i32> = (0..count).map(|i| val(root, i)).collect();
+            if b != want {
+                return Err(format!("broadcast root {root} count {count} wrong"));
+            }
+            let mut red = vec![0i32; count];
+            comm.reduce(&mine, &mut red, ReduceOp::Sum, root)
+                .map_err(|e| err("reduce", e))?;
+            if r == root && red != sum {
+                return Err(format!("reduce root {root} count {count} wrong"));
+            }
+        }
+        let mut all = vec![0i32; count * n];
+        comm.all_gather(&mine, &mut all)
+            .map_err(|e| err("all_gather", e))?;
+        let want: Vec<i32> = (0..n)
+            .flat_map(|q| (0..count).map(move |i| val(q, i)))
+            .collect();
+        if all != want {
+            return Err(format!("all_gather count {count} wrong"));
+        }
+        let big: Vec<i32> = (0..count * n).map(|i| val(r, i)).collect();
+        let mut rs = vec![0i32; count];
+        comm.reduce_scatter(&big, &mut rs, ReduceOp::Sum)
+            .map_err(|e| err("reduce_scatter", e))?;
+        let want: Vec<i32> = (0..count)
+            .map(|i| (0..n).map(|q| val(q, r * count + i)).sum())
+            .collect();
+        if rs != want {
+            return Err(format!("reduce_scatter count {count} wrong"));
+        }
+        let mut a2a = vec![0i32; count * n];
+        comm.all_to_all(&big, &mut a2a)
+            .map_err(|e| err("all_to_all", e))?;
+        let want: Vec<i32> = (0..n)
+            .flat_map(|q| (0..count).map(move |i| val(q, r * count + i)))
+            .collect();
+        if a2a != want {
+            return Err(format!("all_to_all count {count} wrong"));
+        }
+        comm.barrier().map_err(|e| err("barrier", e))?;
+    }
+    Ok(())
+}
+
+/// Child role: one rank of the job, three communicators (the tuner's choice, ring forced,
+/// hierarchical forced); prints `MH ...` lines on stdout.
+#[test]
+fn multihost_child() {
+    if std::env::var(ROLE).is_err() {
+        return;
+    }
+    let info = LaunchInfo::from_env().expect("launch info");
+    let cal = std::env::var("WEFT_CALIBRATION")
+        .ok()
+        .map(|p| Calibration::from_json(&std::fs::read_to_string(p).unwrap()).unwrap());
+    let layout = HostLayout::from_labels(&[0, 0, 1, 1]);
+    for (k, spec) in ["", "ring", "hier"].into_iter().enumerate() {
+        let id = UniqueId {
+            addr: join_host_port(&info.master_addr, info.master_port + k as u16),
+            token: info.token.clone(),
+        };
+        let mut cfg = CommConfig::from_env().expect("config");
+        cfg.algo = Selection::parse(spec).expect("spec");
+        let comm = Communicator::init_with(info.rank, info.world_size, &id, cfg)
+            .unwrap_or_else(|e| panic!("init {spec:?}: {e}"));
+        for p in 1..info.world_size {
+            let (a, b) = (info.rank, (info.rank + p) % info.world_size);
+            let want = if layout.host_of(a) == layout.host_of(b) {
+                "shm"
+            } else {
+                "tcp"
+            };
+            assert_eq!(comm.transport_to(b), Some(want), "rank {a} to {b}");
+        }
+        let label = if spec.is_empty() { "auto" } else { spec };
+        match check_all(&comm, !spec.is_empty()) {
+            Ok(()) => println!("MH CHECK {label} ok"),
+            Err(e) => {
+                println!("MH FAIL {label} {e}");
+                return;
+            }
+        }
+        if spec.is_empty() {
+            continue;
+        }
+        let tuner = Tuner::new(
+            layout.clone(),
+            true,
+            Selection::<Algorithm>::parse(spec).unwrap(),
+            cal.as_ref(),
+        );
+        for bytes in BENCH_BYTES {
+            let mut buf = vec![1.0f32; bytes / 4];
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            let iters = 3;
+            comm.barrier().unwrap();
+            let t = Instant::now();
+            for _ in 0..iters {
+                comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            }
+            let us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
+            let algo = if spec == "ring" {
+                Algorithm::Ring
+            } else {
+                Algorithm::Hier
+            };
+            let pred = tuner
+                .model()
+                .predict(Collective::AllReduce, algo, Protocol::Simple, bytes as u64)
+                .map_or(f64::NAN, |p| p.time_us);
+            if info.rank == 0 {
+                println!("MH BENCH {label} {bytes} {us:.0} {pred:.0}");
+            }
+        }
+    }
+    println!("MH DONE");
+}
+
+/// Runs a command, returning whether it succeeded (its output goes to this test's output).
+fn sh(args: &[&str]) -> bool {
+    match Command::new(args[0]).args(&args[1..]).output() {
+        Ok(o) if o.status.success() => true,
+        Ok(o) => {
+            eprintln!(
+                "multihost: `{}` failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            false
+        }
+        Err(e) => {
+            eprintln!("multihost: `{}`: {e}", args.join(" "));
+            false
+        }
+    }
+}
+
+/// Two namespaces and a veth pair; deleted on drop.
+struct Hosts {
+    ns: [String; 2],
+    dev: [String; 2],
+    ip: [String; 2],
+}
+
+impl Hosts {
+    fn create() -> Result<Hosts, String> {
+        let id = std::process::id();
+        let tag = format!("{:x}", id % 0xfffff);
+        let subnet = 16 + id % 200;
+        let h = Hosts {
+            ns: [format!("weftmh-{tag}-a"), format!("weftmh-{tag}-b")],
+            dev: [format!("wmh{tag}a"), format!("wmh{tag}b")],
+            ip: [format!("10.231.{subnet}.1"), format!("10.231.{subnet}.2")],
+        };
+        for ns in &h.ns {
+            if !sh(&["ip", "netns", "add", ns]) {
+                return Err(format!("cannot create network namespace {ns}"));
+            }
+        }
+        let ok = sh(&[
+            "ip", "link", "add", &h.dev[0], "type", "veth", "peer", "name", &h.dev[1],
+        ]) && (0..2).all(|i| {
+            let (ns, dev) = (&h.ns[i], &h.dev[i]);
+            sh(&["ip", "link", "set", dev, "netns", ns])
+                && sh(&[
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    &format!("{}/24", h.ip[i]),
+                    "dev",
+                    dev,
+                ])
+                && sh(&["ip", "-n", ns, "link", "set", dev, "up"])
+                && sh(&["ip", "-n", ns, "link", "set", "lo", "up"])
+                && sh(&[
+                    "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", "1gbit", "burst", "128kb", "latency", "50ms",
+                ])
+        });
+        if ok {
+            Ok(h)
+        } else {
+            Err("cannot set up the veth pair".into())
+        }
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in &self.ns {
+            // Deleting a namespace deletes the veth end inside it, and with it the pair.
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// Kills the children if they are still running when the test gives up.
+struct Watchdog {
+    done: Arc<AtomicBool>,
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::SeqCst);
+    }
+}
+
+fn watchdog(pids: Vec<u32>, limit: Duration) -> Watchdog {
+    let done = Arc::new(AtomicBool::new(false));
+    let d = Arc::clone(&done);
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        while !d.load(Ordering::SeqCst) {
+            if start.elapsed() > limit {
+                eprintln!("multihost: children still running after {limit:?}; killing them");
+                for p in &pids {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(*p as i32),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    Watchdog { done }
+}
+
+/// Whether this process's effective user id is 0 (from /proc, without unsafe code).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|e| e == "0"))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn two_hosts_two_ranks_each() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    if !is_root() {
+        println!("multihost: SKIPPED (needs root to create network namespaces)");
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err()
+        || Command::new("tc").arg("-V").output().is_err()
+    {
+        println!("multihost: SKIPPED (`ip` or `tc` missing: install iproute2)");
+        return;
+    }
+    let hosts = match Hosts::create() {
+        Ok(h) => h,
+        Err(e) => {
+            println!("multihost: SKIPPED ({e})");
+            return;
+        }
+    };
+    // The shaped link's figures for the tuner: 1 Gbit/s, TCP latency.
+    let cal_path = std::env::temp_dir().join(format!("weft-mh-cal-{}.json", std::process::id()));
+    std::fs::write(
+        &cal_path,
+        r#"{ "net": { "alpha_us": 60.0, "gbps": 0.119 }, "protocols": [] }"#,
+    )
+    .unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let token = format!("mh{}", std::process::id());
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..4 {
+        let h = rank / 2;
+        let child = Command::new("ip")
+            .args(["netns", "exec", &hosts.ns[h]])
+            .arg(&exe)
+            .args([
+                "multihost_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE, "1")
+            .env("WEFT_RANK", rank.to_string())
+            .env("WEFT_WORLD_SIZE", "4")
+            .env("WEFT_LOCAL_RANK", (rank % 2).to_string())
+            .env("WEFT_LOCAL_WORLD_SIZE", "2")
+            .env("WEFT_MASTER_ADDR", &hosts.ip[0])
+            .env("WEFT_MASTER_PORT", "29400")
+            .env("WEFT_JOB_TOKEN", &token)
+            .env("WEFT_HOST_ID", format!("mh-host-{h}"))
+            .env("WEFT_SOCKET_IFNAME", format!("={}", hosts.dev[h]))
+            .env("WEFT_TIMEOUT", "90")
+            .env("WEFT_DEBUG", "INFO")
+            .env("WEFT_DEBUG_SUBSYS", "TUNING")
+            .env("WEFT_CALIBRATION", &cal_path)
+            .env_remove("WEFT_ALGO")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn a rank");
+        children.push(child);
+    }
+    let _dog = watchdog(
+        children.iter().map(Child::id).collect(),
+        Duration::from_secs(300),
+    );
+    let outputs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait for a rank"))
+        .collect();
+    let _ = std::fs::remove_file(&cal_path);
+    let mut failures = Vec::new();
+    for (rank, o) in outputs.iter().enumerate() {
+        let out = String::from_utf8_lossy(&o.stdout);
+        let err = String::from_utf8_lossy(&o.stderr);
+        // The test harness prints `test multihost_child ... ` before the first line.
+        for line in out.lines().filter_map(|l| l.find("MH ").map(|at| &l[at..])) {
+            println!("rank {rank}: {line}");
+        }
+        if rank == 0 {
+            for line in err.lines().filter(|l| l.contains("weftcc::tuning")) {
+                println!("rank 0 tuning: {line}");
+            }
+        }
+        if !out.contains("MH DONE") || out.contains("MH FAIL") || !o.status.success() {
+            failures.push(format!(
+                "rank {rank} ({}):\n{out}\n{}",
+                o.status,
+                err.lines().rev().take(20).collect::<Vec<_>>().join("\n")
+            ));
+        }
+    }
+    drop(hosts);
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    let tuning = String::from_utf8_lossy(&outputs[0].stderr);
+    assert!(
+        tuning.contains("algorithm chosen"),
+        "no TUNING log on rank 0:\n{tuning}"
+    );
+}
