@@ -136,6 +136,15 @@ pub struct CommConfig {
     /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
     /// sleep until a peer signals.
     pub backoff: Backoff,
+    /// Spin used instead of `backoff.spin` when this host runs more ranks than it has CPUs: a
+    /// spinning rank then only delays the peer it waits for (measured with 4 ranks on 2 cores:
+    /// 8 B all-reduce 5.7 → 3.3 µs without the spin). `None` keeps `backoff.spin`; `from_env`
+    /// sets `None` when `WEFT_SPIN_US` is given.
+    pub oversubscribed_spin: Option<Duration>,
+    /// Largest operation (bytes per rank) whose messages are sent pinned, i.e. single copy over
+    /// shared memory (`WEFT_SHM_CMA_MAX_OP`, default 1 MiB). Above it, cross-memory copies of
+    /// data that is no longer in cache were measured slower than copying through the ring.
+    pub pinned_max_bytes: usize,
     /// Algorithms the tuner may choose (`WEFT_ALGO`, NCCL_ALGO syntax: `ring`, `tree`, `rd`,
     /// `hier`, `^tree`, `allreduce:tree;broadcast:ring`); unrestricted by default.
     pub algo: Selection<Algorithm>,
@@ -177,7 +186,7 @@ impl CommConfig {
                 .ok()
                 .filter(|s| !s.is_empty()),
             host_id: weftcc_transports::mesh::host_id(),
-            buffsize: size("WEFT_BUFFSIZE", 4 << 20)?,
+            buffsize: size("WEFT_BUFFSIZE", weftcc_transports::shm::DEFAULT_BUFFSIZE)?,
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
             algo: Selection::from_env("WEFT_ALGO").map_err(|e| Error::Config(e.to_string()))?,
             proto: Selection::from_env("WEFT_PROTO").map_err(|e| Error::Config(e.to_string()))?,
@@ -197,6 +206,11 @@ impl CommConfig {
                 spin: micros("WEFT_SPIN_US", Backoff::default().spin)?,
                 yield_for: micros("WEFT_YIELD_US", Backoff::default().yield_for)?,
             },
+            oversubscribed_spin: match std::env::var("WEFT_SPIN_US") {
+                Ok(v) if !v.trim().is_empty() => None,
+                _ => Some(Duration::ZERO),
+            },
+            pinned_max_bytes: size("WEFT_SHM_CMA_MAX_OP", DEFAULT_PINNED_MAX_BYTES)?,
         })
     }
 }
@@ -388,6 +402,17 @@ impl Communicator {
             StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
         let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
         let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
+        let mut config = config;
+        let local_ranks = mesh
+            .host_ids()
+            .iter()
+            .filter(|h| Some(*h) == mesh.host_ids().get(rank))
+            .count();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let (Some(spin), true) = (config.oversubscribed_spin, local_ranks > cpus) {
+            tracing::info!(target: "weftcc::init", rank, local_ranks, cpus, "more ranks than CPUs on this host: spin {spin:?} before yielding");
+            config.backoff.spin = spin;
+        }
         let tuner = Tuner::new(
             HostLayout::from_labels(mesh.host_ids()),
             !config.shm_disable,
@@ -1492,6 +1517,7 @@ impl Inner {
         workspace: &mut Workspace,
     ) -> Result<()> {
         let poisoned = || self.poisoned();
+        let largest = areas.iter().map(Area::len).max().unwrap_or(0);
         let ctx = Context {
             rank: self.rank,
             desc,
@@ -1500,6 +1526,7 @@ impl Inner {
             timeout: self.timeout(),
             abort: &self.abort,
             backoff: self.config.backoff,
+            pinned_sends: largest <= self.config.pinned_max_bytes,
             poisoned: &poisoned,
         };
         let (conns, waiter) = mesh.parts();
@@ -1675,6 +1702,9 @@ impl Hasher for KeyHasher {
         self.write_u64(v as u64);
     }
 }
+
+/// Default of [`CommConfig::pinned_max_bytes`].
+pub const DEFAULT_PINNED_MAX_BYTES: usize = 1 << 20;
 
 /// Bound on cached schedules: a sweep over many sizes must not grow memory without limit.
 const SCHEDULE_CACHE_ENTRIES: usize = 64;

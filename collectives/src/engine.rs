@@ -32,6 +32,16 @@ pub enum Area<'a> {
 }
 
 impl Area<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// True when the area holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.bytes().is_empty()
+    }
+
     fn bytes(&self) -> &[u8] {
         match self {
             Area::ReadOnly(b) => b,
@@ -120,6 +130,9 @@ pub struct Context<'a> {
     pub abort: &'a AtomicBool,
     /// How long to spin, then to yield the CPU, after the last progress before sleeping.
     pub backoff: Backoff,
+    /// Send messages with [`Connection::try_send_pinned`] (single copy where the transport has
+    /// one) rather than [`Connection::try_send`].
+    pub pinned_sends: bool,
     /// Returns the error that poisoned the communicator while this operation ran, if any.
     pub poisoned: &'a dyn Fn() -> Option<Error>,
 }
@@ -586,10 +599,12 @@ fn pump_sends(
             // The source stays unchanged until the step completes (later steps that overwrite
             // it depend on this one), which is what a pinned write asks.
             let src = &areas[area].bytes()[off + cur.moved..off + len];
-            let n = io
-                .conn
-                .try_send_pinned(src)
-                .map_err(|e| ctx.transport(peer, e))?;
+            let n = if ctx.pinned_sends {
+                io.conn.try_send_pinned(src)
+            } else {
+                io.conn.try_send(src)
+            }
+            .map_err(|e| ctx.transport(peer, e))?;
             cur.moved += n;
             progressed |= n > 0;
             if cur.moved < len {

