@@ -22,7 +22,7 @@ grep -E "memcpy|receiver|==|$pattern|size" "$out/baseline-$n.txt"
 "$weft" baseline-json "$out/baseline-$n.txt" -o "$out/baseline-$n.json"
 for wire in shm tcp; do
   echo "== weft perf all-reduce, $n ranks, $wire"
-  env $([ "$wire" = tcp ] && echo WEFT_SHM_DISABLE=1) "$weft" perf all-reduce --np "$n" -b 8 -e 128M \
+  env $([ "$wire" = tcp ] && echo WEFT_SHM_DISABLE=1) "$weft" perf all-reduce --np "$n" -b 8 -e 128M -n 200 -w 20 \
     --json "$out/weft-$wire-$n.json" --plot "$out/all-reduce-$wire-$n.svg" \
     --baseline "$out/baseline-$n.json" >"$out/weft-$wire-$n.txt"
   grep -E "$pattern|#       size|Out of bounds" "$out/weft-$wire-$n.txt"

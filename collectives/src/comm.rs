@@ -293,6 +293,8 @@ struct State {
     scratch: Vec<u64>,
     /// Prepared schedules of recent distinct calls (a training loop repeats the same few).
     schedules: HashMap<ScheduleKey, Prepared, BuildHasherDefault<KeyHasher>>,
+    /// The tuner's choice per (collective, bytes) already asked for.
+    choices: HashMap<(OpKind, usize), Choice, BuildHasherDefault<KeyHasher>>,
     workspace: Workspace,
     coll_seq: u64,
     send_seq: Vec<u64>,
@@ -442,6 +444,7 @@ impl Communicator {
                 mesh,
                 scratch: Vec::new(),
                 schedules: HashMap::default(),
+                choices: HashMap::default(),
                 workspace: Workspace::default(),
                 coll_seq: 0,
                 send_seq: vec![0; nranks],
@@ -1324,10 +1327,22 @@ impl Inner {
             _ => count,
         }
         .saturating_mul(call.dtype.size());
-        let choice = if n > 1 {
-            self.tuner.choose(call.kind, user_bytes, r, seq)
-        } else {
-            Choice::Ring
+        // The model's answer depends only on the collective and size: remember it (evaluating
+        // every algorithm's cost was an eighth of an 8-byte all-reduce).
+        let choice = match st.choices.get(&(call.kind, user_bytes)) {
+            _ if n == 1 => Choice::Ring,
+            Some(&c) => {
+                tracing::debug!(target: "weftcc::tuning", rank = r, op = %call.kind, seq, bytes = user_bytes, algo = c.name(), "algorithm chosen (remembered)");
+                c
+            }
+            None => {
+                let c = self.tuner.choose(call.kind, user_bytes, r, seq);
+                if st.choices.len() >= SCHEDULE_CACHE_ENTRIES {
+                    st.choices.clear();
+                }
+                st.choices.insert((call.kind, user_bytes), c);
+                c
+            }
         };
         let key = ScheduleKey {
             kind: call.kind,

@@ -558,6 +558,7 @@ impl ShmSegment {
         let tx = remote.layout.ring_offset(tx_slot);
         let rx_tail = self.map.u64_at(rx + R_TAIL).load(Ordering::Acquire);
         let tx_head = remote.u64_at(tx + R_HEAD).load(Ordering::Acquire);
+        let tx_tail_seen = remote.u64_at(tx + R_TAIL).load(Ordering::Acquire);
         let cma_min = cma_min_bytes();
         let peer_pid = remote.owner_pid() as i32;
         if cma_min.is_some() {
@@ -581,6 +582,7 @@ impl ShmSegment {
             tx,
             rx_tail,
             tx_head,
+            tx_tail_seen,
             watch,
             peer_dead: false,
             peer_pid,
@@ -655,6 +657,8 @@ pub struct ShmConnection {
     tx: usize,
     rx_tail: u64,
     tx_head: u64,
+    /// The receiver's tail as last read (a lower bound of the real one).
+    tx_tail_seen: u64,
     watch: ProcessWatch,
     peer_dead: bool,
     peer_pid: i32,
@@ -898,8 +902,13 @@ impl Connection for ShmConnection {
             )));
         }
         let cap = r.layout.capacity;
-        let tail = r.u64_at(self.tx + R_TAIL).load(Ordering::Acquire);
-        let used = self.tx_head.wrapping_sub(tail);
+        // The receiver's tail only grows: re-read it (a cache line the receiver keeps writing)
+        // only when the space known from the last read is not enough.
+        let mut used = self.tx_head.wrapping_sub(self.tx_tail_seen);
+        if (cap as u64).saturating_sub(used) < data.len() as u64 {
+            self.tx_tail_seen = r.u64_at(self.tx + R_TAIL).load(Ordering::Acquire);
+            used = self.tx_head.wrapping_sub(self.tx_tail_seen);
+        }
         if used > cap as u64 {
             return Err(self.corrupt("tail ahead of head"));
         }
