@@ -142,8 +142,9 @@ pub struct CommConfig {
     /// sets `None` when `WEFT_SPIN_US` is given.
     pub oversubscribed_spin: Option<Duration>,
     /// Largest operation (bytes per rank) whose messages are sent pinned, i.e. single copy over
-    /// shared memory (`WEFT_SHM_CMA_MAX_OP`, default 1 MiB). Above it, cross-memory copies of
-    /// data that is no longer in cache were measured slower than copying through the ring.
+    /// shared memory (`WEFT_SHM_CMA_MAX_OP`, default 1 MiB); only collectives whose receivers
+    /// copy (all-gather, broadcast, all-to-all, send/recv) use it. Above the bound, cross-memory
+    /// copies of data that is no longer in cache were measured slower than the ring.
     pub pinned_max_bytes: usize,
     /// Algorithms the tuner may choose (`WEFT_ALGO`, NCCL_ALGO syntax: `ring`, `tree`, `rd`,
     /// `hier`, `^tree`, `allreduce:tree;broadcast:ring`); unrestricted by default.
@@ -1541,7 +1542,13 @@ impl Inner {
             timeout: self.timeout(),
             abort: &self.abort,
             backoff: self.config.backoff,
-            pinned_sends: largest <= self.config.pinned_max_bytes,
+            // Single copy pays where the receiver copies into place; a receiver that reduces
+            // copies referenced bytes to a staging block first, and was measured slower.
+            pinned_sends: largest <= self.config.pinned_max_bytes
+                && !matches!(
+                    desc.kind,
+                    OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
+                ),
             poisoned: &poisoned,
         };
         let (conns, waiter) = mesh.parts();
