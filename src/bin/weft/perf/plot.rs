@@ -162,11 +162,21 @@ pub fn svg(title: &str, series: &[Series], limits: &[Limit]) -> String {
             legend_y,
             LEFT + pw + 36.0,
             legend_y + 4.0,
-            escape(&ser.label)
+            escape(&shorten(&ser.label, 44))
         );
         legend_y += 18.0;
     }
     s.push_str("</svg>\n");
+    s
+}
+
+/// `text` cut to `max` characters (with an ellipsis), so legends fit the margin.
+fn shorten(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut s: String = text.chars().take(max - 1).collect();
+    s.push('…');
     s
 }
 
