@@ -1,11 +1,19 @@
 //! Local discovery: CPUs and NUMA nodes from sysfs, NICs (with speed and NUMA node) from
-//! /sys/class/net and /sys/class/infiniband, GPUs from `nvidia-smi` on the PATH when it runs
-//! (no driver or no binary: no GPUs), /dev/shm size, and the weftcc host id. On a machine
-//! without GPUs this still describes the host. Discovery never fails: what cannot be read is
-//! left out (and listed in [`Discovered::notes`]).
+//! /sys/class/net and /sys/class/infiniband, /dev/shm size, the weftcc host id, and GPUs from
+//! the first source that answers:
+//!
+//! 1. NVML ([`crate::nvml`]: `libnvidia-ml.so.1` loaded at run time; GPUs, NVLinks per pair,
+//!    PCIe common ancestors, P2P status),
+//! 2. `nvidia-smi topo -m` on the PATH (also names the NICs it sees),
+//! 3. none.
+//!
+//! [`Discovered::notes`] says which source was used and why each earlier one was skipped
+//! (`NVML: no driver (...)`). On a machine without GPUs this still describes the host.
+//! Discovery never fails: what cannot be read is left out (and listed in the notes).
 
 use crate::error::{Result, TopoError};
 use crate::model::{CpuNode, HostInfo, Nic, NicKind, PathClass, Topology};
+use crate::nvml;
 use crate::nvsmi::{self, count_cpus};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -17,7 +25,9 @@ use std::time::{Duration, Instant};
 pub struct DiscoverOptions {
     /// sysfs mount point (`/sys`).
     pub sysfs: PathBuf,
-    /// The `nvidia-smi` program (`nvidia-smi`, found on the PATH); `None` skips GPUs.
+    /// The NVML library (`libnvidia-ml.so.1`, found by the dynamic loader); `None` skips NVML.
+    pub nvml: Option<PathBuf>,
+    /// The `nvidia-smi` program (`nvidia-smi`, found on the PATH); `None` skips it.
     pub nvidia_smi: Option<PathBuf>,
     /// Shared-memory mount whose size is reported (`/dev/shm`).
     pub shm: Option<PathBuf>,
@@ -29,6 +39,7 @@ impl Default for DiscoverOptions {
     fn default() -> Self {
         DiscoverOptions {
             sysfs: PathBuf::from("/sys"),
+            nvml: Some(PathBuf::from("libnvidia-ml.so.1")),
             nvidia_smi: Some(PathBuf::from("nvidia-smi")),
             shm: Some(PathBuf::from("/dev/shm")),
             timeout: Duration::from_secs(20),
@@ -41,7 +52,8 @@ impl Default for DiscoverOptions {
 pub struct Discovered {
     /// The host.
     pub topology: Topology,
-    /// Things that were skipped and why (`nvidia-smi not found`, ...).
+    /// The GPU source used, and things that were skipped and why (`NVML: no driver (...)`,
+    /// `no GPUs: nvidia-smi topo -m: No such file or directory`, ...).
     pub notes: Vec<String>,
 }
 
@@ -281,10 +293,35 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
         },
         ..Topology::default()
     };
-    // GPUs (and the NICs nvidia-smi knows about) from nvidia-smi.
-    if let Some(prog) = &opts.nvidia_smi {
+    // GPUs: NVML first.
+    let mut have_gpus = false;
+    match &opts.nvml {
+        None => notes.push("NVML: disabled".into()),
+        Some(lib) => match nvml::capture(lib)
+            .map_err(|e| e.to_string())
+            .and_then(|snap| nvml::to_topology(&snap).map_err(|e| format!("failed ({e})")))
+        {
+            Ok(t) if t.gpus.is_empty() => notes.push("NVML: driver loaded, no GPUs".into()),
+            Ok(t) => {
+                notes.push(format!("GPUs from NVML ({} GPUs)", t.gpus.len()));
+                topo.gpus = t.gpus;
+                topo.paths = t.paths;
+                topo.p2p_missing = t.p2p_missing;
+                have_gpus = true;
+            }
+            Err(e) => notes.push(format!("NVML: {e}")),
+        },
+    }
+    // Else GPUs (and the NICs nvidia-smi knows about) from nvidia-smi.
+    let smi = if have_gpus {
+        None
+    } else {
+        opts.nvidia_smi.as_ref()
+    };
+    if let Some(prog) = smi {
         match run(prog, &["topo", "-m"], opts.timeout).and_then(|t| nvsmi::parse(&t)) {
             Ok(t) => {
+                notes.push(format!("GPUs from nvidia-smi ({} GPUs)", t.gpus.len()));
                 topo.gpus = t.gpus;
                 topo.nics = t.nics;
                 topo.paths = t.paths;
@@ -303,14 +340,7 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
                             {
                                 g.name = Some(name.to_string());
                                 // nvidia-smi prints 8-digit domains: 00000000:07:00.0
-                                let bus = bus.to_ascii_lowercase();
-                                let bus = match bus.split_once(':') {
-                                    Some((dom, rest)) if dom.len() > 4 => {
-                                        format!("{}:{rest}", &dom[dom.len() - 4..])
-                                    }
-                                    _ => bus,
-                                };
-                                g.bus_id = Some(bus);
+                                g.bus_id = Some(nvml::normalize_bus_id(bus));
                             }
                         }
                     }
@@ -321,10 +351,19 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
             }
             Err(e) => notes.push(format!("no GPUs: {e}")),
         }
+    } else if !have_gpus {
+        notes.push("no GPUs: nvidia-smi disabled".into());
     }
     // CPUs.
     topo.cpus = cpus_from_sysfs(&opts.sysfs);
     for g in topo.gpus.iter_mut() {
+        if g.numa.is_none() {
+            // The GPU's own PCI device in sysfs.
+            g.numa = g
+                .bus_id
+                .as_ref()
+                .and_then(|b| read_numa(&opts.sysfs.join("bus/pci/devices").join(b)));
+        }
         if g.numa.is_none() {
             if let Some(aff) = &g.cpu_affinity {
                 g.numa = topo

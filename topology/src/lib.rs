@@ -4,7 +4,8 @@
 //!   (`NV#`, `PIX`, `PXB`, `PHB`, `NODE`, `SYS`), link speeds, and a typed graph with PCIe
 //!   switches and NVSwitches ([`Topology::graph`]).
 //! * Parsers: [`nvsmi::parse`] (`nvidia-smi topo -m`), [`xml::read`] / [`xml::write`] (NCCL's
-//!   topology XML), and [`discover::discover`] (sysfs, /sys/class/infiniband, `nvidia-smi`).
+//!   topology XML), [`nvml::to_topology`] (an NVML snapshot taken by [`nvml::capture`]) and
+//!   [`discover::discover`] (sysfs, /sys/class/infiniband, GPUs from NVML, else `nvidia-smi`).
 //! * [`search`]: rings that maximise the bottleneck bandwidth (several channels when links
 //!   allow) and the double binary tree across hosts.
 //! * [`tuner`]: the α-β cost model per (algorithm, protocol) and the `WEFT_ALGO` / `WEFT_PROTO`
@@ -19,6 +20,7 @@ pub mod discover;
 pub mod error;
 mod graph;
 pub mod model;
+pub mod nvml;
 pub mod nvsmi;
 pub mod report;
 pub mod search;

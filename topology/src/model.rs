@@ -185,6 +185,9 @@ pub struct Gpu {
     pub numa: Option<u32>,
     /// Compute capability × 10 (e.g. 90) when known.
     pub sm: Option<u32>,
+    /// Device memory in bytes when known (NVML).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_bytes: Option<u64>,
 }
 
 /// What kind of network device a NIC is.

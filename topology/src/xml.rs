@@ -218,6 +218,7 @@ pub fn read(text: &str) -> Result<Topology> {
                             cpu_affinity: aff,
                             numa,
                             sm,
+                            mem_bytes: None,
                         },
                         Placed {
                             cpu: cur_cpu,

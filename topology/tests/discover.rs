@@ -66,6 +66,7 @@ fn cpu_only_host_from_sysfs() {
     let root = tmpdir("cpu");
     fake_sysfs(&root);
     let d = discover_with(&DiscoverOptions {
+        nvml: None,
         sysfs: root.clone(),
         nvidia_smi: Some(root.join("no-such-nvidia-smi")),
         shm: None,
@@ -117,6 +118,7 @@ fn gpus_from_a_fake_nvidia_smi() {
     std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
     fs::set_permissions(&script, perm).unwrap();
     let d = discover_with(&DiscoverOptions {
+        nvml: None,
         sysfs: root.clone(),
         nvidia_smi: Some(script),
         shm: None,
@@ -147,6 +149,7 @@ fn a_hanging_nvidia_smi_times_out() {
     fs::set_permissions(&script, perm).unwrap();
     let t0 = std::time::Instant::now();
     let d = discover_with(&DiscoverOptions {
+        nvml: None,
         sysfs: root.clone(),
         nvidia_smi: Some(script),
         shm: None,
@@ -171,6 +174,53 @@ fn this_machine() {
     t.validate().unwrap();
     assert!(!t.cpus.is_empty());
     assert!(t.host.host_id.is_some());
+    // NVML is asked first: either it gave the GPUs or a note says why not.
+    assert!(
+        d.notes
+            .iter()
+            .any(|n| n.starts_with("NVML: ") || n.starts_with("GPUs from NVML")),
+        "{:?}",
+        d.notes
+    );
+    if t.gpus.is_empty() {
+        assert!(d
+            .notes
+            .iter()
+            .any(|n| n.contains("no GPUs") || n.contains("NVML: driver loaded")));
+    }
+}
+
+#[test]
+fn no_nvml_driver_gives_a_note_and_falls_back() {
+    let root = tmpdir("nonvml");
+    fake_sysfs(&root);
+    let d = discover_with(&DiscoverOptions {
+        nvml: Some(root.join("no-such-libnvidia-ml.so.1")),
+        sysfs: root.clone(),
+        nvidia_smi: Some(root.join("no-such-nvidia-smi")),
+        shm: None,
+        timeout: Duration::from_secs(5),
+    });
+    assert!(d.notes[0].starts_with("NVML: no driver ("), "{:?}", d.notes);
+    assert!(d.notes[1].starts_with("no GPUs: "), "{:?}", d.notes);
+    let t = &d.topology;
+    assert!(t.gpus.is_empty());
+    assert_eq!(t.cpus.len(), 2);
+    assert_eq!(t.nics.len(), 3);
+    t.validate().unwrap();
+    // Both disabled: notes say so.
+    let d = discover_with(&DiscoverOptions {
+        nvml: None,
+        nvidia_smi: None,
+        sysfs: root.clone(),
+        shm: None,
+        timeout: Duration::from_secs(5),
+    });
+    assert_eq!(
+        d.notes,
+        vec!["NVML: disabled", "no GPUs: nvidia-smi disabled"]
+    );
+    let _ = fs::remove_dir_all(&root);
 }
 
 #[test]
