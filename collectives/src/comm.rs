@@ -2,8 +2,9 @@
 //!
 //! Issue order is execution order: every call takes a ticket, and tickets execute one at a time
 //! (blocking calls on the caller's thread, async calls on the communicator's worker thread).
-//! Each call validates its arguments, builds this rank's [`Schedule`], maps the schedule's
-//! logical buffers onto the caller's memory and hands both to [`engine::execute`].
+//! Each call validates its arguments, asks the tuner for an algorithm, takes this rank's
+//! [`Schedule`] from the cache of prepared schedules (building it on a miss), maps the schedule's
+//! logical buffers onto the caller's memory and hands both to [`engine::execute_prepared`].
 //!
 //! Failure handling: the first fatal error poisons the communicator and is published to the
 //! bootstrap store; a watcher thread on every rank picks it up, so a dead or failing rank becomes

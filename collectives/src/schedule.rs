@@ -672,7 +672,7 @@ pub fn pairwise_all_to_all(
 }
 
 /// Dissemination barrier: in round `k` (while `d = 2^k < nranks`) a rank sends one element from
-/// Scratch[0] to `rank + d` and receives one into Scratch[1] from `rank - d`. A round's send and
+/// Scratch\[0\] to `rank + d` and receives one into Scratch\[1\] from `rank - d`. A round's send and
 /// receive wait for the previous round's receive. `scratch_elems = 2` (0 for one rank).
 pub fn dissemination_barrier(rank: usize, nranks: usize) -> Result<Schedule, ScheduleError> {
     check_rank(rank, nranks)?;

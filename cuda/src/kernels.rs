@@ -3,7 +3,7 @@
 //!
 //! One kernel per (data type, operation): `weft_reduce_{sum,prod,min,max}_{type}` computes
 //! `dst = a ⊕ b`, `weft_scale_{type}` is `PreMulSum`'s local scaling and `weft_divide_{type}` is
-//! `Avg`'s final division, so every [`ReduceOp`] is covered the way the host communicator
+//! `Avg`'s final division, so every [`ReduceOp`](weftcc_collectives::ReduceOp) is covered the way the host communicator
 //! covers it (Avg = sum then divide; PreMulSum = scale then sum). The source is self-contained
 //! C that also compiles as host C++; the unit tests here run that host build against
 //! `weftcc_collectives::reduce` (the CPU kernels) for every type and operation.

@@ -35,7 +35,7 @@ impl MlpShape {
         self.hidden.len() + 1
     }
 
-    /// Element counts of the parameters in registration order: W0, b0, W1, b1, …, [unused].
+    /// Element counts of the parameters in registration order: W0, b0, W1, b1, …, `[unused]`.
     pub fn param_sizes(&self) -> Vec<usize> {
         let d = self.dims();
         let mut s = Vec::new();
