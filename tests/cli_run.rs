@@ -570,3 +570,82 @@ fn topo_job_gathers_every_rank_on_rank_0() {
         "{text}"
     );
 }
+
+#[test]
+fn perf_plot_overlays_a_converted_baseline() {
+    let dir = std::env::temp_dir().join(format!("weft-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The converter reads the baseline script's text (here a hand-written excerpt).
+    let text = dir.join("baseline.txt");
+    std::fs::write(
+        &text,
+        "== memory limit\nmemcpy 256 MiB: 11.36 GB/s copied; reduce a+=b: 5.79 GB/s of a\n\
+         == OpenMPI MPI_Allreduce, 2 ranks (shared memory)\n\
+         \x20       size        count   time(us)      algbw      busbw  #wrong\n\
+         \x20          8            2        0.6      0.013      0.013       0\n\
+         \x20       1024          256        1.1      0.959      0.959       0\n",
+    )
+    .unwrap();
+    let json = dir.join("baseline.json");
+    let conv = Command::new(WEFT)
+        .args([
+            "baseline-json",
+            text.to_str().unwrap(),
+            "--label",
+            "MPI ref",
+            "-o",
+        ])
+        .arg(&json)
+        .output()
+        .expect("run weft baseline-json");
+    let conv = (
+        conv.status.code(),
+        String::from_utf8_lossy(&conv.stderr).into_owned(),
+    );
+    assert_eq!(conv.0, Some(0), "{}", conv.1);
+    let svg = dir.join("plot.svg");
+    let out = perf(
+        &[
+            "all-reduce",
+            "-b",
+            "8",
+            "-e",
+            "1K",
+            "-f",
+            "4",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--np",
+            "2",
+            "--plot",
+            svg.to_str().unwrap(),
+            "--baseline",
+            json.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    let drawing = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawing.starts_with("<svg") && drawing.contains("</svg>"));
+    assert!(drawing.contains("MPI ref"), "baseline curve labelled");
+    assert!(drawing.contains("memcpy 11.36 GB/s"), "limit line drawn");
+    assert!(drawing.contains("weft float sum, out-of-place"));
+    // 8, 32, 128, 512 from weft (twice: out-of-place and in-place) and 2 baseline points.
+    assert_eq!(drawing.matches("<circle").count(), 4 * 2 + 2);
+    // A file that is not a baseline is refused before anything runs.
+    let bad = perf(
+        &[
+            "all-reduce",
+            "--plot",
+            svg.to_str().unwrap(),
+            "--baseline",
+            text.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(bad.code, Some(2), "{}", bad.stderr);
+    assert!(bad.stderr.contains("baseline"), "{}", bad.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -52,20 +52,26 @@ pub trait Connection: Send {
     /// Receives up to `dst.len()` bytes straight into `dst`; returns how many. Transports that can
     /// read into the destination without staging (sockets) override this.
     fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
-        let max = dst.len();
-        let mut filled = 0usize;
-        self.try_recv(max, &mut |src: &[u8]| {
-            let n = src.len().min(max);
-            dst[..n].copy_from_slice(&src[..n]);
-            filled = n;
-            n
-        })?;
-        Ok(filled)
+        recv_into_by_lending(self, dst)
     }
 
     /// Returns `PeerLost` when the peer is known to be gone (process exited, socket closed) and no
     /// buffered bytes remain. Cheap enough to call every few milliseconds while waiting.
     fn check_peer(&mut self) -> Result<()>;
+}
+
+/// [`Connection::try_recv_into`] through [`Connection::try_recv`]: copies what the transport lends.
+/// The default implementation, and the fallback of transports that override it.
+pub fn recv_into_by_lending<C: Connection + ?Sized>(conn: &mut C, dst: &mut [u8]) -> Result<usize> {
+    let max = dst.len();
+    let mut filled = 0usize;
+    conn.try_recv(max, &mut |src: &[u8]| {
+        let n = src.len().min(max);
+        dst[..n].copy_from_slice(&src[..n]);
+        filled = n;
+        n
+    })?;
+    Ok(filled)
 }
 
 /// What the engine is waiting for on one peer's connection.

@@ -1012,15 +1012,7 @@ impl Connection for ShmConnection {
                 return self.copy_ref(f, dst);
             }
         }
-        let max = dst.len();
-        let mut filled = 0usize;
-        self.try_recv(max, &mut |src: &[u8]| {
-            let n = src.len().min(max);
-            dst[..n].copy_from_slice(&src[..n]);
-            filled = n;
-            n
-        })?;
-        Ok(filled)
+        crate::conn::recv_into_by_lending(self, dst)
     }
 
     fn check_peer(&mut self) -> Result<()> {

@@ -193,7 +193,12 @@ pub fn main(args: PerfArgs) -> i32 {
         }
     };
     if args.device == DeviceKind::Cuda {
-        return cuda::main(&args, &opts);
+        let outputs = Outputs {
+            json: args.json.as_deref(),
+            plot: args.plot.as_deref(),
+            baselines: &baselines,
+        };
+        return cuda::main(&args, &opts, &outputs);
     }
     if !started_by_launcher() {
         let np = args.np as usize;
@@ -430,6 +435,60 @@ fn plot_svg(
     plot::svg(&title, &series, &limits)
 }
 
+/// Prints one result row (rank 0).
+fn print_row(out: &mut impl Write, row: &Row) {
+    let line = spec::format_row(
+        row.size,
+        row.count,
+        row.dtype.name(),
+        row.op.map_or("none", |o| o.name()),
+        row.root,
+        &row.oop,
+        &row.ip,
+    );
+    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+}
+
+/// Values found wrong over all rows.
+fn wrong_values(rows: &[Row]) -> u64 {
+    rows.iter()
+        .map(|r| r.oop.wrong.unwrap_or(0) + r.ip.wrong.unwrap_or(0))
+        .sum()
+}
+
+/// Rank 0's end of a sweep: the footer, then the plot and the JSON rows when asked for.
+fn finish(
+    out: &mut impl Write,
+    opts: &Options,
+    nranks: usize,
+    rows: &[Row],
+    outputs: &Outputs<'_>,
+) -> Result<(), PerfError> {
+    let busbws: Vec<f64> = rows
+        .iter()
+        .flat_map(|r| [r.oop.busbw, r.ip.busbw])
+        .collect();
+    let avg = if busbws.is_empty() {
+        0.0
+    } else {
+        busbws.iter().sum::<f64>() / busbws.len() as f64
+    };
+    let wrong = opts.check.then(|| wrong_values(rows));
+    let _ = write!(out, "{}", spec::footer(wrong, avg));
+    let _ = out.flush();
+    if let Some(path) = outputs.plot {
+        std::fs::write(path, plot_svg(opts, nranks, rows, outputs.baselines))
+            .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
+    }
+    if let Some(path) = outputs.json {
+        let value: Vec<JsonRow> = rows.iter().map(|r| r.json(opts.collective)).collect();
+        let text = serde_json::to_string_pretty(&value).expect("JSON of plain values");
+        std::fs::write(path, text + "\n")
+            .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
+    }
+    Ok(())
+}
+
 /// Runs every (type, op, size) combination; returns Ok(false) when any value was wrong.
 fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool, PerfError> {
     let me = comm.rank();
@@ -477,51 +536,15 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
                 };
                 let Some(row) = row else { continue };
                 if me == 0 {
-                    let line = spec::format_row(
-                        row.size,
-                        row.count,
-                        row.dtype.name(),
-                        row.op.map_or("none", |o| o.name()),
-                        row.root,
-                        &row.oop,
-                        &row.ip,
-                    );
-                    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+                    print_row(&mut out, &row);
                 }
                 rows.push(row);
             }
         }
     }
-    let wrong: u64 = rows
-        .iter()
-        .map(|r| r.oop.wrong.unwrap_or(0) + r.ip.wrong.unwrap_or(0))
-        .sum();
+    let wrong = wrong_values(&rows);
     if me == 0 {
-        let busbws: Vec<f64> = rows
-            .iter()
-            .flat_map(|r| [r.oop.busbw, r.ip.busbw])
-            .collect();
-        let avg = if busbws.is_empty() {
-            0.0
-        } else {
-            busbws.iter().sum::<f64>() / busbws.len() as f64
-        };
-        let _ = write!(
-            out,
-            "{}",
-            spec::footer(if opts.check { Some(wrong) } else { None }, avg)
-        );
-        let _ = out.flush();
-        if let Some(path) = outputs.plot {
-            std::fs::write(path, plot_svg(opts, n, &rows, outputs.baselines))
-                .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
-        }
-        if let Some(path) = outputs.json {
-            let value: Vec<JsonRow> = rows.iter().map(|r| r.json(opts.collective)).collect();
-            let text = serde_json::to_string_pretty(&value).expect("JSON of plain values");
-            std::fs::write(path, text + "\n")
-                .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
-        }
+        finish(&mut out, opts, n, &rows, outputs)?;
     }
     // Rank 0 has printed and written everything: only now may the other ranks exit (a launcher
     // stops the job when a rank exits non-zero, which they do when a value was wrong).

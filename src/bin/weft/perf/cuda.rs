@@ -11,10 +11,10 @@ use weftcc::{Communicator, DataType, ReduceOp};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream};
 
 use super::spec::{self, Collective, Measured, Pattern};
-use super::{Num, Options, PerfArgs, Row};
+use super::{Num, Options, Outputs, PerfArgs, Row};
 
 /// Entry point of `weft perf --device cuda` (after the options were parsed).
-pub(super) fn main(args: &PerfArgs, opts: &Options) -> i32 {
+pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i32 {
     if let Err(e) = weftcc_cuda::ensure_driver() {
         super::say(&format!("--device cuda: {e}"));
         return 1;
@@ -44,7 +44,7 @@ pub(super) fn main(args: &PerfArgs, opts: &Options) -> i32 {
         }
         return 2;
     }
-    match run(comm, opts, args.json.as_deref()) {
+    match run(comm, opts, outputs) {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
@@ -66,11 +66,7 @@ fn local_rank(comm: &Communicator) -> usize {
     .unwrap_or(comm.rank())
 }
 
-fn run(
-    comm: Communicator,
-    opts: &Options,
-    json: Option<&std::path::Path>,
-) -> Result<bool, CudaError> {
+fn run(comm: Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool, CudaError> {
     let ndev = weftcc_cuda::device_count()?;
     if ndev == 0 {
         return Err(CudaError::Other("no CUDA device visible".into()));
@@ -130,44 +126,16 @@ fn run(
                 };
                 let Some(row) = row else { continue };
                 if me == 0 {
-                    let line = spec::format_row(
-                        row.size,
-                        row.count,
-                        row.dtype.name(),
-                        row.op.map_or("none", |o| o.name()),
-                        row.root,
-                        &row.oop,
-                        &row.ip,
-                    );
-                    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+                    super::print_row(&mut out, &row);
                 }
                 rows.push(row);
             }
         }
     }
-    let wrong: u64 = rows
-        .iter()
-        .map(|r| r.oop.wrong.unwrap_or(0) + r.ip.wrong.unwrap_or(0))
-        .sum();
+    let wrong = super::wrong_values(&rows);
     if me == 0 {
-        let bw: Vec<f64> = rows
-            .iter()
-            .flat_map(|r| [r.oop.busbw, r.ip.busbw])
-            .collect();
-        let avg = if bw.is_empty() {
-            0.0
-        } else {
-            bw.iter().sum::<f64>() / bw.len() as f64
-        };
-        let _ = write!(out, "{}", spec::footer(opts.check.then_some(wrong), avg));
-        let _ = out.flush();
-        if let Some(path) = json {
-            let value: Vec<_> = rows.iter().map(|r| r.json(opts.collective)).collect();
-            let text = serde_json::to_string_pretty(&value)
-                .map_err(|e| CudaError::Other(e.to_string()))?;
-            std::fs::write(path, text + "\n")
-                .map_err(|e| CudaError::Other(format!("cannot write {}: {e}", path.display())))?;
-        }
+        super::finish(&mut out, opts, host.size(), &rows, outputs)
+            .map_err(|e| CudaError::Other(e.to_string()))?;
     }
     host.barrier()?;
     Ok(wrong == 0)
