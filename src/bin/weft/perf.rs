@@ -334,6 +334,33 @@ impl From<&Measured> for JsonHalf {
 }
 
 impl Row {
+    /// The row of one size from its aggregated times and (checked) wrong counts.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        coll: Collective,
+        counts: spec::Counts,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+        root: usize,
+        nranks: usize,
+        times: [f64; 2],
+        wrong: Option<[u64; 2]>,
+    ) -> Row {
+        let measured = |secs: f64, wrong: Option<u64>| {
+            Measured::new(counts.bytes, secs, coll.bus_factor(nranks as u64), wrong)
+        };
+        Row {
+            size: counts.bytes,
+            count: counts.count,
+            dtype,
+            op,
+            root: if coll.has_root() { root as i64 } else { -1 },
+            nranks,
+            oop: measured(times[0], wrong.map(|w| w[0])),
+            ip: measured(times[1], wrong.map(|w| w[1])),
+        }
+    }
+
     fn json(&self, collective: Collective) -> JsonRow<'static> {
         JsonRow {
             collective: collective.name(),
@@ -710,17 +737,7 @@ fn bench_size<T: Num>(
         run_ip(comm, c, rop, root, &mut buf)
     })?;
 
-    // Aggregate the times across ranks (-a).
-    let mut times = [oop_s, ip_s];
-    match opts.average {
-        0 => {}
-        1 => {
-            comm.all_reduce_in_place(&mut times[..], ReduceOp::Sum)?;
-            times.iter_mut().for_each(|t| *t /= n as f64);
-        }
-        2 => comm.all_reduce_in_place(&mut times[..], ReduceOp::Min)?,
-        _ => comm.all_reduce_in_place(&mut times[..], ReduceOp::Max)?,
-    }
+    let times = aggregate_times(comm, opts.average, [oop_s, ip_s])?;
 
     let wrong = if opts.check {
         let tol = |e: f64| spec::tolerance(dtype, op, n, e);
@@ -747,17 +764,24 @@ fn bench_size<T: Num>(
     } else {
         None
     };
-    let measured = |secs: f64, wrong: Option<u64>| {
-        Measured::new(counts.bytes, secs, c.bus_factor(n as u64), wrong)
-    };
-    Ok(Some(Row {
-        size: counts.bytes,
-        count: counts.count,
-        dtype,
-        op,
-        root: if c.has_root() { root as i64 } else { -1 },
-        nranks: n,
-        oop: measured(times[0], wrong.map(|w| w[0])),
-        ip: measured(times[1], wrong.map(|w| w[1])),
-    }))
+    Ok(Some(Row::new(c, counts, dtype, op, root, n, times, wrong)))
+}
+
+/// Combines every rank's (out-of-place, in-place) seconds as `-a` asks: 0 this rank's, 1 the
+/// average, 2 the minimum, 3 the maximum.
+fn aggregate_times(
+    comm: &Communicator,
+    average: u8,
+    mut times: [f64; 2],
+) -> Result<[f64; 2], Error> {
+    match average {
+        0 => {}
+        1 => {
+            comm.all_reduce_in_place(&mut times[..], ReduceOp::Sum)?;
+            times.iter_mut().for_each(|t| *t /= comm.size() as f64);
+        }
+        2 => comm.all_reduce_in_place(&mut times[..], ReduceOp::Min)?,
+        _ => comm.all_reduce_in_place(&mut times[..], ReduceOp::Max)?,
+    }
+    Ok(times)
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use weftcc::{Communicator, DataType, ReduceOp};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream};
 
-use super::spec::{self, Collective, Measured, Pattern};
+use super::spec::{self, Collective, Pattern};
 use super::{Num, Options, Outputs, PerfArgs, Row};
 
 /// Entry point of `weft perf --device cuda` (after the options were parsed).
@@ -248,16 +248,7 @@ fn bench_size<T: Num>(
     })?;
 
     let host = c.host();
-    let mut times = [oop_s, ip_s];
-    match opts.average {
-        0 => {}
-        1 => {
-            host.all_reduce_in_place(&mut times[..], ReduceOp::Sum)?;
-            times.iter_mut().for_each(|t| *t /= n as f64);
-        }
-        2 => host.all_reduce_in_place(&mut times[..], ReduceOp::Min)?,
-        _ => host.all_reduce_in_place(&mut times[..], ReduceOp::Max)?,
-    }
+    let times = super::aggregate_times(host, opts.average, [oop_s, ip_s])?;
 
     let wrong = if opts.check {
         let tol = |e: f64| spec::tolerance(dtype, op, n, e);
@@ -286,17 +277,7 @@ fn bench_size<T: Num>(
     } else {
         None
     };
-    let measured = |secs: f64, wrong: Option<u64>| {
-        Measured::new(counts.bytes, secs, coll.bus_factor(n as u64), wrong)
-    };
-    Ok(Some(Row {
-        size: counts.bytes,
-        count: counts.count,
-        dtype,
-        op,
-        root: if coll.has_root() { root as i64 } else { -1 },
-        nranks: n,
-        oop: measured(times[0], wrong.map(|w| w[0])),
-        ip: measured(times[1], wrong.map(|w| w[1])),
-    }))
+    Ok(Some(Row::new(
+        coll, counts, dtype, op, root, n, times, wrong,
+    )))
 }
