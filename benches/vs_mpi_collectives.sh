@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# weftcc against OpenMPI for every collective, one data type, measured in the same run:
+#   benches/vs_mpi_collectives.sh [ranks] [dtype]        (default 2 float)
+# For each collective (all-reduce all-gather reduce-scatter broadcast reduce all-to-all) it runs
+# benches/mpi_collectives.c under `mpirun -n ranks` and `weft perf <collective> --np ranks` at the
+# same sizes, iteration counts and data type (op sum, root 0), both reporting the MAXIMUM over
+# ranks of the average time per iteration (weft perf -a 3), then prints one table: OpenMPI
+# time/busbw, weft out-of-place and in-place time/busbw and the ratios OpenMPI time / weft time
+# (>1: weft faster). Sizes and bus factors are the same on both sides, so from 4 KiB on this is
+# exactly vs_baseline.sh's busbw ratio weft/OpenMPI, only computed from the times, which are
+# printed with more digits. Rows where weft's time is more than 10 % above OpenMPI's (ratio
+# < 1/1.1), where a value was wrong, or where the two disagree on the element count are flagged.
+# Sizes follow nccl-tests: all-gather, reduce-scatter and all-to-all count the whole buffer
+# (per-rank count x ranks elements); the count column is the per-rank count.
+# Environment:
+#   SIZES="8 128 ..."         sizes in bytes (default 8 16 ... 128M, doubling; K/M/G suffixes)
+#   ITERS="200 40 10"         timed iterations below 1 MiB, below 16 MiB, from 16 MiB on
+#   WARMUP=5                  warm-up iterations per size
+#   COLLECTIVES="..."         a subset of the collectives
+#   WIRE=shm|tcp              tcp: weft with WEFT_SHM_DISABLE=1, OpenMPI with its TCP BTL
+#   MPIRUN_ARGS="..."         extra mpirun options (e.g. --bind-to none; OpenMPI binds ranks
+#                             to cores by default, weft perf does not pin)
+#   WEFT_PERF_OUT=dir         output folder (default target/perf/collectives)
+# Other environment (e.g. WEFT_SHM_CMA=0) reaches the weft runs. Leaves, per collective, the raw
+# outputs (mpi-*.txt, weft-*.txt), JSON (mpi-*.json from `weft baseline-json`, weft-*-<run>.json
+# from weft perf --json) and an SVG plot (*.svg) in the output folder. Sizes are measured in runs:
+# chains of requested sizes that double within one iteration band, one OpenMPI sweep and one
+# weft perf sweep each (the default sizes make 3 runs per collective). The plot is drawn by the
+# last weft run (solid: its sizes); the other runs' weft rows and OpenMPI's are dashed baselines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+n=${1:-2}
+dtype=${2:-float}
+wire=${WIRE:-shm}
+read -r -a iters <<<"${ITERS:-200 40 10}"
+warmup=${WARMUP:-5}
+read -r -a colls <<<"${COLLECTIVES:-all-reduce all-gather reduce-scatter broadcast reduce all-to-all}"
+read -r -a mpirun_extra <<<"${MPIRUN_ARGS:-}"
+out=${WEFT_PERF_OUT:-target/perf/collectives}
+((${#iters[@]} == 3)) || { echo "ITERS needs three counts (<1M <16M >=16M)" >&2; exit 2; }
+
+to_bytes() { # 4K -> 4096
+  local v=${1%[KkMmGg]}
+  case $1 in
+    *[Kk]) echo $((v << 10)) ;;
+    *[Mm]) echo $((v << 20)) ;;
+    *[Gg]) echo $((v << 30)) ;;
+    *) echo "$v" ;;
+  esac
+}
+band() { # iteration band of a size: 0 below 1 MiB, 1 below 16 MiB, 2 from 16 MiB on
+  if (($1 < 1 << 20)); then echo 0; elif (($1 < 16 << 20)); then echo 1; else echo 2; fi
+}
+sizes=()
+if [ -n "${SIZES:-}" ]; then
+  for s in $SIZES; do sizes+=("$(to_bytes "$s")"); done
+else
+  for ((s = 8; s <= 128 << 20; s *= 2)); do sizes+=("$s"); done
+fi
+# Runs: maximal chains of requested sizes that double and share an iteration band, so that one
+# OpenMPI sweep and one weft perf sweep (-b first -e last) measure exactly the requested sizes.
+runs=()
+first=${sizes[0]} prev=${sizes[0]}
+for s in "${sizes[@]:1}"; do
+  if ((s == 2 * prev)) && [ "$(band "$s")" = "$(band "$prev")" ]; then
+    prev=$s
+  else
+    runs+=("$first $prev")
+    first=$s prev=$s
+  fi
+done
+runs+=("$first $prev")
+
+case $wire in
+  shm) weft_env=() mpi_wire=() ;;
+  tcp) weft_env=(WEFT_SHM_DISABLE=1)
+    mpi_wire=(--mca pml ob1 --mca btl "tcp,self" --mca btl_tcp_if_include lo) ;;
+  *) echo "WIRE must be shm or tcp" >&2; exit 2 ;;
+esac
+
+if ! command -v mpicc >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+mkdir -p "$out"
+mpicc -O3 -o "$out/mpi_collectives" benches/mpi_collectives.c
+cargo build --release --bin weft -q
+weft=target/release/weft
+mpirun=(mpirun --allow-run-as-root --oversubscribe -n "$n" "${mpi_wire[@]}" "${mpirun_extra[@]}")
+
+table=$out/table-$dtype-$wire-$n.txt
+: >"$table"
+for c in "${colls[@]}"; do
+  tag=$c-$dtype-$wire-$n
+  echo "== $c, $dtype, $n ranks, $wire: OpenMPI" >&2
+  : >"$out/mpi-$tag.txt"
+  : >"$out/mpi-$tag.err"
+  for r in "${runs[@]}"; do
+    read -r b e <<<"$r"
+    if ! "${mpirun[@]}" "$out/mpi_collectives" "$c" "$dtype" "$b" "$e" "${iters[@]}" "$warmup" \
+      >>"$out/mpi-$tag.txt" 2>>"$out/mpi-$tag.err"; then
+      tail -n 20 "$out/mpi-$tag.err" >&2
+      exit 1
+    fi
+  done
+  "$weft" baseline-json "$out/mpi-$tag.txt" -o "$out/mpi-$tag.json"
+  echo "== $c, $dtype, $n ranks, $wire: weft perf" >&2
+  rm -f "$out/weft-$tag"-*.txt "$out/weft-$tag"-*.json
+  : >"$out/weft-$tag.txt"
+  last=$((${#runs[@]} - 1))
+  for i in "${!runs[@]}"; do
+    read -r b e <<<"${runs[i]}"
+    k=$(band "$b")
+    # The last run draws the plot: its own out-of-place and in-place curves, OpenMPI's, and
+    # weft's out-of-place and in-place rows of the earlier runs (the other sizes) as baselines.
+    plot=()
+    if ((i == last)); then
+      plot=(--plot "$out/$tag.svg" --baseline "$out/mpi-$tag.json")
+      for half in oop ip; do
+        if ((i == 0)); then break; fi
+        label=$([ $half = oop ] && echo out-of-place || echo in-place)
+        awk -v h=$half 'NF >= 13 && $1 ~ /^[0-9]+$/ {
+            if (h == "oop") print $1, $2, $6, $7, $8, $9; else print $1, $2, $10, $11, $12, $13 }' \
+          "$out/weft-$tag.txt" >"$out/weft-$tag-earlier-$half.txt"
+        if "$weft" baseline-json "$out/weft-$tag-earlier-$half.txt" --label "weft $dtype, $label (other sizes)" \
+          -o "$out/weft-$tag-earlier-$half.json"; then
+          plot+=(--baseline "$out/weft-$tag-earlier-$half.json")
+        fi
+      done
+    fi
+    env "${weft_env[@]}" "$weft" perf "$c" --np "$n" -d "$dtype" -o sum -r 0 -a 3 -b "$b" -e "$e" \
+      -n "${iters[k]}" -w "$warmup" --json "$out/weft-$tag-$i.json" "${plot[@]}" \
+      >"$out/weft-$tag-$i.txt" || true
+    cat "$out/weft-$tag-$i.txt" >>"$out/weft-$tag.txt"
+  done
+  # One table row per OpenMPI row, joined with weft's row of the same size.
+  awk -v c="$c" '
+    FNR == 1 { file++ }
+    file == 1 && NF == 6 && $1 ~ /^[0-9]+$/ { order[++rows] = $1; mc[$1] = $2; mt[$1] = $3; mb[$1] = $5; mw[$1] = $6 }
+    file == 2 && NF >= 13 && $1 ~ /^[0-9]+$/ { wc[$1] = $2; ot[$1] = $6; ob[$1] = $8; ow[$1] = $9; it[$1] = $10; ib[$1] = $12; iw[$1] = $13 }
+    END {
+      for (k = 1; k <= rows; k++) {
+        s = order[k]
+        if (!(s in wc)) { printf "%-14s %10s %10s %10s %8s  %s\n", c, s, mc[s], mt[s], mb[s], "weft row missing"; continue }
+        ro = (ot[s] > 0 ? mt[s] / ot[s] : 0); ri = (it[s] > 0 ? mt[s] / it[s] : 0)
+        flag = ""
+        if (ro < 1 / 1.1 || ri < 1 / 1.1) flag = flag " SLOWER>10%"
+        if (mc[s] != wc[s]) flag = flag " COUNT(weft " wc[s] ")"
+        if (mw[s] != 0 || ow[s] != 0 || iw[s] != 0) flag = flag " WRONG(" mw[s] "/" ow[s] "/" iw[s] ")"
+        printf "%-14s %10s %10s %10s %8s %10s %8s %10s %8s %7.2f %7.2f%s\n", c, s, mc[s], mt[s], mb[s], ot[s], ob[s], it[s], ib[s], ro, ri, flag
+      }
+    }' "$out/mpi-$tag.txt" "$out/weft-$tag.txt" >>"$table"
+done
+
+echo "== weft vs OpenMPI, $dtype, $n ranks, $wire (time: max over ranks of the mean per iteration, us; busbw GB/s; r = OpenMPI time / weft time = weft busbw / OpenMPI busbw, >1: weft faster)"
+printf "%-14s %10s %10s %10s %8s %10s %8s %10s %8s %7s %7s\n" collective size count \
+  "mpi-us" "mpi-bus" "oop-us" "oop-bus" "ip-us" "ip-bus" "r-oop" "r-ip"
+cat "$table"
+echo "== files in $out: mpi-<collective>-$dtype-$wire-$n.{txt,json} (OpenMPI), weft-<collective>-$dtype-$wire-$n.txt (all weft rows), weft-<collective>-$dtype-$wire-$n-<run>.{txt,json} (one per weft perf run), <collective>-$dtype-$wire-$n.svg, $(basename "$table")"
