@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
@@ -266,9 +266,8 @@ struct Inner {
     abort: AtomicBool,
     poison: Poison,
     /// Kind and sequence number of the operation running now (for errors raised elsewhere).
-    current: Mutex<(OpKind, u64)>,
-    turn: Mutex<Turn>,
-    turn_cv: Condvar,
+    current: CurrentOp,
+    turn: Turn,
     next_ticket: AtomicU64,
     state: Mutex<State>,
     /// Connection to the bootstrap store for splits.
@@ -284,10 +283,44 @@ struct Inner {
     watcher_stop: AtomicBool,
 }
 
-/// Which ticket executes now, and how many callers wait for their turn.
+/// Issue order of operations: which ticket executes now, and how many callers wait for their
+/// turn. Atomics, so that a caller whose turn it already is (a single thread issuing blocking
+/// calls, the common case) takes no lock; the mutex and condition variable only serve waiters.
+#[derive(Default)]
 struct Turn {
-    now: u64,
-    waiters: usize,
+    now: AtomicU64,
+    waiters: AtomicU64,
+    lock: Mutex<()>,
+    changed: Condvar,
+}
+
+impl Turn {
+    /// Wakes every waiter. Taking the lock first means a waiter that saw the old state is
+    /// already inside `wait_timeout` (it checks the state while holding the lock).
+    fn wake_all(&self) {
+        drop(lock(&self.lock));
+        self.changed.notify_all();
+    }
+}
+
+/// Kind and sequence number of the operation running now, readable without a lock by the
+/// threads that report failures.
+#[derive(Default)]
+struct CurrentOp {
+    kind: AtomicU8,
+    seq: AtomicU64,
+}
+
+impl CurrentOp {
+    fn set(&self, kind: OpKind, seq: u64) {
+        self.kind.store(kind as u8, Ordering::Relaxed);
+        self.seq.store(seq, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> (OpKind, u64) {
+        let kind = OpKind::from_code(self.kind.load(Ordering::Relaxed)).unwrap_or(OpKind::Barrier);
+        (kind, self.seq.load(Ordering::Relaxed))
+    }
 }
 
 struct State {
@@ -438,9 +471,8 @@ impl Communicator {
                 error: Mutex::new(None),
                 set: AtomicBool::new(false),
             },
-            current: Mutex::new((OpKind::Barrier, 0)),
-            turn: Mutex::new(Turn { now: 0, waiters: 0 }),
-            turn_cv: Condvar::new(),
+            current: CurrentOp::default(),
+            turn: Turn::default(),
             next_ticket: AtomicU64::new(0),
             state: Mutex::new(State {
                 mesh,
@@ -515,7 +547,7 @@ impl Communicator {
             reason: "abort() called".into(),
         };
         self.inner.fail(e);
-        self.inner.turn_cv.notify_all();
+        self.inner.turn.wake_all();
     }
 
     /// The error that poisoned this communicator, if any (NCCL's `ncclCommGetAsyncError`).
@@ -1106,7 +1138,7 @@ impl Inner {
             *slot = Some(e);
             self.poison.set.store(true, Ordering::Release);
         }
-        self.turn_cv.notify_all();
+        self.turn.wake_all();
         true
     }
 
@@ -1140,37 +1172,51 @@ impl Inner {
 
     /// Waits until `ticket` is the next to execute (or the communicator is aborted/poisoned).
     fn wait_turn(&self, ticket: u64) -> Result<()> {
-        let mut turn = lock(&self.turn);
-        while turn.now != ticket {
-            self.check()?;
-            turn = self.wait_turn_change(turn);
+        if self.turn.now.load(Ordering::SeqCst) == ticket {
+            return Ok(());
         }
-        Ok(())
+        self.wait_turn_slow(ticket, true)
     }
 
     fn end_turn(&self, ticket: u64) {
-        let mut turn = lock(&self.turn);
         // A caller that failed before its turn must still pass the turn on, in order.
-        while turn.now != ticket {
-            turn = self.wait_turn_change(turn);
+        if self.turn.now.load(Ordering::SeqCst) != ticket {
+            let _ = self.wait_turn_slow(ticket, false);
         }
-        turn.now = ticket + 1;
-        let waiters = turn.waiters;
-        drop(turn);
-        // Waking is a system call: skip it on the common path where nobody waits.
-        if waiters > 0 {
-            self.turn_cv.notify_all();
+        self.turn.now.store(ticket + 1, Ordering::SeqCst);
+        // Waking is a system call: skip it on the common path where nobody waits. The store
+        // above and the waiter's increment are both SeqCst, so either the waiter sees the new
+        // turn or this load sees the waiter.
+        if self.turn.waiters.load(Ordering::SeqCst) > 0 {
+            self.turn.wake_all();
         }
     }
 
-    fn wait_turn_change<'g>(&self, mut turn: MutexGuard<'g, Turn>) -> MutexGuard<'g, Turn> {
-        turn.waiters += 1;
-        let mut turn = match self.turn_cv.wait_timeout(turn, Duration::from_millis(50)) {
-            Ok((t, _)) => t,
-            Err(p) => p.into_inner().0,
+    /// Sleeps until `now` reaches `ticket`; with `check`, fails early when poisoned.
+    fn wait_turn_slow(&self, ticket: u64, check: bool) -> Result<()> {
+        let mut guard = lock(&self.turn.lock);
+        self.turn.waiters.fetch_add(1, Ordering::SeqCst);
+        let result = loop {
+            if self.turn.now.load(Ordering::SeqCst) == ticket {
+                break Ok(());
+            }
+            if check {
+                if let Err(e) = self.check() {
+                    break Err(e);
+                }
+            }
+            // The timeout bounds how late a poison raised without a wake-up is noticed.
+            guard = match self
+                .turn
+                .changed
+                .wait_timeout(guard, Duration::from_millis(50))
+            {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
         };
-        turn.waiters -= 1;
-        turn
+        self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
+        result
     }
 
     /// Runs `f` in issue order. Inside a worker job the job's ticket is reused.
@@ -1322,7 +1368,7 @@ impl Inner {
         let slice = self.slice_elems(call.dtype);
         st.coll_seq += 1;
         let seq = st.coll_seq;
-        *lock(&self.current) = (call.kind, seq);
+        self.current.set(call.kind, seq);
         // nccl-tests size: the largest user buffer of the call.
         let user_bytes = match call.kind {
             OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => count.saturating_mul(n),
@@ -1670,7 +1716,7 @@ impl Inner {
             st.recv_seq[*p] += sizes.len() as u64;
         }
         let first_seq = headers.first().map(|h| h.1.seq).unwrap_or(0);
-        *lock(&self.current) = (OpKind::SendRecv, first_seq);
+        self.current.set(OpKind::SendRecv, first_seq);
         let prepared = Prepared::new(sched);
         let State {
             mesh, workspace, ..
@@ -1777,7 +1823,7 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                 let text = String::from_utf8_lossy(&value).to_string();
                 if let Some(e) = remote_error(&inner, &text) {
                     inner.fail(e);
-                    inner.turn_cv.notify_all();
+                    inner.turn.wake_all();
                 }
                 return;
             }
@@ -1787,7 +1833,7 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                 if inner.watcher_stop.load(Ordering::SeqCst) {
                     return;
                 }
-                let (op, seq) = *lock(&inner.current);
+                let (op, seq) = inner.current.get();
                 inner.fail(Error::PeerLost {
                     rank: inner.rank,
                     peer: 0,
@@ -1803,7 +1849,7 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
 
 /// Turns a failure published by another rank into this rank's error.
 fn remote_error(inner: &Inner, text: &str) -> Option<Error> {
-    let (op, seq) = *lock(&inner.current);
+    let (op, seq) = inner.current.get();
     let mut parts = text.splitn(4, ' ');
     match (parts.next(), parts.next(), parts.next(), parts.next()) {
         (Some("lost"), Some(peer), Some(by), detail) => {

@@ -22,6 +22,8 @@ use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
 
 /// Longest single sleep of the idle loop: bounds how late an abort, poison or deadline is seen.
 const MAX_SLEEP: Duration = Duration::from_millis(5);
+/// While spinning, the clock (and the poison flag) is read once per this many idle polls.
+const CLOCK_EVERY_POLLS: u32 = 16;
 /// How often peers we wait on are checked for liveness while idle.
 const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
 
@@ -409,6 +411,7 @@ pub fn execute_prepared(
     let mut idle_since: Option<Instant> = None;
     let mut deadline: Option<Instant> = None;
     let mut last_liveness: Option<Instant> = None;
+    let mut quiet_polls: u32 = 0;
 
     loop {
         let mut progressed = false;
@@ -450,12 +453,20 @@ pub fn execute_prepared(
         if progressed {
             idle_since = None;
             deadline = None;
+            quiet_polls = 0;
             continue;
         }
 
         // Nothing moved: check why we might stop, then back off.
         if ctx.abort.load(Ordering::Relaxed) {
             return Err(ctx.aborted());
+        }
+        // While spinning, most polls skip the clock and the poison check: each costs as much
+        // as a poll, and a peer on another core answers within a few polls.
+        quiet_polls = quiet_polls.wrapping_add(1);
+        if !ctx.backoff.spin.is_zero() && quiet_polls % CLOCK_EVERY_POLLS != 0 {
+            std::hint::spin_loop();
+            continue;
         }
         if let Some(e) = (ctx.poisoned)() {
             return Err(e);
