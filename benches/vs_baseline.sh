@@ -5,7 +5,9 @@
 # over shared memory and over TCP (WEFT_SHM_DISABLE=1) at the same sizes, then a ratio table
 # (weft busbw / OpenMPI busbw, out-of-place and in-place). Leaves the baseline as JSON, weft's
 # rows as JSON and an SVG plot of both in target/perf/ (WEFT_PERF_OUT overrides).
-# Extra environment for the weft runs (e.g. WEFT_SHM_CMA=0) passes through.
+# Extra environment for the weft runs (e.g. WEFT_SHM_CMA=0) passes through. weft's time is the
+# maximum over ranks (-a 3), as the OpenMPI baseline reports it; weft perf binds ranks to cores
+# as mpirun binds OpenMPI's (WEFT_CPU_BIND=none to compare unbound).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-2}
@@ -22,7 +24,7 @@ grep -E "memcpy|receiver|==|$pattern|size" "$out/baseline-$n.txt"
 "$weft" baseline-json "$out/baseline-$n.txt" -o "$out/baseline-$n.json"
 for wire in shm tcp; do
   echo "== weft perf all-reduce, $n ranks, $wire"
-  env $([ "$wire" = tcp ] && echo WEFT_SHM_DISABLE=1) "$weft" perf all-reduce --np "$n" -b 8 -e 128M -n 200 -w 20 \
+  env $([ "$wire" = tcp ] && echo WEFT_SHM_DISABLE=1) "$weft" perf all-reduce --np "$n" -a 3 -b 8 -e 128M -n 200 -w 20 \
     --json "$out/weft-$wire-$n.json" --plot "$out/all-reduce-$wire-$n.svg" \
     --baseline "$out/baseline-$n.json" >"$out/weft-$wire-$n.txt"
   grep -E "$pattern|#       size|Out of bounds" "$out/weft-$wire-$n.txt"

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use weftcc::{Communicator, DataType, Element, Error, ReduceOp};
 
-use crate::run::Launch;
+use crate::run::{CpuBind, Launch};
 
 pub mod baseline;
 pub mod plot;
@@ -261,6 +261,22 @@ fn self_launch(np: usize) -> i32 {
             return 1;
         }
     };
+    // Ranks bound to cores by default, as mpirun binds the OpenMPI baseline's ranks: an unbound
+    // rank that migrates loses its cache and its peer's polling rhythm.
+    let cpu_bind = match std::env::var("WEFT_CPU_BIND") {
+        Ok(v) => match <CpuBind as clap::ValueEnum>::from_str(&v, true) {
+            Ok(b) => b,
+            Err(_) => {
+                eprintln!("weft perf: WEFT_CPU_BIND={v:?}: expected none or core");
+                return 2;
+            }
+        },
+        // (Oversubscribed, mpirun does not bind either: say nothing about it.)
+        Err(_) if std::thread::available_parallelism().is_ok_and(|c| np <= c.get()) => {
+            CpuBind::Core
+        }
+        Err(_) => CpuBind::None,
+    };
     let launch = Launch {
         nproc_per_node: np,
         nnodes: 1,
@@ -269,6 +285,7 @@ fn self_launch(np: usize) -> i32 {
         master_port: 0,
         prefix: false,
         max_restarts: 0,
+        cpu_bind,
         program: exe.into_os_string(),
         args: std::env::args_os().skip(1).collect(),
         label: "weft perf",

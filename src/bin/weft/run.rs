@@ -84,6 +84,16 @@ pub struct RunArgs {
         default_value_t = 0
     )]
     pub max_restarts: u32,
+    /// Pin each worker to one CPU (`core`: local rank k gets the k-th CPU this launcher may use,
+    /// like `mpirun --bind-to core` or `srun --cpu-bind=cores`) or leave placement to the
+    /// kernel (`none`, torchrun's behaviour). `core` with more workers than CPUs binds nothing.
+    #[arg(
+        long = "cpu-bind",
+        value_enum,
+        env = "WEFT_CPU_BIND",
+        default_value = "none"
+    )]
+    pub cpu_bind: CpuBind,
     /// The worker program and its arguments (after `--`).
     #[arg(
         required = true,
@@ -120,6 +130,7 @@ pub fn main(args: RunArgs) -> i32 {
         master_port: args.master_port,
         prefix: !args.no_prefix,
         max_restarts: args.max_restarts,
+        cpu_bind: args.cpu_bind,
         program,
         args: command.collect(),
         label: "weft run",
@@ -142,10 +153,40 @@ pub struct Launch {
     pub master_port: u16,
     pub prefix: bool,
     pub max_restarts: u32,
+    pub cpu_bind: CpuBind,
     pub program: OsString,
     pub args: Vec<OsString>,
     /// Names the launcher in its messages (`weft run`, `weft perf`).
     pub label: &'static str,
+}
+
+/// Where workers may run.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuBind {
+    /// No binding: the kernel places and migrates workers.
+    None,
+    /// One CPU per worker, in the order of the CPUs the launcher may use.
+    Core,
+}
+
+/// The CPU for each local worker under `bind`, or `None` where workers stay unbound: binding
+/// is off, or there are more workers than `allowed` CPUs (binding would stack workers on
+/// CPUs while others idle; mpirun refuses to bind when oversubscribed for the same reason).
+pub fn cpu_plan(bind: CpuBind, workers: usize, allowed: &[usize]) -> Option<Vec<usize>> {
+    match bind {
+        CpuBind::Core if workers <= allowed.len() => Some(allowed[..workers].to_vec()),
+        _ => None,
+    }
+}
+
+/// The CPUs this process may run on, in ascending order.
+fn allowed_cpus() -> Vec<usize> {
+    match nix::sched::sched_getaffinity(Pid::from_raw(0)) {
+        Ok(set) => (0..nix::sched::CpuSet::count())
+            .filter(|&c| set.is_set(c).unwrap_or(false))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
 }
 
 /// How one attempt ended.
@@ -433,9 +474,19 @@ impl Launch {
         attempt: u32,
         port: u16,
         token: &str,
+        cpu: Option<usize>,
         done: &mpsc::Sender<()>,
     ) -> io::Result<Worker> {
         let rank = self.node_rank * self.nproc_per_node + local;
+        // Built before the fork: the child only makes the system call.
+        let cpu_set = match cpu {
+            Some(c) => {
+                let mut set = nix::sched::CpuSet::new();
+                set.set(c).map_err(io::Error::from)?;
+                Some(set)
+            }
+            None => None,
+        };
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
             .envs(self.worker_env(local, attempt, port, token))
@@ -448,13 +499,18 @@ impl Launch {
         }
         let parent = std::process::id();
         // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
-        // functions (prctl, getppid, _exit).
+        // functions (prctl, getppid, _exit, and sched_setaffinity on a set built before the
+        // fork).
         unsafe {
             cmd.pre_exec(move || {
                 // Die with the launcher, even when it is SIGKILLed.
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
                 if libc::getppid() as u32 != parent {
                     libc::_exit(1);
+                }
+                // Before exec, so every thread the worker starts inherits the binding.
+                if let Some(set) = &cpu_set {
+                    nix::sched::sched_setaffinity(Pid::from_raw(0), set)?;
                 }
                 Ok(())
             });
@@ -502,8 +558,19 @@ impl Launch {
         let token = self.job_token(port, attempt);
         let (done_tx, done_rx) = mpsc::channel();
         let mut workers: Vec<Worker> = Vec::with_capacity(self.nproc_per_node);
+        let allowed = allowed_cpus();
+        let cpus = cpu_plan(self.cpu_bind, self.nproc_per_node, &allowed);
+        if self.cpu_bind == CpuBind::Core && cpus.is_none() && attempt == 0 {
+            eprintln!(
+                "{}: {} on {}: not binding to cores",
+                self.label,
+                plural(self.nproc_per_node, "worker"),
+                plural(allowed.len(), "CPU")
+            );
+        }
         for local in 0..self.nproc_per_node {
-            match self.spawn(local, attempt, port, &token, &done_tx) {
+            let cpu = cpus.as_ref().and_then(|c| c.get(local).copied());
+            match self.spawn(local, attempt, port, &token, cpu, &done_tx) {
                 Ok(w) => workers.push(w),
                 Err(e) => {
                     let rank = self.node_rank * self.nproc_per_node + local;
@@ -657,10 +724,22 @@ mod tests {
             master_port: 1234,
             prefix: true,
             max_restarts: 2,
+            cpu_bind: CpuBind::None,
             program: "true".into(),
             args: vec![],
             label: "weft run",
         }
+    }
+
+    #[test]
+    fn cores_are_given_in_order_and_never_shared() {
+        let allowed = [2, 3, 6, 7];
+        assert_eq!(cpu_plan(CpuBind::Core, 3, &allowed), Some(vec![2, 3, 6]));
+        assert_eq!(cpu_plan(CpuBind::Core, 4, &allowed), Some(vec![2, 3, 6, 7]));
+        // More workers than CPUs: no binding rather than two workers on one CPU.
+        assert_eq!(cpu_plan(CpuBind::Core, 5, &allowed), None);
+        assert_eq!(cpu_plan(CpuBind::None, 2, &allowed), None);
+        assert_eq!(cpu_plan(CpuBind::Core, 1, &[]), None);
     }
 
     fn get<'a>(env: &'a [(String, String)], k: &str) -> &'a str {
