@@ -649,3 +649,65 @@ fn perf_plot_overlays_a_converted_baseline() {
     assert!(bad.stderr.contains("baseline"), "{}", bad.stderr);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// CPUs in a `Cpus_allowed_list` value such as `0-3,8,10-11`.
+fn cpu_list(text: &str) -> Vec<usize> {
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().unwrap()..=b.parse().unwrap()),
+            None => cpus.push(part.parse().unwrap()),
+        }
+    }
+    cpus
+}
+
+fn own_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list in /proc/self/status");
+    cpu_list(line)
+}
+
+const SHOW_CPUS: &str = "sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status";
+
+#[test]
+fn cpu_bind_core_pins_each_worker_to_its_own_cpu() {
+    let allowed = own_cpus();
+    let n = allowed.len().min(2);
+    let out = weft(&[
+        "--cpu-bind",
+        "core",
+        "-n",
+        &n.to_string(),
+        "--",
+        "sh",
+        "-c",
+        SHOW_CPUS,
+    ]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    for (rank, lines) in by_rank(&out.stdout) {
+        assert_eq!(cpu_list(&lines[0]), vec![allowed[rank]], "rank {rank}");
+    }
+    // Unbound, and bound with more workers than CPUs: every worker may use every CPU.
+    let over = (allowed.len() + 1).to_string();
+    for args in [
+        ["--cpu-bind", "none", "-n", "2"],
+        ["--cpu-bind", "core", "-n", &over],
+    ] {
+        let mut argv = args.to_vec();
+        argv.extend(["--", "sh", "-c", SHOW_CPUS]);
+        let out = weft(&argv);
+        assert_eq!(out.code, Some(0), "{}", out.stderr);
+        for (rank, lines) in by_rank(&out.stdout) {
+            assert_eq!(cpu_list(&lines[0]), allowed, "{args:?} rank {rank}");
+        }
+    }
+    let out = weft_env(
+        &["-n", "1", "--", "sh", "-c", SHOW_CPUS],
+        &[("WEFT_CPU_BIND", "core")],
+    );
+    assert_eq!(cpu_list(&by_rank(&out.stdout)[&0][0]), vec![allowed[0]]);
+}
