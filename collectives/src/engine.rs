@@ -415,21 +415,7 @@ pub fn execute_prepared(
 
     loop {
         let mut progressed = false;
-
-        // Local copies whose inputs are final.
-        if copies_left > 0 {
-            for &i in copies {
-                if !done[i] && ready(done, i) {
-                    let [(da, doff, len), (sa, soff, _)] = places[i];
-                    copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
-                    done[i] = true;
-                    copies_left -= 1;
-                    progressed = true;
-                }
-            }
-        }
-
-        let mut pending = copies_left > 0;
+        let mut pending = false;
         for (lane, [send, recv]) in prepared.lanes.iter().zip(cursors.iter_mut()) {
             let conn = match conns.get_mut(lane.peer).and_then(|c| c.as_mut()) {
                 Some(c) => c,
@@ -446,6 +432,21 @@ pub fn execute_prepared(
             progressed |= pump_sends(&mut io, send, areas, stage)?;
             progressed |= pump_recvs(&mut io, recv, areas)?;
             pending |= send.pending() || recv.pending();
+        }
+        // Local copies whose inputs are final, after the transfers were given their chance:
+        // a send that does not need the copy is then already on its way (or being read by the
+        // peer) while this rank copies.
+        if copies_left > 0 {
+            for &i in copies {
+                if !done[i] && ready(done, i) {
+                    let [(da, doff, len), (sa, soff, _)] = places[i];
+                    copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
+                    done[i] = true;
+                    copies_left -= 1;
+                    progressed = true;
+                }
+            }
+            pending |= copies_left > 0;
         }
         if !pending {
             return Ok(());
