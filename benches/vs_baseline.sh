@@ -6,8 +6,8 @@
 # (weft busbw / OpenMPI busbw, out-of-place and in-place). Leaves the baseline as JSON, weft's
 # rows as JSON and an SVG plot of both in target/perf/ (WEFT_PERF_OUT overrides).
 # Extra environment for the weft runs (e.g. WEFT_SHM_CMA=0) passes through. weft's time is the
-# maximum over ranks (-a 3), as the OpenMPI baseline reports it; weft perf binds ranks to cores
-# as mpirun binds OpenMPI's (WEFT_CPU_BIND=none to compare unbound).
+# maximum over ranks (-a 3), as the OpenMPI baseline reports it. mpirun binds OpenMPI's ranks to
+# cores, weft perf leaves its own unbound (WEFT_CPU_BIND=core binds them too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-2}

@@ -19,7 +19,7 @@
 #   COLLECTIVES="..."         a subset of the collectives
 #   WIRE=shm|tcp              tcp: weft with WEFT_SHM_DISABLE=1, OpenMPI with its TCP BTL
 #   MPIRUN_ARGS="..."         extra mpirun options (e.g. --bind-to none; OpenMPI binds ranks
-#                             to cores by default, as weft perf does unless WEFT_CPU_BIND=none)
+#                             to cores by default; weft perf only with WEFT_CPU_BIND=core)
 #   WEFT_PERF_OUT=dir         output folder (default target/perf/collectives)
 # Other environment (e.g. WEFT_SHM_CMA=0) reaches the weft runs. Leaves, per collective, the raw
 # outputs (mpi-*.txt, weft-*.txt), JSON (mpi-*.json from `weft baseline-json`, weft-*-<run>.json

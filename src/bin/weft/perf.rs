@@ -261,8 +261,9 @@ fn self_launch(np: usize) -> i32 {
             return 1;
         }
     };
-    // Ranks bound to cores by default, as mpirun binds the OpenMPI baseline's ranks: an unbound
-    // rank that migrates loses its cache and its peer's polling rhythm.
+    // Unbound by default: measured here (2 ranks, 8 B and 128 B all-reduce, alternating runs),
+    // ranks pinned to cores were 5-10 % slower than ranks the kernel places; WEFT_CPU_BIND=core
+    // pins them as mpirun pins OpenMPI's.
     let cpu_bind = match std::env::var("WEFT_CPU_BIND") {
         Ok(v) => match <CpuBind as clap::ValueEnum>::from_str(&v, true) {
             Ok(b) => b,
@@ -271,10 +272,6 @@ fn self_launch(np: usize) -> i32 {
                 return 2;
             }
         },
-        // (Oversubscribed, mpirun does not bind either: say nothing about it.)
-        Err(_) if std::thread::available_parallelism().is_ok_and(|c| np <= c.get()) => {
-            CpuBind::Core
-        }
         Err(_) => CpuBind::None,
     };
     let launch = Launch {
