@@ -625,9 +625,10 @@ pub fn chain_reduce(
 /// `rank + k` and receives Output block `rank - k` from rank `rank - k`; its own block is copied
 /// locally. Input and Output hold `nranks * count` elements.
 ///
-/// With `in_place` (Input and Output are the same memory) the whole buffer is first copied to
-/// Scratch (`scratch_elems = nranks * count`), sends read Scratch, and every transfer waits for
-/// that copy.
+/// With `in_place` (Input and Output are the same memory) every block that leaves (all but the
+/// rank's own) is first copied slice by slice to the same place in Scratch
+/// (`scratch_elems = nranks * count`); sends read Scratch, and the receive into a slice waits
+/// for that slice's copy. The own block stays where it is.
 pub fn pairwise_all_to_all(
     rank: usize,
     nranks: usize,
@@ -639,19 +640,31 @@ pub fn pairwise_all_to_all(
     let n = nranks;
     let all = total(count, n)?;
     let mut b = Builder::default();
-    let (src_buf, base, scratch) = if in_place {
-        let c = b.copy(
-            Region::new(BufId::Output, 0, all),
-            Region::new(BufId::Scratch, 0, all),
-        );
-        (BufId::Scratch, c.into_iter().collect::<Vec<_>>(), all)
+    // In place: the staging copy of each outgoing slice, by (block, slice index).
+    let mut staged: Vec<Vec<Vec<StepId>>> = vec![Vec::new(); n];
+    let (src_buf, scratch) = if in_place {
+        for (block, slots) in staged.iter_mut().enumerate() {
+            if block == rank {
+                continue;
+            }
+            for (o, l) in slices(0, count, slice_elems) {
+                let at = block * count + o;
+                let c = b.copy(
+                    Region::new(BufId::Output, at, l),
+                    Region::new(BufId::Scratch, at, l),
+                );
+                slots.push(c.into_iter().collect());
+            }
+        }
+        (BufId::Scratch, all)
     } else {
         b.copy(
             Region::new(BufId::Input, rank * count, count),
             Region::new(BufId::Output, rank * count, count),
         );
-        (BufId::Input, Vec::new(), 0)
+        (BufId::Input, 0)
     };
+    let staged_dep = |block: usize, k: usize| staged[block].get(k).cloned().unwrap_or_default();
     let mut send_peers = Vec::with_capacity(n.saturating_sub(1));
     let mut recv_peers = Vec::with_capacity(n.saturating_sub(1));
     for k in 1..n {
@@ -659,12 +672,16 @@ pub fn pairwise_all_to_all(
         let from = before(rank, k, n);
         send_peers.push(to);
         recv_peers.push(from);
-        for (o, l) in slices(0, count, slice_elems) {
-            b.send(to, Region::new(src_buf, to * count + o, l), base.clone());
+        for (i, (o, l)) in slices(0, count, slice_elems).enumerate() {
+            b.send(
+                to,
+                Region::new(src_buf, to * count + o, l),
+                staged_dep(to, i),
+            );
             b.recv_copy(
                 from,
                 Region::new(BufId::Output, from * count + o, l),
-                base.clone(),
+                staged_dep(from, i),
             );
         }
     }
