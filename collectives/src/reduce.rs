@@ -729,6 +729,17 @@ mod tests {
         v
     }
 
+    /// The typed kernels, out of place and in place, against `want` bit for bit.
+    fn check_typed<T: Element>(comb: Combiner, a: &[T], b: &[T], want: &[T]) {
+        let n = a.len();
+        let mut got = vec![T::zeroed(); n];
+        reduce_slice_into(comb, &mut got, a, b).unwrap();
+        assert!(same_bits(&got, want), "{:?} {comb:?} n={n}", T::DTYPE);
+        let mut got = a.to_vec();
+        reduce_slice_in_place(comb, &mut got, b).unwrap();
+        assert!(same_bits(&got, want), "{:?} {comb:?} n={n}", T::DTYPE);
+    }
+
     fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
         bytemuck::cast_slice::<T, u8>(a) == bytemuck::cast_slice::<T, u8>(b)
     }
@@ -746,13 +757,7 @@ mod tests {
                     .map(|(&x, &y)| reference(comb, x, y))
                     .collect();
 
-                // Typed, out of place and in place.
-                let mut got = vec![T::zeroed(); n];
-                reduce_slice_into(comb, &mut got, &a, &b).unwrap();
-                assert!(same_bits(&got, &want), "{:?} {comb:?} n={n}", T::DTYPE);
-                let mut got = a.clone();
-                reduce_slice_in_place(comb, &mut got, &b).unwrap();
-                assert!(same_bits(&got, &want), "{:?} {comb:?} n={n}", T::DTYPE);
+                check_typed(comb, &a, &b, &want);
 
                 // Byte kernels at every misalignment of destination and operands.
                 let ab: &[u8] = bytemuck::cast_slice(&a);
@@ -1135,13 +1140,7 @@ mod tests {
                 *x = narrow(1.0 + i as f32 / 7.0);
             }
             for comb in COMBS {
-                let want = half_reference(comb, &a, &b);
-                let mut got = vec![T::zeroed(); n];
-                reduce_slice_into(comb, &mut got, &a, &b).unwrap();
-                assert!(same_bits(&got, &want), "{:?} {comb:?} n={n}", T::DTYPE);
-                let mut got = a.clone();
-                reduce_slice_in_place(comb, &mut got, &b).unwrap();
-                assert!(same_bits(&got, &want), "{:?} {comb:?} n={n}", T::DTYPE);
+                check_typed(comb, &a, &b, &half_reference(comb, &a, &b));
             }
             for factor in [0.1f64, -3.0, 1e-6, 65536.0] {
                 let want: Vec<T> = a.iter().map(|&x| narrow(wide(x) * factor as f32)).collect();
