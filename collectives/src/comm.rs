@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
@@ -304,22 +304,23 @@ impl Turn {
 }
 
 /// Kind and sequence number of the operation running now, readable without a lock by the
-/// threads that report failures.
+/// threads that report failures: one word (kind in the top byte), so a reader never pairs one
+/// operation's kind with another's sequence number.
 #[derive(Default)]
-struct CurrentOp {
-    kind: AtomicU8,
-    seq: AtomicU64,
-}
+struct CurrentOp(AtomicU64);
 
 impl CurrentOp {
+    const SEQ_BITS: u32 = 56;
+
     fn set(&self, kind: OpKind, seq: u64) {
-        self.kind.store(kind as u8, Ordering::Relaxed);
-        self.seq.store(seq, Ordering::Relaxed);
+        let word = (u64::from(kind as u8) << Self::SEQ_BITS) | (seq & ((1 << Self::SEQ_BITS) - 1));
+        self.0.store(word, Ordering::Relaxed);
     }
 
     fn get(&self) -> (OpKind, u64) {
-        let kind = OpKind::from_code(self.kind.load(Ordering::Relaxed)).unwrap_or(OpKind::Barrier);
-        (kind, self.seq.load(Ordering::Relaxed))
+        let word = self.0.load(Ordering::Relaxed);
+        let kind = OpKind::from_code((word >> Self::SEQ_BITS) as u8).unwrap_or(OpKind::Barrier);
+        (kind, word & ((1 << Self::SEQ_BITS) - 1))
     }
 }
 
@@ -1984,6 +1985,18 @@ fn bind_address(addr: &str) -> std::result::Result<std::net::SocketAddr, Transpo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn current_op_keeps_kind_and_sequence_together() {
+        let current = CurrentOp::default();
+        assert_eq!(current.get(), (OpKind::Barrier, 0));
+        for kind in OpKind::ALL {
+            for seq in [1, 77, (1 << 56) - 1] {
+                current.set(kind, seq);
+                assert_eq!(current.get(), (kind, seq));
+            }
+        }
+    }
 
     #[test]
     fn unique_id_round_trips() {
