@@ -698,19 +698,134 @@ fn time_loop(
     Ok(start.elapsed().as_secs_f64() / iters as f64)
 }
 
-/// Counts the elements of `out` that differ from what `expected(j)` says (None: unchecked).
-fn count_wrong<T: Num>(
-    out: &[T],
-    tol: impl Fn(f64) -> f64,
-    expected: impl Fn(usize) -> Option<f64>,
-) -> u64 {
-    out.iter()
-        .enumerate()
-        .filter(|&(j, v)| match expected(j) {
-            Some(e) => !spec::matches(v.to_f64(), e, tol(e)),
-            None => false,
+/// What one size of one (type, op) combination runs and checks: the buffers' lengths and
+/// contents and the expected results, shared by the host and the CUDA sweeps (which differ only
+/// in where the buffers live).
+struct SizePlan {
+    coll: Collective,
+    counts: spec::Counts,
+    dtype: DataType,
+    op: Option<ReduceOp>,
+    /// The reduction the collective runs (sum where the collective does not reduce).
+    rop: ReduceOp,
+    root: usize,
+    me: usize,
+    n: usize,
+    count: usize,
+    send_len: usize,
+    recv_len: usize,
+    ip_len: usize,
+    pattern: Pattern,
+}
+
+impl SizePlan {
+    /// The plan of rank `me` of `n`; None when the size holds no element.
+    fn new(
+        opts: &Options,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+        size: u64,
+        me: usize,
+        n: usize,
+    ) -> Option<SizePlan> {
+        let coll = opts.collective;
+        let counts = coll.counts(size, dtype.size() as u64, n as u64)?;
+        let count = counts.count as usize;
+        let (send_len, recv_len) = coll.buffer_lens(count, n);
+        Some(SizePlan {
+            coll,
+            counts,
+            dtype,
+            op,
+            rop: op.unwrap_or(ReduceOp::Sum),
+            root: if coll.has_root() { opts.root } else { 0 },
+            me,
+            n,
+            count,
+            send_len,
+            recv_len,
+            ip_len: coll.in_place_len(count, n),
+            pattern: Pattern::new(dtype, op, n),
         })
-        .count() as u64
+    }
+
+    /// The first `len` elements of this rank's pattern.
+    fn pattern_values<T: Num>(&self, len: usize) -> Vec<T> {
+        (0..len)
+            .map(|i| T::from_f64(self.pattern.value(self.me, i)))
+            .collect()
+    }
+
+    /// The send buffer: this rank's pattern, never written.
+    fn send<T: Num>(&self) -> Vec<T> {
+        self.pattern_values(self.send_len)
+    }
+
+    /// The in-place buffer of the timed runs. A reduction's starts at zero so repeated
+    /// reductions cannot overflow (0 is a fixed point of every reduction), which keeps integer
+    /// and float arithmetic free of overflow and infinities.
+    fn timed_in_place<T: Num>(&self) -> Vec<T> {
+        if self.coll.reduces() {
+            vec![T::from_f64(0.0); self.ip_len]
+        } else {
+            self.pattern_values(self.ip_len)
+        }
+    }
+
+    fn expected(&self, j: usize) -> Option<f64> {
+        let p = self;
+        spec::expected(p.coll, &p.pattern, p.op, p.n, p.me, p.count, p.root, j)
+    }
+
+    /// The out-of-place receive buffer before the check: a value that differs from every
+    /// expected element, so an element the collective forgot to write counts as wrong.
+    fn sentinels<T: Num>(&self) -> Vec<T> {
+        (0..self.recv_len)
+            .map(|j| T::from_f64(spec::sentinel(self.expected(j))))
+            .collect()
+    }
+
+    /// The in-place buffer before the check.
+    fn in_place_inputs<T: Num>(&self) -> Vec<T> {
+        let p = self;
+        (0..p.ip_len)
+            .map(|j| {
+                T::from_f64(spec::in_place_input(
+                    p.coll, &p.pattern, p.n, p.me, p.count, j,
+                ))
+            })
+            .collect()
+    }
+
+    /// Wrong elements of an out-of-place result.
+    fn oop_wrong<T: Num>(&self, recv: &[T]) -> u64 {
+        self.count_wrong(recv)
+    }
+
+    /// Wrong elements of the part of an in-place buffer that holds the result.
+    fn ip_wrong<T: Num>(&self, buf: &[T]) -> u64 {
+        let (lo, hi) = self.coll.in_place_output(self.count, self.n, self.me);
+        self.count_wrong(&buf[lo..hi])
+    }
+
+    /// Counts the elements of `out` that differ from what `expected(j)` says (None: unchecked).
+    fn count_wrong<T: Num>(&self, out: &[T]) -> u64 {
+        out.iter()
+            .enumerate()
+            .filter(|&(j, v)| match self.expected(j) {
+                Some(e) => {
+                    let tol = spec::tolerance(self.dtype, self.op, self.n, e);
+                    !spec::matches(v.to_f64(), e, tol)
+                }
+                None => false,
+            })
+            .count() as u64
+    }
+
+    fn row(&self, times: [f64; 2], wrong: Option<[u64; 2]>) -> Row {
+        let p = self;
+        Row::new(p.coll, p.counts, p.dtype, p.op, p.root, p.n, times, wrong)
+    }
 }
 
 /// Benchmarks one size of one (type, op) combination. None when the size holds no element.
@@ -720,33 +835,17 @@ fn bench_size<T: Num>(
     op: Option<ReduceOp>,
     size: u64,
 ) -> Result<Option<Row>, Error> {
-    let (me, n) = (comm.rank(), comm.size());
-    let c = opts.collective;
-    let dtype = T::DTYPE;
-    let Some(counts) = c.counts(size, dtype.size() as u64, n as u64) else {
+    let Some(p) = SizePlan::new(opts, T::DTYPE, op, size, comm.rank(), comm.size()) else {
         return Ok(None);
     };
-    let count = counts.count as usize;
-    let (send_len, recv_len) = c.buffer_lens(count, n);
-    let ip_len = c.in_place_len(count, n);
-    let root = if c.has_root() { opts.root } else { 0 };
-    let rop = op.unwrap_or(ReduceOp::Sum);
-    let pattern = Pattern::new(dtype, op, n);
-    let input = |rank: usize, idx: usize| T::from_f64(pattern.value(rank, idx));
+    let (c, rop, root) = (p.coll, p.rop, p.root);
 
-    // Timed runs. The send buffer holds the pattern and is never written; the in-place buffer of
-    // a reduction starts at zero so repeated reductions cannot overflow (0 is a fixed point of
-    // every reduction), which keeps integer and float arithmetic free of overflow and infinities.
-    let send: Vec<T> = (0..send_len).map(|i| input(me, i)).collect();
-    let mut recv: Vec<T> = vec![T::from_f64(0.0); recv_len];
+    let send: Vec<T> = p.send();
+    let mut recv: Vec<T> = vec![T::from_f64(0.0); p.recv_len];
     let oop_s = time_loop(comm, opts.warmup, opts.iters, || {
         run_oop(comm, c, rop, root, &send, &mut recv)
     })?;
-    let mut buf: Vec<T> = if c.reduces() {
-        vec![T::from_f64(0.0); ip_len]
-    } else {
-        (0..ip_len).map(|i| input(me, i)).collect()
-    };
+    let mut buf: Vec<T> = p.timed_in_place();
     let ip_s = time_loop(comm, opts.warmup, opts.iters, || {
         run_ip(comm, c, rop, root, &mut buf)
     })?;
@@ -754,31 +853,18 @@ fn bench_size<T: Num>(
     let times = aggregate_times(comm, opts.average, [oop_s, ip_s])?;
 
     let wrong = if opts.check {
-        let tol = |e: f64| spec::tolerance(dtype, op, n, e);
-        let expected = |j: usize| spec::expected(c, &pattern, op, n, me, count, root, j);
-        // Out of place: the receive buffer starts with a value that differs from every expected
-        // element, so an element the collective forgot to write counts as wrong.
-        for (j, v) in recv.iter_mut().enumerate() {
-            *v = T::from_f64(spec::sentinel(expected(j)));
-        }
+        recv.copy_from_slice(&p.sentinels::<T>());
         run_oop(comm, c, rop, root, &send, &mut recv)?;
-        let oop_wrong = count_wrong(&recv, tol, expected);
-        // In place.
-        for (j, v) in buf.iter_mut().enumerate() {
-            *v = T::from_f64(spec::in_place_input(c, &pattern, n, me, count, j));
-        }
+        let oop_wrong = p.oop_wrong(&recv);
+        buf.copy_from_slice(&p.in_place_inputs::<T>());
         run_ip(comm, c, rop, root, &mut buf)?;
-        let (lo, hi) = c.in_place_output(count, n, me);
-        let ip_wrong = count_wrong(&buf[lo..hi], tol, |j| {
-            spec::expected(c, &pattern, op, n, me, count, root, j)
-        });
-        let mut w = [oop_wrong, ip_wrong];
+        let mut w = [oop_wrong, p.ip_wrong(&buf)];
         comm.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
         Some(w)
     } else {
         None
     };
-    Ok(Some(Row::new(c, counts, dtype, op, root, n, times, wrong)))
+    Ok(Some(p.row(times, wrong)))
 }
 
 /// Combines every rank's (out-of-place, in-place) seconds as `-a` asks: 0 this rank's, 1 the

@@ -10,8 +10,8 @@ use std::time::Instant;
 use weftcc::{Communicator, DataType, ReduceOp};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream};
 
-use super::spec::{self, Collective, Pattern};
-use super::{Num, Options, Outputs, PerfArgs, Row};
+use super::spec::{self, Collective};
+use super::{Num, Options, Outputs, PerfArgs, Row, SizePlan};
 
 /// Entry point of `weft perf --device cuda` (after the options were parsed).
 pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i32 {
@@ -217,32 +217,17 @@ fn bench_size<T: Num>(
     op: Option<ReduceOp>,
     size: u64,
 ) -> Result<Option<Row>, CudaError> {
-    let (me, n) = (c.rank(), c.size());
-    let coll = opts.collective;
-    let dtype = T::DTYPE;
-    let Some(counts) = coll.counts(size, dtype.size() as u64, n as u64) else {
+    let Some(p) = SizePlan::new(opts, T::DTYPE, op, size, c.rank(), c.size()) else {
         return Ok(None);
     };
-    let count = counts.count as usize;
-    let (send_len, recv_len) = coll.buffer_lens(count, n);
-    let ip_len = coll.in_place_len(count, n);
-    let root = if coll.has_root() { opts.root } else { 0 };
-    let rop = op.unwrap_or(ReduceOp::Sum);
-    let pattern = Pattern::new(dtype, op, n);
-    let input = |rank: usize, idx: usize| T::from_f64(pattern.value(rank, idx));
+    let (coll, rop, root) = (p.coll, p.rop, p.root);
 
-    let send_host: Vec<T> = (0..send_len).map(|i| input(me, i)).collect();
-    let send = upload(ctx, &send_host)?;
-    let mut recv = upload(ctx, &vec![T::from_f64(0.0); recv_len])?;
+    let send = upload(ctx, &p.send::<T>())?;
+    let mut recv = upload(ctx, &vec![T::from_f64(0.0); p.recv_len])?;
     let oop_s = time_loop(c, s, opts.warmup, opts.iters, || {
         run_oop(c, coll, rop, root, &send, &mut recv, s)
     })?;
-    let ip_init: Vec<T> = if coll.reduces() {
-        vec![T::from_f64(0.0); ip_len]
-    } else {
-        (0..ip_len).map(|i| input(me, i)).collect()
-    };
-    let mut buf = upload(ctx, &ip_init)?;
+    let mut buf = upload(ctx, &p.timed_in_place::<T>())?;
     let ip_s = time_loop(c, s, opts.warmup, opts.iters, || {
         run_ip(c, coll, rop, root, &mut buf, s)
     })?;
@@ -251,33 +236,18 @@ fn bench_size<T: Num>(
     let times = super::aggregate_times(host, opts.average, [oop_s, ip_s])?;
 
     let wrong = if opts.check {
-        let tol = |e: f64| spec::tolerance(dtype, op, n, e);
-        let expected = |j: usize| spec::expected(coll, &pattern, op, n, me, count, root, j);
-        let sentinel: Vec<T> = (0..recv_len)
-            .map(|j| T::from_f64(spec::sentinel(expected(j))))
-            .collect();
-        recv.copy_from_host(&sentinel)?;
+        recv.copy_from_host(&p.sentinels::<T>())?;
         run_oop(c, coll, rop, root, &send, &mut recv, s)?;
         c.synchronize(s)?;
-        let oop_wrong = super::count_wrong(&recv.to_vec()?, tol, expected);
-        let ip_in: Vec<T> = (0..ip_len)
-            .map(|j| T::from_f64(spec::in_place_input(coll, &pattern, n, me, count, j)))
-            .collect();
-        buf.copy_from_host(&ip_in)?;
+        let oop_wrong = p.oop_wrong(&recv.to_vec()?);
+        buf.copy_from_host(&p.in_place_inputs::<T>())?;
         run_ip(c, coll, rop, root, &mut buf, s)?;
         c.synchronize(s)?;
-        let (lo, hi) = coll.in_place_output(count, n, me);
-        let got = buf.to_vec()?;
-        let ip_wrong = super::count_wrong(&got[lo..hi], tol, |j| {
-            spec::expected(coll, &pattern, op, n, me, count, root, j)
-        });
-        let mut w = [oop_wrong, ip_wrong];
+        let mut w = [oop_wrong, p.ip_wrong(&buf.to_vec()?)];
         host.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
         Some(w)
     } else {
         None
     };
-    Ok(Some(Row::new(
-        coll, counts, dtype, op, root, n, times, wrong,
-    )))
+    Ok(Some(p.row(times, wrong)))
 }
