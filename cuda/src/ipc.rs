@@ -356,7 +356,7 @@ impl IpcPeers {
                         k.wrapping_add(1),
                     )?;
                 }
-                Action::RecvCopy { peer, dst } => {
+                Action::RecvCopy { peer, dst } | Action::RecvReduce { peer, dst, .. } => {
                     let bytes = dst.len as u64 * es;
                     let slot = self.slot_for(bytes)?;
                     let k = self.recvd[peer];
@@ -364,30 +364,18 @@ impl IpcPeers {
                     wait_geq(s, self.filled(self.flags, peer), k.wrapping_add(1))?;
                     let src = self.inbox
                         + ((peer * self.depth + (k as usize % self.depth)) * slot) as u64;
-                    copy_d2d(s, addr(&dst), src, bytes as usize)?;
-                    write_flag(
-                        s,
-                        self.freed(self.peer_flags[peer], self.rank),
-                        k.wrapping_add(1),
-                    )?;
-                }
-                Action::RecvReduce { peer, local, dst } => {
-                    let bytes = dst.len as u64 * es;
-                    let slot = self.slot_for(bytes)?;
-                    let k = self.recvd[peer];
-                    self.recvd[peer] = k.wrapping_add(1);
-                    wait_geq(s, self.filled(self.flags, peer), k.wrapping_add(1))?;
-                    let src = self.inbox
-                        + ((peer * self.depth + (k as usize % self.depth)) * slot) as u64;
-                    kernels.reduce(
-                        comb,
-                        dtype,
-                        addr(&dst),
-                        addr(&local),
-                        src,
-                        dst.len,
-                        s.as_raw(),
-                    )?;
+                    match step.action {
+                        Action::RecvReduce { local, .. } => kernels.reduce(
+                            comb,
+                            dtype,
+                            addr(&dst),
+                            addr(&local),
+                            src,
+                            dst.len,
+                            s.as_raw(),
+                        )?,
+                        _ => copy_d2d(s, addr(&dst), src, bytes as usize)?,
+                    }
                     write_flag(
                         s,
                         self.freed(self.peer_flags[peer], self.rank),
