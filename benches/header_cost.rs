@@ -1,4 +1,4 @@
-//! Cost of the 64-byte operation header that makes mismatched collectives detectable: a
+//! Cost of the 40-byte operation header that makes mismatched collectives detectable: a
 //! shared-memory ping-pong of an 8-byte payload, alone and preceded by a header, between two
 //! threads. The difference is what every operation pays per connection and direction.
 
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use weftcc::transports::{shm, Connection};
 
-const HEADER: usize = 64;
+const HEADER: usize = weftcc::HEADER_LEN;
 
 fn send_all(c: &mut dyn Connection, mut data: &[u8]) {
     while !data.is_empty() {

@@ -150,8 +150,10 @@ pub struct CommConfig {
     /// Algorithms the tuner may choose (`WEFT_ALGO`, NCCL_ALGO syntax: `ring`, `tree`, `rd`,
     /// `hier`, `^tree`, `allreduce:tree;broadcast:ring`); unrestricted by default.
     pub algo: Selection<Algorithm>,
-    /// Protocols (`WEFT_PROTO`, NCCL_PROTO syntax). The CPU transports implement only `Simple`;
-    /// a value that excludes it is reported once and otherwise ignored.
+    /// Protocols (`WEFT_PROTO`, NCCL_PROTO syntax). The CPU transports move bulk data with
+    /// `Simple` (a value that excludes it is reported once and otherwise ignored); shared memory
+    /// sends writes of up to [`weftcc_transports::shm::LL_MAX`] bytes as `LL` messages unless the
+    /// value excludes `LL` for every collective (the transport does not know the collective).
     pub proto: Selection<Protocol>,
     /// Measured link figures for the tuner (`WEFT_CALIBRATION=FILE`, as saved by
     /// `weft topo --save-calibration`); built-in figures otherwise.
@@ -217,8 +219,21 @@ impl CommConfig {
     }
 }
 
-/// Logs (once per process) that `WEFT_PROTO` excludes the only protocol the CPU transports
-/// implement for some collective.
+/// The largest write shared memory sends as a low-latency message: `WEFT_SHM_LL_MAX` (default
+/// [`weftcc_transports::shm::LL_MAX`]), or 0 when `proto` excludes `LL` for every collective.
+fn shm_low_latency_max(proto: &Selection<Protocol>) -> usize {
+    let ll_allowed = weftcc_topology::tuner::Collective::ALL
+        .into_iter()
+        .any(|c| proto.allows(c, Protocol::Ll));
+    if ll_allowed {
+        weftcc_transports::shm::ll_max_bytes()
+    } else {
+        0
+    }
+}
+
+/// Logs (once per process) that `WEFT_PROTO` excludes the only bulk protocol the CPU
+/// transports implement for some collective.
 fn warn_unimplemented_protocols(proto: &Selection<Protocol>) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     let excluded: Vec<&str> = weftcc_topology::tuner::Collective::ALL
@@ -433,6 +448,7 @@ impl Communicator {
             namespace: namespace.clone(),
             timeout: config.timeout,
             buffsize: config.buffsize,
+            shm_ll_max: shm_low_latency_max(&config.proto),
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).
@@ -1985,6 +2001,22 @@ fn bind_address(addr: &str) -> std::result::Result<std::net::SocketAddr, Transpo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weft_proto_turns_shared_memory_low_latency_messages_off_only_when_excluded_everywhere() {
+        let ll = weftcc_transports::shm::ll_max_bytes();
+        assert!(ll > 0);
+        for (spec, want) in [
+            ("", ll),
+            ("LL,Simple", ll),
+            ("allreduce:Simple", ll),
+            ("Simple", 0),
+            ("^LL", 0),
+        ] {
+            let proto = Selection::parse(spec).expect("spec");
+            assert_eq!(shm_low_latency_max(&proto), want, "WEFT_PROTO={spec:?}");
+        }
+    }
 
     #[test]
     fn current_op_keeps_kind_and_sequence_together() {

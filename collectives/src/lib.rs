@@ -25,7 +25,7 @@ pub use comm::{CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
 pub use dtype::{DataType, Element};
 pub use env::LaunchInfo;
 pub use error::{Error, Result};
-pub use header::OpDesc;
+pub use header::{OpDesc, HEADER_LEN};
 pub use op::{Combiner, OpKind, ReduceOp};
 pub use tuning::{Choice, Tuner};
 pub use weftcc_topology::tuner::{Algorithm, Protocol, Selection};

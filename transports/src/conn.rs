@@ -18,6 +18,9 @@
 //! * `try_recv` lends at most `max` contiguous bytes; only the prefix that `consume` reports as used
 //!   is removed from the stream. If every message length is a multiple of 8 bytes, every lent slice
 //!   starts 8-byte aligned in memory (so typed reductions can read it in place).
+//! * A reader that leaves the start of an element unconsumed (fewer than 8 bytes of an 8-byte
+//!   word of the stream) is lent it again together with the rest of the word once that arrived,
+//!   so a reader that takes whole elements only never stalls.
 //! * A dead or closed peer becomes [`TransportError::PeerLost`](crate::TransportError::PeerLost) once no buffered bytes remain to be
 //!   read, never a hang and never a panic.
 

@@ -53,6 +53,9 @@ pub struct MeshConfig {
     pub timeout: Duration,
     /// Shared-memory ring capacity in bytes (normalized by [`shm::ring_capacity`]).
     pub buffsize: usize,
+    /// Largest write sent over shared memory as a low-latency message (see [`shm`]); 0 sends
+    /// every write through the ring.
+    pub shm_ll_max: usize,
 }
 
 impl MeshConfig {
@@ -74,6 +77,7 @@ impl MeshConfig {
             namespace: namespace.to_string(),
             timeout: DEFAULT_TIMEOUT,
             buffsize: shm::buffsize_from_env()?,
+            shm_ll_max: shm::ll_max_bytes(),
         })
     }
 }
@@ -302,7 +306,8 @@ impl Mesh {
                         "rank {p} on this host could not set up shared memory: {msg}"
                     )));
                 }
-                let c = seg.connect(p, &infos[p].segment)?;
+                let mut c = seg.connect(p, &infos[p].segment)?;
+                c.set_low_latency_max(cfg.shm_ll_max);
                 tracing::info!(target: "weftcc::init", rank, peer = p, transport = "shm", "mesh connection");
                 conns[p] = Some(Box::new(c));
                 kinds[p] = Some("shm");

@@ -42,7 +42,35 @@
 //! ring control page, continued: @256 CMA enabled u32 (receiver) | @320 refs posted u64 (sender)
 //!   @384 refs finished u64 (receiver) | @448 reference bytes copied, all refs u64 (receiver)
 //!   @512 reference slots: { ring position u64, address u64, length u64, pad } × REF_SLOTS
+//!   @640 low-latency messages consumed u64 (receiver)
+//!   @1024 low-latency slots (below)
 //! ```
+//!
+//! Low-latency messages for small writes (up to [`LL_MAX`] bytes, the idea of NCCL's LL protocol
+//! and OpenMPI's fast boxes): the data goes into a slot of cache lines that each end with an
+//! 8-byte flag, the message's sequence number, stored with Release after the line's data. The
+//! receiver polls the next slot's flags; when a line's flag turns up, the same cache-line transfer
+//! brought its data, where a ring write costs two dependent transfers (the head, then the data).
+//! A header of 40 bytes and 8 bytes of data fill the first line exactly.
+//!
+//! ```text
+//! slot (LL_SLOT_LINES × 64 bytes): line 0: data[48] | ring position u32 | length u32 | flag u64
+//!                                  line j: data[56] | flag u64
+//! ```
+//!
+//! Splits at word boundaries only: low-latency messages and references carry whole 8-byte words
+//! of the stream, starting at a word boundary (a write that does not qualify goes through the
+//! ring). Ring positions then stay congruent to stream positions modulo 8, so no 8-byte word
+//! straddles the ring's end, a message or a reference, and a reader that consumes whole
+//! elements (the engine's reductions) never finds an element's start lent without its end
+//! being lendable next (that would stall it).
+//!
+//! Order with the ring and references: a message records the ring position (bytes written to the
+//! ring before it) at which it belongs in the stream. The receiver serves it when its tail reaches
+//! that position, before a reference posted at the same position (a pending reference stops the
+//! sender, so a message at its position was written first), and lends ring bytes only up to it.
+//! The receiver reads the ring head before the slot: head is stored with Release after any
+//! earlier message, so ring bytes past a message are never seen without the message.
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
@@ -67,7 +95,7 @@ pub const MIN_BUFFSIZE: usize = 64 << 10;
 pub const MAX_BUFFSIZE: usize = 1 << 30;
 
 const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const MAX_SLOTS: usize = 1 << 16;
 
 // Header offsets.
@@ -98,6 +126,22 @@ const R_REF_COPIED: usize = 448;
 const R_REFS: usize = 512;
 const REF_SLOT_BYTES: usize = 32;
 const REF_SLOTS: u64 = 4;
+const R_LL_DONE: usize = 640;
+const R_LL: usize = 1024;
+/// Bytes the ring control region needs (rounded up to whole pages in the layout).
+const CTRL_BYTES: usize = R_LL + LL_SLOTS as usize * LL_SLOT_BYTES;
+
+const LL_LINE: usize = 64;
+const LL_SLOT_LINES: usize = 8;
+const LL_SLOT_BYTES: usize = LL_LINE * LL_SLOT_LINES;
+const LL_SLOTS: u64 = 8;
+/// Data bytes in the first line of a slot (after them: ring position, length, flag).
+const LL_FIRST_DATA: usize = 48;
+/// Data bytes in every further line (after them: the flag).
+const LL_LINE_DATA: usize = 56;
+const LL_FLAG: usize = 56;
+/// Largest write sent as a low-latency message: 440 bytes (one slot).
+pub const LL_MAX: usize = LL_FIRST_DATA + (LL_SLOT_LINES - 1) * LL_LINE_DATA;
 
 /// What peers read out of this process to prove that `process_vm_readv` works.
 static CMA_COOKIE: u64 = MAGIC ^ 0x00c0_ffee_00c0_ffee;
@@ -118,6 +162,19 @@ pub fn cma_min_bytes() -> Option<usize> {
             .unwrap_or(DEFAULT_CMA_MIN)
             .max(8),
     )
+}
+
+/// Largest write a sender posts as a low-latency message: `WEFT_SHM_LL_MAX` bytes, clamped to
+/// [`LL_MAX`] (the default); 0 sends every write through the ring. Receivers always accept them.
+pub fn ll_max_bytes() -> usize {
+    env_nonempty("WEFT_SHM_LL_MAX")
+        .and_then(|v| parse_size(&v).ok())
+        .map_or(LL_MAX, |v| v.min(LL_MAX))
+}
+
+/// Lines a low-latency message of `len` bytes occupies.
+fn ll_lines(len: usize) -> usize {
+    1 + len.saturating_sub(LL_FIRST_DATA).div_ceil(LL_LINE_DATA)
 }
 
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`; returns how many were copied.
@@ -201,7 +258,7 @@ impl Layout {
     fn new(nslots: usize, capacity: usize) -> Option<Layout> {
         let page = page_size();
         let header_size = round_up(H_SLOTS + 4 * nslots, page)?;
-        let ctrl_size = page;
+        let ctrl_size = round_up(CTRL_BYTES, page)?;
         let per = ctrl_size.checked_add(capacity)?;
         let total = header_size.checked_add(per.checked_mul(nslots)?)?;
         Some(Layout {
@@ -596,6 +653,13 @@ impl ShmSegment {
             stage: Vec::new(),
             stage_start: 0,
             stage_end: 0,
+            ll_max: ll_max_bytes(),
+            tx_ll: 0,
+            tx_ll_done_seen: 0,
+            rx_ll: self.map.u64_at(rx + R_LL_DONE).load(Ordering::Acquire),
+            ll_stage: [0; LL_STAGE_WORDS],
+            ll_start: 0,
+            ll_end: 0,
         })
     }
 
@@ -677,6 +741,28 @@ pub struct ShmConnection {
     stage: Vec<u64>,
     stage_start: usize,
     stage_end: usize,
+    /// Largest write sent as a low-latency message (0: none).
+    ll_max: usize,
+    /// Sender side: low-latency messages posted, and consumed as last read from the receiver.
+    tx_ll: u64,
+    tx_ll_done_seen: u64,
+    /// Receiver side: low-latency messages consumed.
+    rx_ll: u64,
+    /// The consumed message's bytes not yet lent out (8-byte aligned storage).
+    ll_stage: [u64; LL_STAGE_WORDS],
+    ll_start: usize,
+    ll_end: usize,
+}
+
+const LL_STAGE_WORDS: usize = LL_MAX.div_ceil(8);
+
+/// The next low-latency message, as the receiver sees it in its slot.
+#[derive(Debug, Clone, Copy)]
+struct LlFront {
+    ring_pos: u64,
+    len: usize,
+    /// Every line of it has arrived (the sender may still be writing the others).
+    complete: bool,
 }
 
 /// A write being sent by reference.
@@ -684,6 +770,8 @@ pub struct ShmConnection {
 struct OutRef {
     addr: usize,
     len: usize,
+    /// Bytes of the write after the reference (fewer than 8; they follow through the ring).
+    tail: usize,
     /// Bytes already reported accepted to the caller.
     reported: usize,
     /// The peer's all-references copy counter when this reference's first byte is copied.
@@ -699,6 +787,12 @@ struct InRef {
 }
 
 impl ShmConnection {
+    /// Sets the largest write this side sends as a low-latency message (clamped to [`LL_MAX`];
+    /// 0: every write goes through the ring). The receiving side always accepts them.
+    pub fn set_low_latency_max(&mut self, bytes: usize) {
+        self.ll_max = bytes.min(LL_MAX);
+    }
+
     fn lost(&self, detail: &str) -> TransportError {
         TransportError::PeerLost {
             peer: self.peer,
@@ -715,8 +809,136 @@ impl ShmConnection {
 
     fn rx_empty(&self) -> bool {
         self.stage_start == self.stage_end
+            && self.ll_start == self.ll_end
             && self.front_ref().is_none()
             && self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire) == self.rx_tail
+            && self.ll_front().ok().flatten().is_none_or(|l| !l.complete)
+    }
+
+    /// Offset of low-latency slot `n % LL_SLOTS` of the ring at `ring`.
+    fn ll_slot(ring: usize, n: u64) -> usize {
+        ring + R_LL + (n % LL_SLOTS) as usize * LL_SLOT_BYTES
+    }
+
+    /// Posts `data` as a low-latency message; false when it is too long or every slot is full.
+    fn try_send_ll(&mut self, data: &[u8]) -> bool {
+        // Whole words at a word boundary only (module docs).
+        if data.is_empty()
+            || data.len() > self.ll_max
+            || (data.len() | self.tx_head as usize) % 8 != 0
+        {
+            return false;
+        }
+        let r = &*self.remote;
+        if self.tx_ll.wrapping_sub(self.tx_ll_done_seen) >= LL_SLOTS {
+            self.tx_ll_done_seen = r.u64_at(self.tx + R_LL_DONE).load(Ordering::Acquire);
+            if self.tx_ll.wrapping_sub(self.tx_ll_done_seen) >= LL_SLOTS {
+                return false;
+            }
+        }
+        let slot = Self::ll_slot(self.tx, self.tx_ll);
+        let flag = self.tx_ll.wrapping_add(1);
+        // The later lines first, so that the first line, which the receiver looks at first,
+        // usually completes the message.
+        for line in (0..ll_lines(data.len())).rev() {
+            let (start, room) = if line == 0 {
+                (0, LL_FIRST_DATA)
+            } else {
+                (LL_FIRST_DATA + (line - 1) * LL_LINE_DATA, LL_LINE_DATA)
+            };
+            let n = room.min(data.len() - start);
+            let at = slot + line * LL_LINE;
+            // SAFETY: `at .. at + n` (n <= 56) lies inside slot `tx_ll % LL_SLOTS` of our outgoing
+            // ring's control region in the validated mapping, before the line's flag word. The
+            // receiver released this slot (its consumed count shows it copied the message that
+            // used it last) and reads it again only after seeing the flag stored below.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr().add(start),
+                    r.raw.as_mut_ptr().add(at),
+                    n,
+                );
+            }
+            if line == 0 {
+                let meta = u64::from(self.tx_head as u32) | ((data.len() as u64) << 32);
+                r.u64_at(at + LL_FIRST_DATA).store(meta, Ordering::Relaxed);
+            }
+            r.u64_at(at + LL_FLAG).store(flag, Ordering::Release);
+        }
+        self.tx_ll = flag;
+        r.ring_doorbell();
+        true
+    }
+
+    /// The next low-latency message, if its first line has arrived.
+    fn ll_front(&self) -> Result<Option<LlFront>> {
+        let m = &*self.own;
+        let slot = Self::ll_slot(self.rx, self.rx_ll);
+        let want = self.rx_ll.wrapping_add(1);
+        // Every line's flag is loaded before any is looked at: independent loads, so the lines
+        // of a longer message travel in parallel rather than one after the other.
+        let mut flags = [0u64; LL_SLOT_LINES];
+        for (line, flag) in flags.iter_mut().enumerate() {
+            *flag = m
+                .u64_at(slot + line * LL_LINE + LL_FLAG)
+                .load(Ordering::Acquire);
+        }
+        if flags[0] != want {
+            return Ok(None);
+        }
+        let meta = m.u64_at(slot + LL_FIRST_DATA).load(Ordering::Relaxed);
+        let len = (meta >> 32) as usize;
+        let ahead = u64::from((meta as u32).wrapping_sub(self.rx_tail as u32));
+        if len == 0 || len > LL_MAX || ahead > m.layout.capacity as u64 {
+            return Err(self.corrupt("low-latency message with a bad length or position"));
+        }
+        Ok(Some(LlFront {
+            ring_pos: self.rx_tail.wrapping_add(ahead),
+            len,
+            complete: flags[..ll_lines(len)].iter().all(|&f| f == want),
+        }))
+    }
+
+    /// Copies the complete front message out of its slot into `ll_stage` and releases the slot.
+    fn take_ll(&mut self, front: LlFront) {
+        let m = &*self.own;
+        let slot = Self::ll_slot(self.rx, self.rx_ll);
+        let stage = words_as_bytes_mut(&mut self.ll_stage);
+        let mut done = 0;
+        for line in 0..ll_lines(front.len) {
+            let room = if line == 0 {
+                LL_FIRST_DATA
+            } else {
+                LL_LINE_DATA
+            };
+            let n = room.min(front.len - done);
+            // SAFETY: `slot + line * LL_LINE .. + n` lies inside the incoming ring's slot, in our
+            // own mapping; the line's flag, loaded with Acquire in `ll_front`, showed its bytes
+            // were written, and the sender leaves the slot alone until we publish the consumed
+            // count below. `stage` has room for LL_MAX >= front.len bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    m.raw.as_ptr().add(slot + line * LL_LINE),
+                    stage[done..done + n].as_mut_ptr(),
+                    n,
+                );
+            }
+            done += n;
+        }
+        self.ll_start = 0;
+        self.ll_end = front.len;
+        self.rx_ll = self.rx_ll.wrapping_add(1);
+        m.u64_at(self.rx + R_LL_DONE)
+            .store(self.rx_ll, Ordering::Release);
+    }
+
+    /// Lends the consumed low-latency message's remaining bytes.
+    fn lend_ll(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> usize {
+        let n = (self.ll_end - self.ll_start).min(max);
+        let bytes = words_as_bytes(&self.ll_stage);
+        let used = consume(&bytes[self.ll_start..self.ll_start + n]).min(n);
+        self.ll_start += used;
+        used
     }
 
     /// Continues or starts a write by reference; `None` when `data` goes through the ring.
@@ -724,7 +946,7 @@ impl ShmConnection {
         let r = &*self.remote;
         if let Some(mut out) = self.out_ref {
             if data.as_ptr() as usize != out.addr + out.reported
-                || data.len() != out.len - out.reported
+                || data.len() != out.len - out.reported + out.tail
             {
                 return Some(Err(TransportError::Protocol(format!(
                     "pinned write to peer {} did not continue with the rest of its bytes",
@@ -743,7 +965,13 @@ impl ShmConnection {
             return Some(Ok(newly));
         }
         let min = self.cma_min?;
-        if data.len() < min || r.u32_at(self.tx + R_CMA_OK).load(Ordering::Acquire) == 0 {
+        // Whole words at a word boundary only (module docs): the last bytes of an odd length
+        // follow through the ring.
+        let len = data.len() & !7;
+        if len < min
+            || self.tx_head % 8 != 0
+            || r.u32_at(self.tx + R_CMA_OK).load(Ordering::Acquire) == 0
+        {
             return None;
         }
         let done = r.u64_at(self.tx + R_REF_TAIL).load(Ordering::Acquire);
@@ -754,15 +982,15 @@ impl ShmConnection {
         r.u64_at(slot).store(self.tx_head, Ordering::Relaxed);
         r.u64_at(slot + 8)
             .store(data.as_ptr() as u64, Ordering::Relaxed);
-        r.u64_at(slot + 16)
-            .store(data.len() as u64, Ordering::Relaxed);
+        r.u64_at(slot + 16).store(len as u64, Ordering::Relaxed);
         self.out_ref = Some(OutRef {
             addr: data.as_ptr() as usize,
-            len: data.len(),
+            len,
+            tail: data.len() - len,
             reported: 0,
             base: self.tx_ref_bytes,
         });
-        self.tx_ref_bytes += data.len() as u64;
+        self.tx_ref_bytes += len as u64;
         self.tx_refs += 1;
         r.u64_at(self.tx + R_REF_HEAD)
             .store(self.tx_refs, Ordering::Release);
@@ -901,6 +1129,10 @@ impl Connection for ShmConnection {
                 self.peer
             )));
         }
+        if self.try_send_ll(data) {
+            return Ok(data.len());
+        }
+        let r = &*self.remote;
         let cap = r.layout.capacity;
         // The receiver's tail only grows: re-read it (a cache line the receiver keeps writing)
         // only when the space known from the last read is not enough.
@@ -958,20 +1190,43 @@ impl Connection for ShmConnection {
         if self.stage_start < self.stage_end {
             return self.lend_ref(None, max, consume);
         }
+        if self.ll_start < self.ll_end {
+            return Ok(self.lend_ll(max, consume));
+        }
+        // Read order matters (module docs): references, then the ring head, then the
+        // low-latency slot, so that nothing written after a message is seen without it.
         let front = self.front_ref();
+        let closed = self
+            .own
+            .u32_at(self.rx + R_SENDER_CLOSED)
+            .load(Ordering::Acquire)
+            != 0;
+        let mut head = self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+        let ll = self.ll_front()?;
+        if let Some(l) = ll.filter(|l| l.ring_pos == self.rx_tail) {
+            // Before a reference at the same position: that one stopped the sender.
+            if max == 0 || !l.complete {
+                return Ok(0);
+            }
+            self.take_ll(l);
+            return Ok(self.lend_ll(max, consume));
+        }
         if let Some(f) = self.at_tail(front)? {
             if max == 0 {
                 return Ok(0);
             }
             return self.lend_ref(Some(f), max, consume);
         }
-        let m = &*self.own;
-        let closed = m.u32_at(self.rx + R_SENDER_CLOSED).load(Ordering::Acquire) != 0;
-        let mut head = m.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
-        if let Some(f) = front {
-            // Ring bytes after a pending reference wait for it.
-            head = f.ring_pos;
+        // Ring bytes after a pending reference or message wait for it.
+        for pos in [front.map(|f| f.ring_pos), ll.map(|l| l.ring_pos)]
+            .into_iter()
+            .flatten()
+        {
+            if pos.wrapping_sub(self.rx_tail) < head.wrapping_sub(self.rx_tail) {
+                head = pos;
+            }
         }
+        let m = &*self.own;
         let cap = m.layout.capacity;
         let avail = head.wrapping_sub(self.rx_tail);
         if avail > cap as u64 {
@@ -1007,9 +1262,13 @@ impl Connection for ShmConnection {
 
     fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
         // A reference at the head of the stream is copied straight into `dst`: the single copy.
-        if self.stage_start == self.stage_end && !dst.is_empty() {
+        if self.stage_start == self.stage_end && self.ll_start == self.ll_end && !dst.is_empty() {
             if let Some(f) = self.ref_at_tail()? {
-                return self.copy_ref(f, dst);
+                // A low-latency message at the same position was written before it.
+                let ll_first = self.ll_front()?.is_some_and(|l| l.ring_pos == self.rx_tail);
+                if !ll_first {
+                    return self.copy_ref(f, dst);
+                }
             }
         }
         crate::conn::recv_into_by_lending(self, dst)

@@ -119,10 +119,11 @@ fn send_all(end: &mut End, data: &[u8], start: Instant, pinned: bool) {
 fn sizes(rng: &mut Rng, count: usize, align8: bool) -> Vec<usize> {
     (0..count)
         .map(|_| {
-            let s = match rng.below(10) {
+            let s = match rng.below(12) {
                 0..=3 => 1 + rng.below(64),
-                4..=6 => 1 + rng.below(64 << 10),
-                7 | 8 => 1 + rng.below(512 << 10),
+                4 | 5 => 1 + rng.below(600),
+                6..=8 => 1 + rng.below(64 << 10),
+                9 | 10 => 1 + rng.below(512 << 10),
                 _ => 1 + rng.below(3 << 20),
             } as usize;
             if align8 {
@@ -137,14 +138,31 @@ fn sizes(rng: &mut Rng, count: usize, align8: bool) -> Vec<usize> {
 /// Ordered delivery of many messages of random sizes, with partial consumption and
 /// `try_recv_into` on the receiving side.
 fn ordered_random(make: fn() -> Option<(End, End)>, pinned: bool) {
+    let mut rng = Rng(0x1234_5678);
+    ordered_delivery(make, pinned, &sizes(&mut rng, 60, false));
+}
+
+/// Thousands of small writes (shared memory's low-latency slots fill and drain), now and then a
+/// large one that goes through the ring or by reference between them.
+fn small_writes_between_large(make: fn() -> Option<(End, End)>, pinned: bool) {
+    let mut rng = Rng(0x5eed);
+    let msgs: Vec<usize> = (0..3000)
+        .map(|i| match i % 97 {
+            0 => 1 + rng.below(300 << 10) as usize,
+            1..=5 => 1 + rng.below(8 << 10) as usize,
+            _ => 1 + rng.below(500) as usize,
+        })
+        .collect();
+    ordered_delivery(make, pinned, &msgs);
+}
+
+/// Sends `msgs` (their lengths) from one end and checks every byte at the other.
+fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usize]) {
     let Some((mut a, mut b)) = make() else { return };
     let seed = 0x1234_5678;
-    let mut rng = Rng(seed);
-    let msgs = sizes(&mut rng, 60, false);
     let total: usize = msgs.iter().sum();
     let start = Instant::now();
     std::thread::scope(|s| {
-        let msgs = &msgs;
         s.spawn(move || {
             let mut off = 0u64;
             for &m in msgs {
@@ -202,6 +220,78 @@ fn ordered_random(make: fn() -> Option<(End, End)>, pinned: bool) {
                 );
                 b.1.wait(&recv_interest(0), Duration::from_millis(100))
                     .expect("wait");
+            }
+        }
+        assert_eq!(got, total);
+    });
+}
+
+/// The engine's reductions: every message holds elements of 1, 2, 4 or 8 bytes, padded to a
+/// multiple of 8 by a separate write, and the reader takes whole elements only, leaving a partial
+/// one in the transport until the rest of it can be lent with it. That must never stall.
+fn element_wise_reader(make: fn() -> Option<(End, End)>, pinned: bool) {
+    let Some((mut a, mut b)) = make() else { return };
+    let seed = 0xe1e;
+    let mut rng = Rng(seed);
+    // (element size, message bytes) with lengths up to a few ring-fulls.
+    let msgs: Vec<(usize, usize)> = (0..400)
+        .map(|_| {
+            let esize = 1usize << rng.below(4);
+            let count = match rng.below(6) {
+                0..=2 => rng.below(80),
+                3 | 4 => rng.below(20_000),
+                _ => rng.below(700_000),
+            } as usize;
+            (esize, count * esize)
+        })
+        .collect();
+    let total: usize = msgs.iter().map(|&(_, len)| len.div_ceil(8) * 8).sum();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let msgs = &msgs;
+        s.spawn(move || {
+            let mut off = 0u64;
+            for &(_, len) in msgs {
+                let padded = len.div_ceil(8) * 8;
+                let mut buf = vec![0u8; padded];
+                fill(seed, off, &mut buf);
+                send_all(&mut a, &buf[..len], start, pinned);
+                send_all(&mut a, &buf[len..], start, false);
+                off += padded as u64;
+            }
+            a
+        });
+        let mut got = 0usize;
+        for &(esize, len) in msgs {
+            let padded = len.div_ceil(8) * 8;
+            let mut at = 0usize;
+            while at < padded {
+                // Data: whole elements; padding: any bytes.
+                let (want, unit) = if at < len {
+                    (len - at, esize)
+                } else {
+                    (padded - at, 1)
+                };
+                let base = got;
+                let n =
+                    b.0.try_recv(want, &mut |sl: &[u8]| {
+                        let take = sl.len().min(want) / unit * unit;
+                        for (i, &x) in sl[..take].iter().enumerate() {
+                            assert_eq!(x, pattern(seed, (base + i) as u64), "byte {}", base + i);
+                        }
+                        take
+                    })
+                    .expect("try_recv");
+                at += n;
+                got += n;
+                if n == 0 {
+                    assert!(
+                        start.elapsed() < DEADLINE,
+                        "element-wise reader stalled at {got}/{total} ({esize}-byte elements)"
+                    );
+                    b.1.wait(&recv_interest(0), Duration::from_millis(10))
+                        .expect("wait");
+                }
             }
         }
         assert_eq!(got, total);
@@ -541,6 +631,22 @@ macro_rules! suite {
             #[test]
             fn ordered_random_sizes() {
                 ordered_random($make, false);
+            }
+            #[test]
+            fn element_wise_reader_never_stalls() {
+                element_wise_reader($make, false);
+            }
+            #[test]
+            fn element_wise_reader_never_stalls_pinned() {
+                element_wise_reader($make, true);
+            }
+            #[test]
+            fn small_writes_between_large_ones() {
+                small_writes_between_large($make, false);
+            }
+            #[test]
+            fn small_writes_between_large_ones_pinned() {
+                small_writes_between_large($make, true);
             }
             #[test]
             fn ordered_random_sizes_pinned() {

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 use weftcc_transports::mesh::{Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
-use weftcc_transports::Interest;
+use weftcc_transports::{shm, Interest};
 
 const N: usize = 4;
 
@@ -107,6 +107,7 @@ fn run_mesh(
                     namespace: "world".into(),
                     timeout: Duration::from_secs(20),
                     buffsize: 256 << 10,
+                    shm_ll_max: shm::LL_MAX,
                 };
                 let mut mesh = Mesh::establish(&mut store, &cfg).expect("establish");
                 assert_eq!((mesh.rank(), mesh.nranks()), (rank, N));
@@ -209,6 +210,7 @@ fn establish_times_out_when_a_rank_is_missing() {
         namespace: "lonely".into(),
         timeout: Duration::from_millis(500),
         buffsize: 64 << 10,
+        shm_ll_max: 0,
     };
     let t = Instant::now();
     let e = Mesh::establish(&mut store, &cfg)
