@@ -142,11 +142,13 @@ pub struct CommConfig {
     /// 8 B all-reduce 5.7 → 3.3 µs without the spin). `None` keeps `backoff.spin`; `from_env`
     /// sets `None` when `WEFT_SPIN_US` is given.
     pub oversubscribed_spin: Option<Duration>,
-    /// Largest operation (bytes per rank) whose messages are sent pinned, i.e. single copy over
-    /// shared memory (`WEFT_SHM_CMA_MAX_OP`, default 1 MiB); only collectives whose receivers
-    /// copy (all-gather, broadcast, all-to-all, send/recv) use it. Above the bound, cross-memory
-    /// copies of data that is no longer in cache were measured slower than the ring.
-    pub pinned_max_bytes: usize,
+    /// Largest operation (its largest buffer, bytes) whose messages are sent pinned, i.e. single
+    /// copy over shared memory (`WEFT_SHM_CMA_MAX_OP`); only collectives whose receivers copy
+    /// (all-gather, broadcast, all-to-all, send/recv) use it. `None` keeps the measured
+    /// defaults: no bound for all-gather, all-to-all and send/recv, [`DEFAULT_PINNED_MAX_BYTES`]
+    /// for broadcast, whose pipelined cross-memory copies of data no longer in cache were
+    /// measured slower than the ring (8 MiB, 2 ranks, in place: 630 → 740–790 µs).
+    pub pinned_max_bytes: Option<usize>,
     /// Algorithms the tuner may choose (`WEFT_ALGO`, NCCL_ALGO syntax: `ring`, `tree`, `rd`,
     /// `hier`, `^tree`, `allreduce:tree;broadcast:ring`); unrestricted by default.
     pub algo: Selection<Algorithm>,
@@ -214,7 +216,10 @@ impl CommConfig {
                 Ok(v) if !v.trim().is_empty() => None,
                 _ => Some(Duration::ZERO),
             },
-            pinned_max_bytes: size("WEFT_SHM_CMA_MAX_OP", DEFAULT_PINNED_MAX_BYTES)?,
+            pinned_max_bytes: match std::env::var("WEFT_SHM_CMA_MAX_OP") {
+                Ok(v) if !v.trim().is_empty() => Some(size("WEFT_SHM_CMA_MAX_OP", 0)?),
+                _ => None,
+            },
         })
     }
 }
@@ -1606,13 +1611,7 @@ impl Inner {
             timeout: self.timeout(),
             abort: &self.abort,
             backoff: self.config.backoff,
-            // Single copy pays where the receiver copies into place; a receiver that reduces
-            // copies referenced bytes to a staging block first, and was measured slower.
-            pinned_sends: largest <= self.config.pinned_max_bytes
-                && !matches!(
-                    desc.kind,
-                    OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
-                ),
+            pinned_sends: sends_pinned(desc.kind, largest, self.config.pinned_max_bytes),
             poisoned: &poisoned,
         };
         let (conns, waiter) = mesh.parts();
@@ -1789,8 +1788,22 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// Default of [`CommConfig::pinned_max_bytes`].
+/// Broadcast's bound on single copy when [`CommConfig::pinned_max_bytes`] is `None`.
 pub const DEFAULT_PINNED_MAX_BYTES: usize = 1 << 20;
+
+/// Whether an operation of `kind` whose largest buffer has `largest` bytes sends pinned (see
+/// [`CommConfig::pinned_max_bytes`]).
+fn sends_pinned(kind: OpKind, largest: usize, bound: Option<usize>) -> bool {
+    match kind {
+        // Single copy pays where the receiver copies into place; a receiver that reduces copies
+        // referenced bytes to a staging block first, and was measured slower.
+        OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter | OpKind::Barrier => false,
+        OpKind::Broadcast => largest <= bound.unwrap_or(DEFAULT_PINNED_MAX_BYTES),
+        OpKind::AllGather | OpKind::AllToAll | OpKind::SendRecv => {
+            bound.is_none_or(|b| largest <= b)
+        }
+    }
+}
 
 /// Bound on cached schedules: a sweep over many sizes must not grow memory without limit.
 const SCHEDULE_CACHE_ENTRIES: usize = 64;
@@ -2001,6 +2014,21 @@ fn bind_address(addr: &str) -> std::result::Result<std::net::SocketAddr, Transpo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn single_copy_bounds_per_collective() {
+        let (big, mib) = (1usize << 30, DEFAULT_PINNED_MAX_BYTES);
+        for kind in [OpKind::AllReduce, OpKind::Reduce, OpKind::ReduceScatter] {
+            assert!(!sends_pinned(kind, 8, None) && !sends_pinned(kind, 8, Some(big)));
+        }
+        assert!(sends_pinned(OpKind::Broadcast, mib, None));
+        assert!(!sends_pinned(OpKind::Broadcast, mib + 1, None));
+        for kind in [OpKind::AllGather, OpKind::AllToAll, OpKind::SendRecv] {
+            assert!(sends_pinned(kind, big, None));
+            assert!(!sends_pinned(kind, mib + 1, Some(mib)));
+        }
+        assert!(sends_pinned(OpKind::Broadcast, big, Some(big)));
+    }
 
     #[test]
     fn weft_proto_turns_shared_memory_low_latency_messages_off_only_when_excluded_everywhere() {
