@@ -413,6 +413,18 @@ pub fn execute_prepared(
     let mut last_liveness: Option<Instant> = None;
     let mut quiet_polls: u32 = 0;
 
+    // Small local copies that are ready at the start run before any transfer: a send that waits
+    // on one (in-place all-to-all stages its outgoing block) then leaves in the same write as
+    // its header, instead of the header going alone and the data a pass later.
+    for &i in copies {
+        let [(da, doff, len), (sa, soff, _)] = places[i];
+        if len <= COALESCE_MAX && ready(done, i) {
+            copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
+            done[i] = true;
+            copies_left -= 1;
+        }
+    }
+
     loop {
         let mut progressed = false;
         let mut pending = false;

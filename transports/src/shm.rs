@@ -616,6 +616,8 @@ impl ShmSegment {
         let rx_tail = self.map.u64_at(rx + R_TAIL).load(Ordering::Acquire);
         let tx_head = remote.u64_at(tx + R_HEAD).load(Ordering::Acquire);
         let tx_tail_seen = remote.u64_at(tx + R_TAIL).load(Ordering::Acquire);
+        // Like the head above: continue after what the receiver has consumed.
+        let tx_ll = remote.u64_at(tx + R_LL_DONE).load(Ordering::Acquire);
         let cma_min = cma_min_bytes();
         let peer_pid = remote.owner_pid() as i32;
         if cma_min.is_some() {
@@ -654,8 +656,8 @@ impl ShmSegment {
             stage_start: 0,
             stage_end: 0,
             ll_max: ll_max_bytes(),
-            tx_ll: 0,
-            tx_ll_done_seen: 0,
+            tx_ll,
+            tx_ll_done_seen: tx_ll,
             rx_ll: self.map.u64_at(rx + R_LL_DONE).load(Ordering::Acquire),
             ll_stage: [0; LL_STAGE_WORDS],
             ll_start: 0,
