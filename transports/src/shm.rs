@@ -69,8 +69,9 @@
 //! ring before it) at which it belongs in the stream. The receiver serves it when its tail reaches
 //! that position, before a reference posted at the same position (a pending reference stops the
 //! sender, so a message at its position was written first), and lends ring bytes only up to it.
-//! The receiver reads the ring head before the slot: head is stored with Release after any
-//! earlier message, so ring bytes past a message are never seen without the message.
+//! The receiver reads the references, then the ring head, then the slot: head and the reference
+//! count are stored with Release after any earlier message, so neither ring bytes nor a reference
+//! written after a message are ever seen without the message.
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
