@@ -72,6 +72,22 @@ fn fill(seed: u64, start: u64, buf: &mut [u8]) {
     }
 }
 
+/// Checks that `bytes` are the pattern's bytes from stream offset `base` on.
+fn assert_pattern(seed: u64, base: usize, bytes: &[u8]) {
+    for (i, &x) in bytes.iter().enumerate() {
+        assert_eq!(x, pattern(seed, (base + i) as u64), "byte {}", base + i);
+    }
+}
+
+/// After a receive that got nothing: fails once `DEADLINE` has passed since `start`, else waits
+/// for the peer to signal.
+fn wait_for_data(end: &mut End, start: Instant, stalled: impl FnOnce() -> String) {
+    assert!(start.elapsed() < DEADLINE, "{}", stalled());
+    end.1
+        .wait(&recv_interest(0), Duration::from_millis(20))
+        .expect("wait");
+}
+
 fn send_interest(peer: usize) -> [Interest; 1] {
     [Interest {
         peer,
@@ -184,14 +200,7 @@ fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usiz
                 let n =
                     b.0.try_recv_into(&mut scratch[..want])
                         .expect("try_recv_into");
-                for (i, &x) in scratch[..n].iter().enumerate() {
-                    assert_eq!(
-                        x,
-                        pattern(seed, (got + i) as u64),
-                        "byte {} (into)",
-                        got + i
-                    );
-                }
+                assert_pattern(seed, got, &scratch[..n]);
                 n
             } else {
                 let max = 1 + rng.below(2 << 20) as usize;
@@ -205,21 +214,16 @@ fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usiz
                         1 => sl.len() / 2,
                         _ => sl.len(),
                     };
-                    for (i, &x) in sl[..take].iter().enumerate() {
-                        assert_eq!(x, pattern(seed, (base + i) as u64), "byte {}", base + i);
-                    }
+                    assert_pattern(seed, base, &sl[..take]);
                     take
                 })
                 .expect("try_recv")
             };
             got += n;
             if n == 0 {
-                assert!(
-                    start.elapsed() < DEADLINE,
-                    "receive stalled at {got}/{total}"
-                );
-                b.1.wait(&recv_interest(0), Duration::from_millis(100))
-                    .expect("wait");
+                wait_for_data(&mut b, start, || {
+                    format!("receive stalled at {got}/{total}")
+                });
             }
         }
         assert_eq!(got, total);
@@ -276,21 +280,18 @@ fn element_wise_reader(make: fn() -> Option<(End, End)>, pinned: bool) {
                 let n =
                     b.0.try_recv(want, &mut |sl: &[u8]| {
                         let take = sl.len().min(want) / unit * unit;
-                        for (i, &x) in sl[..take].iter().enumerate() {
-                            assert_eq!(x, pattern(seed, (base + i) as u64), "byte {}", base + i);
-                        }
+                        assert_pattern(seed, base, &sl[..take]);
                         take
                     })
                     .expect("try_recv");
                 at += n;
                 got += n;
                 if n == 0 {
-                    assert!(
-                        start.elapsed() < DEADLINE,
-                        "element-wise reader stalled at {got}/{total} ({esize}-byte elements)"
-                    );
-                    b.1.wait(&recv_interest(0), Duration::from_millis(10))
-                        .expect("wait");
+                    wait_for_data(&mut b, start, || {
+                        format!(
+                            "element-wise reader stalled at {got}/{total} ({esize}-byte elements)"
+                        )
+                    });
                 }
             }
         }
@@ -333,20 +334,15 @@ fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
                             "lent slice not 8-aligned at {base}"
                         );
                     }
-                    for (i, &x) in sl[..take].iter().enumerate() {
-                        assert_eq!(x, pattern(seed, (base + i) as u64));
-                    }
+                    assert_pattern(seed, base, &sl[..take]);
                     take
                 })
                 .expect("try_recv");
             got += n;
             if n == 0 {
-                assert!(
-                    start.elapsed() < DEADLINE,
-                    "receive stalled at {got}/{total}"
-                );
-                b.1.wait(&recv_interest(0), Duration::from_millis(100))
-                    .expect("wait");
+                wait_for_data(&mut b, start, || {
+                    format!("receive stalled at {got}/{total}")
+                });
             }
         }
     });
