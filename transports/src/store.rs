@@ -457,14 +457,16 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
             let deadline = Deadline::after(Duration::from_millis(ms));
             let mut st = lock(&inner.state);
             loop {
-                if st.closed {
-                    return Ok(vec![ST_CLOSED]);
-                }
+                // A value set before the shutdown is still answered: a rank that publishes an
+                // abort and then exits must not lose it to the store closing.
                 if let Some(v) = st.map.get(key) {
                     let mut out = Vec::with_capacity(1 + v.len());
                     out.push(ST_OK);
                     out.extend_from_slice(v);
                     return Ok(out);
+                }
+                if st.closed {
+                    return Ok(vec![ST_CLOSED]);
                 }
                 let left = deadline.remaining();
                 if left.is_zero() {
@@ -489,11 +491,11 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
             let deadline = Deadline::after(Duration::from_millis(ms));
             let mut st = lock(&inner.state);
             loop {
-                if st.closed {
-                    return Ok(vec![ST_CLOSED]);
-                }
                 if keys.iter().all(|k| st.map.contains_key(*k)) {
                     return Ok(vec![ST_OK]);
+                }
+                if st.closed {
+                    return Ok(vec![ST_CLOSED]);
                 }
                 let left = deadline.remaining();
                 if left.is_zero() {

@@ -314,3 +314,34 @@ fn shutdown_answers_waiting_clients_with_store_closed() {
     assert!(t.elapsed() < Duration::from_secs(15));
     drop(s);
 }
+
+/// A value set just before the server shuts down still reaches a client that was waiting for
+/// it (a rank that publishes an abort and then exits must not lose it to the store closing).
+#[test]
+fn value_set_just_before_shutdown_reaches_a_waiting_client() {
+    for round in 0..30 {
+        let (s, addr) = server();
+        let mut setter = client(&addr);
+        std::thread::scope(|sc| {
+            let waiter = sc.spawn(|| {
+                let mut c = client(&addr);
+                let v = c.get("alarm", Duration::from_secs(30));
+                let w = c.wait(&["alarm"], Duration::from_secs(30));
+                (v, w)
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            setter.set("alarm", b"abort 0").expect("set");
+            s.shutdown();
+            let (v, w) = waiter.join().unwrap();
+            assert_eq!(v.expect("get"), b"abort 0", "round {round}");
+            // The wait, sent after the shutdown, may find the store closed or the key there.
+            assert!(
+                matches!(
+                    w,
+                    Ok(()) | Err(TransportError::StoreClosed | TransportError::PeerLost { .. })
+                ),
+                "round {round}: {w:?}"
+            );
+        });
+    }
+}
