@@ -405,7 +405,6 @@ pub fn execute_prepared(
 
     done.clear();
     done.resize(steps.len(), false);
-    let ready = |done: &[bool], i: usize| steps[i].deps.iter().all(|&d| done.get(d) == Some(&true));
     let copies = &prepared.copies;
     let mut copies_left = copies.len();
     let mut idle_since: Option<Instant> = None;
@@ -416,14 +415,7 @@ pub fn execute_prepared(
     // Small local copies that are ready at the start run before any transfer: a send that waits
     // on one (in-place all-to-all stages its outgoing block) then leaves in the same write as
     // its header, instead of the header going alone and the data a pass later.
-    for &i in copies {
-        let [(da, doff, len), (sa, soff, _)] = places[i];
-        if len <= COALESCE_MAX && ready(done, i) {
-            copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
-            done[i] = true;
-            copies_left -= 1;
-        }
-    }
+    copies_left -= run_ready_copies(ctx, steps, copies, places, done, areas, COALESCE_MAX)?;
 
     loop {
         let mut progressed = false;
@@ -449,15 +441,9 @@ pub fn execute_prepared(
         // a send that does not need the copy is then already on its way (or being read by the
         // peer) while this rank copies.
         if copies_left > 0 {
-            for &i in copies {
-                if !done[i] && ready(done, i) {
-                    let [(da, doff, len), (sa, soff, _)] = places[i];
-                    copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
-                    done[i] = true;
-                    copies_left -= 1;
-                    progressed = true;
-                }
-            }
+            let ran = run_ready_copies(ctx, steps, copies, places, done, areas, usize::MAX)?;
+            copies_left -= ran;
+            progressed |= ran > 0;
             pending |= copies_left > 0;
         }
         if !pending {
@@ -555,10 +541,7 @@ struct Io<'x, 'c> {
 
 impl Io<'_, '_> {
     fn ready(&self, i: usize) -> bool {
-        self.steps[i]
-            .deps
-            .iter()
-            .all(|&d| self.done.get(d) == Some(&true))
+        deps_done(self.steps, self.done, i)
     }
 }
 
@@ -921,6 +904,34 @@ fn two_areas<'s, 'a>(
         let (lo, hi) = areas.split_at_mut(first);
         Ok((&mut hi[0], &lo[second]))
     }
+}
+
+/// Whether every step that step `i` depends on is done.
+fn deps_done(steps: &[crate::schedule::Step], done: &[bool], i: usize) -> bool {
+    steps[i].deps.iter().all(|&d| done.get(d) == Some(&true))
+}
+
+/// Runs every copy step not done yet whose dependencies are met and whose length is at most
+/// `max_len`; returns how many ran.
+fn run_ready_copies(
+    ctx: &Context<'_>,
+    steps: &[crate::schedule::Step],
+    copies: &[usize],
+    places: &[[(usize, usize, usize); 2]],
+    done: &mut [bool],
+    areas: &mut [Area<'_>],
+    max_len: usize,
+) -> Result<usize> {
+    let mut ran = 0;
+    for &i in copies {
+        let [(da, doff, len), (sa, soff, _)] = places[i];
+        if !done[i] && len <= max_len && deps_done(steps, done, i) {
+            copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
+            done[i] = true;
+            ran += 1;
+        }
+    }
+    Ok(ran)
 }
 
 fn copy_region(
