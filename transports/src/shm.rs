@@ -178,6 +178,17 @@ fn ll_lines(len: usize) -> usize {
     1 + len.saturating_sub(LL_FIRST_DATA).div_ceil(LL_LINE_DATA)
 }
 
+/// Where line `line` of a low-latency message of `len` bytes starts in the message, and how
+/// many of its bytes it carries.
+fn ll_line_span(line: usize, len: usize) -> (usize, usize) {
+    let (start, room) = if line == 0 {
+        (0, LL_FIRST_DATA)
+    } else {
+        (LL_FIRST_DATA + (line - 1) * LL_LINE_DATA, LL_LINE_DATA)
+    };
+    (start, room.min(len - start))
+}
+
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`; returns how many were copied.
 fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Result<usize, Errno> {
     use nix::sys::uio::{process_vm_readv, RemoteIoVec};
@@ -844,12 +855,7 @@ impl ShmConnection {
         // The later lines first, so that the first line, which the receiver looks at first,
         // usually completes the message.
         for line in (0..ll_lines(data.len())).rev() {
-            let (start, room) = if line == 0 {
-                (0, LL_FIRST_DATA)
-            } else {
-                (LL_FIRST_DATA + (line - 1) * LL_LINE_DATA, LL_LINE_DATA)
-            };
-            let n = room.min(data.len() - start);
+            let (start, n) = ll_line_span(line, data.len());
             let at = slot + line * LL_LINE;
             // SAFETY: `at .. at + n` (n <= 56) lies inside slot `tx_ll % LL_SLOTS` of our outgoing
             // ring's control region in the validated mapping, before the line's flag word. The
@@ -907,14 +913,8 @@ impl ShmConnection {
         let m = &*self.own;
         let slot = Self::ll_slot(self.rx, self.rx_ll);
         let stage = words_as_bytes_mut(&mut self.ll_stage);
-        let mut done = 0;
         for line in 0..ll_lines(front.len) {
-            let room = if line == 0 {
-                LL_FIRST_DATA
-            } else {
-                LL_LINE_DATA
-            };
-            let n = room.min(front.len - done);
+            let (start, n) = ll_line_span(line, front.len);
             // SAFETY: `slot + line * LL_LINE .. + n` lies inside the incoming ring's slot, in our
             // own mapping; the line's flag, loaded with Acquire in `ll_front`, showed its bytes
             // were written, and the sender leaves the slot alone until we publish the consumed
@@ -922,11 +922,10 @@ impl ShmConnection {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     m.raw.as_ptr().add(slot + line * LL_LINE),
-                    stage[done..done + n].as_mut_ptr(),
+                    stage[start..start + n].as_mut_ptr(),
                     n,
                 );
             }
-            done += n;
         }
         self.ll_start = 0;
         self.ll_end = front.len;
@@ -937,11 +936,13 @@ impl ShmConnection {
 
     /// Lends the consumed low-latency message's remaining bytes.
     fn lend_ll(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> usize {
-        let n = (self.ll_end - self.ll_start).min(max);
-        let bytes = words_as_bytes(&self.ll_stage);
-        let used = consume(&bytes[self.ll_start..self.ll_start + n]).min(n);
-        self.ll_start += used;
-        used
+        lend_staged(
+            &self.ll_stage,
+            &mut self.ll_start,
+            self.ll_end,
+            max,
+            consume,
+        )
     }
 
     /// Continues or starts a write by reference; `None` when `data` goes through the ring.
@@ -1085,12 +1086,29 @@ impl ShmConnection {
             self.stage_start = 0;
             self.stage_end = got?;
         }
-        let n = (self.stage_end - self.stage_start).min(max);
-        let bytes = words_as_bytes(&self.stage);
-        let used = consume(&bytes[self.stage_start..self.stage_start + n]).min(n);
-        self.stage_start += used;
-        Ok(used)
+        Ok(lend_staged(
+            &self.stage,
+            &mut self.stage_start,
+            self.stage_end,
+            max,
+            consume,
+        ))
     }
+}
+
+/// Lends up to `max` of the staged bytes `start..end` of `words` to `consume` and advances
+/// `start` past what it used; returns that.
+fn lend_staged(
+    words: &[u64],
+    start: &mut usize,
+    end: usize,
+    max: usize,
+    consume: &mut dyn FnMut(&[u8]) -> usize,
+) -> usize {
+    let n = (end - *start).min(max);
+    let used = consume(&words_as_bytes(words)[*start..*start + n]).min(n);
+    *start += used;
+    used
 }
 
 fn words_as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
