@@ -108,10 +108,11 @@ fn child() {
     let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} not set"));
     let rank: usize = var("WEFT_TEST_RANK").parse().expect("rank");
     let size: usize = var("WEFT_TEST_SIZE").parse().expect("size");
-    let id = UniqueId {
-        addr: var("WEFT_TEST_ADDR"),
-        token: "weft-cuda-test".into(),
-    };
+    let addr = var("WEFT_TEST_ADDR");
+    // One token per run: the token names the shared-memory segments, and the tests run in
+    // parallel (a shared token made concurrent cases collide on an H100 machine).
+    let token = format!("weft-cuda-test-{}", addr.replace(['.', ':'], "-"));
+    let id = UniqueId { addr, token };
     let host = Communicator::init(rank, size, &id).expect("host communicator");
     let ndev = weftcc_cuda::device_count().expect("devices");
     let ctx = Context::new(rank % ndev).expect("context");
@@ -539,7 +540,13 @@ fn ipc_matrix_2_ranks() {
     if skip() {
         return;
     }
-    run_ranks("ipc-matrix", 2, &[]);
+    // 1 MiB slots, 4 deep (the defaults are 16 MiB × 2, which the 3- and 4-rank runs use):
+    // the largest case spans several slots in every type.
+    run_ranks(
+        "ipc-matrix",
+        2,
+        &[("WEFT_CUDA_SLOT_BYTES", "1M"), ("WEFT_CUDA_DEPTH", "4")],
+    );
 }
 
 #[test]
