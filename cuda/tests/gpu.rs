@@ -563,11 +563,16 @@ fn ipc_matrix_small_slots_deep_pipeline() {
     if skip() {
         return;
     }
-    // 4 KiB slots, 2 deep: many messages per operation, slots reused constantly.
+    // 4 KiB slots, 2 deep: many messages per operation, slots reused constantly; all-reduce
+    // always by the ring (the other runs use recursive doubling up to 4 MiB).
     run_ranks(
         "ipc-matrix",
         2,
-        &[("WEFT_CUDA_SLOT_BYTES", "4K"), ("WEFT_CUDA_DEPTH", "2")],
+        &[
+            ("WEFT_CUDA_SLOT_BYTES", "4K"),
+            ("WEFT_CUDA_DEPTH", "2"),
+            ("WEFT_CUDA_RD_MAX", "0"),
+        ],
     );
 }
 
