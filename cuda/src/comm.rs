@@ -26,14 +26,17 @@
 
 use crate::driver::check;
 use crate::error::{CudaError, Result};
-use crate::ipc::IpcPeers;
+use crate::group::{group_schedule, DeviceGroup};
+use crate::ipc::{BufferMap, IpcPeers};
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
-use weftcc_collectives::{schedule, Communicator, DataType, Element, OpKind, RawOp, ReduceOp};
+use weftcc_collectives::{
+    schedule, Combiner, Communicator, DataType, Element, OpKind, RawOp, ReduceOp,
+};
 
 /// How a device communicator moves data between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,18 +127,48 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 /// A device buffer argument, untyped: address and bytes.
 #[derive(Debug, Clone, Copy)]
-struct DevSpan {
-    ptr: u64,
-    bytes: usize,
+pub(crate) struct DevSpan {
+    pub(crate) ptr: u64,
+    pub(crate) bytes: usize,
+}
+
+/// What a staged job moves.
+enum Work {
+    Collective {
+        op: RawOp,
+        send: Option<DevSpan>,
+        recv: DevSpan,
+    },
+    /// Grouped sends and receives (peer, buffer), each staged end to end.
+    Group {
+        sends: Vec<(usize, DevSpan)>,
+        recvs: Vec<(usize, DevSpan)>,
+    },
+}
+
+impl Work {
+    fn kind(&self) -> OpKind {
+        match self {
+            Work::Collective { op, .. } => op.kind,
+            Work::Group { .. } => OpKind::SendRecv,
+        }
+    }
+
+    /// Bytes of pinned input and output staging the job needs.
+    fn staged_bytes(&self) -> (usize, usize) {
+        let total = |v: &[(usize, DevSpan)]| v.iter().map(|(_, s)| s.bytes).sum();
+        match self {
+            Work::Collective { send, recv, .. } => (send.map_or(0, |s| s.bytes), recv.bytes),
+            Work::Group { sends, recvs } => (total(sends), total(recvs)),
+        }
+    }
 }
 
 /// One staged operation for the proxy thread.
 struct Job {
     seq: u64,
     ticket: u32,
-    op: RawOp,
-    send: Option<DevSpan>,
-    recv: DevSpan,
+    work: Work,
     /// Recorded on the caller's stream: the inputs are ready once it has completed.
     ready: Event,
     done: Arc<(Mutex<Option<Result<()>>>, Condvar)>,
@@ -387,7 +420,7 @@ impl DeviceComm {
         self.host.abort();
     }
 
-    fn invalid(&self, op: OpKind, reason: String) -> CudaError {
+    pub(crate) fn invalid(&self, op: OpKind, reason: String) -> CudaError {
         CudaError::InvalidArgument {
             rank: self.rank,
             op,
@@ -395,7 +428,7 @@ impl DeviceComm {
         }
     }
 
-    fn span<T: Element>(&self, op: OpKind, b: &DeviceBuffer<T>) -> Result<DevSpan> {
+    pub(crate) fn span<T: Element>(&self, op: OpKind, b: &DeviceBuffer<T>) -> Result<DevSpan> {
         if b.context().ordinal() != self.ctx.ordinal() {
             return Err(self.invalid(
                 op,
@@ -459,27 +492,120 @@ impl DeviceComm {
         self.last_op.store(call.kind as u8, Ordering::Relaxed);
         let r = match self.transport {
             Transport::Ipc => self.enqueue_ipc(&call, send, recv, &plan, stream),
-            Transport::Staged => self.enqueue_staged(seq, call, send, recv, stream),
-        };
-        r.map_err(|e| {
-            let e = match e {
-                e @ (CudaError::InvalidArgument { .. } | CudaError::Poisoned { .. }) => e,
-                other => CudaError::Collective {
-                    rank: self.rank,
-                    op: call.kind,
-                    seq,
-                    detail: other.to_string(),
+            Transport::Staged => self.enqueue_staged(
+                seq,
+                Work::Collective {
+                    op: call,
+                    send,
+                    recv,
                 },
-            };
-            if !matches!(e, CudaError::InvalidArgument { .. }) {
-                self.shared.poison(&e);
-                if let Some(ipc) = &self.ipc {
-                    let g = ipc.lock().unwrap_or_else(|p| p.into_inner());
-                    let _ = g.release_all();
-                }
+                stream,
+            ),
+        };
+        r.map_err(|e| self.failed(call.kind, seq, e))
+    }
+
+    /// Names the operation in an enqueue failure and, unless the arguments were wrong (nothing
+    /// was enqueued), poisons the communicator and releases every GPU wait of ours.
+    fn failed(&self, kind: OpKind, seq: u64, e: CudaError) -> CudaError {
+        let e = match e {
+            e @ (CudaError::InvalidArgument { .. } | CudaError::Poisoned { .. }) => e,
+            other => CudaError::Collective {
+                rank: self.rank,
+                op: kind,
+                seq,
+                detail: other.to_string(),
+            },
+        };
+        if !matches!(e, CudaError::InvalidArgument { .. }) {
+            self.shared.poison(&e);
+            if let Some(ipc) = &self.ipc {
+                let g = ipc.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = g.release_all();
             }
-            e
-        })
+        }
+        e
+    }
+
+    /// Starts a group of sends and receives on device buffers, enqueued together by
+    /// [`DeviceGroup::run`] (NCCL's `ncclGroupStart`/`ncclSend`/`ncclRecv`/`ncclGroupEnd`).
+    pub fn group(&self) -> DeviceGroup<'_> {
+        DeviceGroup::new(self)
+    }
+
+    /// Sends `buf` to `peer`, which must enqueue a matching [`DeviceComm::recv`] of the same
+    /// size. Enqueued on `stream` like a collective.
+    pub fn send<T: Element>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.group().send(buf, peer).run(stream)
+    }
+
+    /// Receives into `buf` from `peer` (enqueued on `stream`).
+    pub fn recv<T: Element>(
+        &self,
+        buf: &mut DeviceBuffer<T>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.group().recv(buf, peer).run(stream)
+    }
+
+    /// Enqueues a group's sends and receives (checked here, as the host communicator does).
+    pub(crate) fn enqueue_group(
+        &self,
+        sends: Vec<(usize, DevSpan)>,
+        recvs: Vec<(usize, DevSpan)>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let kind = OpKind::SendRecv;
+        self.shared.check()?;
+        if stream.context().ordinal() != self.ctx.ordinal() {
+            return Err(self.invalid(kind, "stream of another device".into()));
+        }
+        for &(peer, _) in sends.iter().chain(recvs.iter()) {
+            if peer >= self.size {
+                return Err(self.invalid(
+                    kind,
+                    format!("peer {peer} is out of range for {} ranks", self.size),
+                ));
+            }
+            if peer == self.rank {
+                return Err(self.invalid(
+                    kind,
+                    format!("rank {peer} cannot send to or receive from itself"),
+                ));
+            }
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.last_op.store(kind as u8, Ordering::Relaxed);
+        let r = match self.transport {
+            Transport::Ipc => self.enqueue_group_ipc(&sends, &recvs, stream),
+            Transport::Staged => self.enqueue_staged(seq, Work::Group { sends, recvs }, stream),
+        };
+        r.map_err(|e| self.failed(kind, seq, e))
+    }
+
+    fn enqueue_group_ipc(
+        &self,
+        sends: &[(usize, DevSpan)],
+        recvs: &[(usize, DevSpan)],
+        stream: &Stream,
+    ) -> Result<()> {
+        let mut ipc = self
+            .ipc
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+            .ok_or_else(|| CudaError::Other("IPC transport without IPC state".into()))?;
+        let (sched, bufs) = group_schedule(sends, recvs, ipc.slot_bytes);
+        if sched.steps.is_empty() {
+            return Ok(());
+        }
+        ipc.after_previous(stream)?;
+        ipc.enqueue(&sched, DataType::Uint8, Combiner::Sum, &bufs, stream)
     }
 
     fn enqueue_ipc(
@@ -537,8 +663,7 @@ impl DeviceComm {
             &sched,
             call.dtype,
             call.op.combiner(),
-            input,
-            output,
+            &BufferMap::pair(input, output),
             stream,
         )?;
         // Avg: divide the reduced result once.
@@ -552,14 +677,7 @@ impl DeviceComm {
         Ok(())
     }
 
-    fn enqueue_staged(
-        &self,
-        seq: u64,
-        call: RawOp,
-        send: Option<DevSpan>,
-        recv: DevSpan,
-        stream: &Stream,
-    ) -> Result<()> {
+    fn enqueue_staged(&self, seq: u64, work: Work, stream: &Stream) -> Result<()> {
         let proxy = self
             .proxy
             .as_ref()
@@ -586,9 +704,7 @@ impl DeviceComm {
         let job = Job {
             seq,
             ticket,
-            op: call,
-            send,
-            recv,
+            work,
             ready,
             done: done.clone(),
         };
@@ -754,7 +870,7 @@ fn proxy_loop(
             e @ CudaError::Poisoned { .. } => e,
             other => CudaError::Collective {
                 rank: host.rank(),
-                op: job.op.kind,
+                op: job.work.kind(),
                 seq: job.seq,
                 detail: other.to_string(),
             },
@@ -821,47 +937,85 @@ fn run_staged(
         Some(s) => s,
         None => staging.insert(Staging::new(ctx)?),
     };
-    let send_bytes = job.send.map_or(0, |s| s.bytes);
-    staging.reserve(ctx, send_bytes, job.recv.bytes)?;
-    let Staging {
-        input: sin,
-        output: sout,
-        ..
-    } = staging;
+    let (in_bytes, out_bytes) = job.work.staged_bytes();
+    staging.reserve(ctx, in_bytes, out_bytes)?;
+    let Staging { input, output, .. } = staging;
+    let input = &mut input.as_mut_slice()[..in_bytes];
+    let output = &mut output.as_mut_slice()[..out_bytes];
     ctx.bind()?;
-    let d2h = |dst: &mut PinnedBuffer, src: DevSpan| -> Result<()> {
-        if src.bytes == 0 {
-            return Ok(());
+    match &job.work {
+        Work::Collective { op, send, recv } => {
+            match send {
+                Some(s) => copy_to_host(input, *s, stream)?,
+                None => copy_to_host(output, *recv, stream)?,
+            }
+            stream.synchronize(timeout)?;
+            match send {
+                Some(_) => host.execute_raw(*op, Some(input), output)?,
+                None => host.execute_raw(*op, None, output)?,
+            }
+            if !(op.kind == OpKind::Reduce && op.root != host.rank()) {
+                copy_to_device(*recv, output, stream)?;
+            }
         }
-        // SAFETY: `dst` holds at least src.bytes (grown above); `src` is valid device memory
-        // per the enqueue contract; completion is awaited below before the bytes are used.
-        check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.host_ptr().cast(), src.ptr, src.bytes, stream.as_raw())
-        })
-    };
-    match job.send {
-        Some(s) => d2h(sin, s)?,
-        None => d2h(sout, job.recv)?,
-    }
-    stream.synchronize(timeout)?;
-    let recv = &mut sout.as_mut_slice()[..job.recv.bytes];
-    match job.send {
-        Some(s) => host.execute_raw(job.op, Some(&sin.as_slice()[..s.bytes]), recv)?,
-        None => host.execute_raw(job.op, None, recv)?,
-    }
-    let untouched = job.op.kind == OpKind::Reduce && job.op.root != host.rank();
-    if !untouched && job.recv.bytes > 0 {
-        // SAFETY: as above, host to device; `sout` outlives the synchronize below.
-        check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                job.recv.ptr,
-                sout.host_ptr().cast(),
-                job.recv.bytes,
-                stream.as_raw(),
-            )
-        })?;
+        Work::Group { sends, recvs } => {
+            let mut at = 0;
+            for (_, s) in sends {
+                copy_to_host(&mut input[at..], *s, stream)?;
+                at += s.bytes;
+            }
+            stream.synchronize(timeout)?;
+            let mut group = host.group();
+            let mut rest: &[u8] = input;
+            for (peer, s) in sends {
+                let (head, tail) = rest.split_at(s.bytes);
+                group = group.send(head, *peer);
+                rest = tail;
+            }
+            let mut rest: &mut [u8] = &mut *output;
+            for (peer, r) in recvs {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.bytes);
+                group = group.recv(head, *peer);
+                rest = tail;
+            }
+            group.run()?;
+            let mut at = 0;
+            for (_, r) in recvs {
+                copy_to_device(*r, &output[at..], stream)?;
+                at += r.bytes;
+            }
+        }
     }
     stream.synchronize(timeout)
+}
+
+/// Enqueues a copy of device memory `src` into the start of `dst` (pinned host memory).
+fn copy_to_host(dst: &mut [u8], src: DevSpan, stream: &Stream) -> Result<()> {
+    if src.bytes == 0 {
+        return Ok(());
+    }
+    if dst.len() < src.bytes {
+        return Err(CudaError::Other("staging buffer too small".into()));
+    }
+    // SAFETY: `dst` is pinned host memory of at least src.bytes (checked) that the caller keeps
+    // until it has synchronised `stream`; `src` is device memory valid per the enqueue contract.
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src.ptr, src.bytes, stream.as_raw())
+    })
+}
+
+/// Enqueues a copy of the start of `src` (pinned host memory) into device memory `dst`.
+fn copy_to_device(dst: DevSpan, src: &[u8], stream: &Stream) -> Result<()> {
+    if dst.bytes == 0 {
+        return Ok(());
+    }
+    if src.len() < dst.bytes {
+        return Err(CudaError::Other("staging buffer too small".into()));
+    }
+    // SAFETY: as in copy_to_host, in the other direction.
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr().cast(), dst.bytes, stream.as_raw())
+    })
 }
 
 impl Drop for DeviceComm {

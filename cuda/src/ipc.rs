@@ -43,6 +43,62 @@ enum Lane {
     Local,
 }
 
+/// Where a schedule's `Input` and `Output` live: each is a list of device buffers laid end to
+/// end in element offsets (one buffer for a collective; one per send or receive of a group).
+/// A region never straddles two buffers (schedules slice within a buffer).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BufferMap {
+    /// (first element, device address) of every non-empty buffer, by increasing first element.
+    inputs: Vec<(usize, u64)>,
+    outputs: Vec<(usize, u64)>,
+    input_end: usize,
+    output_end: usize,
+}
+
+impl BufferMap {
+    /// One input and one output buffer.
+    pub(crate) fn pair(input: u64, output: u64) -> BufferMap {
+        BufferMap {
+            inputs: vec![(0, input)],
+            outputs: vec![(0, output)],
+            input_end: usize::MAX,
+            output_end: usize::MAX,
+        }
+    }
+
+    /// Appends an input buffer of `len` elements at `ptr`; returns its first element.
+    pub(crate) fn push_input(&mut self, ptr: u64, len: usize) -> usize {
+        Self::push(&mut self.inputs, &mut self.input_end, ptr, len)
+    }
+
+    /// Appends an output buffer of `len` elements at `ptr`; returns its first element.
+    pub(crate) fn push_output(&mut self, ptr: u64, len: usize) -> usize {
+        Self::push(&mut self.outputs, &mut self.output_end, ptr, len)
+    }
+
+    fn push(list: &mut Vec<(usize, u64)>, end: &mut usize, ptr: u64, len: usize) -> usize {
+        let start = *end;
+        if len > 0 {
+            list.push((start, ptr));
+        }
+        *end = start.saturating_add(len);
+        start
+    }
+
+    /// Address of element `offset` of `buf` (`Scratch` resolves to `scratch`).
+    pub(crate) fn address(&self, buf: BufId, offset: usize, es: u64, scratch: u64) -> u64 {
+        let list = match buf {
+            BufId::Input => &self.inputs,
+            BufId::Output => &self.outputs,
+            BufId::Scratch => return scratch + offset as u64 * es,
+        };
+        // The last buffer starting at or before `offset` holds it.
+        let i = list.partition_point(|&(start, _)| start <= offset).max(1) - 1;
+        let (start, ptr) = list.get(i).copied().unwrap_or((0, 0));
+        ptr + offset.saturating_sub(start) as u64 * es
+    }
+}
+
 /// IPC state of one device communicator.
 pub(crate) struct IpcPeers {
     ctx: Context,
@@ -263,14 +319,12 @@ impl IpcPeers {
     }
 
     /// Enqueues `sched` after the work already on `user`, and makes `user` wait for it.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn enqueue(
         &mut self,
         sched: &Schedule,
         dtype: DataType,
         comb: Combiner,
-        input: u64,
-        output: u64,
+        bufs: &BufferMap,
         user: &Stream,
     ) -> Result<()> {
         sched
@@ -284,14 +338,7 @@ impl IpcPeers {
             &mut self.retired,
             scratch_bytes,
         )?;
-        let addr = |r: &Region| -> u64 {
-            let base = match r.buf {
-                BufId::Input => input,
-                BufId::Output => output,
-                BufId::Scratch => scratch,
-            };
-            base + r.offset as u64 * es
-        };
+        let addr = |r: &Region| -> u64 { bufs.address(r.buf, r.offset, es, scratch) };
         let lane_of = |a: &Action| match *a {
             Action::Send { peer, .. } => Lane::Send(peer),
             Action::RecvCopy { peer, .. } | Action::RecvReduce { peer, .. } => Lane::Recv(peer),

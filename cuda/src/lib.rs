@@ -10,6 +10,7 @@
 //! * [`DeviceComm`]: collectives on device buffers, enqueued on the caller's stream with NCCL's
 //!   semantics, over CUDA IPC between ranks of one host or staged through pinned host memory
 //!   into the host communicator otherwise.
+//! * [`DeviceGroup`]: sends and receives on device buffers, grouped like NCCL's.
 //!
 //! The crate is built with cudarc's `dynamic-loading`: it builds and its tests pass (skipping
 //! the GPU parts) on machines without CUDA.
@@ -17,6 +18,7 @@
 pub mod comm;
 pub mod driver;
 pub mod error;
+pub mod group;
 pub mod ipc;
 pub mod kernels;
 pub mod memory;
@@ -27,5 +29,6 @@ pub use driver::{
     p2p_report, DeviceInfo, P2pLink,
 };
 pub use error::{CudaError, Result};
+pub use group::DeviceGroup;
 pub use ipc::{IpcHandle, IpcMapping};
 pub use memory::{Context, DeviceBuffer, Event, MemoryKind, PinnedBuffer, Stream};

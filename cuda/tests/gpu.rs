@@ -132,6 +132,7 @@ fn child() {
             matrix(&comm, &ctx, &stream, false);
         }
         "stream-order" => stream_order(&comm, &ctx, &stream),
+        "p2p" => p2p(&comm, &ctx, &stream),
         other => panic!("unknown case {other}"),
     }
     comm.host().barrier().expect("final barrier");
@@ -458,6 +459,85 @@ fn stream_order(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
     }
 }
 
+/// Distinct values for (rank, message, element).
+fn p2p_values(rank: usize, msg: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| (rank * 1_000_003 + msg * 7_919 + i) as u32)
+        .collect()
+}
+
+/// Send/recv on device buffers: a ring shift in one group (two messages to the same peer, kept
+/// in order), from empty to larger than a peer's inbox (the send lane waits for the receiver
+/// while the receive lane runs); single `send`/`recv` calls of `f64` between ranks 0 and 1; and
+/// the in-place form.
+fn p2p(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
+    let (n, me) = (comm.size(), comm.rank());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    for len in [0usize, 1, 1037, (40 << 20) / 4 + 3] {
+        let short = len / 2 + 1;
+        let a = ctx.upload(&p2p_values(me, 1, len)).expect("upload");
+        let b = ctx.upload(&p2p_values(me, 2, short)).expect("upload");
+        let mut ra = ctx.alloc::<u32>(len).expect("alloc");
+        let mut rb = ctx.alloc::<u32>(short).expect("alloc");
+        comm.group()
+            .send(&a, next)
+            .send(&b, next)
+            .recv(&mut ra, prev)
+            .recv(&mut rb, prev)
+            .run(stream)
+            .expect("enqueue the group");
+        comm.synchronize(stream).expect("synchronize");
+        if len > 0 {
+            let got = ra.to_vec().expect("download");
+            assert!(
+                got == p2p_values(prev, 1, len),
+                "rank {me}: first message of {len} elements from {prev} differs"
+            );
+        }
+        let got = rb.to_vec().expect("download");
+        assert!(
+            got == p2p_values(prev, 2, short),
+            "rank {me}: second message of {short} elements from {prev} differs"
+        );
+    }
+    if me < 2 {
+        let x: Vec<f64> = (0..3000).map(|i| i as f64 * 0.5 - 7.0).collect();
+        if me == 0 {
+            let buf = ctx.upload(&x).expect("upload");
+            comm.send(&buf, 1, stream).expect("send");
+            comm.synchronize(stream).expect("synchronize");
+        } else {
+            let mut buf = ctx.alloc::<f64>(x.len()).expect("alloc");
+            comm.recv(&mut buf, 0, stream).expect("recv");
+            comm.synchronize(stream).expect("synchronize");
+            assert_eq!(
+                buf.to_vec().expect("download"),
+                x,
+                "rank 1: f64 from rank 0"
+            );
+        }
+    }
+    // In place: send the first half, receive the peer's first half into the second.
+    let half = 5000;
+    let mut v = p2p_values(me, 3, half);
+    v.extend(std::iter::repeat_n(u32::MAX, half));
+    let mut buf = ctx.upload(&v).expect("upload");
+    comm.group()
+        .send_recv_parts(&mut buf, 0..half, next, half..2 * half, prev)
+        .run(stream)
+        .expect("enqueue the in-place group");
+    comm.synchronize(stream).expect("synchronize");
+    let got = buf.to_vec().expect("download");
+    assert!(
+        got[..half] == p2p_values(me, 3, half)[..],
+        "rank {me}: sent half changed"
+    );
+    assert!(
+        got[half..] == p2p_values(prev, 3, half)[..],
+        "rank {me}: received half from {prev} differs"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The tests.
 
@@ -574,6 +654,17 @@ fn ipc_matrix_small_slots_deep_pipeline() {
             ("WEFT_CUDA_RD_MAX", "0"),
         ],
     );
+}
+
+#[test]
+fn send_recv_ipc_and_staged() {
+    if skip() {
+        return;
+    }
+    run_ranks("p2p", 2, &[]);
+    run_ranks("p2p", 3, &[]);
+    run_ranks("p2p", 2, &[("WEFT_CUDA_SLOT_BYTES", "1M")]);
+    run_ranks("p2p", 3, &[("WEFT_CUDA_IPC", "0")]);
 }
 
 #[test]

@@ -19,10 +19,6 @@ pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i3
         super::say(&format!("--device cuda: {e}"));
         return 1;
     }
-    if opts.collective == Collective::SendRecv {
-        super::say("--device cuda: sendrecv is not available on device buffers yet");
-        return 2;
-    }
     if !super::started_by_launcher() {
         let np = args.np as usize;
         if let Err(e) = super::check_ranks(opts, np) {
@@ -158,7 +154,13 @@ fn run_oop<T: Num>(
         Collective::AllGather => c.all_gather(send, recv, s),
         Collective::ReduceScatter => c.reduce_scatter(send, recv, op, s),
         Collective::AllToAll => c.all_to_all(send, recv, s),
-        Collective::SendRecv => Err(CudaError::Other("sendrecv on device buffers".into())),
+        Collective::SendRecv => {
+            let (me, n) = (c.rank(), c.size());
+            c.group()
+                .send(send, (me + 1) % n)
+                .recv(recv, (me + n - 1) % n)
+                .run(s)
+        }
     }
 }
 
@@ -178,7 +180,14 @@ fn run_ip<T: Num>(
         Collective::AllGather => c.all_gather_in_place(buf, s),
         Collective::ReduceScatter => c.reduce_scatter_in_place(buf, op, s),
         Collective::AllToAll => c.all_to_all_in_place(buf, s),
-        Collective::SendRecv => Err(CudaError::Other("sendrecv on device buffers".into())),
+        Collective::SendRecv => {
+            // As on the host: send the first half of the buffer, receive into the second.
+            let (me, n, half) = (c.rank(), c.size(), buf.len() / 2);
+            let len = buf.len();
+            c.group()
+                .send_recv_parts(buf, 0..half, (me + 1) % n, half..len, (me + n - 1) % n)
+                .run(s)
+        }
     }
 }
 
