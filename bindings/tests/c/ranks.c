@@ -1,0 +1,226 @@
+/* One rank of the C ABI test (started by tests/c_abi.rs).
+ *
+ *   ranks id              prints a new unique id, then runs as rank 0 of NRANKS (env)
+ *   ranks RANK NRANKS ID  runs as rank RANK
+ *
+ * Every collective is checked against values computed here; each failure prints the rank and
+ * the check and makes the exit status non-zero. */
+#include "weftcc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+static int me = -1;
+
+#define CHECK(cond, ...)                                              \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      fprintf(stderr, "rank %d: line %d: ", me, __LINE__);            \
+      fprintf(stderr, __VA_ARGS__);                                   \
+      fprintf(stderr, "\n");                                          \
+      failures++;                                                     \
+    }                                                                 \
+  } while (0)
+
+#define OK(call)                                                                    \
+  do {                                                                              \
+    weftResult_t r_ = (call);                                                       \
+    if (r_ != weftSuccess) {                                                        \
+      fprintf(stderr, "rank %d: line %d: %s -> %d (%s): %s\n", me, __LINE__, #call, \
+              r_, weftGetErrorString(r_), weftGetLastError(NULL));                  \
+      exit(2);                                                                      \
+    }                                                                               \
+  } while (0)
+
+/* Rank r's element i: small integers, exact in every type and every reduction. */
+static double value(int r, size_t i) { return (double)((r + 1) * 2 + (int)(i % 5)); }
+
+static void all_reduce(weftComm_t comm, int n, size_t count) {
+  float *send = malloc((count + 1) * sizeof(float));
+  float *recv = malloc((count + 1) * sizeof(float));
+  int64_t *buf = malloc((count + 1) * sizeof(int64_t));
+  for (size_t i = 0; i < count; i++) {
+    send[i] = (float)value(me, i);
+    recv[i] = -1.0f;
+    buf[i] = (int64_t)value(me, i);
+  }
+  OK(weftAllReduce(send, recv, count, weftFloat32, weftSum, comm));
+  OK(weftAllReduce(buf, buf, count, weftInt64, weftMax, comm)); /* in place */
+  for (size_t i = 0; i < count; i++) {
+    double sum = 0, max = 0;
+    for (int r = 0; r < n; r++) {
+      sum += value(r, i);
+      if (value(r, i) > max) max = value(r, i);
+    }
+    CHECK(recv[i] == (float)sum, "all-reduce sum[%zu] = %g, want %g", i, recv[i], sum);
+    CHECK(buf[i] == (int64_t)max, "in-place all-reduce max[%zu] = %lld, want %g", i,
+          (long long)buf[i], max);
+  }
+  free(send);
+  free(recv);
+  free(buf);
+}
+
+static void rooted(weftComm_t comm, int n) {
+  const size_t count = 1037;
+  int root = n - 1;
+  double *data = malloc(count * sizeof(double));
+  double *out = malloc(count * sizeof(double));
+  for (size_t i = 0; i < count; i++) {
+    data[i] = value(me, i);
+    out[i] = -1;
+  }
+  /* Only the root's send buffer is read: the others pass NULL, as NCCL allows. */
+  OK(weftBroadcast(me == root ? data : NULL, out, count, weftFloat64, root, comm));
+  for (size_t i = 0; i < count; i++)
+    CHECK(out[i] == value(root, i), "broadcast[%zu] = %g", i, out[i]);
+  /* Only the root's receive buffer is written: the others pass NULL. */
+  int32_t *in = malloc(count * sizeof(int32_t));
+  int32_t *red = malloc(count * sizeof(int32_t));
+  for (size_t i = 0; i < count; i++) {
+    in[i] = (int32_t)value(me, i);
+    red[i] = -1;
+  }
+  OK(weftReduce(in, me == 0 ? red : NULL, count, weftInt32, weftProd, 0, comm));
+  if (me == 0)
+    for (size_t i = 0; i < count; i++) {
+      double p = 1;
+      for (int r = 0; r < n; r++) p *= value(r, i);
+      CHECK(red[i] == (int32_t)p, "reduce prod[%zu] = %d, want %g", i, red[i], p);
+    }
+  free(data);
+  free(out);
+  free(in);
+  free(red);
+}
+
+static void gather_scatter(weftComm_t comm, int n) {
+  const size_t count = 7;
+  uint8_t mine[7];
+  uint8_t *all = malloc(n * count);
+  for (size_t i = 0; i < count; i++) mine[i] = (uint8_t)value(me, i);
+  OK(weftAllGather(mine, all, count, weftUint8, comm));
+  for (int r = 0; r < n; r++)
+    for (size_t i = 0; i < count; i++)
+      CHECK(all[r * count + i] == (uint8_t)value(r, i), "all-gather[%d][%zu]", r, i);
+  /* In place: this rank's block already sits at its place in the output. */
+  memset(all, 0, n * count);
+  memcpy(all + me * count, mine, count);
+  OK(weftAllGather(all + me * count, all, count, weftUint8, comm));
+  for (int r = 0; r < n; r++)
+    for (size_t i = 0; i < count; i++)
+      CHECK(all[r * count + i] == (uint8_t)value(r, i), "in-place all-gather[%d][%zu]", r, i);
+
+  int32_t *send = malloc(n * count * sizeof(int32_t));
+  int32_t recv[7];
+  for (size_t j = 0; j < n * count; j++) send[j] = (int32_t)value(me, j);
+  OK(weftReduceScatter(send, recv, count, weftInt32, weftSum, comm));
+  for (size_t i = 0; i < count; i++) {
+    double sum = 0;
+    for (int r = 0; r < n; r++) sum += value(r, me * count + i);
+    CHECK(recv[i] == (int32_t)sum, "reduce-scatter[%zu] = %d, want %g", i, recv[i], sum);
+  }
+  /* In place: the result lands in this rank's block of the send buffer. */
+  OK(weftReduceScatter(send, send + me * count, count, weftInt32, weftMin, comm));
+  for (size_t i = 0; i < count; i++) {
+    double min = 1e9;
+    for (int r = 0; r < n; r++)
+      if (value(r, me * count + i) < min) min = value(r, me * count + i);
+    CHECK(send[me * count + i] == (int32_t)min, "in-place reduce-scatter min[%zu]", i);
+  }
+
+  uint64_t *a2a = malloc(n * count * sizeof(uint64_t));
+  uint64_t *got = malloc(n * count * sizeof(uint64_t));
+  for (int p = 0; p < n; p++)
+    for (size_t i = 0; i < count; i++) a2a[p * count + i] = (uint64_t)(me * 1000 + p * 10 + i);
+  OK(weftAllToAll(a2a, got, count, weftUint64, comm));
+  for (int p = 0; p < n; p++)
+    for (size_t i = 0; i < count; i++)
+      CHECK(got[p * count + i] == (uint64_t)(p * 1000 + me * 10 + i), "all-to-all[%d][%zu]", p, i);
+  free(all);
+  free(send);
+  free(a2a);
+  free(got);
+}
+
+static void point_to_point(weftComm_t comm, int n) {
+  const size_t count = 100000;
+  int next = (me + 1) % n, prev = (me + n - 1) % n;
+  int8_t *out = malloc(count), *in = malloc(count);
+  for (size_t i = 0; i < count; i++) {
+    out[i] = (int8_t)(me * 7 + i);
+    in[i] = 0;
+  }
+  /* A ring shift: every rank sends and receives, so the calls must run as one group. */
+  OK(weftGroupStart());
+  OK(weftSend(out, count, weftInt8, next, comm));
+  OK(weftRecv(in, count, weftInt8, prev, comm));
+  OK(weftGroupEnd());
+  for (size_t i = 0; i < count; i++)
+    CHECK(in[i] == (int8_t)(prev * 7 + i), "ring shift[%zu] = %d", i, in[i]);
+  free(out);
+  free(in);
+}
+
+/* Bad calls return weftInvalidArgument (or InvalidUsage) with a message, and leave the
+ * communicator usable. */
+static void errors(weftComm_t comm, int n) {
+  float x[4] = {1, 2, 3, 4}, y[4];
+  CHECK(weftAllReduce(x, y, 4, weftFloat32, weftSum, NULL) == weftInvalidArgument, "null comm");
+  CHECK(weftAllReduce(x, y, 4, 42, weftSum, comm) == weftInvalidArgument, "bad type");
+  CHECK(strstr(weftGetLastError(comm), "data type 42") != NULL, "message: %s",
+        weftGetLastError(comm));
+  CHECK(weftAllReduce(x, y, 4, weftFloat32, 17, comm) == weftInvalidArgument, "bad op");
+  CHECK(weftAllReduce(x, x + 1, 3, weftFloat32, weftSum, comm) == weftInvalidArgument,
+        "overlapping buffers");
+  CHECK(weftBroadcast(x, y, 4, weftFloat32, n, comm) == weftInvalidArgument, "root out of range");
+  CHECK(strstr(weftGetLastError(comm), "root") != NULL, "message: %s", weftGetLastError(comm));
+  CHECK(weftAllReduce(NULL, y, 4, weftFloat32, weftSum, comm) == weftInvalidArgument, "null buf");
+  CHECK(weftSend(x, 4, weftFloat32, me, comm) == weftInvalidArgument, "send to self");
+  CHECK(weftGroupEnd() == weftInvalidUsage, "group end without start");
+  CHECK(weftGetErrorString(weftTimeout) != NULL && weftGetErrorString(12345) != NULL,
+        "error strings");
+  int count = 0, rank = -1;
+  OK(weftCommCount(comm, &count));
+  OK(weftCommUserRank(comm, &rank));
+  CHECK(count == n && rank == me, "count %d rank %d", count, rank);
+  weftResult_t async = weftInternalError;
+  OK(weftCommGetAsyncError(comm, &async));
+  CHECK(async == weftSuccess, "async error %d after argument errors", async);
+  OK(weftBarrier(comm)); /* still usable */
+}
+
+int main(int argc, char **argv) {
+  weftUniqueId id;
+  int n;
+  if (argc == 2 && strcmp(argv[1], "id") == 0) {
+    const char *env = getenv("NRANKS");
+    n = env ? atoi(env) : 2;
+    me = 0;
+    OK(weftGetUniqueId(&id));
+    printf("%s\n", id.internal);
+    fflush(stdout);
+  } else if (argc == 4) {
+    me = atoi(argv[1]);
+    n = atoi(argv[2]);
+    memset(&id, 0, sizeof id);
+    strncpy(id.internal, argv[3], sizeof id.internal - 1);
+  } else {
+    fprintf(stderr, "usage: ranks id | ranks RANK NRANKS ID\n");
+    return 2;
+  }
+  weftComm_t comm = NULL;
+  OK(weftCommInitRank(&comm, n, id, me));
+  all_reduce(comm, n, 0);
+  all_reduce(comm, n, 1);
+  all_reduce(comm, n, 1037);
+  rooted(comm, n);
+  gather_scatter(comm, n);
+  if (n > 1) point_to_point(comm, n); /* a rank cannot send to itself */
+  errors(comm, n);
+  OK(weftCommDestroy(comm));
+  if (failures == 0) fprintf(stderr, "rank %d: ok\n", me);
+  return failures == 0 ? 0 : 1;
+}

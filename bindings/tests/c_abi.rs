@@ -1,0 +1,122 @@
+//! The C ABI as C programs use it: `tests/c/ranks.c` is compiled against `include/weftcc.h`
+//! and linked with `libweftcc.so`, then run as 1, 2, 3 and 4 rank processes. Rank 0 makes the
+//! unique id and prints it; the test hands it to the other ranks on their command line (the
+//! "share it by your own means" step of NCCL programs).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The directory holding libweftcc.so: the profile directory above this test's `deps/`.
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+/// Compiles the C test program, or None (after saying why) when there is no C compiler.
+fn build() -> Option<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let libs = lib_dir();
+    let lib = libs.join("libweftcc.so");
+    assert!(
+        lib.exists(),
+        "{} missing: build the crate first (cargo builds it for this test)",
+        lib.display()
+    );
+    let out = std::env::temp_dir().join(format!("weftcc-c-abi-{}", std::process::id()));
+    let status = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
+        .arg(dir.join("include"))
+        .arg(dir.join("tests/c/ranks.c"))
+        .arg("-o")
+        .arg(&out)
+        .arg("-L")
+        .arg(&libs)
+        .arg(format!("-Wl,-rpath,{}", libs.display()))
+        .arg("-lweftcc")
+        .status();
+    match status {
+        Ok(s) => {
+            assert!(s.success(), "the C test program does not compile or link");
+            Some(out)
+        }
+        Err(e) => {
+            println!("skipped: no C compiler ({e})");
+            None
+        }
+    }
+}
+
+fn wait(mut kids: Vec<(usize, Child)>, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut failed = Vec::new();
+    for (r, kid) in &mut kids {
+        loop {
+            match kid.try_wait().expect("wait") {
+                Some(status) => {
+                    if !status.success() {
+                        failed.push(*r);
+                    }
+                    break;
+                }
+                None if Instant::now() > deadline => {
+                    let _ = kid.kill();
+                    failed.push(*r);
+                    break;
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+    let mut report = String::new();
+    for (r, kid) in kids {
+        let out = kid.wait_with_output().expect("output");
+        report += &format!("--- rank {r}\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(
+        failed.is_empty(),
+        "{n} ranks: ranks {failed:?} failed\n{report}"
+    );
+}
+
+fn run(exe: &Path, n: usize) {
+    let mut root = Command::new(exe)
+        .arg("id")
+        .env("NRANKS", n.to_string())
+        .env("WEFT_TIMEOUT", "60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start rank 0");
+    let mut line = String::new();
+    BufReader::new(root.stdout.take().expect("rank 0 stdout"))
+        .read_line(&mut line)
+        .expect("rank 0 prints the unique id");
+    let id = line.trim().to_string();
+    assert!(id.starts_with("weft1@"), "rank 0 printed {id:?}");
+    let mut kids = vec![(0, root)];
+    for r in 1..n {
+        let kid = Command::new(exe)
+            .args([r.to_string(), n.to_string(), id.clone()])
+            .env("WEFT_TIMEOUT", "60")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a rank");
+        kids.push((r, kid));
+    }
+    wait(kids, n);
+}
+
+#[test]
+fn c_programs_run_every_collective_on_1_to_4_ranks() {
+    let Some(exe) = build() else { return };
+    for n in 1..=4 {
+        run(&exe, n);
+    }
+    let _ = std::fs::remove_file(exe);
+}
