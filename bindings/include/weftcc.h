@@ -167,8 +167,8 @@ weftResult_t weftAllReduce(const void *sendbuff,
                            weftRedOp_t op,
                            weftComm_t comm);
 
-// Broadcast of `count` elements from `root`'s `sendbuff` into every `recvbuff` (`sendbuff` is
-// read on the root only; in place when equal).
+// Broadcast of `count` elements from `root`'s `sendbuff` into every `recvbuff`; in place when
+// equal. Only the root reads `sendbuff` (others may pass anything, NULL included).
 //
 // # Safety
 // As [`weftAllReduce`].
@@ -179,7 +179,8 @@ weftResult_t weftBroadcast(const void *sendbuff,
                            int root,
                            weftComm_t comm);
 
-// Reduce of `count` elements into `root`'s `recvbuff` (not written elsewhere).
+// Reduce of `count` elements into `root`'s `recvbuff`; in place when equal. Only the root
+// writes `recvbuff` (others may pass anything, NULL included).
 //
 // # Safety
 // As [`weftAllReduce`].
@@ -204,10 +205,11 @@ weftResult_t weftAllGather(const void *sendbuff,
 
 // Reduce-scatter: rank r's `recvbuff` (`recvcount`) holds block r of the reduction of every
 // `sendbuff` (nranks × `recvcount`); in place when `recvbuff == sendbuff + rank × recvcount`
-// elements (pass `sendbuff` as both pointers' base, as NCCL does).
+// elements.
 //
 // # Safety
-// `sendbuff` readable for nranks × `recvcount` elements, `recvbuff` writable for `recvcount`.
+// `sendbuff` readable for nranks × `recvcount` elements (and writable, in place), `recvbuff`
+// writable for `recvcount`.
 weftResult_t weftReduceScatter(const void *sendbuff,
                                void *recvbuff,
                                size_t recvcount,
@@ -237,7 +239,8 @@ weftResult_t weftBarrier(weftComm_t comm);
 weftResult_t weftGroupStart(void);
 
 // Ends a group; the outermost one runs the collected sends and receives, one group per
-// communicator, and returns when they completed.
+// communicator, and returns when they completed (at the first failure, the remaining
+// communicators' calls are dropped).
 weftResult_t weftGroupEnd(void);
 
 // Sends `count` elements to `peer`, which must post a matching `weftRecv`. Outside a group it

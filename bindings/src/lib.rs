@@ -1,4 +1,4 @@
-//! The C ABI of weftcc: `libweftcc.so` / `libweftcc.a` and the header `include/weftcc.h`
+//! The C ABI of weftcc: `libweft.so` / `libweft.a` and the header `include/weftcc.h`
 //! (generated from this file by cbindgen; `tests/header.rs` fails when it is stale).
 //!
 //! It follows NCCL's API shape so that porting is a rename: an opaque communicator created from
@@ -133,17 +133,20 @@ fn code_of(e: &Error) -> weftResult_t {
     }
 }
 
-fn from_lib(r: Result<(), Error>) -> weftResult_t {
-    match r {
-        Ok(()) => weftSuccess,
-        Err(e) => fail(code_of(&e), &e.to_string()),
-    }
+fn from_lib(r: Result<(), Error>) -> Outcome {
+    r.map(|()| weftSuccess)
+        .map_err(|e| fail(code_of(&e), &e.to_string()))
 }
 
-/// Runs `f`, turning a panic into `weftInternalError` (unwinding into C is undefined).
-fn guarded(f: impl FnOnce() -> weftResult_t) -> weftResult_t {
+/// What an entry point's body returns: `Err` carries a failure code whose message is already
+/// recorded, so bodies can use `?`.
+type Outcome = Result<weftResult_t, weftResult_t>;
+
+/// Runs an entry point's body: a panic becomes `weftInternalError` (unwinding into C is
+/// undefined), an `Err` its code.
+fn entry(f: impl FnOnce() -> Outcome) -> weftResult_t {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
+        Ok(Ok(code) | Err(code)) => code,
         Err(_) => fail(
             weftInternalError,
             "internal error: a panic was caught at the C boundary",
@@ -151,19 +154,26 @@ fn guarded(f: impl FnOnce() -> weftResult_t) -> weftResult_t {
     }
 }
 
-fn dtype_of(t: c_int) -> Option<DataType> {
-    u8::try_from(t).ok().and_then(DataType::from_code)
+fn dtype_of(kind: OpKind, t: c_int) -> Result<DataType, weftResult_t> {
+    u8::try_from(t)
+        .ok()
+        .and_then(DataType::from_code)
+        .ok_or_else(|| bad_arg(format!("{kind}: data type {t}")))
 }
 
-fn op_of(op: c_int) -> Option<ReduceOp> {
-    Some(match op {
-        0 => ReduceOp::Sum,
-        1 => ReduceOp::Prod,
-        2 => ReduceOp::Max,
-        3 => ReduceOp::Min,
-        4 => ReduceOp::Avg,
-        _ => return None,
+fn op_of(kind: OpKind, op: c_int) -> Result<ReduceOp, weftResult_t> {
+    Ok(match op {
+        weftSum => ReduceOp::Sum,
+        weftProd => ReduceOp::Prod,
+        weftMax => ReduceOp::Max,
+        weftMin => ReduceOp::Min,
+        weftAvg => ReduceOp::Avg,
+        _ => return Err(bad_arg(format!("{kind}: reduction {op}"))),
     })
+}
+
+fn root_of(kind: OpKind, root: c_int) -> Result<usize, weftResult_t> {
+    usize::try_from(root).map_err(|_| bad_arg(format!("{kind}: root {root}")))
 }
 
 /// The communicator behind a handle.
@@ -172,7 +182,7 @@ fn op_of(op: c_int) -> Option<ReduceOp> {
 /// `comm` is null or a handle from `weftCommInit*` not yet destroyed.
 unsafe fn comm_ref<'a>(comm: weftComm_t) -> Result<&'a Communicator, weftResult_t> {
     if comm.is_null() {
-        return Err(fail(weftInvalidArgument, "null communicator"));
+        return Err(bad_arg("null communicator".into()));
     }
     // SAFETY: non-null, and valid per the caller's contract.
     Ok(unsafe { &(*comm).comm })
@@ -182,11 +192,24 @@ fn bad_arg(msg: String) -> weftResult_t {
     fail(weftInvalidArgument, &msg)
 }
 
-/// Bytes of `count` elements of `dtype`, or an error naming the call.
-fn byte_len(count: usize, dtype: DataType, what: &str) -> Result<usize, weftResult_t> {
+/// Writes `value` through an output pointer of `call`.
+///
+/// # Safety
+/// `out` is null or writable.
+unsafe fn write_out<T>(out: *mut T, value: T, call: &str) -> Outcome {
+    if out.is_null() {
+        return Err(bad_arg(format!("{call}: null output")));
+    }
+    // SAFETY: non-null and writable per the caller's contract.
+    unsafe { out.write(value) };
+    Ok(weftSuccess)
+}
+
+/// Bytes of `count` elements of `dtype`.
+fn byte_len(kind: OpKind, count: usize, dtype: DataType) -> Result<usize, weftResult_t> {
     count
         .checked_mul(dtype.size())
-        .ok_or_else(|| bad_arg(format!("{what}: {count} elements overflow")))
+        .ok_or_else(|| bad_arg(format!("{kind}: {count} elements overflow")))
 }
 
 /// Creates a new unique id: starts the bootstrap store in this process (which must stay alive
@@ -196,19 +219,13 @@ fn byte_len(count: usize, dtype: DataType, what: &str) -> Result<usize, weftResu
 /// `id` is null or points to writable memory for one [`weftUniqueId`].
 #[no_mangle]
 pub unsafe extern "C" fn weftGetUniqueId(id: *mut weftUniqueId) -> weftResult_t {
-    guarded(|| {
-        if id.is_null() {
-            return bad_arg("weftGetUniqueId: null id".into());
-        }
-        let uid = match UniqueId::new() {
-            Ok(u) => u.to_string(),
-            Err(e) => return fail(code_of(&e), &e.to_string()),
-        };
+    entry(|| {
+        let uid = UniqueId::new()
+            .map_err(|e| fail(code_of(&e), &e.to_string()))?
+            .to_string();
         if uid.len() >= WEFT_UNIQUE_ID_BYTES {
-            return fail(
-                weftInternalError,
-                &format!("unique id of {} bytes does not fit", uid.len()),
-            );
+            let msg = format!("unique id of {} bytes does not fit", uid.len());
+            return Err(fail(weftInternalError, &msg));
         }
         let mut out = weftUniqueId {
             internal: [0; WEFT_UNIQUE_ID_BYTES],
@@ -216,10 +233,28 @@ pub unsafe extern "C" fn weftGetUniqueId(id: *mut weftUniqueId) -> weftResult_t 
         for (dst, &b) in out.internal.iter_mut().zip(uid.as_bytes()) {
             *dst = b as c_char;
         }
-        // SAFETY: `id` is non-null and writable per the contract.
-        unsafe { id.write(out) };
-        weftSuccess
+        // SAFETY: per the contract.
+        unsafe { write_out(id, out, "weftGetUniqueId") }
     })
+}
+
+/// Creates a communicator with `make` and stores it in `*comm` (checked first, so a bad
+/// pointer does not join the job).
+///
+/// # Safety
+/// `comm` is null or writable.
+unsafe fn publish(
+    comm: *mut weftComm_t,
+    make: impl FnOnce() -> Result<Communicator, Error>,
+    call: &str,
+) -> Outcome {
+    if comm.is_null() {
+        return Err(bad_arg(format!("{call}: null communicator pointer")));
+    }
+    let c = make().map_err(|e| fail(code_of(&e), &e.to_string()))?;
+    let handle = Box::into_raw(Box::new(weftComm { comm: c }));
+    // SAFETY: per the contract.
+    unsafe { write_out(comm, handle, call) }
 }
 
 /// Creates rank `rank` of `nranks` from a unique id (blocks until every rank joined or the
@@ -234,15 +269,12 @@ pub unsafe extern "C" fn weftCommInitRank(
     id: weftUniqueId,
     rank: c_int,
 ) -> weftResult_t {
-    guarded(|| {
-        if comm.is_null() {
-            return bad_arg("weftCommInitRank: null communicator pointer".into());
-        }
-        let (Ok(n), Ok(r)) = (usize::try_from(nranks), usize::try_from(rank)) else {
-            return bad_arg(format!("weftCommInitRank: rank {rank} of {nranks}"));
-        };
+    entry(|| {
+        let bad = || bad_arg(format!("weftCommInitRank: rank {rank} of {nranks}"));
+        let n = usize::try_from(nranks).map_err(|_| bad())?;
+        let r = usize::try_from(rank).map_err(|_| bad())?;
         if n == 0 || r >= n {
-            return bad_arg(format!("weftCommInitRank: rank {rank} of {nranks}"));
+            return Err(bad());
         }
         let bytes: Vec<u8> = id
             .internal
@@ -250,18 +282,14 @@ pub unsafe extern "C" fn weftCommInitRank(
             .take_while(|&&c| c != 0)
             .map(|&c| c as u8)
             .collect();
-        let parsed = std::str::from_utf8(&bytes)
-            .map_err(|_| Error::Config("unique id is not text".into()))
-            .and_then(UniqueId::from_str);
-        let made = parsed.and_then(|uid| Communicator::init(r, n, &uid));
-        match made {
-            // SAFETY: `comm` is non-null and writable per the contract.
-            Ok(c) => unsafe {
-                comm.write(Box::into_raw(Box::new(weftComm { comm: c })));
-                weftSuccess
-            },
-            Err(e) => fail(code_of(&e), &e.to_string()),
-        }
+        let make = || {
+            std::str::from_utf8(&bytes)
+                .map_err(|_| Error::Config("unique id is not text".into()))
+                .and_then(UniqueId::from_str)
+                .and_then(|uid| Communicator::init(r, n, &uid))
+        };
+        // SAFETY: per the contract.
+        unsafe { publish(comm, make, "weftCommInitRank") }
     })
 }
 
@@ -272,19 +300,8 @@ pub unsafe extern "C" fn weftCommInitRank(
 /// `comm` is null or points to writable memory for one handle.
 #[no_mangle]
 pub unsafe extern "C" fn weftCommInitFromEnv(comm: *mut weftComm_t) -> weftResult_t {
-    guarded(|| {
-        if comm.is_null() {
-            return bad_arg("weftCommInitFromEnv: null communicator pointer".into());
-        }
-        match Communicator::from_env() {
-            // SAFETY: `comm` is non-null and writable per the contract.
-            Ok(c) => unsafe {
-                comm.write(Box::into_raw(Box::new(weftComm { comm: c })));
-                weftSuccess
-            },
-            Err(e) => fail(code_of(&e), &e.to_string()),
-        }
-    })
+    // SAFETY: per the contract.
+    entry(|| unsafe { publish(comm, Communicator::from_env, "weftCommInitFromEnv") })
 }
 
 /// Destroys a communicator (null is accepted and ignored). Pending group calls of it are
@@ -294,13 +311,13 @@ pub unsafe extern "C" fn weftCommInitFromEnv(comm: *mut weftComm_t) -> weftResul
 /// `comm` is null or a live handle, not used again afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn weftCommDestroy(comm: weftComm_t) -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         if !comm.is_null() {
             GROUP.with(|g| g.borrow_mut().ops.retain(|op| op.comm != comm));
             // SAFETY: made by Box::into_raw in weftCommInit*, destroyed once per the contract.
             drop(unsafe { Box::from_raw(comm) });
         }
-        weftSuccess
+        Ok(weftSuccess)
     })
 }
 
@@ -311,15 +328,10 @@ pub unsafe extern "C" fn weftCommDestroy(comm: weftComm_t) -> weftResult_t {
 /// `comm` is null or a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn weftCommAbort(comm: weftComm_t) -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         // SAFETY: per the contract.
-        match unsafe { comm_ref(comm) } {
-            Ok(c) => {
-                c.abort();
-                weftSuccess
-            }
-            Err(code) => code,
-        }
+        unsafe { comm_ref(comm) }?.abort();
+        Ok(weftSuccess)
     })
 }
 
@@ -329,18 +341,11 @@ pub unsafe extern "C" fn weftCommAbort(comm: weftComm_t) -> weftResult_t {
 /// `comm` is null or a live handle; `count` is null or writable.
 #[no_mangle]
 pub unsafe extern "C" fn weftCommCount(comm: weftComm_t, count: *mut c_int) -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         // SAFETY: per the contract.
-        let c = match unsafe { comm_ref(comm) } {
-            Ok(c) => c,
-            Err(code) => return code,
-        };
-        if count.is_null() {
-            return bad_arg("weftCommCount: null output".into());
-        }
-        // SAFETY: non-null and writable per the contract.
-        unsafe { count.write(c.size() as c_int) };
-        weftSuccess
+        let n = unsafe { comm_ref(comm) }?.size() as c_int;
+        // SAFETY: per the contract.
+        unsafe { write_out(count, n, "weftCommCount") }
     })
 }
 
@@ -350,18 +355,11 @@ pub unsafe extern "C" fn weftCommCount(comm: weftComm_t, count: *mut c_int) -> w
 /// `comm` is null or a live handle; `rank` is null or writable.
 #[no_mangle]
 pub unsafe extern "C" fn weftCommUserRank(comm: weftComm_t, rank: *mut c_int) -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         // SAFETY: per the contract.
-        let c = match unsafe { comm_ref(comm) } {
-            Ok(c) => c,
-            Err(code) => return code,
-        };
-        if rank.is_null() {
-            return bad_arg("weftCommUserRank: null output".into());
-        }
-        // SAFETY: non-null and writable per the contract.
-        unsafe { rank.write(c.rank() as c_int) };
-        weftSuccess
+        let me = unsafe { comm_ref(comm) }?.rank() as c_int;
+        // SAFETY: per the contract.
+        unsafe { write_out(rank, me, "weftCommUserRank") }
     })
 }
 
@@ -375,22 +373,14 @@ pub unsafe extern "C" fn weftCommGetAsyncError(
     comm: weftComm_t,
     result: *mut weftResult_t,
 ) -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         // SAFETY: per the contract.
-        let c = match unsafe { comm_ref(comm) } {
-            Ok(c) => c,
-            Err(code) => return code,
-        };
-        if result.is_null() {
-            return bad_arg("weftCommGetAsyncError: null output".into());
-        }
-        let r = match c.error() {
+        let code = match unsafe { comm_ref(comm) }?.error() {
             Some(e) => fail(code_of(&e), &e.to_string()),
             None => weftSuccess,
         };
-        // SAFETY: non-null and writable per the contract.
-        unsafe { result.write(r) };
-        weftSuccess
+        // SAFETY: per the contract.
+        unsafe { write_out(result, code, "weftCommGetAsyncError") }
     })
 }
 
@@ -422,75 +412,56 @@ pub extern "C" fn weftGetLastError(comm: weftComm_t) -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
 }
 
-/// Runs a collective on raw host buffers. The call is in place when `send` sits at
-/// `in_place_offset` bytes into `recv` (NCCL's in-place layout; `None`: never in place).
-///
-/// # Safety
-/// `send` is readable for `send_bytes` and `recv` writable for `recv_bytes` (unless null with
-/// zero bytes); `comm` is null or live.
-unsafe fn collective(
-    comm: weftComm_t,
-    call: RawOp,
+/// One collective call from C: its buffers and how to recognise the in-place form.
+struct Call {
+    op: RawOp,
     send: *const c_void,
     send_bytes: usize,
     recv: *mut c_void,
     recv_bytes: usize,
+    /// The call is in place when `send` sits this many bytes into `recv` (NCCL's in-place
+    /// layout); `None`: never in place.
     in_place_offset: Option<usize>,
-) -> weftResult_t {
+}
+
+/// Runs a collective on raw host buffers.
+///
+/// # Safety
+/// `call.send` is readable for `send_bytes` and `call.recv` writable for `recv_bytes` (unless
+/// null with zero bytes); `comm` is null or live.
+unsafe fn collective(comm: weftComm_t, call: Call) -> Outcome {
     // SAFETY: per the contract.
-    let c = match unsafe { comm_ref(comm) } {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
-    let name = call.kind;
-    if (send.is_null() && send_bytes > 0) || (recv.is_null() && recv_bytes > 0) {
-        return bad_arg(format!("{name}: null buffer"));
+    let c = unsafe { comm_ref(comm) }?;
+    let name = call.op.kind;
+    let (send_bytes, recv_bytes) = (call.send_bytes, call.recv_bytes);
+    if (call.send.is_null() && send_bytes > 0) || (call.recv.is_null() && recv_bytes > 0) {
+        return Err(bad_arg(format!("{name}: null buffer")));
     }
-    let (s, r) = (send as usize, recv as usize);
-    let in_place = in_place_offset.is_some_and(|o| s == r.wrapping_add(o)) && recv_bytes > 0;
+    let (s, r) = (call.send as usize, call.recv as usize);
+    let in_place = call.in_place_offset.is_some_and(|o| s == r.wrapping_add(o)) && recv_bytes > 0;
     let overlap = s < r.saturating_add(recv_bytes) && r < s.saturating_add(send_bytes);
     if !in_place && overlap {
-        return bad_arg(format!(
+        return Err(bad_arg(format!(
             "{name}: send and receive buffers overlap other than in NCCL's in-place layout"
-        ));
+        )));
     }
-    let recv_slice: &mut [u8] = if recv_bytes == 0 {
+    let recv: &mut [u8] = if recv_bytes == 0 {
         &mut []
     } else {
         // SAFETY: non-null, writable for recv_bytes per the contract.
-        unsafe { std::slice::from_raw_parts_mut(recv.cast::<u8>(), recv_bytes) }
+        unsafe { std::slice::from_raw_parts_mut(call.recv.cast::<u8>(), recv_bytes) }
     };
     if in_place {
-        return from_lib(c.execute_raw(call, None, recv_slice));
+        return from_lib(c.execute_raw(call.op, None, recv));
     }
-    let send_slice: &[u8] = if send_bytes == 0 {
+    let send: &[u8] = if send_bytes == 0 {
         &[]
     } else {
         // SAFETY: non-null, readable for send_bytes per the contract, disjoint from recv
         // (checked above).
-        unsafe { std::slice::from_raw_parts(send.cast::<u8>(), send_bytes) }
+        unsafe { std::slice::from_raw_parts(call.send.cast::<u8>(), send_bytes) }
     };
-    from_lib(c.execute_raw(call, Some(send_slice), recv_slice))
-}
-
-/// Checked type and op of a call.
-fn call_of(
-    kind: OpKind,
-    count: usize,
-    datatype: c_int,
-    op: Option<c_int>,
-) -> Result<(RawOp, DataType), weftResult_t> {
-    let dtype =
-        dtype_of(datatype).ok_or_else(|| bad_arg(format!("{kind}: data type {datatype}")))?;
-    let mut call = RawOp::new(kind, dtype, count);
-    if let Some(op) = op {
-        call = call.with_op(op_of(op).ok_or_else(|| bad_arg(format!("{kind}: reduction {op}")))?);
-    }
-    Ok((call, dtype))
-}
-
-fn root_of(kind: OpKind, root: c_int) -> Result<usize, weftResult_t> {
-    usize::try_from(root).map_err(|_| bad_arg(format!("{kind}: root {root}")))
+    from_lib(c.execute_raw(call.op, Some(send), recv))
 }
 
 /// All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
@@ -506,23 +477,26 @@ pub unsafe extern "C" fn weftAllReduce(
     op: weftRedOp_t,
     comm: weftComm_t,
 ) -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         let kind = OpKind::AllReduce;
-        let (call, dt) = match call_of(kind, count, datatype, Some(op)) {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        let bytes = match byte_len(count, dt, "all-reduce") {
-            Ok(b) => b,
-            Err(code) => return code,
+        let dt = dtype_of(kind, datatype)?;
+        let bytes = byte_len(kind, count, dt)?;
+        let op = RawOp::new(kind, dt, count).with_op(op_of(kind, op)?);
+        let call = Call {
+            op,
+            send: sendbuff,
+            send_bytes: bytes,
+            recv: recvbuff,
+            recv_bytes: bytes,
+            in_place_offset: Some(0),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call, sendbuff, bytes, recvbuff, bytes, Some(0)) }
+        unsafe { collective(comm, call) }
     })
 }
 
-/// Broadcast of `count` elements from `root`'s `sendbuff` into every `recvbuff` (`sendbuff` is
-/// read on the root only; in place when equal).
+/// Broadcast of `count` elements from `root`'s `sendbuff` into every `recvbuff`; in place when
+/// equal. Only the root reads `sendbuff` (others may pass anything, NULL included).
 ///
 /// # Safety
 /// As [`weftAllReduce`].
@@ -535,34 +509,33 @@ pub unsafe extern "C" fn weftBroadcast(
     root: c_int,
     comm: weftComm_t,
 ) -> weftResult_t {
-    guarded(|| {
-        // SAFETY: per the contract.
-        let me = match unsafe { comm_ref(comm) } {
-            Ok(c) => c.rank(),
-            Err(code) => return code,
-        };
+    entry(|| {
         let kind = OpKind::Broadcast;
-        let (call, dt) = match call_of(kind, count, datatype, None) {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        let (root, bytes) = match (root_of(kind, root), byte_len(count, dt, "broadcast")) {
-            (Ok(r), Ok(b)) => (r, b),
-            (Err(code), _) | (_, Err(code)) => return code,
-        };
-        // Only the root reads `sendbuff` (others may pass anything, NULL included).
+        // SAFETY: per the contract.
+        let me = unsafe { comm_ref(comm) }?.rank();
+        let dt = dtype_of(kind, datatype)?;
+        let bytes = byte_len(kind, count, dt)?;
+        let root = root_of(kind, root)?;
         let (send, send_bytes) = if me == root {
             (sendbuff, bytes)
         } else {
             (std::ptr::null(), 0)
         };
-        let call = call.with_root(root);
+        let call = Call {
+            op: RawOp::new(kind, dt, count).with_root(root),
+            send,
+            send_bytes,
+            recv: recvbuff,
+            recv_bytes: bytes,
+            in_place_offset: Some(0),
+        };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call, send, send_bytes, recvbuff, bytes, Some(0)) }
+        unsafe { collective(comm, call) }
     })
 }
 
-/// Reduce of `count` elements into `root`'s `recvbuff` (not written elsewhere).
+/// Reduce of `count` elements into `root`'s `recvbuff`; in place when equal. Only the root
+/// writes `recvbuff` (others may pass anything, NULL included).
 ///
 /// # Safety
 /// As [`weftAllReduce`].
@@ -576,31 +549,32 @@ pub unsafe extern "C" fn weftReduce(
     root: c_int,
     comm: weftComm_t,
 ) -> weftResult_t {
-    guarded(|| {
-        // SAFETY: per the contract.
-        let me = match unsafe { comm_ref(comm) } {
-            Ok(c) => c.rank(),
-            Err(code) => return code,
-        };
+    entry(|| {
         let kind = OpKind::Reduce;
-        let (call, dt) = match call_of(kind, count, datatype, Some(op)) {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        let (root, bytes) = match (root_of(kind, root), byte_len(count, dt, "reduce")) {
-            (Ok(r), Ok(b)) => (r, b),
-            (Err(code), _) | (_, Err(code)) => return code,
-        };
-        let call = call.with_root(root);
-        if me != root && !std::ptr::eq(sendbuff, recvbuff) {
-            // Only the root writes `recvbuff` (others may pass anything, NULL included).
-            // SAFETY: per the contract.
-            return unsafe {
-                collective(comm, call, sendbuff, bytes, std::ptr::null_mut(), 0, None)
-            };
-        }
         // SAFETY: per the contract.
-        unsafe { collective(comm, call, sendbuff, bytes, recvbuff, bytes, Some(0)) }
+        let me = unsafe { comm_ref(comm) }?.rank();
+        let dt = dtype_of(kind, datatype)?;
+        let bytes = byte_len(kind, count, dt)?;
+        let root = root_of(kind, root)?;
+        let op = RawOp::new(kind, dt, count)
+            .with_op(op_of(kind, op)?)
+            .with_root(root);
+        let in_place = std::ptr::eq(sendbuff, recvbuff);
+        let (recv, recv_bytes) = if me == root || in_place {
+            (recvbuff, bytes)
+        } else {
+            (std::ptr::null_mut(), 0)
+        };
+        let call = Call {
+            op,
+            send: sendbuff,
+            send_bytes: bytes,
+            recv,
+            recv_bytes,
+            in_place_offset: Some(0),
+        };
+        // SAFETY: per the contract.
+        unsafe { collective(comm, call) }
     })
 }
 
@@ -617,35 +591,33 @@ pub unsafe extern "C" fn weftAllGather(
     datatype: weftDataType_t,
     comm: weftComm_t,
 ) -> weftResult_t {
-    guarded(|| {
-        // SAFETY: per the contract.
-        let c = match unsafe { comm_ref(comm) } {
-            Ok(c) => c,
-            Err(code) => return code,
-        };
+    entry(|| {
         let kind = OpKind::AllGather;
-        let (call, dt) = match call_of(kind, sendcount, datatype, None) {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        let (n, me) = (c.size(), c.rank());
-        let (block, all) = match byte_len(sendcount, dt, "all-gather")
-            .and_then(|b| Ok((b, byte_len(sendcount * n, dt, "all-gather")?)))
-        {
-            Ok(x) => x,
-            Err(code) => return code,
+        // SAFETY: per the contract.
+        let c = unsafe { comm_ref(comm) }?;
+        let dt = dtype_of(kind, datatype)?;
+        let block = byte_len(kind, sendcount, dt)?;
+        let all = byte_len(kind, sendcount.saturating_mul(c.size()), dt)?;
+        let call = Call {
+            op: RawOp::new(kind, dt, sendcount),
+            send: sendbuff,
+            send_bytes: block,
+            recv: recvbuff,
+            recv_bytes: all,
+            in_place_offset: Some(c.rank() * block),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call, sendbuff, block, recvbuff, all, Some(me * block)) }
+        unsafe { collective(comm, call) }
     })
 }
 
 /// Reduce-scatter: rank r's `recvbuff` (`recvcount`) holds block r of the reduction of every
 /// `sendbuff` (nranks × `recvcount`); in place when `recvbuff == sendbuff + rank × recvcount`
-/// elements (pass `sendbuff` as both pointers' base, as NCCL does).
+/// elements.
 ///
 /// # Safety
-/// `sendbuff` readable for nranks × `recvcount` elements, `recvbuff` writable for `recvcount`.
+/// `sendbuff` readable for nranks × `recvcount` elements (and writable, in place), `recvbuff`
+/// writable for `recvcount`.
 #[no_mangle]
 pub unsafe extern "C" fn weftReduceScatter(
     sendbuff: *const c_void,
@@ -655,32 +627,38 @@ pub unsafe extern "C" fn weftReduceScatter(
     op: weftRedOp_t,
     comm: weftComm_t,
 ) -> weftResult_t {
-    guarded(|| {
-        // SAFETY: per the contract.
-        let c = match unsafe { comm_ref(comm) } {
-            Ok(c) => c,
-            Err(code) => return code,
-        };
+    entry(|| {
         let kind = OpKind::ReduceScatter;
-        let (call, dt) = match call_of(kind, recvcount, datatype, Some(op)) {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        let (n, me) = (c.size(), c.rank());
-        let (block, all) = match byte_len(recvcount, dt, "reduce-scatter")
-            .and_then(|b| Ok((b, byte_len(recvcount * n, dt, "reduce-scatter")?)))
-        {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        if recvbuff as usize == (sendbuff as usize).wrapping_add(me * block) && block > 0 {
-            // In place: the whole buffer starts at sendbuff.
-            let whole = sendbuff as *mut c_void;
-            // SAFETY: per the contract, sendbuff is the whole in-place buffer, writable.
-            return unsafe { collective(comm, call, whole, all, whole, all, Some(0)) };
-        }
         // SAFETY: per the contract.
-        unsafe { collective(comm, call, sendbuff, all, recvbuff, block, None) }
+        let c = unsafe { comm_ref(comm) }?;
+        let dt = dtype_of(kind, datatype)?;
+        let block = byte_len(kind, recvcount, dt)?;
+        let all = byte_len(kind, recvcount.saturating_mul(c.size()), dt)?;
+        let op = RawOp::new(kind, dt, recvcount).with_op(op_of(kind, op)?);
+        let in_place = recvbuff as usize == (sendbuff as usize).wrapping_add(c.rank() * block);
+        let call = if in_place && block > 0 {
+            // The whole in-place buffer starts at sendbuff.
+            let whole = sendbuff as *mut c_void;
+            Call {
+                op,
+                send: whole,
+                send_bytes: all,
+                recv: whole,
+                recv_bytes: all,
+                in_place_offset: Some(0),
+            }
+        } else {
+            Call {
+                op,
+                send: sendbuff,
+                send_bytes: all,
+                recv: recvbuff,
+                recv_bytes: block,
+                in_place_offset: None,
+            }
+        };
+        // SAFETY: per the contract.
+        unsafe { collective(comm, call) }
     })
 }
 
@@ -697,23 +675,22 @@ pub unsafe extern "C" fn weftAllToAll(
     datatype: weftDataType_t,
     comm: weftComm_t,
 ) -> weftResult_t {
-    guarded(|| {
-        // SAFETY: per the contract.
-        let c = match unsafe { comm_ref(comm) } {
-            Ok(c) => c,
-            Err(code) => return code,
-        };
+    entry(|| {
         let kind = OpKind::AllToAll;
-        let (call, dt) = match call_of(kind, count, datatype, None) {
-            Ok(x) => x,
-            Err(code) => return code,
-        };
-        let all = match byte_len(count.saturating_mul(c.size()), dt, "all-to-all") {
-            Ok(b) => b,
-            Err(code) => return code,
+        // SAFETY: per the contract.
+        let c = unsafe { comm_ref(comm) }?;
+        let dt = dtype_of(kind, datatype)?;
+        let all = byte_len(kind, count.saturating_mul(c.size()), dt)?;
+        let call = Call {
+            op: RawOp::new(kind, dt, count),
+            send: sendbuff,
+            send_bytes: all,
+            recv: recvbuff,
+            recv_bytes: all,
+            in_place_offset: Some(0),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call, sendbuff, all, recvbuff, all, Some(0)) }
+        unsafe { collective(comm, call) }
     })
 }
 
@@ -723,13 +700,8 @@ pub unsafe extern "C" fn weftAllToAll(
 /// `comm` is null or a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn weftBarrier(comm: weftComm_t) -> weftResult_t {
-    guarded(|| {
-        // SAFETY: per the contract.
-        match unsafe { comm_ref(comm) } {
-            Ok(c) => from_lib(c.barrier()),
-            Err(code) => code,
-        }
-    })
+    // SAFETY: per the contract.
+    entry(|| from_lib(unsafe { comm_ref(comm) }?.barrier()))
 }
 
 /// Starts (or nests) a group: `weftSend`/`weftRecv` calls are collected until the matching
@@ -741,10 +713,11 @@ pub extern "C" fn weftGroupStart() -> weftResult_t {
 }
 
 /// Ends a group; the outermost one runs the collected sends and receives, one group per
-/// communicator, and returns when they completed.
+/// communicator, and returns when they completed (at the first failure, the remaining
+/// communicators' calls are dropped).
 #[no_mangle]
 pub extern "C" fn weftGroupEnd() -> weftResult_t {
-    guarded(|| {
+    entry(|| {
         let ops = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth == 0 {
@@ -757,9 +730,8 @@ pub extern "C" fn weftGroupEnd() -> weftResult_t {
                 Vec::new()
             })
         });
-        let Some(ops) = ops else {
-            return fail(weftInvalidUsage, "weftGroupEnd without weftGroupStart");
-        };
+        let ops =
+            ops.ok_or_else(|| fail(weftInvalidUsage, "weftGroupEnd without weftGroupStart"))?;
         let mut comms: Vec<weftComm_t> = Vec::new();
         for op in &ops {
             if !comms.contains(&op.comm) {
@@ -767,14 +739,12 @@ pub extern "C" fn weftGroupEnd() -> weftResult_t {
             }
         }
         for comm in comms {
+            let mine: Vec<&P2p> = ops.iter().filter(|op| op.comm == comm).collect();
             // SAFETY: the handles were live when the calls were collected, and a destroyed
             // communicator's calls were dropped from the group (weftCommDestroy).
-            let r = unsafe { run_group(comm, ops.iter().filter(|op| op.comm == comm)) };
-            if r != weftSuccess {
-                return r;
-            }
+            unsafe { run_group(comm, &mine) }?;
         }
-        weftSuccess
+        Ok(weftSuccess)
     })
 }
 
@@ -782,14 +752,10 @@ pub extern "C" fn weftGroupEnd() -> weftResult_t {
 ///
 /// # Safety
 /// `comm` is live; every op's pointer is valid for its bytes (read for sends, written for
-/// receives) and receive buffers do not overlap anything else in the group.
-unsafe fn run_group<'a>(comm: weftComm_t, ops: impl Iterator<Item = &'a P2p>) -> weftResult_t {
+/// receives).
+unsafe fn run_group(comm: weftComm_t, ops: &[&P2p]) -> Outcome {
     // SAFETY: per the contract.
-    let c = match unsafe { comm_ref(comm) } {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
-    let ops: Vec<&P2p> = ops.collect();
+    let c = unsafe { comm_ref(comm) }?;
     // A receive buffer may share no byte with any other buffer of the group (Rust slices of
     // them would alias); sends may share with each other.
     for (i, a) in ops.iter().enumerate() {
@@ -797,31 +763,28 @@ unsafe fn run_group<'a>(comm: weftComm_t, ops: impl Iterator<Item = &'a P2p>) ->
             let overlap =
                 a.ptr < b.ptr.saturating_add(b.bytes) && b.ptr < a.ptr.saturating_add(a.bytes);
             if overlap && (!a.send || !b.send) && a.bytes > 0 && b.bytes > 0 {
-                return bad_arg(format!(
+                return Err(bad_arg(format!(
                     "{}: a receive buffer overlaps another buffer of the group",
                     OpKind::SendRecv
-                ));
+                )));
             }
         }
     }
     let mut group = c.group();
     for op in ops {
-        if op.bytes == 0 {
-            group = if op.send {
-                group.send::<u8>(&[], op.peer)
-            } else {
-                group.recv::<u8>(&mut [], op.peer)
-            };
-            continue;
-        }
-        group = if op.send {
+        group = match (op.send, op.bytes) {
+            (true, 0) => group.send::<u8>(&[], op.peer),
+            (false, 0) => group.recv::<u8>(&mut [], op.peer),
             // SAFETY: readable for op.bytes per the contract.
-            let s = unsafe { std::slice::from_raw_parts(op.ptr as *const u8, op.bytes) };
-            group.send(s, op.peer)
-        } else {
-            // SAFETY: writable for op.bytes and not aliased per the contract.
-            let r = unsafe { std::slice::from_raw_parts_mut(op.ptr as *mut u8, op.bytes) };
-            group.recv(r, op.peer)
+            (true, n) => group.send(
+                unsafe { std::slice::from_raw_parts(op.ptr as *const u8, n) },
+                op.peer,
+            ),
+            // SAFETY: writable for op.bytes and not aliased (checked above).
+            (false, n) => group.recv(
+                unsafe { std::slice::from_raw_parts_mut(op.ptr as *mut u8, n) },
+                op.peer,
+            ),
         };
     }
     from_lib(group.run())
@@ -841,7 +804,7 @@ pub unsafe extern "C" fn weftSend(
     comm: weftComm_t,
 ) -> weftResult_t {
     // SAFETY: per the contract.
-    unsafe { point_to_point(true, sendbuff as *mut c_void, count, datatype, peer, comm) }
+    entry(|| unsafe { point_to_point(true, sendbuff as *mut c_void, count, datatype, peer, comm) })
 }
 
 /// Receives `count` elements from `peer` into `recvbuff` (see [`weftSend`]).
@@ -857,7 +820,7 @@ pub unsafe extern "C" fn weftRecv(
     comm: weftComm_t,
 ) -> weftResult_t {
     // SAFETY: per the contract.
-    unsafe { point_to_point(false, recvbuff, count, datatype, peer, comm) }
+    entry(|| unsafe { point_to_point(false, recvbuff, count, datatype, peer, comm) })
 }
 
 /// # Safety
@@ -869,46 +832,34 @@ unsafe fn point_to_point(
     datatype: weftDataType_t,
     peer: c_int,
     comm: weftComm_t,
-) -> weftResult_t {
-    guarded(|| {
-        let kind = OpKind::SendRecv;
+) -> Outcome {
+    let kind = OpKind::SendRecv;
+    // SAFETY: per the contract.
+    unsafe { comm_ref(comm) }?;
+    let bytes = byte_len(kind, count, dtype_of(kind, datatype)?)?;
+    if buf.is_null() && bytes > 0 {
+        return Err(bad_arg(format!("{kind}: null buffer")));
+    }
+    let peer = usize::try_from(peer).map_err(|_| bad_arg(format!("{kind}: peer {peer}")))?;
+    let op = P2p {
+        comm,
+        send,
+        ptr: buf as usize,
+        bytes,
+        peer,
+    };
+    let now = GROUP.with(move |g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.ops.push(op);
+            None
+        } else {
+            Some(op)
+        }
+    });
+    match now {
+        None => Ok(weftSuccess),
         // SAFETY: per the contract.
-        if let Err(code) = unsafe { comm_ref(comm) } {
-            return code;
-        }
-        let Some(dt) = dtype_of(datatype) else {
-            return bad_arg(format!("{kind}: data type {}", datatype));
-        };
-        let bytes = match byte_len(count, dt, "send/recv") {
-            Ok(b) => b,
-            Err(code) => return code,
-        };
-        if buf.is_null() && bytes > 0 {
-            return bad_arg(format!("{kind}: null buffer"));
-        }
-        let Ok(peer) = usize::try_from(peer) else {
-            return bad_arg(format!("{kind}: peer {peer}"));
-        };
-        let op = P2p {
-            comm,
-            send,
-            ptr: buf as usize,
-            bytes,
-            peer,
-        };
-        let grouped = GROUP.with(move |g| {
-            let mut g = g.borrow_mut();
-            if g.depth > 0 {
-                g.ops.push(op);
-                None
-            } else {
-                Some(op)
-            }
-        });
-        match grouped {
-            None => weftSuccess,
-            // SAFETY: per the contract.
-            Some(op) => unsafe { run_group(comm, std::iter::once(&op)) },
-        }
-    })
+        Some(op) => unsafe { run_group(comm, &[&op]) },
+    }
 }

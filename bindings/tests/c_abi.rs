@@ -1,5 +1,5 @@
 //! The C ABI as C programs use it: `tests/c/ranks.c` is compiled against `include/weftcc.h`
-//! and linked with `libweftcc.so`, then run as 1, 2, 3 and 4 rank processes. Rank 0 makes the
+//! and linked with `libweft.so`, then run as 1, 2, 3 and 4 rank processes. Rank 0 makes the
 //! unique id and prints it; the test hands it to the other ranks on their command line (the
 //! "share it by your own means" step of NCCL programs).
 
@@ -8,23 +8,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The directory holding libweftcc.so: the profile directory above this test's `deps/`.
+/// The directory holding the libweft.so this test was built with: cargo writes the library
+/// beside the test binary (`deps/`); the copy one level up is only refreshed by `cargo build`.
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .to_path_buf()
+    exe.parent().expect("deps directory").to_path_buf()
 }
 
 /// Compiles the C test program, or None (after saying why) when there is no C compiler.
 fn build() -> Option<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let libs = lib_dir();
-    let lib = libs.join("libweftcc.so");
+    let lib = libs.join("libweft.so");
     assert!(
         lib.exists(),
-        "{} missing: build the crate first (cargo builds it for this test)",
+        "{} missing (cargo builds it with this test)",
         lib.display()
     );
     let out = std::env::temp_dir().join(format!("weftcc-c-abi-{}", std::process::id()));
@@ -37,7 +35,7 @@ fn build() -> Option<PathBuf> {
         .arg("-L")
         .arg(&libs)
         .arg(format!("-Wl,-rpath,{}", libs.display()))
-        .arg("-lweftcc")
+        .arg("-lweft")
         .status();
     match status {
         Ok(s) => {
@@ -83,11 +81,20 @@ fn wait(mut kids: Vec<(usize, Child)>, n: usize) {
     );
 }
 
+/// A rank process that loads the library of this build: cargo's LD_LIBRARY_PATH lists
+/// `target/<profile>` (where `cargo build` leaves a possibly older copy) before the program's
+/// own run path, so it is replaced.
+fn rank_command(exe: &Path) -> Command {
+    let mut c = Command::new(exe);
+    c.env("LD_LIBRARY_PATH", lib_dir())
+        .env("WEFT_TIMEOUT", "60");
+    c
+}
+
 fn run(exe: &Path, n: usize) {
-    let mut root = Command::new(exe)
+    let mut root = rank_command(exe)
         .arg("id")
         .env("NRANKS", n.to_string())
-        .env("WEFT_TIMEOUT", "60")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -100,9 +107,8 @@ fn run(exe: &Path, n: usize) {
     assert!(id.starts_with("weft1@"), "rank 0 printed {id:?}");
     let mut kids = vec![(0, root)];
     for r in 1..n {
-        let kid = Command::new(exe)
+        let kid = rank_command(exe)
             .args([r.to_string(), n.to_string(), id.clone()])
-            .env("WEFT_TIMEOUT", "60")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -192,6 +192,22 @@ static void errors(weftComm_t comm, int n) {
   OK(weftBarrier(comm)); /* still usable */
 }
 
+/* The last rank aborts: its later calls return weftAborted, and every other rank's next call
+ * fails (aborted or remote error) instead of waiting for it. */
+static void abort_last(weftComm_t comm, int n) {
+  if (me == n - 1) {
+    OK(weftCommAbort(comm));
+    CHECK(weftBarrier(comm) == weftAborted, "barrier after abort: %s", weftGetLastError(comm));
+  } else {
+    weftResult_t r = weftBarrier(comm);
+    CHECK(r == weftAborted || r == weftRemoteError, "barrier with an aborted rank -> %d: %s", r,
+          weftGetLastError(comm));
+    weftResult_t async = weftSuccess;
+    OK(weftCommGetAsyncError(comm, &async));
+    CHECK(async != weftSuccess, "no async error after a peer's abort");
+  }
+}
+
 int main(int argc, char **argv) {
   weftUniqueId id;
   int n;
@@ -220,6 +236,7 @@ int main(int argc, char **argv) {
   gather_scatter(comm, n);
   if (n > 1) point_to_point(comm, n); /* a rank cannot send to itself */
   errors(comm, n);
+  if (n > 1) abort_last(comm, n);
   OK(weftCommDestroy(comm));
   if (failures == 0) fprintf(stderr, "rank %d: ok\n", me);
   return failures == 0 ? 0 : 1;
