@@ -103,6 +103,18 @@ impl FromStr for UniqueId {
     }
 }
 
+/// Why `peer` cannot be a point-to-point partner of `rank` among `size` ranks (`None`: it
+/// can). Shared with the device communicator, so both reject the same calls.
+pub fn peer_problem(rank: usize, size: usize, peer: usize) -> Option<String> {
+    if peer >= size {
+        Some(format!("peer {peer} is out of range for {size} ranks"))
+    } else if peer == rank {
+        Some(format!("rank {peer} cannot send to or receive from itself"))
+    } else {
+        None
+    }
+}
+
 /// Stores started by [`UniqueId::new`] in this process, found again by rank 0's `init`.
 fn servers() -> &'static Mutex<HashMap<UniqueId, Arc<StoreServer>>> {
     static SERVERS: OnceLock<Mutex<HashMap<UniqueId, Arc<StoreServer>>>> = OnceLock::new();
@@ -1628,17 +1640,8 @@ impl Inner {
             .map(|(p, _)| *p)
             .chain(recvs.iter().map(|(p, _)| *p));
         for peer in peers {
-            if peer >= self.size {
-                return Err(self.invalid(
-                    kind,
-                    format!("peer {peer} is out of range for {} ranks", self.size),
-                ));
-            }
-            if peer == self.rank {
-                return Err(self.invalid(
-                    kind,
-                    format!("rank {peer} cannot send to or receive from itself"),
-                ));
+            if let Some(reason) = peer_problem(self.rank, self.size, peer) {
+                return Err(self.invalid(kind, reason));
             }
         }
         self.check()?;

@@ -567,17 +567,9 @@ impl DeviceComm {
             return Err(self.invalid(kind, "stream of another device".into()));
         }
         for &(peer, _) in sends.iter().chain(recvs.iter()) {
-            if peer >= self.size {
-                return Err(self.invalid(
-                    kind,
-                    format!("peer {peer} is out of range for {} ranks", self.size),
-                ));
-            }
-            if peer == self.rank {
-                return Err(self.invalid(
-                    kind,
-                    format!("rank {peer} cannot send to or receive from itself"),
-                ));
+            if let Some(reason) = weftcc_collectives::comm::peer_problem(self.rank, self.size, peer)
+            {
+                return Err(self.invalid(kind, reason));
             }
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
