@@ -118,11 +118,38 @@ fn run(exe: &Path, n: usize) {
     wait(kids, n);
 }
 
+/// Three ranks started the way `torchrun` would: `weftCommInitFromEnv` reads `RANK`,
+/// `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (rank 0 serves the rendezvous).
+fn run_from_env(exe: &Path) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let n = 3;
+    let kids = (0..n)
+        .map(|r| {
+            let kid = rank_command(exe)
+                .arg("env")
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a rank");
+            (r, kid)
+        })
+        .collect();
+    wait(kids, n);
+}
+
 #[test]
 fn c_programs_run_every_collective_on_1_to_4_ranks() {
     let Some(exe) = build() else { return };
     for n in 1..=4 {
         run(&exe, n);
     }
+    run_from_env(&exe);
     let _ = std::fs::remove_file(exe);
 }

@@ -2,6 +2,7 @@
  *
  *   ranks id              prints a new unique id, then runs as rank 0 of NRANKS (env)
  *   ranks RANK NRANKS ID  runs as rank RANK
+ *   ranks env             takes rank and size from the launcher's variables (RANK, ...)
  *
  * Every collective is checked against values computed here; each failure prints the rank and
  * the check and makes the exit status non-zero. */
@@ -192,13 +193,21 @@ static void errors(weftComm_t comm, int n) {
   OK(weftBarrier(comm)); /* still usable */
 }
 
-/* The last rank aborts: its later calls return weftAborted, and every other rank's next call
- * fails (aborted or remote error) instead of waiting for it. */
+/* The last rank aborts once every other rank has finished the earlier calls (each tells it
+ * with a one-byte send; aborting sooner could fail another rank's last barrier, correctly):
+ * its later calls return weftAborted, and every other rank's next call fails (aborted or
+ * remote error) instead of waiting for it. */
 static void abort_last(weftComm_t comm, int n) {
+  int8_t token = 1, got[8];
   if (me == n - 1) {
+    OK(weftGroupStart());
+    for (int r = 0; r < n - 1; r++) OK(weftRecv(&got[r], 1, weftInt8, r, comm));
+    OK(weftGroupEnd());
     OK(weftCommAbort(comm));
     CHECK(weftBarrier(comm) == weftAborted, "barrier after abort: %s", weftGetLastError(comm));
   } else {
+    weftResult_t s = weftSend(&token, 1, weftInt8, n - 1, comm);
+    CHECK(s == weftSuccess || s == weftAborted || s == weftRemoteError, "send -> %d", s);
     weftResult_t r = weftBarrier(comm);
     CHECK(r == weftAborted || r == weftRemoteError, "barrier with an aborted rank -> %d: %s", r,
           weftGetLastError(comm));
@@ -210,8 +219,13 @@ static void abort_last(weftComm_t comm, int n) {
 
 int main(int argc, char **argv) {
   weftUniqueId id;
+  weftComm_t comm = NULL;
   int n;
-  if (argc == 2 && strcmp(argv[1], "id") == 0) {
+  if (argc == 2 && strcmp(argv[1], "env") == 0) {
+    OK(weftCommInitFromEnv(&comm));
+    OK(weftCommUserRank(comm, &me));
+    OK(weftCommCount(comm, &n));
+  } else if (argc == 2 && strcmp(argv[1], "id") == 0) {
     const char *env = getenv("NRANKS");
     n = env ? atoi(env) : 2;
     me = 0;
@@ -224,11 +238,10 @@ int main(int argc, char **argv) {
     memset(&id, 0, sizeof id);
     strncpy(id.internal, argv[3], sizeof id.internal - 1);
   } else {
-    fprintf(stderr, "usage: ranks id | ranks RANK NRANKS ID\n");
+    fprintf(stderr, "usage: ranks id | ranks RANK NRANKS ID | ranks env\n");
     return 2;
   }
-  weftComm_t comm = NULL;
-  OK(weftCommInitRank(&comm, n, id, me));
+  if (comm == NULL) OK(weftCommInitRank(&comm, n, id, me));
   all_reduce(comm, n, 0);
   all_reduce(comm, n, 1);
   all_reduce(comm, n, 1037);
