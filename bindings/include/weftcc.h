@@ -94,8 +94,8 @@ typedef int weftRedOp_t;
 extern "C" {
 #endif // __cplusplus
 
-// Creates a new unique id: starts the bootstrap store in this process (which must stay alive
-// while ranks initialise; it becomes rank 0's, or any rank's, store).
+// Creates a new unique id and starts the job's bootstrap store in this process: call it on the
+// process that will be rank 0, then give the id to the other ranks.
 //
 // # Safety
 // `id` is null or points to writable memory for one [`weftUniqueId`].

@@ -13,9 +13,9 @@
 //! host communicator's semantics). Device buffers are served by the Rust API of
 //! `weftcc-cuda`; they have no C entry points yet.
 //!
-//! Every entry point checks its pointers and arguments and returns `weftInvalidArgument`
-//! instead of crashing; a Rust panic never crosses the boundary (it becomes
-//! `weftInternalError`).
+//! Every entry point rejects null pointers, unknown types, operations and ranks, and
+//! overlapping buffers with `weftInvalidArgument` instead of crashing; a Rust panic never
+//! crosses the boundary (it becomes `weftInternalError`).
 
 // The exported names are C's (NCCL's style): `weftResult_t`, `weftSuccess`, `weftAllReduce`.
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]
@@ -212,8 +212,8 @@ fn byte_len(kind: OpKind, count: usize, dtype: DataType) -> Result<usize, weftRe
         .ok_or_else(|| bad_arg(format!("{kind}: {count} elements overflow")))
 }
 
-/// Creates a new unique id: starts the bootstrap store in this process (which must stay alive
-/// while ranks initialise; it becomes rank 0's, or any rank's, store).
+/// Creates a new unique id and starts the job's bootstrap store in this process: call it on the
+/// process that will be rank 0, then give the id to the other ranks.
 ///
 /// # Safety
 /// `id` is null or points to writable memory for one [`weftUniqueId`].
