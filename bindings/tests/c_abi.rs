@@ -145,6 +145,27 @@ fn run_from_env(exe: &Path) {
 }
 
 #[test]
+fn header_compiles_as_cpp() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let status = Command::new("c++")
+        .args([
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fsyntax-only",
+            "-I",
+        ])
+        .arg(dir.join("include"))
+        .arg(dir.join("tests/c/header_check.cpp"))
+        .status();
+    match status {
+        Ok(s) => assert!(s.success(), "include/weftcc.h does not compile as C++"),
+        Err(e) => println!("skipped: no C++ compiler ({e})"),
+    }
+}
+
+#[test]
 fn c_programs_run_every_collective_on_1_to_4_ranks() {
     let Some(exe) = build() else { return };
     for n in 1..=4 {
