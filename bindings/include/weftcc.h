@@ -9,6 +9,9 @@
 // Bytes of a [`weftUniqueId`].
 #define WEFT_UNIQUE_ID_BYTES 256
 
+// The `color` that takes part in [`weftCommSplit`] without joining a new communicator.
+#define WEFT_SPLIT_NOCOLOR -1
+
 // A communicator (opaque).
 typedef struct weftComm weftComm;
 
@@ -114,6 +117,13 @@ weftResult_t weftCommInitRank(weftComm_t *comm, int nranks, weftUniqueId id, int
 // # Safety
 // `comm` is null or points to writable memory for one handle.
 weftResult_t weftCommInitFromEnv(weftComm_t *comm);
+
+// Splits `comm` (collective over it): ranks passing the same non-negative `color` form a new
+// communicator, ranked by (`key`, old rank); a rank passing [`WEFT_SPLIT_NOCOLOR`] gets NULL.
+//
+// # Safety
+// `comm` is null or a live handle; `newcomm` is null or writable.
+weftResult_t weftCommSplit(weftComm_t comm, int color, int key, weftComm_t *newcomm);
 
 // Destroys a communicator (null is accepted and ignored). Pending group calls of it are
 // dropped.

@@ -304,6 +304,42 @@ pub unsafe extern "C" fn weftCommInitFromEnv(comm: *mut weftComm_t) -> weftResul
     entry(|| unsafe { publish(comm, Communicator::from_env, "weftCommInitFromEnv") })
 }
 
+/// The `color` that takes part in [`weftCommSplit`] without joining a new communicator.
+pub const WEFT_SPLIT_NOCOLOR: c_int = -1;
+
+/// Splits `comm` (collective over it): ranks passing the same non-negative `color` form a new
+/// communicator, ranked by (`key`, old rank); a rank passing [`WEFT_SPLIT_NOCOLOR`] gets NULL.
+///
+/// # Safety
+/// `comm` is null or a live handle; `newcomm` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn weftCommSplit(
+    comm: weftComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut weftComm_t,
+) -> weftResult_t {
+    entry(|| {
+        // SAFETY: per the contract.
+        let c = unsafe { comm_ref(comm) }?;
+        if newcomm.is_null() {
+            return Err(bad_arg("weftCommSplit: null output".into()));
+        }
+        let color = match color {
+            WEFT_SPLIT_NOCOLOR => None,
+            c => Some(u32::try_from(c).map_err(|_| bad_arg(format!("weftCommSplit: color {c}")))?),
+        };
+        let made = c
+            .split(color, i64::from(key))
+            .map_err(|e| fail(code_of(&e), &e.to_string()))?;
+        let handle = made.map_or(std::ptr::null_mut(), |c| {
+            Box::into_raw(Box::new(weftComm { comm: c }))
+        });
+        // SAFETY: per the contract.
+        unsafe { write_out(newcomm, handle, "weftCommSplit") }
+    })
+}
+
 /// Destroys a communicator (null is accepted and ignored). Pending group calls of it are
 /// dropped.
 ///

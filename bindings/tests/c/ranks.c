@@ -165,6 +165,35 @@ static void point_to_point(weftComm_t comm, int n) {
   free(in);
 }
 
+/* Even and odd ranks split into two communicators (ranked in reverse by key); the last rank
+ * of an odd count takes part without joining one. */
+static void split(weftComm_t comm, int n) {
+  int last_alone = (n % 2 == 1 && n > 1 && me == n - 1);
+  weftComm_t sub = NULL;
+  OK(weftCommSplit(comm, last_alone ? WEFT_SPLIT_NOCOLOR : me % 2, -me, &sub));
+  if (last_alone) {
+    CHECK(sub == NULL, "no-color rank got a communicator");
+    return;
+  }
+  int size = 0, rank = -1, want_size = 0;
+  for (int r = 0; r < n; r++)
+    if (r % 2 == me % 2 && !(n % 2 == 1 && n > 1 && r == n - 1)) want_size++;
+  OK(weftCommCount(sub, &size));
+  OK(weftCommUserRank(sub, &rank));
+  CHECK(size == want_size, "split size %d, want %d", size, want_size);
+  int above = 0; /* members with a smaller key (-r), i.e. a larger old rank */
+  for (int r = me + 1; r < n; r++)
+    if (r % 2 == me % 2 && !(n % 2 == 1 && n > 1 && r == n - 1)) above++;
+  CHECK(rank == above, "split rank %d, want %d", rank, above);
+  int64_t v = me, sum = 0;
+  OK(weftAllReduce(&v, &sum, 1, weftInt64, weftSum, sub));
+  int64_t want = 0;
+  for (int r = 0; r < n; r++)
+    if (r % 2 == me % 2 && !(n % 2 == 1 && n > 1 && r == n - 1)) want += r;
+  CHECK(sum == want, "sum over the split %lld, want %lld", (long long)sum, (long long)want);
+  OK(weftCommDestroy(sub));
+}
+
 /* Bad calls return weftInvalidArgument (or InvalidUsage) with a message, and leave the
  * communicator usable. */
 static void errors(weftComm_t comm, int n) {
@@ -248,6 +277,7 @@ int main(int argc, char **argv) {
   rooted(comm, n);
   gather_scatter(comm, n);
   if (n > 1) point_to_point(comm, n); /* a rank cannot send to itself */
+  split(comm, n);
   errors(comm, n);
   if (n > 1) abort_last(comm, n);
   OK(weftCommDestroy(comm));
