@@ -111,18 +111,18 @@ fn stream_mem_ops(ctx: &Context) -> bool {
 
 /// A size from the environment where 0 is a valid value (unset or unparsable: `default`).
 fn env_bytes(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| weftcc_collectives::comm::parse_size(&v))
-        .unwrap_or(default)
+    env_size(name).unwrap_or(default)
 }
 
+/// A positive size from the environment (unset, unparsable or 0: `default`).
 fn env_usize(name: &str, default: usize) -> usize {
+    env_size(name).filter(|&v| v > 0).unwrap_or(default)
+}
+
+fn env_size(name: &str) -> Option<usize> {
     std::env::var(name)
         .ok()
         .and_then(|v| weftcc_collectives::comm::parse_size(&v))
-        .filter(|&v| v > 0)
-        .unwrap_or(default)
 }
 
 /// A device buffer argument, untyped: address and bytes.
@@ -581,17 +581,21 @@ impl DeviceComm {
         r.map_err(|e| self.failed(kind, seq, e))
     }
 
+    /// The IPC state (present exactly when the transport is IPC).
+    fn ipc_state(&self) -> Result<std::sync::MutexGuard<'_, IpcPeers>> {
+        self.ipc
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+            .ok_or_else(|| CudaError::Other("IPC transport without IPC state".into()))
+    }
+
     fn enqueue_group_ipc(
         &self,
         sends: &[(usize, DevSpan)],
         recvs: &[(usize, DevSpan)],
         stream: &Stream,
     ) -> Result<()> {
-        let mut ipc = self
-            .ipc
-            .as_ref()
-            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
-            .ok_or_else(|| CudaError::Other("IPC transport without IPC state".into()))?;
+        let mut ipc = self.ipc_state()?;
         let (sched, bufs) = group_schedule(sends, recvs, ipc.slot_bytes);
         if sched.steps.is_empty() {
             return Ok(());
@@ -612,11 +616,7 @@ impl DeviceComm {
         if count == 0 {
             return Ok(());
         }
-        let mut ipc = self
-            .ipc
-            .as_ref()
-            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
-            .ok_or_else(|| CudaError::Other("IPC transport without IPC state".into()))?;
+        let mut ipc = self.ipc_state()?;
         let es = call.dtype.size();
         let slice = (ipc.slot_bytes / es).max(1);
         let in_place = send.is_none();

@@ -165,10 +165,13 @@ static void point_to_point(weftComm_t comm, int n) {
   free(in);
 }
 
+/* With an odd count above 1, the last rank takes part in the split without joining. */
+static int alone(int r, int n) { return n % 2 == 1 && n > 1 && r == n - 1; }
+
 /* Even and odd ranks split into two communicators (ranked in reverse by key); the last rank
  * of an odd count takes part without joining one. */
 static void split(weftComm_t comm, int n) {
-  int last_alone = (n % 2 == 1 && n > 1 && me == n - 1);
+  int last_alone = alone(me, n);
   weftComm_t sub = NULL;
   OK(weftCommSplit(comm, last_alone ? WEFT_SPLIT_NOCOLOR : me % 2, -me, &sub));
   if (last_alone) {
@@ -177,19 +180,19 @@ static void split(weftComm_t comm, int n) {
   }
   int size = 0, rank = -1, want_size = 0;
   for (int r = 0; r < n; r++)
-    if (r % 2 == me % 2 && !(n % 2 == 1 && n > 1 && r == n - 1)) want_size++;
+    if (r % 2 == me % 2 && !alone(r, n)) want_size++;
   OK(weftCommCount(sub, &size));
   OK(weftCommUserRank(sub, &rank));
   CHECK(size == want_size, "split size %d, want %d", size, want_size);
   int above = 0; /* members with a smaller key (-r), i.e. a larger old rank */
   for (int r = me + 1; r < n; r++)
-    if (r % 2 == me % 2 && !(n % 2 == 1 && n > 1 && r == n - 1)) above++;
+    if (r % 2 == me % 2 && !alone(r, n)) above++;
   CHECK(rank == above, "split rank %d, want %d", rank, above);
   int64_t v = me, sum = 0;
   OK(weftAllReduce(&v, &sum, 1, weftInt64, weftSum, sub));
   int64_t want = 0;
   for (int r = 0; r < n; r++)
-    if (r % 2 == me % 2 && !(n % 2 == 1 && n > 1 && r == n - 1)) want += r;
+    if (r % 2 == me % 2 && !alone(r, n)) want += r;
   CHECK(sum == want, "sum over the split %lld, want %lld", (long long)sum, (long long)want);
   OK(weftCommDestroy(sub));
 }
