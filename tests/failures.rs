@@ -105,10 +105,22 @@ fn expect_mismatch_allowing(
     may_succeed: &[usize],
     f: impl Fn(usize, &weftcc::Communicator) -> weftcc::Result<()> + Sync,
 ) {
-    let mut cfg = config(Wire::Shm);
+    expect_mismatch_with(name, 2, Wire::Shm, may_succeed, f)
+}
+
+/// As [`expect_mismatch_allowing`], with `n` ranks over `wire`. The timeout is 10 s and the
+/// whole run must take less than 8 s, so a mismatch that is only noticed as a timeout fails.
+fn expect_mismatch_with(
+    name: &str,
+    n: usize,
+    wire: Wire,
+    may_succeed: &[usize],
+    f: impl Fn(usize, &weftcc::Communicator) -> weftcc::Result<()> + Sync,
+) {
+    let mut cfg = config(wire);
     cfg.timeout = Duration::from_secs(10);
     let start = Instant::now();
-    let results = with_ranks_config(2, cfg, |rank, comm| f(rank, comm));
+    let results = with_ranks_config(n, cfg, |rank, comm| f(rank, comm));
     assert!(
         start.elapsed() < Duration::from_secs(8),
         "{name}: took {:?}",
@@ -175,10 +187,50 @@ fn mismatched_reduction() {
     });
 }
 
+/// Both ranks believe they are the broadcast root. Headers travel only where data does, so both
+/// only send, and with small buffers both calls may return Ok (nobody reads what the other
+/// sent); the next call finds the other rank's broadcast header where it expected its own
+/// operation's, and reports the mismatch.
 #[test]
-fn mismatched_root() {
+fn mismatched_root_is_reported_by_the_next_call() {
     expect_mismatch("root", |rank, comm| {
-        comm.broadcast_in_place(&mut [1u8; 16], rank)
+        comm.broadcast_in_place(&mut [1u8; 16], rank)?;
+        comm.barrier()
+    });
+}
+
+/// As above with 3 ranks, one of which disagrees: ranks 0 and 1 broadcast from 0 along the
+/// chain 0 → 1 → 2, rank 2 from itself (to 0); what rank 1 sends to rank 2 and rank 2 to rank 0
+/// is never read by the broadcast.
+#[test]
+fn mismatched_root_of_one_rank_in_three() {
+    expect_mismatch_with("root of 3", 3, Wire::Shm, &[], |rank, comm| {
+        let root = if rank == 2 { 2 } else { 0 };
+        comm.broadcast_in_place(&mut [1u8; 16], root)?;
+        comm.barrier()
+    });
+}
+
+/// Both ranks believe they are the root of a broadcast larger than the transports buffer: each
+/// waits for room to send forever, unless it notices the other's header waiting on the
+/// connection it does not read (checked while idle). Must fail as a mismatch well before the
+/// 10 s timeout.
+#[test]
+fn mismatched_root_with_large_buffers_fails_before_the_timeout() {
+    for wire in [Wire::Shm, Wire::Tcp] {
+        expect_mismatch_with("large root", 2, wire, &[], |rank, comm| {
+            comm.broadcast_in_place(&mut vec![1u8; 64 << 20], rank)
+        });
+    }
+}
+
+/// A ring with 3 ranks sends to one neighbour and receives from the other: one rank's count
+/// differs, its successor and itself see the mismatch, the third rank is aborted by them.
+#[test]
+fn mismatched_count_in_a_ring_of_three() {
+    expect_mismatch_with("ring count", 3, Wire::Tcp, &[], |rank, comm| {
+        let mut b = vec![1.0f32; if rank == 1 { 3 * 65 } else { 3 * 64 }];
+        comm.all_gather_in_place(&mut b)
     });
 }
 

@@ -1580,6 +1580,7 @@ impl Inner {
             &mut areas,
             &[],
             workspace,
+            seq,
         )?;
 
         // Avg: divide the reduced result once, where a result was written.
@@ -1612,6 +1613,7 @@ impl Inner {
         areas: &mut [Area<'_>],
         headers: &[(usize, OpDesc, OpDesc)],
         workspace: &mut Workspace,
+        collective_seq: u64,
     ) -> Result<()> {
         let poisoned = || self.poisoned();
         let largest = areas.iter().map(Area::len).max().unwrap_or(0);
@@ -1625,6 +1627,7 @@ impl Inner {
             backoff: self.config.backoff,
             pinned_sends: sends_pinned(desc.kind, largest, self.config.pinned_max_bytes),
             poisoned: &poisoned,
+            collective_seq,
         };
         let (conns, waiter) = mesh.parts();
         engine::execute_prepared(
@@ -1738,7 +1741,10 @@ impl Inner {
         self.current.set(OpKind::SendRecv, first_seq);
         let prepared = Prepared::new(sched);
         let State {
-            mesh, workspace, ..
+            mesh,
+            workspace,
+            coll_seq,
+            ..
         } = st;
         self.execute(
             mesh,
@@ -1750,6 +1756,7 @@ impl Inner {
             &mut areas,
             &headers,
             workspace,
+            *coll_seq,
         )
     }
 }

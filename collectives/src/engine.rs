@@ -5,10 +5,12 @@
 //! runs local copies, and when nothing moved it backs off — spin, then yield, then sleep in the
 //! transport's [`IdleWaiter`] — while watching the deadline, the abort flag and peer liveness.
 //!
-//! Wire format per connection, direction and operation: one [`HEADER_LEN`]-byte header (sent in
-//! both directions on every connection the operation uses), then the messages of the schedule's
-//! sends to that peer in order, each padded to a multiple of 8 bytes so that every
-//! message starts 8-byte aligned in the receiver's buffer.
+//! Wire format per connection, direction and operation: one [`HEADER_LEN`]-byte header, sent to
+//! every peer in the schedule's `send_peers` (even when no data follows), then the messages of the
+//! schedule's sends to that peer in order, each padded to a multiple of 8 bytes so that every
+//! message starts 8-byte aligned in the receiver's buffer. Headers travel only where data does:
+//! a broadcast root or a sender never waits to hear from its receivers (see
+//! [`execute_prepared`] for how mismatches are still caught).
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
@@ -137,6 +139,10 @@ pub struct Context<'a> {
     pub pinned_sends: bool,
     /// Returns the error that poisoned the communicator while this operation ran, if any.
     pub poisoned: &'a dyn Fn() -> Option<Error>,
+    /// Sequence number of the communicator's latest collective (this one, for a collective; 0
+    /// before the first, collectives count from 1): a peer's collective header up to it that
+    /// waits on a connection this operation does not read is a mismatch.
+    pub collective_seq: u64,
 }
 
 impl Context<'_> {
@@ -204,6 +210,9 @@ struct Lane {
     peer: usize,
     send: std::ops::Range<usize>,
     recv: std::ops::Range<usize>,
+    /// The peer is in the schedule's `send_peers` (gets our header) / `recv_peers` (sends one).
+    header_out: bool,
+    header_in: bool,
 }
 
 impl Prepared {
@@ -250,6 +259,8 @@ impl Prepared {
                 peer,
                 send: s0..r0,
                 recv: r0..order.len(),
+                header_out: schedule.send_peers.contains(&peer),
+                header_in: schedule.recv_peers.contains(&peer),
             });
         }
         Prepared {
@@ -293,12 +304,13 @@ struct Cursor {
 }
 
 impl Cursor {
-    fn new(range: &std::ops::Range<usize>, expect: OpDesc) -> Cursor {
+    /// A cursor over `range`; `header` says whether a header goes first in its direction.
+    fn new(range: &std::ops::Range<usize>, header: bool, expect: OpDesc) -> Cursor {
         Cursor {
             next: range.start,
             end: range.end,
             moved: 0,
-            header_done: false,
+            header_done: !header,
             header_moved: 0,
             header: [0; HEADER_LEN],
             expect,
@@ -385,9 +397,12 @@ pub fn execute_prepared(
         places.push(p);
     }
 
-    // Headers flow both ways on every connection the operation uses, even where data flows one
-    // way: a broadcast root then hears from its successor, so a root or kind mismatch is seen
-    // by both sides instead of leaving stray bytes for the next operation.
+    // Headers flow where data flows (to `send_peers`, from `recv_peers`), so a broadcast root
+    // or a reduce's senders never wait for a round trip. A mismatch is still caught: by the
+    // receiver that checks the header, by the next operation that reads the connection (a
+    // header sent where none was expected is still there, with an older sequence number), and,
+    // while this operation waits, by `stray_header` (two ranks that both believe they only
+    // send would otherwise wait on full buffers until the timeout).
     cursors.clear();
     for lane in &prepared.lanes {
         if lane.peer == ctx.rank || conns.get(lane.peer).is_none_or(|c| c.is_none()) {
@@ -398,9 +413,9 @@ pub fn execute_prepared(
             .find(|h| h.0 == lane.peer)
             .map(|h| (h.1, h.2))
             .unwrap_or((ctx.desc, ctx.desc));
-        let mut send = Cursor::new(&lane.send, out);
+        let mut send = Cursor::new(&lane.send, lane.header_out, out);
         send.header = out.encode(ctx.rank as u32);
-        cursors.push([send, Cursor::new(&lane.recv, expect)]);
+        cursors.push([send, Cursor::new(&lane.recv, lane.header_in, expect)]);
     }
 
     done.clear();
@@ -507,6 +522,7 @@ pub fn execute_prepared(
                     conn.check_peer().map_err(|e| ctx.transport(lane.peer, e))?;
                 }
             }
+            stray_header(ctx, prepared, conns)?;
         }
         interest.clear();
         interest.extend(
@@ -809,6 +825,50 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
         progressed = true;
     }
     Ok(progressed)
+}
+
+/// Looks at the connections this operation does not read from: a collective's header waiting
+/// there with a sequence number up to this collective's was sent where this rank expected
+/// nothing, so the ranks disagree about an operation. (A later collective's header, or a
+/// point-to-point message, may legitimately be waiting: a peer can run ahead.) Called only
+/// while the operation is idle, so it costs nothing on the fast path.
+fn stray_header(
+    ctx: &Context<'_>,
+    prepared: &Prepared,
+    conns: &mut [Option<Box<dyn Connection>>],
+) -> Result<()> {
+    let current = ctx.collective_seq;
+    for (peer, conn) in conns.iter_mut().enumerate() {
+        let Some(conn) = conn.as_mut() else { continue };
+        if peer == ctx.rank || prepared.lanes.iter().any(|l| l.peer == peer && l.header_in) {
+            continue;
+        }
+        let mut seen: Option<[u8; HEADER_LEN]> = None;
+        conn.try_recv(HEADER_LEN, &mut |b: &[u8]| {
+            if let Ok(h) = <[u8; HEADER_LEN]>::try_from(b) {
+                seen = Some(h);
+            }
+            0 // look, do not take
+        })
+        .map_err(|e| ctx.transport(peer, e))?;
+        let Some(bytes) = seen else { continue };
+        let (theirs, _) = OpDesc::decode(&bytes).map_err(|e| Error::Transport {
+            rank: ctx.rank,
+            peer,
+            op: ctx.kind(),
+            seq: ctx.desc.seq,
+            source: TransportError::Protocol(format!("bad operation header: {e}")),
+        })?;
+        if theirs.kind != OpKind::SendRecv && theirs.seq <= current {
+            return Err(Error::Mismatch {
+                rank: ctx.rank,
+                peer,
+                ours: ctx.desc,
+                theirs,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn check_header(

@@ -1,5 +1,6 @@
-//! The operation header: 40 bytes each rank sends on every connection an operation uses, before
-//! its data, so that mismatched calls are detected instead of corrupting data or hanging.
+//! The operation header: 40 bytes a rank sends to every peer it sends to in an operation (even
+//! with no data), before the data, so that mismatched calls are detected instead of corrupting
+//! data or hanging.
 
 use crate::dtype::DataType;
 use crate::op::OpKind;
