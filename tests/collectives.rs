@@ -66,7 +66,7 @@ fn input<T: Val>(rank: usize, i: usize, op: ReduceOp) -> i128 {
         // Factors 1 or 2 (and a sign for signed types): |product| ≤ 2^8.
         ReduceOp::Prod => {
             let m = 1 + ((rank + i) % 2) as i128;
-            if T::SIGNED && (rank + 2 * i) % 3 == 0 {
+            if T::SIGNED && (rank + 2 * i).is_multiple_of(3) {
                 -m
             } else {
                 m

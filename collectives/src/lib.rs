@@ -11,6 +11,7 @@ pub mod dtype;
 pub mod engine;
 pub mod env;
 pub mod error;
+mod half_simd;
 pub mod header;
 pub mod hierarchical;
 pub mod logging;

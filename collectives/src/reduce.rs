@@ -12,8 +12,10 @@
 //! * `f16` and `bf16`: each operation is computed in `f32` and rounded back to nearest-even,
 //!   giving the bits the `half` crate's scalar conversions give (`to_f32`, `from_f32`); `Min`/
 //!   `Max` follow `f32`'s; when both operands are NaN the result is the first one's, quieted.
-//!   `f16` converts through `half`'s slice conversions (F16C where the CPU has it), `bf16`
-//!   through branch-free conversions here that the compiler vectorises with SSE2.
+//!   On CPUs with AVX-512 both go through [`crate::half_simd`] (16 elements widened, combined
+//!   and narrowed in registers, chosen at run time); elsewhere `f16` converts through `half`'s
+//!   slice conversions (F16C where the CPU has it), `bf16` through branch-free conversions here
+//!   that the compiler vectorises with SSE2. Both paths give the same bits.
 //!
 //! Byte slices are normally aligned for their type (message starts are 8-byte aligned), in which
 //! case they are reinterpreted in place and processed by simple loops the compiler vectorises.
@@ -21,6 +23,7 @@
 //! loops, so both paths give bit-identical results.
 
 use crate::dtype::{DataType, Element};
+use crate::half_simd::{self, Half};
 use crate::op::Combiner;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -197,7 +200,7 @@ fn same_len(dst: usize, src: usize) -> Result<(), KernelError> {
 
 fn whole_elements(dtype: DataType, len: usize) -> Result<(), KernelError> {
     let elem = dtype.size();
-    if len % elem == 0 {
+    if len.is_multiple_of(elem) {
         Ok(())
     } else {
         Err(KernelError::NotWholeElements { len, elem })
@@ -444,7 +447,9 @@ float_lanes!(f32, f64);
 
 /// Half-precision types: each element is widened to `f32`, combined in `f32` and rounded back
 /// to nearest-even. The conversions give the same bits as the `half` crate's scalar
-/// `to_f32`/`from_f32`, NaN payloads included; how they are done differs per type:
+/// `to_f32`/`from_f32`, NaN payloads included. With AVX-512 the sums, products, minima and
+/// maxima go through [`half_simd`]; without it (and for scaling and division, once per
+/// operation) the portable paths below are used:
 ///
 /// * `f16` goes block by block through `half`'s slice conversions, which use the F16C
 ///   instructions when the CPU has them (detected at run time inside `half`). Branch-free SSE2
@@ -501,38 +506,96 @@ fn half_blocks<H: HalfLanes>(
 #[inline(always)]
 fn half_combine(comb: Combiner) -> fn(f32, f32) -> f32 {
     match comb {
-        Combiner::Sum => |x, y| if x.is_nan() { x } else { x + y },
-        Combiner::Prod => |x, y| if x.is_nan() { x } else { x * y },
-        Combiner::Min => |x, y| if y.is_nan() { x } else { x.min(y) },
-        Combiner::Max => |x, y| if y.is_nan() { x } else { x.max(y) },
+        Combiner::Sum => half_sum,
+        Combiner::Prod => half_prod,
+        Combiner::Min => half_min,
+        Combiner::Max => half_max,
+    }
+}
+
+#[inline(always)]
+fn half_sum(x: f32, y: f32) -> f32 {
+    if x.is_nan() {
+        x
+    } else {
+        x + y
+    }
+}
+
+#[inline(always)]
+fn half_prod(x: f32, y: f32) -> f32 {
+    if x.is_nan() {
+        x
+    } else {
+        x * y
+    }
+}
+
+#[inline(always)]
+fn half_min(x: f32, y: f32) -> f32 {
+    if y.is_nan() {
+        x
+    } else {
+        x.min(y)
+    }
+}
+
+#[inline(always)]
+fn half_max(x: f32, y: f32) -> f32 {
+    if y.is_nan() {
+        x
+    } else {
+        x.max(y)
+    }
+}
+
+/// `dst ⊕= src` through the AVX-512 kernels of [`half_simd`]; false (nothing done) where the
+/// CPU has none. Each combiner is passed as its own function item, so that it is inlined into
+/// the vector loop.
+fn half_simd_in_place<H: bytemuck::Pod>(
+    kind: Half,
+    comb: Combiner,
+    dst: &mut [H],
+    src: &[H],
+) -> bool {
+    let (d, s) = (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
+    match comb {
+        Combiner::Sum => half_simd::in_place(kind, half_sum, d, s),
+        Combiner::Prod => half_simd::in_place(kind, half_prod, d, s),
+        Combiner::Min => half_simd::in_place(kind, half_min, d, s),
+        Combiner::Max => half_simd::in_place(kind, half_max, d, s),
+    }
+}
+
+/// `dst = a ⊕ b` through the AVX-512 kernels of [`half_simd`]; false where the CPU has none.
+fn half_simd_into<H: bytemuck::Pod>(
+    kind: Half,
+    comb: Combiner,
+    dst: &mut [H],
+    a: &[H],
+    b: &[H],
+) -> bool {
+    let d = bytemuck::cast_slice_mut(dst);
+    let (a, b) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
+    match comb {
+        Combiner::Sum => half_simd::into(kind, half_sum, d, a, b),
+        Combiner::Prod => half_simd::into(kind, half_prod, d, a, b),
+        Combiner::Min => half_simd::into(kind, half_min, d, a, b),
+        Combiner::Max => half_simd::into(kind, half_max, d, a, b),
     }
 }
 
 impl Lanes for f16 {
     fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
-        // Reduce blockwise: dst <- a, then dst <- dst ⊕ b, both in f32.
-        let mut fa = [0f32; BLOCK];
-        let mut fb = [0f32; BLOCK];
-        for ((d, x), y) in dst
-            .chunks_mut(BLOCK)
-            .zip(a.chunks(BLOCK))
-            .zip(b.chunks(BLOCK))
-        {
-            let n = d.len().min(x.len()).min(y.len());
-            let (d, _) = d.split_at_mut(n);
-            let (x, _) = x.split_at(n);
-            let (y, _) = y.split_at(n);
-            let (wa, _) = fa.split_at_mut(n);
-            let (wb, _) = fb.split_at_mut(n);
-            f16::widen(x, wa);
-            f16::widen(y, wb);
-            f32_combine_in_place(comb, wa, wb);
-            f16::narrow(wa, d);
+        if !half_simd_into(Half::F16, comb, dst, a, b) {
+            f16_portable_into(comb, dst, a, b);
         }
     }
 
     fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
-        half_blocks(dst, src, true, |d, s| f32_combine_in_place(comb, d, s));
+        if !half_simd_in_place(Half::F16, comb, dst, src) {
+            f16_portable_in_place(comb, dst, src);
+        }
     }
 
     fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
@@ -548,6 +611,34 @@ impl Lanes for f16 {
             f16::narrow(w, chunk);
         }
     }
+}
+
+/// `dst = a ⊕ b` for `f16` without AVX-512: `half`'s slice conversions, block by block.
+fn f16_portable_into(comb: Combiner, dst: &mut [f16], a: &[f16], b: &[f16]) {
+    // Reduce blockwise: dst <- a, then dst <- dst ⊕ b, both in f32.
+    let mut fa = [0f32; BLOCK];
+    let mut fb = [0f32; BLOCK];
+    for ((d, x), y) in dst
+        .chunks_mut(BLOCK)
+        .zip(a.chunks(BLOCK))
+        .zip(b.chunks(BLOCK))
+    {
+        let n = d.len().min(x.len()).min(y.len());
+        let (d, _) = d.split_at_mut(n);
+        let (x, _) = x.split_at(n);
+        let (y, _) = y.split_at(n);
+        let (wa, _) = fa.split_at_mut(n);
+        let (wb, _) = fb.split_at_mut(n);
+        f16::widen(x, wa);
+        f16::widen(y, wb);
+        f32_combine_in_place(comb, wa, wb);
+        f16::narrow(wa, d);
+    }
+}
+
+/// `dst ⊕= src` for `f16` without AVX-512.
+fn f16_portable_in_place(comb: Combiner, dst: &mut [f16], src: &[f16]) {
+    half_blocks(dst, src, true, |d, s| f32_combine_in_place(comb, d, s));
 }
 
 /// `dst[i] = half_combine(comb)(dst[i], src[i])` on `f32` blocks, one loop per combiner.
@@ -573,7 +664,7 @@ fn bf16_widen(h: u16) -> f32 {
 /// its top payload bits and gets its quiet bit set. Branch-free (both results computed, one
 /// selected by a mask) so that loops over it vectorise.
 #[inline(always)]
-fn f32_to_bf16(x: f32) -> u16 {
+pub(crate) fn f32_to_bf16(x: f32) -> u16 {
     let u = x.to_bits();
     // Round to nearest-even: add just under half an ulp plus the kept LSB (a carry may reach
     // the exponent, up to infinity); a NaN gets the quiet bit instead. The result is the high
@@ -598,20 +689,14 @@ fn bf16_op(f: fn(f32, f32) -> f32) -> impl Fn(bf16, bf16) -> bf16 {
 
 impl Lanes for bf16 {
     fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
-        match comb {
-            Combiner::Sum => zip3(dst, a, b, bf16_op(half_combine(Combiner::Sum))),
-            Combiner::Prod => zip3(dst, a, b, bf16_op(half_combine(Combiner::Prod))),
-            Combiner::Min => zip3(dst, a, b, bf16_op(half_combine(Combiner::Min))),
-            Combiner::Max => zip3(dst, a, b, bf16_op(half_combine(Combiner::Max))),
+        if !half_simd_into(Half::Bf16, comb, dst, a, b) {
+            bf16_portable_into(comb, dst, a, b);
         }
     }
 
     fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
-        match comb {
-            Combiner::Sum => zip2(dst, src, bf16_op(half_combine(Combiner::Sum))),
-            Combiner::Prod => zip2(dst, src, bf16_op(half_combine(Combiner::Prod))),
-            Combiner::Min => zip2(dst, src, bf16_op(half_combine(Combiner::Min))),
-            Combiner::Max => zip2(dst, src, bf16_op(half_combine(Combiner::Max))),
+        if !half_simd_in_place(Half::Bf16, comb, dst, src) {
+            bf16_portable_in_place(comb, dst, src);
         }
     }
 
@@ -627,6 +712,26 @@ impl Lanes for bf16 {
         for x in buf.iter_mut() {
             *x = bf16::from_bits(f32_to_bf16(bf16_widen(x.to_bits()) / d));
         }
+    }
+}
+
+/// `dst = a ⊕ b` for `bf16` without AVX-512 (SSE2).
+fn bf16_portable_into(comb: Combiner, dst: &mut [bf16], a: &[bf16], b: &[bf16]) {
+    match comb {
+        Combiner::Sum => zip3(dst, a, b, bf16_op(half_combine(Combiner::Sum))),
+        Combiner::Prod => zip3(dst, a, b, bf16_op(half_combine(Combiner::Prod))),
+        Combiner::Min => zip3(dst, a, b, bf16_op(half_combine(Combiner::Min))),
+        Combiner::Max => zip3(dst, a, b, bf16_op(half_combine(Combiner::Max))),
+    }
+}
+
+/// `dst ⊕= src` for `bf16` without AVX-512 (SSE2).
+fn bf16_portable_in_place(comb: Combiner, dst: &mut [bf16], src: &[bf16]) {
+    match comb {
+        Combiner::Sum => zip2(dst, src, bf16_op(half_combine(Combiner::Sum))),
+        Combiner::Prod => zip2(dst, src, bf16_op(half_combine(Combiner::Prod))),
+        Combiner::Min => zip2(dst, src, bf16_op(half_combine(Combiner::Min))),
+        Combiner::Max => zip2(dst, src, bf16_op(half_combine(Combiner::Max))),
     }
 }
 
@@ -808,6 +913,59 @@ mod tests {
         check_type::<u32>(&[u32::MAX, 0, 1 << 16], &[1, 5, 1 << 16]);
         check_type::<i64>(&[i64::MAX, i64::MIN, -9], &[1, -1, 2]);
         check_type::<u64>(&[u64::MAX, 0, 1 << 32], &[1, 0, 1 << 32]);
+    }
+
+    /// The AVX-512 kernels against the portable ones, bit for bit: random bit patterns (NaN
+    /// payloads, subnormals, infinities and signed zeros included) at every tail length.
+    #[test]
+    fn half_simd_kernels_match_the_portable_ones() {
+        if !half_simd::available() {
+            eprintln!(
+                "no AVX-512 on this CPU (or WEFT_NO_AVX512 set): only the portable kernels run"
+            );
+            return;
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut bits = |n: usize| -> Vec<u16> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u16
+                })
+                .collect()
+        };
+        for n in (0..40).chain([255, 1000]) {
+            let (a, b) = (bits(n), bits(n));
+            for comb in COMBS {
+                let (fa, fb): (Vec<f16>, Vec<f16>) = (
+                    a.iter().map(|&x| f16::from_bits(x)).collect(),
+                    b.iter().map(|&x| f16::from_bits(x)).collect(),
+                );
+                let mut want = vec![f16::ZERO; n];
+                f16_portable_into(comb, &mut want, &fa, &fb);
+                let mut got = vec![f16::ZERO; n];
+                assert!(half_simd_into(Half::F16, comb, &mut got, &fa, &fb));
+                assert!(same_bits(&got, &want), "f16 into {comb:?} n={n}");
+                let mut got = fa.clone();
+                assert!(half_simd_in_place(Half::F16, comb, &mut got, &fb));
+                assert!(same_bits(&got, &want), "f16 in place {comb:?} n={n}");
+
+                let (ba, bb): (Vec<bf16>, Vec<bf16>) = (
+                    a.iter().map(|&x| bf16::from_bits(x)).collect(),
+                    b.iter().map(|&x| bf16::from_bits(x)).collect(),
+                );
+                let mut want = vec![bf16::ZERO; n];
+                bf16_portable_into(comb, &mut want, &ba, &bb);
+                let mut got = vec![bf16::ZERO; n];
+                assert!(half_simd_into(Half::Bf16, comb, &mut got, &ba, &bb));
+                assert!(same_bits(&got, &want), "bf16 into {comb:?} n={n}");
+                let mut got = ba.clone();
+                assert!(half_simd_in_place(Half::Bf16, comb, &mut got, &bb));
+                assert!(same_bits(&got, &want), "bf16 in place {comb:?} n={n}");
+            }
+        }
     }
 
     #[test]

@@ -795,7 +795,7 @@ pub fn recursive_doubling_all_reduce(
     // Buffers of the current accumulator X and of the next one Y.
     let (mut x, mut y) = if folds {
         // Y of round k is Output when rounds - 1 - k is even: the last round writes Output.
-        let first_y = if (rounds - 1) % 2 == 0 {
+        let first_y = if (rounds - 1).is_multiple_of(2) {
             BufId::Output
         } else {
             BufId::Scratch

@@ -115,7 +115,7 @@ pub fn human_bytes(b: u64) -> String {
         u += 1;
     }
     let unit = 1u64 << (10 * u);
-    if b % unit == 0 {
+    if b.is_multiple_of(unit) {
         format!("{} {}", b / unit, UNITS[u])
     } else {
         format!("{:.1} {}", b as f64 / unit as f64, UNITS[u])

@@ -477,7 +477,7 @@ fn inorder_tree(n: usize, rank_of: impl Fn(usize) -> usize) -> Tree {
 /// Tree 0 has the odd ranks interior; tree 1 is tree 0 mirrored (n even) or shifted by one (n odd).
 pub fn double_binary_tree(n: usize) -> [Tree; 2] {
     let t0 = inorder_tree(n, |p| p - 1);
-    let t1 = if n % 2 == 0 {
+    let t1 = if n.is_multiple_of(2) {
         inorder_tree(n, |p| n - p)
     } else {
         inorder_tree(n, |p| p % n)

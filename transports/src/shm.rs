@@ -341,7 +341,7 @@ impl Mapping {
     /// # Invariant
     /// Callers pass offsets inside the validated layout (`off + 8 <= total <= raw.len()`, 8-aligned).
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.raw.len());
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.raw.len());
         // SAFETY: the mapping is valid for `raw.len()` bytes while `self` lives, page aligned, and
         // `off` is an 8-aligned offset inside it (layout invariant), so the pointer is valid and
         // aligned for an AtomicU64; shared memory is only ever accessed atomically at this offset.
@@ -349,7 +349,7 @@ impl Mapping {
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.raw.len());
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.raw.len());
         // SAFETY: as in `u64_at`, with a 4-aligned offset inside the mapping.
         unsafe { AtomicU32::from_ptr(self.raw.as_mut_ptr().add(off).cast::<u32>()) }
     }
@@ -839,7 +839,7 @@ impl ShmConnection {
         // Whole words at a word boundary only (module docs).
         if data.is_empty()
             || data.len() > self.ll_max
-            || (data.len() | self.tx_head as usize) % 8 != 0
+            || !(data.len() | self.tx_head as usize).is_multiple_of(8)
         {
             return false;
         }
@@ -973,7 +973,7 @@ impl ShmConnection {
         // follow through the ring.
         let len = data.len() & !7;
         if len < min
-            || self.tx_head % 8 != 0
+            || !self.tx_head.is_multiple_of(8)
             || r.u32_at(self.tx + R_CMA_OK).load(Ordering::Acquire) == 0
         {
             return None;
