@@ -47,47 +47,47 @@ mod imp {
         v4().is_some()
     }
 
+    // The format is a const parameter (`BF16`), not a run-time value, so that every loop is
+    // compiled for one format with no branch inside.
+
     #[inline(always)]
-    fn widen(v4: V4, kind: Half, x: [u16; LANES]) -> [f32; LANES] {
-        match kind {
-            Half::F16 => bytemuck::cast(v4.avx512f._mm512_cvtph_ps(bytemuck::cast(x))),
-            Half::Bf16 => {
-                let wide = v4.avx512f._mm512_cvtepu16_epi32(bytemuck::cast(x));
-                bytemuck::cast(v4.avx512f._mm512_slli_epi32::<16>(wide))
-            }
+    fn widen<const BF16: bool>(v4: V4, x: [u16; LANES]) -> [f32; LANES] {
+        if BF16 {
+            let wide = v4.avx512f._mm512_cvtepu16_epi32(bytemuck::cast(x));
+            bytemuck::cast(v4.avx512f._mm512_slli_epi32::<16>(wide))
+        } else {
+            bytemuck::cast(v4.avx512f._mm512_cvtph_ps(bytemuck::cast(x)))
         }
     }
 
     #[inline(always)]
-    fn narrow(v4: V4, kind: Half, x: [f32; LANES]) -> [u16; LANES] {
-        match kind {
-            // Immediate 0: round to nearest even, as `half::f16::from_f32`.
-            Half::F16 => bytemuck::cast(v4.avx512f._mm512_cvtps_ph::<0>(bytemuck::cast(x))),
-            Half::Bf16 => {
-                let mut bits = [0u32; LANES];
-                for (b, &v) in bits.iter_mut().zip(&x) {
-                    *b = u32::from(f32_to_bf16(v));
-                }
-                bytemuck::cast(v4.avx512f._mm512_cvtepi32_epi16(bytemuck::cast(bits)))
+    fn narrow<const BF16: bool>(v4: V4, x: [f32; LANES]) -> [u16; LANES] {
+        if BF16 {
+            let mut bits = [0u32; LANES];
+            for (b, &v) in bits.iter_mut().zip(&x) {
+                *b = u32::from(f32_to_bf16(v));
             }
+            bytemuck::cast(v4.avx512f._mm512_cvtepi32_epi16(bytemuck::cast(bits)))
+        } else {
+            // Immediate 0: round to nearest even, as `half::f16::from_f32`.
+            bytemuck::cast(v4.avx512f._mm512_cvtps_ph::<0>(bytemuck::cast(x)))
         }
     }
 
     /// `d = narrow(f(widen(a), widen(b)))` for one chunk.
     #[inline(always)]
-    fn chunk(
+    fn chunk<const BF16: bool>(
         v4: V4,
-        kind: Half,
         f: impl Fn(f32, f32) -> f32,
         a: [u16; LANES],
         b: [u16; LANES],
     ) -> [u16; LANES] {
-        let (x, y) = (widen(v4, kind, a), widen(v4, kind, b));
+        let (x, y) = (widen::<BF16>(v4, a), widen::<BF16>(v4, b));
         let mut r = [0f32; LANES];
         for i in 0..LANES {
             r[i] = f(x[i], y[i]);
         }
-        narrow(v4, kind, r)
+        narrow::<BF16>(v4, r)
     }
 
     /// The last `len % 16` elements go through a zero-padded chunk: the same instructions, so
@@ -102,71 +102,56 @@ mod imp {
     /// The loops run inside `V4::vectorize`, which calls them from `#[target_feature]` code;
     /// `#[inline(always)]` on `call` makes them part of it (a closure would not be inlined
     /// reliably, and the intrinsics would then be calls).
-    struct InPlace<'a, F> {
+    struct InPlace<'a, F, const BF16: bool> {
         v4: V4,
-        kind: Half,
         f: F,
         dst: &'a mut [u16],
         src: &'a [u16],
     }
 
-    impl<F: Fn(f32, f32) -> f32 + Copy> pulp::NullaryFnOnce for InPlace<'_, F> {
+    impl<F: Fn(f32, f32) -> f32 + Copy, const BF16: bool> pulp::NullaryFnOnce for InPlace<'_, F, BF16> {
         type Output = ();
 
         #[inline(always)]
         fn call(self) {
-            let InPlace {
-                v4,
-                kind,
-                f,
-                dst,
-                src,
-            } = self;
+            let InPlace { v4, f, dst, src } = self;
             let n = dst.len().min(src.len());
             let (dh, dt) = pulp::as_arrays_mut::<LANES, _>(&mut dst[..n]);
             let (sh, st) = pulp::as_arrays::<LANES, _>(&src[..n]);
             for (d, s) in dh.iter_mut().zip(sh) {
-                *d = chunk(v4, kind, f, *d, *s);
+                *d = chunk::<BF16>(v4, f, *d, *s);
             }
             if !dt.is_empty() {
-                let r = chunk(v4, kind, f, padded(dt), padded(st));
+                let r = chunk::<BF16>(v4, f, padded(dt), padded(st));
                 let k = dt.len();
                 dt.copy_from_slice(&r[..k]);
             }
         }
     }
 
-    struct Into<'a, F> {
+    struct Into<'a, F, const BF16: bool> {
         v4: V4,
-        kind: Half,
         f: F,
         dst: &'a mut [u16],
         a: &'a [u16],
         b: &'a [u16],
     }
 
-    impl<F: Fn(f32, f32) -> f32 + Copy> pulp::NullaryFnOnce for Into<'_, F> {
+    impl<F: Fn(f32, f32) -> f32 + Copy, const BF16: bool> pulp::NullaryFnOnce for Into<'_, F, BF16> {
         type Output = ();
 
         #[inline(always)]
         fn call(self) {
-            let Into {
-                v4,
-                kind,
-                f,
-                dst,
-                a,
-                b,
-            } = self;
+            let Into { v4, f, dst, a, b } = self;
             let n = dst.len().min(a.len()).min(b.len());
             let (dh, dt) = pulp::as_arrays_mut::<LANES, _>(&mut dst[..n]);
             let (ah, at) = pulp::as_arrays::<LANES, _>(&a[..n]);
             let (bh, bt) = pulp::as_arrays::<LANES, _>(&b[..n]);
             for ((d, x), y) in dh.iter_mut().zip(ah).zip(bh) {
-                *d = chunk(v4, kind, f, *x, *y);
+                *d = chunk::<BF16>(v4, f, *x, *y);
             }
             if !dt.is_empty() {
-                let r = chunk(v4, kind, f, padded(at), padded(bt));
+                let r = chunk::<BF16>(v4, f, padded(at), padded(bt));
                 let k = dt.len();
                 dt.copy_from_slice(&r[..k]);
             }
@@ -181,13 +166,10 @@ mod imp {
         src: &[u16],
     ) -> bool {
         let Some(v4) = v4() else { return false };
-        v4.vectorize(InPlace {
-            v4,
-            kind,
-            f,
-            dst,
-            src,
-        });
+        match kind {
+            Half::F16 => v4.vectorize(InPlace::<_, false> { v4, f, dst, src }),
+            Half::Bf16 => v4.vectorize(InPlace::<_, true> { v4, f, dst, src }),
+        }
         true
     }
 
@@ -200,14 +182,10 @@ mod imp {
         b: &[u16],
     ) -> bool {
         let Some(v4) = v4() else { return false };
-        v4.vectorize(Into {
-            v4,
-            kind,
-            f,
-            dst,
-            a,
-            b,
-        });
+        match kind {
+            Half::F16 => v4.vectorize(Into::<_, false> { v4, f, dst, a, b }),
+            Half::Bf16 => v4.vectorize(Into::<_, true> { v4, f, dst, a, b }),
+        }
         true
     }
 }
