@@ -99,6 +99,22 @@ mod imp {
         c
     }
 
+    /// `dst = f(a, b)` for the last `dst.len() < 16` elements, given padded.
+    #[inline(always)]
+    fn tail<const BF16: bool>(
+        v4: V4,
+        f: impl Fn(f32, f32) -> f32,
+        dst: &mut [u16],
+        a: [u16; LANES],
+        b: [u16; LANES],
+    ) {
+        if !dst.is_empty() {
+            let r = chunk::<BF16>(v4, f, a, b);
+            let k = dst.len();
+            dst.copy_from_slice(&r[..k]);
+        }
+    }
+
     /// The loops run inside `V4::vectorize`, which calls them from `#[target_feature]` code;
     /// `#[inline(always)]` on `call` makes them part of it (a closure would not be inlined
     /// reliably, and the intrinsics would then be calls).
@@ -121,11 +137,8 @@ mod imp {
             for (d, s) in dh.iter_mut().zip(sh) {
                 *d = chunk::<BF16>(v4, f, *d, *s);
             }
-            if !dt.is_empty() {
-                let r = chunk::<BF16>(v4, f, padded(dt), padded(st));
-                let k = dt.len();
-                dt.copy_from_slice(&r[..k]);
-            }
+            let x = padded(dt);
+            tail::<BF16>(v4, f, dt, x, padded(st));
         }
     }
 
@@ -150,11 +163,7 @@ mod imp {
             for ((d, x), y) in dh.iter_mut().zip(ah).zip(bh) {
                 *d = chunk::<BF16>(v4, f, *x, *y);
             }
-            if !dt.is_empty() {
-                let r = chunk::<BF16>(v4, f, padded(at), padded(bt));
-                let k = dt.len();
-                dt.copy_from_slice(&r[..k]);
-            }
+            tail::<BF16>(v4, f, dt, padded(at), padded(bt));
         }
     }
 

@@ -939,33 +939,30 @@ mod tests {
         for n in (0..40).chain([255, 1000]) {
             let (a, b) = (bits(n), bits(n));
             for comb in COMBS {
-                let (fa, fb): (Vec<f16>, Vec<f16>) = (
-                    a.iter().map(|&x| f16::from_bits(x)).collect(),
-                    b.iter().map(|&x| f16::from_bits(x)).collect(),
-                );
-                let mut want = vec![f16::ZERO; n];
-                f16_portable_into(comb, &mut want, &fa, &fb);
-                let mut got = vec![f16::ZERO; n];
-                assert!(half_simd_into(Half::F16, comb, &mut got, &fa, &fb));
-                assert!(same_bits(&got, &want), "f16 into {comb:?} n={n}");
-                let mut got = fa.clone();
-                assert!(half_simd_in_place(Half::F16, comb, &mut got, &fb));
-                assert!(same_bits(&got, &want), "f16 in place {comb:?} n={n}");
-
-                let (ba, bb): (Vec<bf16>, Vec<bf16>) = (
-                    a.iter().map(|&x| bf16::from_bits(x)).collect(),
-                    b.iter().map(|&x| bf16::from_bits(x)).collect(),
-                );
-                let mut want = vec![bf16::ZERO; n];
-                bf16_portable_into(comb, &mut want, &ba, &bb);
-                let mut got = vec![bf16::ZERO; n];
-                assert!(half_simd_into(Half::Bf16, comb, &mut got, &ba, &bb));
-                assert!(same_bits(&got, &want), "bf16 into {comb:?} n={n}");
-                let mut got = ba.clone();
-                assert!(half_simd_in_place(Half::Bf16, comb, &mut got, &bb));
-                assert!(same_bits(&got, &want), "bf16 in place {comb:?} n={n}");
+                simd_matches_portable::<f16>(Half::F16, f16_portable_into, comb, &a, &b);
+                simd_matches_portable::<bf16>(Half::Bf16, bf16_portable_into, comb, &a, &b);
             }
         }
+    }
+
+    /// One case of the test above: `a ⊕ b` out of place and in place, both paths.
+    fn simd_matches_portable<H: Element>(
+        kind: Half,
+        portable_into: fn(Combiner, &mut [H], &[H], &[H]),
+        comb: Combiner,
+        a: &[u16],
+        b: &[u16],
+    ) {
+        let (a, b): (&[H], &[H]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
+        let n = a.len();
+        let mut want = vec![H::zeroed(); n];
+        portable_into(comb, &mut want, a, b);
+        let mut got = vec![H::zeroed(); n];
+        assert!(half_simd_into(kind, comb, &mut got, a, b));
+        assert!(same_bits(&got, &want), "{kind:?} into {comb:?} n={n}");
+        let mut got = a.to_vec();
+        assert!(half_simd_in_place(kind, comb, &mut got, b));
+        assert!(same_bits(&got, &want), "{kind:?} in place {comb:?} n={n}");
     }
 
     #[test]
