@@ -416,6 +416,20 @@ fn recursive_doubling_all_reduce_at_every_size() {
     }
 }
 
+/// `rd` for all-gather: recursive doubling where it is implemented (power-of-two rank counts, up
+/// to `RD_ALL_GATHER_MAX_BYTES`), the ring elsewhere.
+#[test]
+fn recursive_doubling_all_gather_at_every_size() {
+    for (n, wire) in [
+        (2, Wire::Tcp),
+        (4, Wire::Shm),
+        (8, Wire::Shm),
+        (3, Wire::Shm),
+    ] {
+        forced(n, wire, "rd", &[Coll::AllGather], None);
+    }
+}
+
 #[test]
 fn tree_algorithms_at_every_size() {
     let colls = [Coll::AllReduce, Coll::Broadcast, Coll::Reduce];

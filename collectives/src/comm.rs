@@ -1450,6 +1450,9 @@ impl Inner {
                     tree::tree_broadcast(r, n, call.root, count, slice)
                 }
                 (OpKind::Broadcast, _) => schedule::chain_broadcast(r, n, call.root, count, slice),
+                (OpKind::AllGather, Choice::Rd) if n.is_power_of_two() => {
+                    schedule::recursive_doubling_all_gather(r, n, count, slice)
+                }
                 (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
                 (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
                 (OpKind::AllToAll, _) => {

@@ -33,12 +33,15 @@ pub mod defaults {
     pub const REDUCE_GBPS: f64 = 8.0;
 }
 
+/// Largest all-gather (whole output buffer) for which recursive doubling is considered.
+pub const RD_ALL_GATHER_MAX_BYTES: u64 = 64 << 10;
+
 /// Which schedule a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Choice {
     /// Ring (all-reduce, all-gather, reduce-scatter) or pipelined chain (broadcast, reduce).
     Ring,
-    /// Recursive doubling (all-reduce).
+    /// Recursive doubling (all-reduce; all-gather on a power-of-two number of ranks).
     Rd,
     /// Double binary tree (all-reduce) or pipelined binary tree (broadcast, reduce).
     Tree,
@@ -155,11 +158,16 @@ impl Tuner {
         &self.model
     }
 
-    /// The algorithms this communicator runs for `coll`.
-    fn implemented(&self, coll: Collective, a: Algorithm) -> bool {
+    /// The algorithms this communicator runs for `coll` on `bytes` (nccl-tests size).
+    fn implemented(&self, coll: Collective, a: Algorithm, bytes: u64) -> bool {
         match (coll, a) {
             (_, Algorithm::Ring) => true,
             (Collective::AllReduce, Algorithm::Rd | Algorithm::Tree) => true,
+            // The model prices it at or below the ring at every size; it is only measured to
+            // pay where latency dominates, so larger buffers keep the pipelined ring.
+            (Collective::AllGather, Algorithm::Rd) => {
+                self.layout.nranks().is_power_of_two() && bytes <= RD_ALL_GATHER_MAX_BYTES
+            }
             (Collective::AllReduce, Algorithm::Hier) => self.layout.hosts() > 1,
             (Collective::Broadcast | Collective::Reduce, Algorithm::Tree) => true,
             _ => false,
@@ -172,7 +180,7 @@ impl Tuner {
     pub fn predict(&self, coll: Collective, bytes: u64) -> (Choice, Option<Prediction>) {
         let mut best: Option<Prediction> = None;
         for (a, only) in Algorithm::ALL.into_iter().zip(&self.only) {
-            if !self.implemented(coll, a) || !self.algos.allows(coll, a) {
+            if !self.implemented(coll, a, bytes) || !self.algos.allows(coll, a) {
                 continue;
             }
             if let Some(p) = self.model.choose(coll, bytes, only, &self.simple) {

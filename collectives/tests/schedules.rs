@@ -306,11 +306,18 @@ fn check_reduce_scatter(p: &Params) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The signature shared by the all-gather builders (rank, nranks, count, slice).
+type AllGatherBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
+
 fn check_all_gather(p: &Params) -> Result<(), TestCaseError> {
+    check_all_gather_with(p, schedule::ring_all_gather)
+}
+
+fn check_all_gather_with(p: &Params, builder: AllGatherBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let block = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(block)).collect();
-    let scheds = build(p.n, |r| schedule::ring_all_gather(r, p.n, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .enumerate()
@@ -534,6 +541,13 @@ proptest! {
     #[test]
     fn all_gather_matches_reference(p in params(300)) {
         check_all_gather(&p)?;
+    }
+
+    #[test]
+    fn recursive_doubling_all_gather_matches_reference(p in params(300)) {
+        // Power-of-two rank counts only (1, 2, 4, 8, 16).
+        let p = Params { n: 1 << p.n.ilog2(), ..p };
+        check_all_gather_with(&p, schedule::recursive_doubling_all_gather)?;
     }
 
     #[test]

@@ -598,6 +598,13 @@ impl Model {
                 let lat = if multi { m.net_lat_us } else { m.intra_lat_us } * pf.hop_factor;
                 pf.base_us + steps * (lat + b / bw + b * gamma)
             }
+            (Algorithm::Rd, Collective::AllGather) => {
+                // ⌈log2 n⌉ rounds exchanging 1, 2, 4, … blocks: the ring's volume in fewer,
+                // unpipelined steps.
+                let steps = ceil_log2(n);
+                let lat = if multi { m.net_lat_us } else { m.intra_lat_us } * pf.hop_factor;
+                pf.base_us + steps * lat + b * coll.bus_factor(n) / bw
+            }
             (Algorithm::Hier, Collective::AllReduce) if multi => {
                 // Ring reduce-scatter and all-gather among the host's `local` ranks, then a ring
                 // all-reduce across the hosts of each 1/local shard; the shards of one host share
