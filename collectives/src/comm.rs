@@ -719,7 +719,9 @@ impl Communicator {
         )
     }
 
-    /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`].
+    /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`]. Like
+    /// `MPI_Send`, it may return once the bytes are buffered (small messages) rather than when
+    /// the peer has received them; `buf` may be reused either way.
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
         self.group().send(buf, peer).run()
     }
