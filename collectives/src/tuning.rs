@@ -272,10 +272,34 @@ mod tests {
             for b in [256 << 10, 1 << 20, 64 << 20] {
                 assert_eq!(pick(b), Choice::Ring, "n {n} bytes {b}");
             }
-            // Collectives with only a ring.
+            // Above its cap all-gather keeps the ring; the barrier only has one.
             assert_eq!(t.choose(OpKind::AllGather, 1 << 20, 0, 1), Choice::Ring);
             assert_eq!(t.choose(OpKind::Barrier, 0, 0, 1), Choice::Ring);
         }
+    }
+
+    #[test]
+    fn small_all_gather_uses_recursive_doubling_on_power_of_two_ranks() {
+        // (With 2 ranks both are one exchange: the model's tie keeps the ring.)
+        for n in [4, 8] {
+            let t = tuner(&vec![0; n], "");
+            for b in [8, 2048, RD_ALL_GATHER_MAX_BYTES as usize] {
+                assert_eq!(
+                    t.choose(OpKind::AllGather, b, 0, 1),
+                    Choice::Rd,
+                    "n {n} b {b}"
+                );
+            }
+            let above = RD_ALL_GATHER_MAX_BYTES as usize + 1;
+            assert_eq!(t.choose(OpKind::AllGather, above, 0, 1), Choice::Ring);
+        }
+        for n in [3, 5, 6] {
+            let t = tuner(&vec![0; n], "");
+            assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Choice::Ring, "n {n}");
+        }
+        // WEFT_ALGO=ring still rules it out.
+        let t = tuner(&[0; 4], "ring");
+        assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Choice::Ring);
     }
 
     #[test]
