@@ -414,7 +414,9 @@ pub fn execute_prepared(
             .map(|h| (h.1, h.2))
             .unwrap_or((ctx.desc, ctx.desc));
         let mut send = Cursor::new(&lane.send, lane.header_out, out);
-        send.header = out.encode(ctx.rank as u32);
+        if lane.header_out {
+            send.header = out.encode(ctx.rank as u32);
+        }
         cursors.push([send, Cursor::new(&lane.recv, lane.header_in, expect)]);
     }
 

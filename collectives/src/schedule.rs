@@ -1057,20 +1057,27 @@ mod tests {
         });
     }
 
+    /// [`check_all`] on every rank's all-gather schedule from `build`.
+    fn check_all_gather_shape(
+        build: fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
+        n: usize,
+        count: usize,
+        slice: usize,
+        all_peers_talk: bool,
+    ) {
+        let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
+        let sizes: Vec<_> = (0..n)
+            .map(|_| Sizes {
+                input: count,
+                output: n * count,
+            })
+            .collect();
+        check_all(&s, &sizes, slice, all_peers_talk);
+    }
+
     #[test]
     fn ring_all_gather_structure() {
-        grid(|n, count, slice| {
-            let s: Vec<_> = (0..n)
-                .map(|r| ring_all_gather(r, n, count, slice).unwrap())
-                .collect();
-            let sizes: Vec<_> = (0..n)
-                .map(|_| Sizes {
-                    input: count,
-                    output: n * count,
-                })
-                .collect();
-            check_all(&s, &sizes, slice, true);
-        });
+        grid(|n, count, slice| check_all_gather_shape(ring_all_gather, n, count, slice, true));
     }
 
     #[test]
@@ -1083,16 +1090,7 @@ mod tests {
                 );
                 return;
             }
-            let s: Vec<_> = (0..n)
-                .map(|r| recursive_doubling_all_gather(r, n, count, slice).unwrap())
-                .collect();
-            let sizes: Vec<_> = (0..n)
-                .map(|_| Sizes {
-                    input: count,
-                    output: n * count,
-                })
-                .collect();
-            check_all(&s, &sizes, slice, false);
+            check_all_gather_shape(recursive_doubling_all_gather, n, count, slice, false);
         });
     }
 
