@@ -120,7 +120,15 @@ fn expect_mismatch_with(
     let mut cfg = config(wire);
     cfg.timeout = Duration::from_secs(10);
     let start = Instant::now();
-    let results = with_ranks_config(n, cfg, |rank, comm| f(rank, comm));
+    // No rank drops its communicator (closing its connections and, on rank 0, the bootstrap
+    // store) before every rank has its result: a rank that has not yet adopted the published
+    // mismatch would otherwise see a departed peer, or no store, instead of the mismatch.
+    let all_done = std::sync::Barrier::new(n);
+    let results = with_ranks_config(n, cfg, |rank, comm| {
+        let r = f(rank, comm);
+        all_done.wait();
+        r
+    });
     assert!(
         start.elapsed() < Duration::from_secs(8),
         "{name}: took {:?}",
