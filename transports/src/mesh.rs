@@ -13,6 +13,10 @@
 //! 4. TCP: accept from lower ranks while connecting to higher ranks.
 //! 5. A store barrier (`<namespace>/mesh/ready`); then the segment names are unlinked (the
 //!    mappings stay).
+//! 6. Departure: every rank counts itself out (`<namespace>/mesh/left`) and rank 0 returns only
+//!    once all have. The store usually lives in rank 0's process: a rank 0 that returned and
+//!    dropped its communicator straight away used to shut the store down while another rank's
+//!    last request was still on its way ("bootstrap store closed" during init).
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
@@ -385,6 +389,16 @@ impl Mesh {
         // 5. Everyone has mapped every segment: barrier, then unlink.
         store.barrier(&format!("{ns}/mesh/ready"), n, deadline.remaining())?;
         drop(segment);
+
+        // 6. No store request of this communicator's set-up may be in flight when rank 0
+        // returns: the last to count itself out says so, and rank 0 waits for that.
+        let all_left = format!("{ns}/mesh/all-left");
+        if store.add(&format!("{ns}/mesh/left"), 1)? >= n as i64 {
+            store.set(&all_left, b"1")?;
+        }
+        if rank == 0 {
+            store.wait(&[&all_left], deadline.remaining())?;
+        }
 
         Ok(Mesh {
             host_ids: infos.iter().map(|i| i.host_id.clone()).collect(),

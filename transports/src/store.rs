@@ -823,7 +823,9 @@ impl StoreClient {
         let count = self.add(&format!("{name}/count"), 1)?;
         let done = format!("{name}/done");
         if count >= n as i64 {
-            self.set(&done, b"1")?;
+            // The last to arrive is through: a further request could reach the store after
+            // rank 0, released by this `set`, has returned and shut the store down.
+            return self.set(&done, b"1");
         }
         self.wait(&[&done], timeout)
     }
