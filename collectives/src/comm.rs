@@ -1262,24 +1262,31 @@ impl Inner {
         f: impl FnOnce(&Inner, &mut State) -> Result<R>,
     ) -> Result<R> {
         let held = TICKET.with(|t| t.get());
-        let ticket = match held {
-            Some(t) => t,
-            None => {
-                let t = self.take_ticket();
-                if let Err(e) = self.wait_turn(t) {
-                    self.end_turn(t);
-                    return Err(e);
-                }
-                t
+        // A ticket of our own only when some other call holds or waits for one. When every
+        // ticket taken so far has finished (`now` caught up with `next_ticket`, read in that
+        // order), every call issued before this one is done, and the state lock alone orders
+        // this call against one issued meanwhile from another thread (the two are concurrent:
+        // neither order is promised). That saves the two locked instructions of a ticket on
+        // the common path, a single thread issuing blocking calls.
+        let own_ticket = if held.is_none()
+            && self.next_ticket.load(Ordering::SeqCst) != self.turn.now.load(Ordering::SeqCst)
+        {
+            let t = self.take_ticket();
+            if let Err(e) = self.wait_turn(t) {
+                self.end_turn(t);
+                return Err(e);
             }
+            Some(t)
+        } else {
+            None
         };
         let result = (|| {
             self.check()?;
             let mut st = lock(&self.state);
             f(self, &mut st)
         })();
-        if held.is_none() {
-            self.end_turn(ticket);
+        if let Some(t) = own_ticket {
+            self.end_turn(t);
         }
         if let Err(e) = &result {
             if e.is_fatal() {
@@ -1304,6 +1311,9 @@ impl Inner {
     }
 
     /// Checks a call's buffers against its count, root and kind.
+    // Inlined into its one caller: returned through memory, the large `Result` was read back
+    // in wider loads than it was written with (a store-forwarding stall per call).
+    #[inline(always)]
     fn plan(&self, call: &RawOp, send_len: Option<usize>, recv_len: usize) -> Result<Plan> {
         let n = self.size;
         let kind = call.kind;

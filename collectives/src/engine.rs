@@ -18,7 +18,7 @@ use crate::header::{OpDesc, HEADER_LEN};
 use crate::op::{Combiner, OpKind};
 use crate::reduce;
 use crate::schedule::{Action, BufId, Region, Schedule};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
 
@@ -196,6 +196,8 @@ impl Context<'_> {
 /// distinct call and cached by the communicator, so that a repeated call allocates nothing.
 #[derive(Debug)]
 pub struct Prepared {
+    /// Distinguishes this preparation from every other in the process (see [`PlacesKey`]).
+    id: u64,
     schedule: Schedule,
     /// Step indices grouped by lane and direction; each lane's cursors walk a range of it.
     order: Vec<usize>,
@@ -263,7 +265,9 @@ impl Prepared {
                 header_in: schedule.recv_peers.contains(&peer),
             });
         }
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Prepared {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             schedule,
             order,
             lanes,
@@ -281,6 +285,8 @@ impl Prepared {
 #[derive(Default)]
 pub struct Workspace {
     places: Vec<[(usize, usize, usize); 2]>,
+    /// What `places` was resolved from; `None` when it must be resolved again.
+    places_for: Option<PlacesKey>,
     done: Vec<bool>,
     cursors: Vec<[Cursor; 2]>,
     interest: Vec<Interest>,
@@ -289,7 +295,7 @@ pub struct Workspace {
 }
 
 /// Progress of the header exchange and of the messages in one direction of one lane.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct Cursor {
     /// Index into [`Prepared::order`] of the step in progress, and one past the lane's last.
     next: usize,
@@ -317,8 +323,70 @@ impl Cursor {
         }
     }
 
+    /// [`Cursor::new`] in place (keeps the header bytes, which the header's sender overwrites
+    /// and a receiver fills before reading).
+    fn reset(&mut self, range: &std::ops::Range<usize>, header: bool, expect: OpDesc) {
+        self.next = range.start;
+        self.end = range.end;
+        self.moved = 0;
+        self.header_done = !header;
+        self.header_moved = 0;
+        self.expect = expect;
+    }
+
     fn pending(&self) -> bool {
         !self.header_done || self.next < self.end
+    }
+}
+
+/// The inputs that decide an operation's resolved places, for a fixed layout over at most three
+/// areas (every collective): a training loop repeats the same calls on the same buffers' sizes,
+/// and resolving and bounds-checking every step's regions again was a tenth of an 8-byte
+/// all-reduce.
+#[derive(Clone, Copy)]
+struct PlacesKey {
+    prepared: u64,
+    esize: usize,
+    placements: [(usize, usize); 3],
+    lens: [usize; 3],
+}
+
+impl PlacesKey {
+    fn of(prepared: &Prepared, layout: &Layout, areas: &[Area<'_>], esize: usize) -> Option<Self> {
+        let Layout::Fixed {
+            input,
+            output,
+            scratch,
+        } = layout
+        else {
+            return None;
+        };
+        if areas.len() > 3 {
+            return None;
+        }
+        let mut lens = [usize::MAX; 3];
+        for (len, area) in lens.iter_mut().zip(areas) {
+            *len = area.len();
+        }
+        let at = |p: &Placement| (p.area, p.byte_offset);
+        Some(PlacesKey {
+            prepared: prepared.id,
+            esize,
+            placements: [at(input), at(output), at(scratch)],
+            lens,
+        })
+    }
+
+    /// Field by field: the derived comparison loads the arrays as vectors just after they were
+    /// stored as words, and the failed store forwarding cost more than the comparison.
+    fn same(&self, other: &PlacesKey) -> bool {
+        self.prepared == other.prepared
+            && self.esize == other.esize
+            && (0..3).all(|i| {
+                self.placements[i].0 == other.placements[i].0
+                    && self.placements[i].1 == other.placements[i].1
+                    && self.lens[i] == other.lens[i]
+            })
     }
 }
 
@@ -367,34 +435,20 @@ pub fn execute_prepared(
     let order = &prepared.order;
     let Workspace {
         places,
+        places_for,
         done,
         cursors,
         interest,
         stage,
     } = ws;
-    // Resolve every region once, validating bounds, so the loop below cannot go out of range.
-    places.clear();
-    let resolve = |r: &Region| -> Result<(usize, usize, usize)> {
-        let (area, off) = layout
-            .place(r, esize)
-            .ok_or_else(|| ctx.internal(format!("region {r:?} has no placement")))?;
-        let len = r.len * esize;
-        let size = areas.get(area).map(|a| a.bytes().len()).unwrap_or(0);
-        if off.checked_add(len).is_none_or(|end| end > size) {
-            return Err(ctx.internal(format!(
-                "region {r:?} ({off}+{len} bytes) outside area {area} of {size} bytes"
-            )));
-        }
-        Ok((area, off, len))
-    };
-    for step in steps {
-        let p = match &step.action {
-            Action::Send { src, .. } => [resolve(src)?, (0, 0, 0)],
-            Action::RecvCopy { dst, .. } => [resolve(dst)?, (0, 0, 0)],
-            Action::RecvReduce { local, dst, .. } => [resolve(dst)?, resolve(local)?],
-            Action::Copy { src, dst } => [resolve(dst)?, resolve(src)?],
-        };
-        places.push(p);
+    // Resolve every region once, validating bounds, so the loop below cannot go out of range
+    // (unless the previous operation resolved the same schedule over the same memory shape).
+    let key = PlacesKey::of(prepared, layout, areas, esize);
+    let resolved = matches!((&key, &*places_for), (Some(k), Some(prev)) if k.same(prev));
+    if !resolved {
+        *places_for = None;
+        resolve_places(ctx, steps, layout, areas, esize, places)?;
+        *places_for = key;
     }
 
     // Headers flow where data flows (to `send_peers`, from `recv_peers`), so a broadcast root
@@ -403,8 +457,16 @@ pub fn execute_prepared(
     // header sent where none was expected is still there, with an older sequence number), and,
     // while this operation waits, by `stray_header` (two ranks that both believe they only
     // send would otherwise wait on full buffers until the timeout).
-    cursors.clear();
-    for lane in &prepared.lanes {
+    // Cursors are reset field by field where they are: built on the stack and moved into the
+    // vector, they were read back in wider loads than they were written with.
+    if cursors.len() != prepared.lanes.len() {
+        cursors.clear();
+        cursors.resize(
+            prepared.lanes.len(),
+            [Cursor::new(&(0..0), false, ctx.desc); 2],
+        );
+    }
+    for (lane, [send, recv]) in prepared.lanes.iter().zip(cursors.iter_mut()) {
         if lane.peer == ctx.rank || conns.get(lane.peer).is_none_or(|c| c.is_none()) {
             return Err(ctx.internal(format!("no connection to rank {}", lane.peer)));
         }
@@ -413,11 +475,11 @@ pub fn execute_prepared(
             .find(|h| h.0 == lane.peer)
             .map(|h| (h.1, h.2))
             .unwrap_or((ctx.desc, ctx.desc));
-        let mut send = Cursor::new(&lane.send, lane.header_out, out);
+        send.reset(&lane.send, lane.header_out, out);
+        recv.reset(&lane.recv, lane.header_in, expect);
         if lane.header_out {
-            send.header = out.encode(ctx.rank as u32);
+            out.encode_into(ctx.rank as u32, &mut send.header);
         }
-        cursors.push([send, Cursor::new(&lane.recv, lane.header_in, expect)]);
     }
 
     done.clear();
@@ -545,6 +607,42 @@ pub fn execute_prepared(
             .wait(interest, sleep)
             .map_err(|e| ctx.transport(ctx.rank, e))?;
     }
+}
+
+/// Every step's regions as `(area, byte offset, bytes)`, checked to lie inside their areas:
+/// `[destination or source, local operand]`.
+fn resolve_places(
+    ctx: &Context<'_>,
+    steps: &[crate::schedule::Step],
+    layout: &Layout,
+    areas: &[Area<'_>],
+    esize: usize,
+    places: &mut Vec<[(usize, usize, usize); 2]>,
+) -> Result<()> {
+    places.clear();
+    let resolve = |r: &Region| -> Result<(usize, usize, usize)> {
+        let (area, off) = layout
+            .place(r, esize)
+            .ok_or_else(|| ctx.internal(format!("region {r:?} has no placement")))?;
+        let len = r.len * esize;
+        let size = areas.get(area).map(|a| a.bytes().len()).unwrap_or(0);
+        if off.checked_add(len).is_none_or(|end| end > size) {
+            return Err(ctx.internal(format!(
+                "region {r:?} ({off}+{len} bytes) outside area {area} of {size} bytes"
+            )));
+        }
+        Ok((area, off, len))
+    };
+    for step in steps {
+        let p = match &step.action {
+            Action::Send { src, .. } => [resolve(src)?, (0, 0, 0)],
+            Action::RecvCopy { dst, .. } => [resolve(dst)?, (0, 0, 0)],
+            Action::RecvReduce { local, dst, .. } => [resolve(dst)?, resolve(local)?],
+            Action::Copy { src, dst } => [resolve(dst)?, resolve(src)?],
+        };
+        places.push(p);
+    }
+    Ok(())
 }
 
 /// What the pumps of one connection share.
@@ -879,6 +977,9 @@ fn check_header(
     bytes: &[u8; HEADER_LEN],
     expect: &OpDesc,
 ) -> Result<()> {
+    if expect.is_encoded_in(peer as u32, bytes) {
+        return Ok(());
+    }
     let (theirs, sender) = OpDesc::decode(bytes).map_err(|e| Error::Transport {
         rank: ctx.rank,
         peer,

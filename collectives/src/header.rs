@@ -33,18 +33,45 @@ impl OpDesc {
     /// Encodes the header sent by `sender`.
     pub fn encode(&self, sender: u32) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
-        b[0..4].copy_from_slice(&MAGIC);
-        b[4] = VERSION;
-        b[5] = self.kind as u8;
-        b[6] = self.dtype.code();
-        b[7] = self.redop;
-        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        b[16..24].copy_from_slice(&self.count.to_le_bytes());
-        b[24..28].copy_from_slice(&self.root.to_le_bytes());
-        b[28..32].copy_from_slice(&sender.to_le_bytes());
-        let sum = checksum(&b);
-        b[32..36].copy_from_slice(&sum.to_le_bytes());
+        self.encode_into(sender, &mut b);
         b
+    }
+
+    /// [`OpDesc::encode`] into `b`. The checksum is taken over the words as computed, not read
+    /// back from `b` (reading bytes just stored one by one as words stalls the load).
+    pub fn encode_into(&self, sender: u32, b: &mut [u8; HEADER_LEN]) {
+        let words = self.words(sender);
+        for (chunk, word) in b[..32].chunks_exact_mut(8).zip(words) {
+            chunk.copy_from_slice(&word.to_le_bytes());
+        }
+        b[32..36].copy_from_slice(&checksum_words(words).to_le_bytes());
+        b[36..40].fill(0);
+    }
+
+    /// Whether `b` is exactly the header `sender` encodes for this description: the receiver's
+    /// check on the common path, without decoding (a mismatch is then decoded to report it).
+    pub fn is_encoded_in(&self, sender: u32, b: &[u8; HEADER_LEN]) -> bool {
+        let words = self.words(sender);
+        let tail = u64::from(checksum_words(words));
+        words
+            .into_iter()
+            .chain([tail])
+            .zip(b.chunks_exact(8))
+            .all(|(word, chunk)| chunk.try_into().ok().map(u64::from_le_bytes) == Some(word))
+    }
+
+    /// The header's first 32 bytes as little-endian words.
+    fn words(&self, sender: u32) -> [u64; 4] {
+        [
+            u64::from(u32::from_le_bytes(MAGIC))
+                | u64::from(VERSION) << 32
+                | u64::from(self.kind as u8) << 40
+                | u64::from(self.dtype.code()) << 48
+                | u64::from(self.redop) << 56,
+            self.seq,
+            self.count,
+            u64::from(self.root) | u64::from(sender) << 32,
+        ]
     }
 
     /// Decodes a header; returns the description and the sender's rank.
@@ -86,11 +113,20 @@ impl OpDesc {
 /// header) rather than deliberate forgery. Each round is a bijection of the running state, so a
 /// change in any one word always changes the 64-bit state.
 fn checksum(b: &[u8; HEADER_LEN]) -> u32 {
+    let mut words = [0u64; 4];
+    for (word, chunk) in words.iter_mut().zip(b[..32].chunks_exact(8)) {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(chunk);
+        *word = u64::from_le_bytes(w);
+    }
+    checksum_words(words)
+}
+
+/// The checksum of the header's first 32 bytes, read as four little-endian words.
+fn checksum_words(words: [u64; 4]) -> u32 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for w in b[..32].chunks_exact(8) {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(w);
-        h = (h ^ u64::from_le_bytes(word)).wrapping_mul(0x0000_0100_0000_01b3);
+    for word in words {
+        h = (h ^ word).wrapping_mul(0x0000_0100_0000_01b3);
         h ^= h >> 29;
     }
     (h ^ (h >> 32)) as u32
@@ -172,6 +208,22 @@ mod tests {
             let (back, s) = OpDesc::decode(&d.encode(sender)).unwrap();
             prop_assert_eq!(back, d);
             prop_assert_eq!(s, sender);
+        }
+
+        #[test]
+        fn is_encoded_in_agrees_with_decoding(
+            d in desc(),
+            other in desc(),
+            sender in any::<u32>(),
+            other_sender in any::<u32>(),
+            same in any::<(bool, bool)>(),
+            flip in (0usize..HEADER_LEN, any::<u8>()),
+        ) {
+            let encoded_by = if same.1 { sender } else { other_sender };
+            let mut b = if same.0 { d } else { other }.encode(encoded_by);
+            b[flip.0] ^= flip.1; // 0: unchanged
+            let decoded_equal = OpDesc::decode(&b).ok() == Some((d, sender));
+            prop_assert_eq!(d.is_encoded_in(sender, &b), decoded_equal);
         }
 
         #[test]
