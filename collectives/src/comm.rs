@@ -360,7 +360,10 @@ struct State {
     mesh: Mesh,
     scratch: Vec<u64>,
     /// Prepared schedules of recent distinct calls (a training loop repeats the same few).
-    schedules: HashMap<ScheduleKey, Prepared, BuildHasherDefault<KeyHasher>>,
+    schedules: HashMap<ScheduleKey, Arc<Prepared>, BuildHasherDefault<KeyHasher>>,
+    /// The previous call's shape and its prepared schedule: a repeated call (a benchmark loop,
+    /// a training step's buckets of one size) skips the tuner and schedule lookups.
+    last: Option<(CallShape, Arc<Prepared>)>,
     /// The tuner's choice per (collective, bytes) already asked for.
     choices: HashMap<(OpKind, usize), Choice, BuildHasherDefault<KeyHasher>>,
     workspace: Workspace,
@@ -512,6 +515,7 @@ impl Communicator {
                 mesh,
                 scratch: Vec::new(),
                 schedules: HashMap::default(),
+                last: None,
                 choices: HashMap::default(),
                 workspace: Workspace::default(),
                 coll_seq: 0,
@@ -1401,20 +1405,17 @@ impl Inner {
         (self.config.slice_bytes / dtype.size()).max(1)
     }
 
-    /// Builds the schedule of a validated call and executes it.
-    fn run_planned(
+    /// The prepared schedule of a call of this shape: the tuner's choice (remembered per
+    /// collective and size) and the schedule (cached per [`ScheduleKey`]), built on a miss.
+    fn prepare(
         &self,
         st: &mut State,
         call: &RawOp,
-        plan: &Plan,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-    ) -> Result<()> {
+        shape: CallShape,
+        seq: u64,
+    ) -> Result<Arc<Prepared>> {
         let (r, n, count) = (self.rank, self.size, call.count);
         let slice = self.slice_elems(call.dtype);
-        st.coll_seq += 1;
-        let seq = st.coll_seq;
-        self.current.set(call.kind, seq);
         // nccl-tests size: the largest user buffer of the call.
         let user_bytes = match call.kind {
             OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => count.saturating_mul(n),
@@ -1442,11 +1443,14 @@ impl Inner {
             kind: call.kind,
             count,
             slice,
-            root: if call.has_root() { call.root } else { 0 },
-            in_place: plan.in_place && call.kind == OpKind::AllToAll,
+            root: shape.root,
+            in_place: shape.in_place,
             algo: choice,
         };
-        if !st.schedules.contains_key(&key) {
+        if let Some(prepared) = st.schedules.get(&key) {
+            return Ok(Arc::clone(prepared));
+        }
+        {
             let sched = match (call.kind, choice) {
                 (OpKind::AllReduce, Choice::Rd) => {
                     schedule::recursive_doubling_all_reduce(r, n, count, slice)
@@ -1468,7 +1472,7 @@ impl Inner {
                 (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
                 (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
                 (OpKind::AllToAll, _) => {
-                    schedule::pairwise_all_to_all(r, n, count, slice, plan.in_place)
+                    schedule::pairwise_all_to_all(r, n, count, slice, shape.in_place)
                 }
                 (OpKind::Barrier, _) => schedule::dissemination_barrier(r, n),
                 (OpKind::SendRecv, _) => {
@@ -1484,7 +1488,35 @@ impl Inner {
             if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
                 st.schedules.clear();
             }
-            st.schedules.insert(key, Prepared::new(sched));
+            let prepared = Arc::new(Prepared::new(sched));
+            st.schedules.insert(key, Arc::clone(&prepared));
+            Ok(prepared)
+        }
+    }
+
+    /// Builds the schedule of a validated call and executes it.
+    fn run_planned(
+        &self,
+        st: &mut State,
+        call: &RawOp,
+        plan: &Plan,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let (r, n, count) = (self.rank, self.size, call.count);
+        st.coll_seq += 1;
+        let seq = st.coll_seq;
+        self.current.set(call.kind, seq);
+        let shape = CallShape {
+            kind: call.kind,
+            count,
+            esize: call.dtype.size(),
+            root: if call.has_root() { call.root } else { 0 },
+            in_place: plan.in_place && call.kind == OpKind::AllToAll,
+        };
+        if !matches!(&st.last, Some((last, _)) if *last == shape) {
+            let prepared = self.prepare(st, call, shape, seq)?;
+            st.last = Some((shape, prepared));
         }
         let desc = OpDesc {
             kind: call.kind,
@@ -1532,13 +1564,13 @@ impl Inner {
         let State {
             mesh,
             scratch,
-            schedules,
+            last,
             workspace,
             ..
         } = st;
-        let prepared = schedules
-            .get(&key)
-            .ok_or_else(|| internal("schedule cache".into()))?;
+        let Some((_, prepared)) = last.as_ref() else {
+            return Err(internal("schedule cache".into()));
+        };
         let scratch_bytes = prepared.schedule().scratch_elems * call.dtype.size();
         if scratch.len() * 8 < scratch_bytes {
             scratch.resize(scratch_bytes.div_ceil(8), 0);
@@ -1774,6 +1806,18 @@ impl Inner {
             *coll_seq,
         )
     }
+}
+
+/// What decides a collective call's schedule, the tuner's choice included (rank, size and the
+/// settings are fixed per communicator; the choice follows from the kind and the bytes).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct CallShape {
+    kind: OpKind,
+    count: usize,
+    esize: usize,
+    root: usize,
+    /// In-place all-to-all (the only collective whose schedule differs in place).
+    in_place: bool,
 }
 
 /// What makes two calls' schedules identical (rank and size are fixed per communicator).
