@@ -430,6 +430,20 @@ fn recursive_doubling_all_gather_at_every_size() {
     }
 }
 
+/// `rd` for reduce-scatter: recursive halving where it is implemented (power-of-two rank
+/// counts, up to `RD_REDUCE_SCATTER_MAX_BYTES`), the ring elsewhere.
+#[test]
+fn recursive_halving_reduce_scatter_at_every_size() {
+    for (n, wire) in [
+        (2, Wire::Tcp),
+        (4, Wire::Shm),
+        (8, Wire::Shm),
+        (3, Wire::Shm),
+    ] {
+        forced(n, wire, "rd", &[Coll::ReduceScatter], None);
+    }
+}
+
 #[test]
 fn tree_algorithms_at_every_size() {
     let colls = [Coll::AllReduce, Coll::Broadcast, Coll::Reduce];

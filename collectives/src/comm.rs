@@ -1470,6 +1470,9 @@ impl Inner {
                     schedule::recursive_doubling_all_gather(r, n, count, slice)
                 }
                 (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
+                (OpKind::ReduceScatter, Choice::Rd) if n.is_power_of_two() => {
+                    schedule::recursive_halving_reduce_scatter(r, n, count, slice)
+                }
                 (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
                 (OpKind::AllToAll, _) => {
                     schedule::pairwise_all_to_all(r, n, count, slice, shape.in_place)

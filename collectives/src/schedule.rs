@@ -484,6 +484,85 @@ pub fn ring_reduce_scatter(
     Ok(b.finish(vec![next], vec![prev], scratch))
 }
 
+/// Recursive-halving reduce-scatter for a power-of-two number of ranks: `log2 n` exchange
+/// rounds instead of the ring's `n - 1` dependent steps, the better choice where latency
+/// dominates.
+///
+/// Input holds `nranks * count` elements, Output `count`. A rank starts responsible for all `n`
+/// blocks; in round `k` (`d = n/2, n/4, …, 1`) it and its partner `r ^ d` split the window of
+/// blocks both are responsible for: each sends the half that holds the partner's block and
+/// reduces the partner's copy of the other half with its own. Partial sums live in Scratch, laid
+/// out like Input; the last round (the window is then this rank's block) reduces into Output.
+/// Every step that reads partial sums waits for the previous round's steps that wrote them.
+pub fn recursive_halving_reduce_scatter(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    let all = total(count, n)?;
+    if !n.is_power_of_two() {
+        return Err(ScheduleError::NotPowerOfTwo { nranks: n });
+    }
+    let mut b = Builder::default();
+    if n == 1 {
+        b.copy(
+            Region::new(BufId::Input, 0, count),
+            Region::new(BufId::Output, 0, count),
+        );
+        return Ok(b.finish(Vec::new(), Vec::new(), 0));
+    }
+    // The previous round's writes to Scratch: start -> (end, step). Each round reads only
+    // inside the window the previous one wrote, so older writes never matter.
+    let mut written: std::collections::BTreeMap<usize, (usize, StepId)> = Default::default();
+    let deps_on =
+        |written: &std::collections::BTreeMap<usize, (usize, StepId)>, start: usize, end: usize| {
+            written
+                .range(..end)
+                .rev()
+                .take_while(|(_, &(w_end, _))| w_end > start)
+                .map(|(_, &(_, step))| step)
+                .collect::<Vec<_>>()
+        };
+    let mut peers = Vec::new();
+    let (mut window, mut d) = (0usize, n / 2);
+    while d >= 1 {
+        let partner = rank ^ d;
+        peers.push(partner);
+        let (first, last) = (d == n / 2, d == 1);
+        // Blocks [window, window + 2d) split in two halves of d blocks.
+        let (keep, give) = if rank & d == 0 {
+            (window, window + d)
+        } else {
+            (window + d, window)
+        };
+        let partial = if first { BufId::Input } else { BufId::Scratch };
+        for (o, l) in slices(0, d * count, slice_elems) {
+            let start = give * count + o;
+            let deps = deps_on(&written, start, start + l);
+            b.send(partner, Region::new(partial, start, l), deps);
+        }
+        let mut now_written = std::collections::BTreeMap::new();
+        for (o, l) in slices(0, d * count, slice_elems) {
+            let start = keep * count + o;
+            let deps = deps_on(&written, start, start + l);
+            let dst = if last {
+                Region::new(BufId::Output, o, l)
+            } else {
+                Region::new(BufId::Scratch, start, l)
+            };
+            let step = b.recv_reduce(partner, Region::new(partial, start, l), dst, deps);
+            now_written.insert(start, (start + l, step));
+        }
+        written = now_written;
+        window = keep;
+        d /= 2;
+    }
+    Ok(b.finish(peers.clone(), peers, if n > 2 { all } else { 0 }))
+}
+
 /// Ring all-gather.
 ///
 /// Input holds `count` elements, Output `nranks * count`; block `rank` of Output receives this
@@ -1038,21 +1117,56 @@ mod tests {
         });
     }
 
+    /// [`check_all`] on every rank's reduce-scatter schedule from `build`; returns them.
+    fn check_reduce_scatter_shape(
+        build: fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
+        n: usize,
+        count: usize,
+        slice: usize,
+        all_peers_talk: bool,
+    ) -> Vec<Schedule> {
+        let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
+        let sizes: Vec<_> = (0..n)
+            .map(|_| Sizes {
+                input: n * count,
+                output: count,
+            })
+            .collect();
+        check_all(&s, &sizes, slice, all_peers_talk);
+        s
+    }
+
     #[test]
     fn ring_reduce_scatter_structure() {
         grid(|n, count, slice| {
-            let s: Vec<_> = (0..n)
-                .map(|r| ring_reduce_scatter(r, n, count, slice).unwrap())
-                .collect();
-            let sizes: Vec<_> = (0..n)
-                .map(|_| Sizes {
-                    input: n * count,
-                    output: count,
-                })
-                .collect();
-            check_all(&s, &sizes, slice, true);
-            for sched in &s {
+            for sched in check_reduce_scatter_shape(ring_reduce_scatter, n, count, slice, true) {
                 assert!(sched.scratch_elems <= 2 * count);
+            }
+        });
+    }
+
+    #[test]
+    fn recursive_halving_reduce_scatter_structure() {
+        grid(|n, count, slice| {
+            if !n.is_power_of_two() {
+                assert_eq!(
+                    recursive_halving_reduce_scatter(0, n, count, slice),
+                    Err(ScheduleError::NotPowerOfTwo { nranks: n })
+                );
+                return;
+            }
+            let s = check_reduce_scatter_shape(
+                recursive_halving_reduce_scatter,
+                n,
+                count,
+                slice,
+                false,
+            );
+            for (r, sched) in s.iter().enumerate() {
+                // One partner per round: rank ^ n/2, rank ^ n/4, …, rank ^ 1.
+                let partners: Vec<_> = (0..n.ilog2()).rev().map(|k| r ^ (1 << k)).collect();
+                assert_eq!(sched.send_peers, partners, "n {n} rank {r}");
+                assert!(sched.scratch_elems <= n * count);
             }
         });
     }

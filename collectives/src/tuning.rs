@@ -35,13 +35,16 @@ pub mod defaults {
 
 /// Largest all-gather (whole output buffer) for which recursive doubling is considered.
 pub const RD_ALL_GATHER_MAX_BYTES: u64 = 64 << 10;
+/// Largest reduce-scatter (whole input buffer) for which recursive halving is considered.
+pub const RD_REDUCE_SCATTER_MAX_BYTES: u64 = 64 << 10;
 
 /// Which schedule a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Choice {
     /// Ring (all-reduce, all-gather, reduce-scatter) or pipelined chain (broadcast, reduce).
     Ring,
-    /// Recursive doubling (all-reduce; all-gather on a power-of-two number of ranks).
+    /// Recursive doubling (all-reduce; all-gather on a power-of-two number of ranks), or its
+    /// mirror recursive halving (reduce-scatter on a power-of-two number of ranks).
     Rd,
     /// Double binary tree (all-reduce) or pipelined binary tree (broadcast, reduce).
     Tree,
@@ -167,6 +170,9 @@ impl Tuner {
             // pay where latency dominates, so larger buffers keep the pipelined ring.
             (Collective::AllGather, Algorithm::Rd) => {
                 self.layout.nranks().is_power_of_two() && bytes <= RD_ALL_GATHER_MAX_BYTES
+            }
+            (Collective::ReduceScatter, Algorithm::Rd) => {
+                self.layout.nranks().is_power_of_two() && bytes <= RD_REDUCE_SCATTER_MAX_BYTES
             }
             (Collective::AllReduce, Algorithm::Hier) => self.layout.hosts() > 1,
             (Collective::Broadcast | Collective::Reduce, Algorithm::Tree) => true,
@@ -300,6 +306,33 @@ mod tests {
         // WEFT_ALGO=ring still rules it out.
         let t = tuner(&[0; 4], "ring");
         assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Choice::Ring);
+    }
+
+    #[test]
+    fn small_reduce_scatter_uses_recursive_halving_on_power_of_two_ranks() {
+        // (With 2 ranks both are one exchange: the model's tie keeps the ring.)
+        for n in [4, 8, 16] {
+            let t = tuner(&vec![0; n], "");
+            for b in [8 * n, 2048, RD_REDUCE_SCATTER_MAX_BYTES as usize] {
+                assert_eq!(
+                    t.choose(OpKind::ReduceScatter, b, 0, 1),
+                    Choice::Rd,
+                    "n {n} b {b}"
+                );
+            }
+            let above = RD_REDUCE_SCATTER_MAX_BYTES as usize + 1;
+            assert_eq!(t.choose(OpKind::ReduceScatter, above, 0, 1), Choice::Ring);
+        }
+        for n in [2, 3, 5, 6] {
+            let t = tuner(&vec![0; n], "");
+            assert_eq!(
+                t.choose(OpKind::ReduceScatter, 64, 0, 1),
+                Choice::Ring,
+                "n {n}"
+            );
+        }
+        let t = tuner(&[0; 4], "ring");
+        assert_eq!(t.choose(OpKind::ReduceScatter, 64, 0, 1), Choice::Ring);
     }
 
     #[test]

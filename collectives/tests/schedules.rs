@@ -272,15 +272,21 @@ fn check_all_reduce_with(
     Ok(())
 }
 
+/// The signature shared by the all-gather and reduce-scatter builders (rank, nranks, count,
+/// slice).
+type BlockBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
+
 fn check_reduce_scatter(p: &Params) -> Result<(), TestCaseError> {
+    check_reduce_scatter_with(p, schedule::ring_reduce_scatter)
+}
+
+fn check_reduce_scatter_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let block = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n)
         .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.n * p.count))
         .collect();
-    let scheds = build(p.n, |r| {
-        schedule::ring_reduce_scatter(r, p.n, p.count, p.slice)
-    })?;
+    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .enumerate()
@@ -306,14 +312,11 @@ fn check_reduce_scatter(p: &Params) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// The signature shared by the all-gather builders (rank, nranks, count, slice).
-type AllGatherBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
-
 fn check_all_gather(p: &Params) -> Result<(), TestCaseError> {
     check_all_gather_with(p, schedule::ring_all_gather)
 }
 
-fn check_all_gather_with(p: &Params, builder: AllGatherBuilder) -> Result<(), TestCaseError> {
+fn check_all_gather_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let block = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(block)).collect();
@@ -536,6 +539,13 @@ proptest! {
     #[test]
     fn reduce_scatter_matches_reference(p in params(300)) {
         check_reduce_scatter(&p)?;
+    }
+
+    #[test]
+    fn recursive_halving_reduce_scatter_matches_reference(p in params(300)) {
+        // Power-of-two rank counts only (1, 2, 4, 8, 16).
+        let p = Params { n: 1 << p.n.ilog2(), ..p };
+        check_reduce_scatter_with(&p, schedule::recursive_halving_reduce_scatter)?;
     }
 
     #[test]

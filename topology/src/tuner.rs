@@ -605,6 +605,14 @@ impl Model {
                 let lat = if multi { m.net_lat_us } else { m.intra_lat_us } * pf.hop_factor;
                 pf.base_us + steps * lat + b * coll.bus_factor(n) / bw
             }
+            (Algorithm::Rd, Collective::ReduceScatter) => {
+                // Recursive halving: ⌈log2 n⌉ rounds exchanging n/2, n/4, … blocks, the ring's
+                // volume and reductions in fewer, unpipelined steps.
+                let steps = ceil_log2(n);
+                let lat = if multi { m.net_lat_us } else { m.intra_lat_us } * pf.hop_factor;
+                let reduced = (n - 1) as f64 / n as f64;
+                pf.base_us + steps * lat + b * coll.bus_factor(n) / bw + reduced * b * gamma
+            }
             (Algorithm::Hier, Collective::AllReduce) if multi => {
                 // Ring reduce-scatter and all-gather among the host's `local` ranks, then a ring
                 // all-reduce across the hosts of each 1/local shard; the shards of one host share
