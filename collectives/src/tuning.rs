@@ -284,55 +284,30 @@ mod tests {
         }
     }
 
+    /// All-gather (recursive doubling) and reduce-scatter (recursive halving) take `rd` on
+    /// power-of-two rank counts up to their cap, the ring otherwise.
     #[test]
-    fn small_all_gather_uses_recursive_doubling_on_power_of_two_ranks() {
-        // (With 2 ranks both are one exchange: the model's tie keeps the ring.)
-        for n in [4, 8] {
-            let t = tuner(&vec![0; n], "");
-            for b in [8, 2048, RD_ALL_GATHER_MAX_BYTES as usize] {
-                assert_eq!(
-                    t.choose(OpKind::AllGather, b, 0, 1),
-                    Choice::Rd,
-                    "n {n} b {b}"
-                );
+    fn small_block_collectives_use_rd_on_power_of_two_ranks() {
+        for (kind, cap) in [
+            (OpKind::AllGather, RD_ALL_GATHER_MAX_BYTES as usize),
+            (OpKind::ReduceScatter, RD_REDUCE_SCATTER_MAX_BYTES as usize),
+        ] {
+            for n in [4, 8, 16] {
+                let t = tuner(&vec![0; n], "");
+                for b in [8 * n, 2048, cap] {
+                    assert_eq!(t.choose(kind, b, 0, 1), Choice::Rd, "{kind} n {n} b {b}");
+                }
+                assert_eq!(t.choose(kind, cap + 1, 0, 1), Choice::Ring, "{kind} n {n}");
             }
-            let above = RD_ALL_GATHER_MAX_BYTES as usize + 1;
-            assert_eq!(t.choose(OpKind::AllGather, above, 0, 1), Choice::Ring);
-        }
-        for n in [3, 5, 6] {
-            let t = tuner(&vec![0; n], "");
-            assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Choice::Ring, "n {n}");
-        }
-        // WEFT_ALGO=ring still rules it out.
-        let t = tuner(&[0; 4], "ring");
-        assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Choice::Ring);
-    }
-
-    #[test]
-    fn small_reduce_scatter_uses_recursive_halving_on_power_of_two_ranks() {
-        // (With 2 ranks both are one exchange: the model's tie keeps the ring.)
-        for n in [4, 8, 16] {
-            let t = tuner(&vec![0; n], "");
-            for b in [8 * n, 2048, RD_REDUCE_SCATTER_MAX_BYTES as usize] {
-                assert_eq!(
-                    t.choose(OpKind::ReduceScatter, b, 0, 1),
-                    Choice::Rd,
-                    "n {n} b {b}"
-                );
+            // (With 2 ranks both are one exchange: the model's tie keeps the ring.)
+            for n in [2, 3, 5, 6] {
+                let t = tuner(&vec![0; n], "");
+                assert_eq!(t.choose(kind, 8 * n, 0, 1), Choice::Ring, "{kind} n {n}");
             }
-            let above = RD_REDUCE_SCATTER_MAX_BYTES as usize + 1;
-            assert_eq!(t.choose(OpKind::ReduceScatter, above, 0, 1), Choice::Ring);
+            // WEFT_ALGO=ring still rules it out.
+            let t = tuner(&[0; 4], "ring");
+            assert_eq!(t.choose(kind, 32, 0, 1), Choice::Ring, "{kind}");
         }
-        for n in [2, 3, 5, 6] {
-            let t = tuner(&vec![0; n], "");
-            assert_eq!(
-                t.choose(OpKind::ReduceScatter, 64, 0, 1),
-                Choice::Ring,
-                "n {n}"
-            );
-        }
-        let t = tuner(&[0; 4], "ring");
-        assert_eq!(t.choose(OpKind::ReduceScatter, 64, 0, 1), Choice::Ring);
     }
 
     #[test]
