@@ -313,6 +313,8 @@ struct Inner {
     _server: Option<Arc<StoreServer>>,
     splits: AtomicU64,
     watcher_stop: AtomicBool,
+    /// The poison's cause was left on every connection ([`Inner::leave_farewell`]).
+    farewell_left: AtomicBool,
 }
 
 /// Issue order of operations: which ticket executes now, and how many callers wait for their
@@ -529,6 +531,7 @@ impl Communicator {
             _server: server,
             splits: AtomicU64::new(0),
             watcher_stop: AtomicBool::new(false),
+            farewell_left: AtomicBool::new(false),
         });
         let watcher = if nranks > 1 {
             let w = Arc::clone(&inner);
@@ -585,6 +588,7 @@ impl Communicator {
             reason: "abort() called".into(),
         };
         self.inner.fail(e);
+        self.inner.leave_farewell();
         self.inner.turn.wake_all();
     }
 
@@ -1022,6 +1026,9 @@ impl Drop for Communicator {
             drop(w.jobs);
             let _ = w.thread.join();
         }
+        // A poisoned communicator's cause, if no call could leave it yet (connections close
+        // when the last reference to `inner` goes).
+        self.inner.leave_farewell();
         self.inner.watcher_stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.watcher.take() {
             let _ = t.join();
@@ -1149,6 +1156,7 @@ impl Inner {
         if self.poison.set.load(Ordering::Acquire) {
             return;
         }
+        let e = self.adopt_farewell(e);
         let local = !matches!(&e, Error::Aborted { by: Some(_), .. })
             && !matches!(&e, Error::PeerLost { detail, .. } if detail.starts_with("reported by"));
         // A local abort() is its own root cause: poison at once, so neither the caller of
@@ -1189,13 +1197,7 @@ impl Inner {
         let key = format!("{}/abort", self.namespace);
         match store.add(&format!("{key}-count"), 1) {
             Ok(1) => {
-                let message = match &e {
-                    Error::PeerLost { peer, detail, .. } => {
-                        format!("lost {peer} {} {detail}", self.rank)
-                    }
-                    other => format!("abort {} {other}", self.rank),
-                };
-                let _ = store.set(&key, message.as_bytes());
+                let _ = store.set(&key, self.note_of(&e).as_bytes());
                 e
             }
             Ok(_) => match store.get(&key, ALARM_TIMEOUT) {
@@ -1203,6 +1205,75 @@ impl Inner {
                 Err(_) => e,
             },
             Err(_) => e,
+        }
+    }
+
+    /// `e` as the store and farewell notes carry it, for [`remote_error`] to read back:
+    /// `abort <rank> <reason>` or `lost <peer> <reporting rank> <detail>`, naming the rank where
+    /// the failure started (this one, or the one an adopted error came from).
+    fn note_of(&self, e: &Error) -> String {
+        match e {
+            Error::Aborted {
+                by: Some(by),
+                reason,
+                ..
+            } => {
+                let prefix = format!("rank {by} failed: ");
+                format!(
+                    "abort {by} {}",
+                    reason.strip_prefix(&prefix).unwrap_or(reason)
+                )
+            }
+            Error::PeerLost { peer, detail, .. } => {
+                match detail
+                    .strip_prefix("reported by rank ")
+                    .and_then(|d| d.split_once(": "))
+                {
+                    Some((by, rest)) => format!("lost {peer} {by} {rest}"),
+                    None => format!("lost {peer} {} {detail}", self.rank),
+                }
+            }
+            other => format!("abort {} {other}", self.rank),
+        }
+    }
+
+    /// For a peer that closed its connection after failing, the cause it left there (see
+    /// [`Inner::leave_farewell`]): the root cause, which the store may no longer be able to
+    /// tell (it lives with rank 0). Any other error is returned as it is.
+    fn adopt_farewell(&self, e: Error) -> Error {
+        let peer = match &e {
+            Error::PeerLost { peer, detail, .. } if !detail.starts_with("reported by") => *peer,
+            _ => return e,
+        };
+        let Some(st) = self.try_lock_state() else {
+            return e;
+        };
+        let note = st.mesh.farewell(peer);
+        drop(st);
+        note.and_then(|n| remote_error(self, &n)).unwrap_or(e)
+    }
+
+    /// Leaves the poison's cause on every connection, once, for peers that see this rank close
+    /// (shared memory keeps it; see [`weftcc_transports::Connection::leave_farewell`]). Skipped
+    /// while an operation holds the state; the next call (at the latest the communicator's
+    /// drop) leaves it.
+    fn leave_farewell(&self) {
+        if self.farewell_left.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(e) = self.poisoned() else { return };
+        let Some(mut st) = self.try_lock_state() else {
+            return;
+        };
+        st.mesh.leave_farewell(&self.note_of(&e));
+        self.farewell_left.store(true, Ordering::Release);
+    }
+
+    fn try_lock_state(&self) -> Option<std::sync::MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
         }
     }
 
@@ -1295,6 +1366,7 @@ impl Inner {
         if let Err(e) = &result {
             if e.is_fatal() {
                 self.fail(e.clone());
+                self.leave_farewell();
                 // Once poisoned, the first error is the one to report: a peer that closed its
                 // connections because this rank aborted is a consequence, not the cause.
                 if let Some(first) = self.poisoned() {

@@ -61,7 +61,20 @@ pub trait Connection: Send {
     /// Returns `PeerLost` when the peer is known to be gone (process exited, socket closed) and no
     /// buffered bytes remain. Cheap enough to call every few milliseconds while waiting.
     fn check_peer(&mut self) -> Result<()>;
+
+    /// Leaves `note` (why this rank is failing; the first [`FAREWELL_MAX`] bytes) where the peer
+    /// can read it with [`Connection::farewell`] once this end has closed, so that it can report
+    /// the cause rather than only the close. Transports without such a place ignore it.
+    fn leave_farewell(&mut self, _note: &str) {}
+
+    /// The note the peer left with [`Connection::leave_farewell`], if it left one.
+    fn farewell(&self) -> Option<String> {
+        None
+    }
 }
+
+/// Longest note [`Connection::leave_farewell`] keeps, bytes.
+pub const FAREWELL_MAX: usize = 1024;
 
 /// [`Connection::try_recv_into`] through [`Connection::try_recv`]: copies what the transport lends.
 /// The default implementation, and the fallback of transports that override it.

@@ -27,7 +27,7 @@ pub mod store;
 pub mod tcp;
 mod util;
 
-pub use conn::{Connection, IdleWaiter, Interest};
+pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
 pub use mesh::{host_id, Mesh, MeshConfig};
 pub use store::{StoreClient, StoreServer};

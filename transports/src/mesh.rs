@@ -477,6 +477,18 @@ impl Mesh {
         self.conns.get_mut(peer).and_then(|c| c.as_deref_mut())
     }
 
+    /// Leaves `note` on every connection (see [`Connection::leave_farewell`]).
+    pub fn leave_farewell(&mut self, note: &str) {
+        for conn in self.conns.iter_mut().flatten() {
+            conn.leave_farewell(note);
+        }
+    }
+
+    /// The note `peer` left before closing its connection to this rank, if any.
+    pub fn farewell(&self, peer: usize) -> Option<String> {
+        self.conns.get(peer)?.as_ref()?.farewell()
+    }
+
     /// Connections indexed by peer (`None` for this rank) and the waiter, borrowed together so
     /// the engine can poll and wait.
     pub fn parts(&mut self) -> (&mut [Option<Box<dyn Connection>>], &mut dyn IdleWaiter) {

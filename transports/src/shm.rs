@@ -44,7 +44,13 @@
 //!   @512 reference slots: { ring position u64, address u64, length u64, pad } × REF_SLOTS
 //!   @640 low-latency messages consumed u64 (receiver)
 //!   @1024 low-latency slots (below)
+//!   @5120 farewell length u64 (sender) | @5128 farewell bytes, up to FAREWELL_MAX (sender)
 //! ```
+//!
+//! Farewell: a sender that is failing leaves its reason in its ring's control page
+//! ([`Connection::leave_farewell`]: the bytes as words, then the length with Release) before it
+//! closes; the receiver that sees the close reads it ([`Connection::farewell`]) and can report
+//! the cause instead of only the close, even when the bootstrap store is gone.
 //!
 //! Low-latency messages for small writes (up to [`LL_MAX`] bytes, the idea of NCCL's LL protocol
 //! and OpenMPI's fast boxes): the data goes into a slot of cache lines that each end with an
@@ -73,7 +79,7 @@
 //! count are stored with Release after any earlier message, so neither ring bytes nor a reference
 //! written after a message are ever seen without the message.
 
-use crate::conn::{Connection, IdleWaiter, Interest};
+use crate::conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 use crate::error::{Result, TransportError};
 use crate::util::{env_nonempty, fnv1a64, futex_wait, futex_wake, parse_size, ProcessWatch};
 use memmap2::{MmapOptions, MmapRaw};
@@ -96,7 +102,7 @@ pub const MIN_BUFFSIZE: usize = 64 << 10;
 pub const MAX_BUFFSIZE: usize = 1 << 30;
 
 const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const MAX_SLOTS: usize = 1 << 16;
 
 // Header offsets.
@@ -129,8 +135,12 @@ const REF_SLOT_BYTES: usize = 32;
 const REF_SLOTS: u64 = 4;
 const R_LL_DONE: usize = 640;
 const R_LL: usize = 1024;
+/// The sender's farewell note: its length (u64, stored last with Release), then its bytes as
+/// little-endian words.
+const R_FAREWELL_LEN: usize = R_LL + LL_SLOTS as usize * LL_SLOT_BYTES;
+const R_FAREWELL: usize = R_FAREWELL_LEN + 8;
 /// Bytes the ring control region needs (rounded up to whole pages in the layout).
-const CTRL_BYTES: usize = R_LL + LL_SLOTS as usize * LL_SLOT_BYTES;
+const CTRL_BYTES: usize = R_FAREWELL + FAREWELL_MAX;
 
 const LL_LINE: usize = 64;
 const LL_SLOT_LINES: usize = 8;
@@ -1295,6 +1305,40 @@ impl Connection for ShmConnection {
         crate::conn::recv_into_by_lending(self, dst)
     }
 
+    fn leave_farewell(&mut self, note: &str) {
+        let r = &*self.remote;
+        if r.u64_at(self.tx + R_FAREWELL_LEN).load(Ordering::Relaxed) != 0 {
+            return; // the first note is the cause; later ones follow from it
+        }
+        let bytes = &note.as_bytes()[..note.len().min(FAREWELL_MAX)];
+        for (i, chunk) in bytes.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            r.u64_at(self.tx + R_FAREWELL + 8 * i)
+                .store(u64::from_le_bytes(word), Ordering::Relaxed);
+        }
+        r.u64_at(self.tx + R_FAREWELL_LEN)
+            .store(bytes.len() as u64, Ordering::Release);
+    }
+
+    fn farewell(&self) -> Option<String> {
+        let m = &*self.own;
+        let len = m.u64_at(self.rx + R_FAREWELL_LEN).load(Ordering::Acquire) as usize;
+        if len == 0 {
+            return None;
+        }
+        let len = len.min(FAREWELL_MAX);
+        let mut bytes = Vec::with_capacity(len.div_ceil(8) * 8);
+        for i in 0..len.div_ceil(8) {
+            let word = m
+                .u64_at(self.rx + R_FAREWELL + 8 * i)
+                .load(Ordering::Relaxed);
+            bytes.extend_from_slice(&word.to_le_bytes());
+        }
+        bytes.truncate(len);
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
     fn check_peer(&mut self) -> Result<()> {
         let closed = self
             .own
@@ -1385,6 +1429,29 @@ pub fn local_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_farewell_is_read_by_the_peer_after_the_close() {
+        let ((mut a, _), (mut b, _)) = local_pair(0, 1, MIN_BUFFSIZE).unwrap();
+        let ((c, _), (d, _)) = local_pair(0, 1, MIN_BUFFSIZE).unwrap();
+        a.leave_farewell("abort 0 timed out");
+        a.leave_farewell("abort 0 a consequence"); // the first note stays
+        drop(a);
+        assert!(matches!(
+            b.check_peer(),
+            Err(TransportError::PeerLost { peer: 0, .. })
+        ));
+        assert_eq!(b.farewell().as_deref(), Some("abort 0 timed out"));
+        // No note: none read. A long one: cut at FAREWELL_MAX bytes.
+        drop(c);
+        assert_eq!(d.farewell(), None);
+        let ((mut e, _), (f, _)) = local_pair(0, 1, MIN_BUFFSIZE).unwrap();
+        let long: String = (0..FAREWELL_MAX + 50)
+            .map(|i| (b'a' + (i % 26) as u8) as char)
+            .collect();
+        e.leave_farewell(&long);
+        assert_eq!(f.farewell().as_deref(), Some(&long[..FAREWELL_MAX]));
+    }
 
     #[test]
     fn capacity_rounding() {
