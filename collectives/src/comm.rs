@@ -1522,51 +1522,49 @@ impl Inner {
         if let Some(prepared) = st.schedules.get(&key) {
             return Ok(Arc::clone(prepared));
         }
-        {
-            let sched = match (call.kind, choice) {
-                (OpKind::AllReduce, Choice::Rd) => {
-                    schedule::recursive_doubling_all_reduce(r, n, count, slice)
-                }
-                (OpKind::AllReduce, Choice::Tree) => tree::tree_all_reduce(r, n, count, slice),
-                (OpKind::AllReduce, Choice::Hier) => {
-                    hierarchical::hierarchical_all_reduce(r, self.tuner.layout(), count, slice)
-                }
-                (OpKind::AllReduce, _) => schedule::ring_all_reduce(r, n, count, slice),
-                (OpKind::Reduce, Choice::Tree) => tree::tree_reduce(r, n, call.root, count, slice),
-                (OpKind::Reduce, _) => schedule::chain_reduce(r, n, call.root, count, slice),
-                (OpKind::Broadcast, Choice::Tree) => {
-                    tree::tree_broadcast(r, n, call.root, count, slice)
-                }
-                (OpKind::Broadcast, _) => schedule::chain_broadcast(r, n, call.root, count, slice),
-                (OpKind::AllGather, Choice::Rd) if n.is_power_of_two() => {
-                    schedule::recursive_doubling_all_gather(r, n, count, slice)
-                }
-                (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
-                (OpKind::ReduceScatter, Choice::Rd) if n.is_power_of_two() => {
-                    schedule::recursive_halving_reduce_scatter(r, n, count, slice)
-                }
-                (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
-                (OpKind::AllToAll, _) => {
-                    schedule::pairwise_all_to_all(r, n, count, slice, shape.in_place)
-                }
-                (OpKind::Barrier, _) => schedule::dissemination_barrier(r, n),
-                (OpKind::SendRecv, _) => {
-                    return Err(self.invalid(call.kind, "point-to-point through execute_raw".into()))
-                }
+        let sched = match (call.kind, choice) {
+            (OpKind::AllReduce, Choice::Rd) => {
+                schedule::recursive_doubling_all_reduce(r, n, count, slice)
             }
-            .map_err(|e| Error::Internal {
-                rank: r,
-                op: call.kind,
-                seq,
-                reason: e.to_string(),
-            })?;
-            if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
-                st.schedules.clear();
+            (OpKind::AllReduce, Choice::Tree) => tree::tree_all_reduce(r, n, count, slice),
+            (OpKind::AllReduce, Choice::Hier) => {
+                hierarchical::hierarchical_all_reduce(r, self.tuner.layout(), count, slice)
             }
-            let prepared = Arc::new(Prepared::new(sched));
-            st.schedules.insert(key, Arc::clone(&prepared));
-            Ok(prepared)
+            (OpKind::AllReduce, _) => schedule::ring_all_reduce(r, n, count, slice),
+            (OpKind::Reduce, Choice::Tree) => tree::tree_reduce(r, n, call.root, count, slice),
+            (OpKind::Reduce, _) => schedule::chain_reduce(r, n, call.root, count, slice),
+            (OpKind::Broadcast, Choice::Tree) => {
+                tree::tree_broadcast(r, n, call.root, count, slice)
+            }
+            (OpKind::Broadcast, _) => schedule::chain_broadcast(r, n, call.root, count, slice),
+            (OpKind::AllGather, Choice::Rd) if n.is_power_of_two() => {
+                schedule::recursive_doubling_all_gather(r, n, count, slice)
+            }
+            (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
+            (OpKind::ReduceScatter, Choice::Rd) if n.is_power_of_two() => {
+                schedule::recursive_halving_reduce_scatter(r, n, count, slice)
+            }
+            (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
+            (OpKind::AllToAll, _) => {
+                schedule::pairwise_all_to_all(r, n, count, slice, shape.in_place)
+            }
+            (OpKind::Barrier, _) => schedule::dissemination_barrier(r, n),
+            (OpKind::SendRecv, _) => {
+                return Err(self.invalid(call.kind, "point-to-point through execute_raw".into()))
+            }
         }
+        .map_err(|e| Error::Internal {
+            rank: r,
+            op: call.kind,
+            seq,
+            reason: e.to_string(),
+        })?;
+        if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
+            st.schedules.clear();
+        }
+        let prepared = Arc::new(Prepared::new(sched));
+        st.schedules.insert(key, Arc::clone(&prepared));
+        Ok(prepared)
     }
 
     /// Builds the schedule of a validated call and executes it.
