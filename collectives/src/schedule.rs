@@ -223,6 +223,15 @@ pub(crate) fn check_root(root: usize, nranks: usize) -> Result<(), ScheduleError
 }
 
 /// `count * nranks`, or an error when it overflows.
+/// Recursive doubling and halving pair ranks by `rank ^ 2^k`: they need a power of two.
+fn check_power_of_two(nranks: usize) -> Result<(), ScheduleError> {
+    if nranks.is_power_of_two() {
+        Ok(())
+    } else {
+        Err(ScheduleError::NotPowerOfTwo { nranks })
+    }
+}
+
 fn total(count: usize, nranks: usize) -> Result<usize, ScheduleError> {
     count
         .checked_mul(nranks)
@@ -523,19 +532,14 @@ pub fn recursive_halving_reduce_scatter(
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
     check_rank(rank, nranks)?;
+    check_power_of_two(nranks)?;
     let n = nranks;
     let all = total(count, n)?;
-    if !n.is_power_of_two() {
-        return Err(ScheduleError::NotPowerOfTwo { nranks: n });
+    if n == 1 {
+        // One rank: the ring's schedule, a copy of Input into Output.
+        return ring_reduce_scatter(rank, n, count, slice_elems);
     }
     let mut b = Builder::default();
-    if n == 1 {
-        b.copy(
-            Region::new(BufId::Input, 0, count),
-            Region::new(BufId::Output, 0, count),
-        );
-        return Ok(b.finish(Vec::new(), Vec::new(), 0));
-    }
     // The previous round's writes to Scratch. Each round reads only inside the window the
     // previous one wrote, so older writes never matter.
     let mut written = Writes::default();
@@ -643,11 +647,9 @@ pub fn recursive_doubling_all_gather(
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
     check_rank(rank, nranks)?;
+    check_power_of_two(nranks)?;
     let n = nranks;
     total(count, n)?;
-    if !n.is_power_of_two() {
-        return Err(ScheduleError::NotPowerOfTwo { nranks: n });
-    }
     let mut b = Builder::default();
     // Who wrote which elements of Output.
     let mut writers = Writes::default();
