@@ -1,5 +1,6 @@
 //! Reliability behaviour with ranks as threads: abort, mismatched collectives, invalid
-//! arguments, poisoning, and hostile connections to the bootstrap port.
+//! arguments, poisoning, hostile connections to the bootstrap port, and a failing rank's
+//! farewell.
 
 mod common;
 
@@ -60,6 +61,40 @@ fn abort_from_another_thread_unblocks_a_waiting_call_within_a_second() {
             ),
             "{wire:?}: {:?}",
             results[1].0
+        );
+    }
+}
+
+#[test]
+fn an_abort_reaches_an_idle_rank_even_when_rank_0_leaves_right_after_it() {
+    // Rank 0 (the store's host) aborts and drops its communicator at once; rank 1 makes no call
+    // and can learn of the abort only through its watcher's polls of the store. A store closed
+    // between two polls used to leave it with no error at all (2 runs of this test in 5 failed that way);
+    // rank 0 now keeps the store up until every watcher has read the abort.
+    for round in 0..100 {
+        let wire = if round % 2 == 0 { Wire::Shm } else { Wire::Tcp };
+        let results = with_ranks(2, wire, |rank, comm| {
+            if rank == 0 {
+                comm.abort();
+                return None;
+            }
+            let start = Instant::now();
+            while comm.error().is_none() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            comm.error()
+        });
+        assert!(
+            matches!(
+                &results[1],
+                Some(Error::Aborted {
+                    rank: 1,
+                    by: Some(0),
+                    ..
+                })
+            ),
+            "round {round}, {wire:?}: {:?}",
+            results[1]
         );
     }
 }
@@ -402,4 +437,32 @@ fn timeouts_name_the_op_its_sequence_and_the_ranks_awaited() {
         }
     }
     assert!(timeouts >= 1);
+}
+
+#[test]
+fn a_peer_that_failed_after_the_store_left_is_reported_with_its_cause() {
+    // Rank 0 serves the bootstrap store and leaves after the barrier, taking the store with it.
+    // Then rank 1 aborts and closes while rank 2 waits to receive from it: with no store to
+    // publish through, rank 2 learns why only from the farewell rank 1 left in their shared
+    // memory (without it, rank 2 could only report rank 1 as lost).
+    let results = with_ranks(3, Wire::Shm, |rank, comm| {
+        comm.barrier().unwrap();
+        match rank {
+            0 => None,
+            1 => {
+                std::thread::sleep(Duration::from_millis(400));
+                comm.abort();
+                None
+            }
+            _ => {
+                let mut buf = [0u8; 8];
+                Some(comm.recv(&mut buf, 1).unwrap_err())
+            }
+        }
+    });
+    let err = results[2].as_ref().unwrap();
+    assert!(
+        matches!(err, Error::Aborted { rank: 2, by: Some(1), reason } if reason.contains("abort() called")),
+        "{err:?}"
+    );
 }

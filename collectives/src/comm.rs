@@ -8,7 +8,10 @@
 //!
 //! Failure handling: the first fatal error poisons the communicator and is published to the
 //! bootstrap store; a watcher thread on every rank picks it up, so a dead or failing rank becomes
-//! an error on all ranks within a fraction of a second instead of a hang.
+//! an error on all ranks within a fraction of a second instead of a hang. Rank 0, which hosts the
+//! store, keeps it up after a failure until every rank's watcher has read it (or
+//! [`SETTLE_TIMEOUT`]): a watcher between two polls would otherwise find the store closed and
+//! learn nothing.
 
 use crate::dtype::{DataType, Element};
 use crate::engine::{self, Area, Backoff, Context, Layout, Placement, Prepared, Workspace};
@@ -41,6 +44,9 @@ pub const DEFAULT_SLICE_BYTES: usize = 256 * 1024;
 const WATCH_PERIOD: Duration = Duration::from_millis(100);
 /// Longest a failure report waits on the store.
 const ALARM_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest the store's host, dropping a failed communicator, waits for the other ranks' watchers
+/// to read the failure (a rank that died never does).
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What a program passes between ranks to form a communicator: the rendezvous address where
 /// rank 0 serves the bootstrap store, and a random job token. Printable and parseable
@@ -1033,6 +1039,7 @@ impl Drop for Communicator {
         if let Some(t) = self.watcher.take() {
             let _ = t.join();
         }
+        self.inner.wait_for_watchers_to_settle();
     }
 }
 
@@ -1188,6 +1195,28 @@ impl Inner {
         }
         self.turn.wake_all();
         true
+    }
+
+    /// On the rank whose drop will close the store, after a failure was published there: waits
+    /// (at most [`SETTLE_TIMEOUT`]) until every rank's watcher has read it or stopped, so that
+    /// the store does not close between a watcher's two polls and leave that rank without the
+    /// cause (it would see only a closed store, or nothing at all while idle).
+    fn wait_for_watchers_to_settle(&self) {
+        let Some(server) = &self._server else {
+            return;
+        };
+        if self.size == 1
+            || Arc::strong_count(server) > 1
+            || !self.poison.set.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let Ok(mut store) = self.alarm.try_lock() else {
+            return;
+        };
+        if matches!(store.check(&format!("{}/abort", self.namespace)), Ok(true)) {
+            let _ = store.get(&format!("{}/settled-all", self.namespace), SETTLE_TIMEOUT);
+        }
     }
 
     fn publish_or_adopt(&self, e: Error) -> Error {
@@ -1997,6 +2026,7 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     inner.fail(e);
                     inner.turn.wake_all();
                 }
+                settle(&inner, &mut client);
                 return;
             }
             Err(TransportError::Timeout { .. }) => continue,
@@ -2015,6 +2045,18 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                 });
                 return;
             }
+        }
+    }
+    settle(&inner, &mut client);
+}
+
+/// Counts this rank's watcher as done with the store (it read the failure, or its communicator
+/// is going away); the last one to count says so, for [`Inner::wait_for_watchers_to_settle`].
+fn settle(inner: &Inner, client: &mut StoreClient) {
+    let count = format!("{}/settled", inner.namespace);
+    if let Ok(n) = client.add_within(&count, 1, WATCH_PERIOD) {
+        if n == inner.size as i64 {
+            let _ = client.set(&format!("{count}-all"), b"1");
         }
     }
 }

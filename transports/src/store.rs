@@ -794,10 +794,16 @@ impl StoreClient {
 
     /// Atomically adds `delta` to the counter `key` (missing counts as 0); returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        self.add_within(key, delta, self.timeout)
+    }
+
+    /// [`StoreClient::add`], giving up on the answer after about `wait` instead of the client's
+    /// timeout (for a last report that must not hold up a shutdown).
+    pub fn add_within(&mut self, key: &str, delta: i64, wait: Duration) -> Result<i64> {
         let mut v = vec![OP_ADD];
         v.extend_from_slice(&delta.to_le_bytes());
         put_key(&mut v, key.as_bytes());
-        let r = self.call(&v, self.timeout)?;
+        let r = self.call(&v, wait)?;
         let b: [u8; 8] = r
             .as_slice()
             .try_into()
