@@ -662,6 +662,9 @@ impl ShmSegment {
             rx,
             tx,
             rx_tail,
+            rx_head_seen: rx_tail,
+            rx_stopped_short: false,
+            rx_tail_published: rx_tail,
             tx_head,
             tx_tail_seen,
             watch,
@@ -744,6 +747,15 @@ pub struct ShmConnection {
     rx: usize,
     tx: usize,
     rx_tail: u64,
+    /// The sender's head as last read (a lower bound of the real one): re-read only when the
+    /// bytes it announced are used up, so that while the sender is ahead the line it keeps
+    /// writing does not have to travel for every read.
+    rx_head_seen: u64,
+    /// The last read's consumer took less than it was offered (e.g. the start of an element
+    /// whose rest is still to come): the next read looks at the head again.
+    rx_stopped_short: bool,
+    /// The tail as last published to the sender (see [`ShmConnection::consumed`]).
+    rx_tail_published: u64,
     tx_head: u64,
     /// The receiver's tail as last read (a lower bound of the real one).
     tx_tail_seen: u64,
@@ -942,6 +954,34 @@ impl ShmConnection {
         self.rx_ll = self.rx_ll.wrapping_add(1);
         m.u64_at(self.rx + R_LL_DONE)
             .store(self.rx_ll, Ordering::Release);
+    }
+
+    /// Advances the tail past `used` ring bytes. The tail is published to the sender (a store to
+    /// a line it reads, and its doorbell) only when it may matter: every known byte is consumed
+    /// (the sender may be waiting for space), the reader stopped short (`stopped`: it may not
+    /// come back soon), or an eighth of the ring is waiting to be released. While the sender is
+    /// ahead, small reads then cost no store and no locked instruction each.
+    fn consumed(&mut self, used: usize, stopped: bool) {
+        self.rx_tail = self.rx_tail.wrapping_add(used as u64);
+        let unpublished = self.rx_tail.wrapping_sub(self.rx_tail_published);
+        if unpublished > 0
+            && (stopped
+                || self.rx_tail == self.rx_head_seen
+                || unpublished >= (self.own.layout.capacity / 8) as u64)
+        {
+            self.publish_tail();
+        }
+    }
+
+    /// Tells the sender how far this side has consumed the ring, if it does not know yet.
+    fn publish_tail(&mut self) {
+        if self.rx_tail_published != self.rx_tail {
+            self.rx_tail_published = self.rx_tail;
+            self.own
+                .u64_at(self.rx + R_TAIL)
+                .store(self.rx_tail, Ordering::Release);
+            self.remote.ring_doorbell();
+        }
     }
 
     /// Lends the consumed low-latency message's remaining bytes.
@@ -1225,14 +1265,20 @@ impl Connection for ShmConnection {
             return Ok(self.lend_ll(max, consume));
         }
         // Read order matters (module docs): references, then the ring head, then the
-        // low-latency slot, so that nothing written after a message is seen without it.
+        // low-latency slot, so that nothing written after a message is seen without it. A head
+        // kept from an earlier call was also loaded (with Acquire) before this call's loads of
+        // references and slots, which is all the rule needs.
         let front = self.front_ref();
-        let closed = self
-            .own
-            .u32_at(self.rx + R_SENDER_CLOSED)
-            .load(Ordering::Acquire)
-            != 0;
-        let mut head = self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+        let mut closed = false;
+        if self.rx_head_seen == self.rx_tail || self.rx_stopped_short {
+            closed = self
+                .own
+                .u32_at(self.rx + R_SENDER_CLOSED)
+                .load(Ordering::Acquire)
+                != 0;
+            self.rx_head_seen = self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+        }
+        let mut head = self.rx_head_seen;
         let ll = self.ll_front()?;
         if let Some(l) = ll.filter(|l| l.ring_pos == self.rx_tail) {
             // Before a reference at the same position: that one stopped the sender.
@@ -1264,6 +1310,9 @@ impl Connection for ShmConnection {
             return Err(self.corrupt("head beyond capacity"));
         }
         if avail == 0 {
+            // Starved (or waiting behind a message or reference): the sender may be waiting for
+            // the space this side has consumed.
+            self.publish_tail();
             return if closed {
                 Err(self.lost("peer closed the connection"))
             } else {
@@ -1271,6 +1320,7 @@ impl Connection for ShmConnection {
             };
         }
         if max == 0 {
+            self.publish_tail();
             return Ok(0);
         }
         let off = (self.rx_tail & (cap as u64 - 1)) as usize;
@@ -1282,12 +1332,8 @@ impl Connection for ShmConnection {
         // `tail`, which happens only after `consume` returned; the slice does not escape it.
         let slice = unsafe { std::slice::from_raw_parts(m.raw.as_ptr().add(base), n) };
         let used = consume(slice).min(n);
-        if used > 0 {
-            self.rx_tail = self.rx_tail.wrapping_add(used as u64);
-            m.u64_at(self.rx + R_TAIL)
-                .store(self.rx_tail, Ordering::Release);
-            self.remote.ring_doorbell();
-        }
+        self.rx_stopped_short = used < n;
+        self.consumed(used, used < n);
         Ok(used)
     }
 
@@ -1360,6 +1406,7 @@ impl Connection for ShmConnection {
 
 impl Drop for ShmConnection {
     fn drop(&mut self) {
+        self.publish_tail();
         self.remote
             .u32_at(self.tx + R_SENDER_CLOSED)
             .store(1, Ordering::Release);
