@@ -24,6 +24,12 @@
 //! waiter sees the new doorbell value, and `FUTEX_WAIT` itself rechecks the value atomically, so
 //! no wake-up is lost.
 //!
+//! The receiver keeps the head it last read and reads it again only when those bytes are used up,
+//! and publishes its tail lazily: when it has consumed every byte it knows of (the sender may be
+//! waiting for space), when its reader stopped short of what it was offered, or once an eighth
+//! of the ring is consumed but unreleased. While the sender runs ahead, small reads then touch
+//! neither the line the sender keeps writing nor the sender's doorbell.
+//!
 //! Liveness: a dropped connection sets its closed flags; a dead process is found through a pidfd
 //! (readable once the process exited, zombies included), falling back to `kill(pid, 0)`.
 //!
