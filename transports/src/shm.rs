@@ -1507,6 +1507,46 @@ mod tests {
     }
 
     #[test]
+    fn the_tail_reaches_the_sender_when_the_reader_stops_short_or_runs_dry() {
+        let ((mut a, mut wake_a), (mut b, _)) = local_pair(0, 1, MIN_BUFFSIZE).unwrap();
+        a.set_low_latency_max(0); // ring bytes only
+        let fill = |a: &mut ShmConnection| {
+            let chunk = [7u8; 4096];
+            let mut sent = 0;
+            loop {
+                match a.try_send(&chunk).unwrap() {
+                    0 => return sent,
+                    n => sent += n,
+                }
+            }
+        };
+        assert_eq!(fill(&mut a), MIN_BUFFSIZE);
+        wake_a.poll_doorbell();
+        // A reader that takes fewer bytes than it is offered may not come back soon: the space
+        // it freed is published (and the sender woken) at once.
+        let took = b.try_recv(usize::MAX, &mut |_: &[u8]| 100).unwrap();
+        assert_eq!(took, 100);
+        assert!(wake_a.poll_doorbell());
+        assert_eq!(fill(&mut a), 100);
+        // A reader that took every byte it knows of, in pieces well under an eighth of the ring,
+        // has released the whole ring, without a further look that finds nothing.
+        let mut total = 0;
+        while total < MIN_BUFFSIZE {
+            let n = b.try_recv(1000, &mut |sl: &[u8]| sl.len()).unwrap();
+            assert!(n > 0);
+            total += n;
+        }
+        assert!(wake_a.poll_doorbell());
+        assert_eq!(fill(&mut a), MIN_BUFFSIZE);
+        // A look that asks for nothing releases what the reader took before.
+        let took = b.try_recv(1000, &mut |sl: &[u8]| sl.len()).unwrap();
+        assert_eq!(took, 1000);
+        assert_eq!(fill(&mut a), 0);
+        assert_eq!(b.try_recv(0, &mut |sl: &[u8]| sl.len()).unwrap(), 0);
+        assert_eq!(fill(&mut a), 1000);
+    }
+
+    #[test]
     fn capacity_rounding() {
         assert_eq!(ring_capacity(0), MIN_BUFFSIZE);
         assert_eq!(ring_capacity(100_000), 128 << 10);
