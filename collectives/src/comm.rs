@@ -9,9 +9,8 @@
 //! Failure handling: the first fatal error poisons the communicator and is published to the
 //! bootstrap store; a watcher thread on every rank picks it up, so a dead or failing rank becomes
 //! an error on all ranks within a fraction of a second instead of a hang. Rank 0, which hosts the
-//! store, keeps it up after a failure until every rank's watcher has read it (or
-//! [`SETTLE_TIMEOUT`]): a watcher between two polls would otherwise find the store closed and
-//! learn nothing.
+//! store, keeps it up after a failure until every rank's watcher has read it (at most 2 s): a
+//! watcher between two polls would otherwise find the store closed and learn nothing.
 
 use crate::dtype::{DataType, Element};
 use crate::engine::{self, Area, Backoff, Context, Layout, Placement, Prepared, Workspace};

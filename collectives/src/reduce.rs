@@ -12,10 +12,10 @@
 //! * `f16` and `bf16`: each operation is computed in `f32` and rounded back to nearest-even,
 //!   giving the bits the `half` crate's scalar conversions give (`to_f32`, `from_f32`); `Min`/
 //!   `Max` follow `f32`'s; when both operands are NaN the result is the first one's, quieted.
-//!   On CPUs with AVX-512 both go through [`crate::half_simd`] (16 elements widened, combined
-//!   and narrowed in registers, chosen at run time); elsewhere `f16` converts through `half`'s
-//!   slice conversions (F16C where the CPU has it), `bf16` through branch-free conversions here
-//!   that the compiler vectorises with SSE2. Both paths give the same bits.
+//!   On CPUs with AVX-512 both go through the private module `half_simd` (16 elements widened,
+//!   combined and narrowed in registers, chosen at run time); elsewhere `f16` converts through
+//!   `half`'s slice conversions (F16C where the CPU has it), `bf16` through branch-free
+//!   conversions here that the compiler vectorises with SSE2. Both paths give the same bits.
 //!
 //! Byte slices are normally aligned for their type (message starts are 8-byte aligned), in which
 //! case they are reinterpreted in place and processed by simple loops the compiler vectorises.
