@@ -46,6 +46,11 @@ const ALARM_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest the store's host, dropping a failed communicator, waits for the other ranks' watchers
 /// to read the failure (a rank that died never does).
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Store keys (under a communicator's namespace, [`Inner::store_key`]): the published failure;
+/// the count of watchers done with it, and the flag the last of them sets.
+const ABORT_KEY: &str = "abort";
+const SETTLED_KEY: &str = "settled";
+const SETTLED_ALL_KEY: &str = "settled-all";
 
 /// What a program passes between ranks to form a communicator: the rendezvous address where
 /// rank 0 serves the bootstrap store, and a random job token. Printable and parseable
@@ -1213,16 +1218,21 @@ impl Inner {
         let Ok(mut store) = self.alarm.try_lock() else {
             return;
         };
-        if matches!(store.check(&format!("{}/abort", self.namespace)), Ok(true)) {
-            let _ = store.get(&format!("{}/settled-all", self.namespace), SETTLE_TIMEOUT);
+        if matches!(store.check(&self.store_key(ABORT_KEY)), Ok(true)) {
+            let _ = store.get(&self.store_key(SETTLED_ALL_KEY), SETTLE_TIMEOUT);
         }
+    }
+
+    /// `name` under this communicator's namespace in the bootstrap store.
+    fn store_key(&self, name: &str) -> String {
+        format!("{}/{name}", self.namespace)
     }
 
     fn publish_or_adopt(&self, e: Error) -> Error {
         let Ok(mut store) = self.alarm.try_lock() else {
             return e;
         };
-        let key = format!("{}/abort", self.namespace);
+        let key = self.store_key(ABORT_KEY);
         match store.add(&format!("{key}-count"), 1) {
             Ok(1) => {
                 let _ = store.set(&key, self.note_of(&e).as_bytes());
@@ -2016,7 +2026,7 @@ fn push_sliced(
 
 /// Watches the store for a job-wide abort, and for the death of the store's host (rank 0).
 fn watch(inner: Arc<Inner>, mut client: StoreClient) {
-    let key = format!("{}/abort", inner.namespace);
+    let key = inner.store_key(ABORT_KEY);
     while !inner.watcher_stop.load(Ordering::SeqCst) {
         match client.get(&key, WATCH_PERIOD) {
             Ok(value) => {
@@ -2052,10 +2062,9 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
 /// Counts this rank's watcher as done with the store (it read the failure, or its communicator
 /// is going away); the last one to count says so, for [`Inner::wait_for_watchers_to_settle`].
 fn settle(inner: &Inner, client: &mut StoreClient) {
-    let count = format!("{}/settled", inner.namespace);
-    if let Ok(n) = client.add_within(&count, 1, WATCH_PERIOD) {
+    if let Ok(n) = client.add_within(&inner.store_key(SETTLED_KEY), 1, WATCH_PERIOD) {
         if n == inner.size as i64 {
-            let _ = client.set(&format!("{count}-all"), b"1");
+            let _ = client.set(&inner.store_key(SETTLED_ALL_KEY), b"1");
         }
     }
 }

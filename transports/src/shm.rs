@@ -962,16 +962,18 @@ impl ShmConnection {
             .store(self.rx_ll, Ordering::Release);
     }
 
-    /// Advances the tail past `used` ring bytes. The tail is published to the sender (a store to
-    /// a line it reads, and its doorbell) only when it may matter: every known byte is consumed
-    /// (the sender may be waiting for space), the reader stopped short (`stopped`: it may not
-    /// come back soon), or an eighth of the ring is waiting to be released. While the sender is
-    /// ahead, small reads then cost no store and no locked instruction each.
-    fn consumed(&mut self, used: usize, stopped: bool) {
+    /// Advances the tail past the `used` of `offered` ring bytes. The tail is published to the
+    /// sender (a store to a line it reads, and its doorbell) only when it may matter: every known
+    /// byte is consumed (the sender may be waiting for space), the reader stopped short (took
+    /// less than offered: it may not come back soon), or an eighth of the ring is waiting to be
+    /// released. While the sender is ahead, small reads then cost no store and no locked
+    /// instruction each.
+    fn consumed(&mut self, used: usize, offered: usize) {
+        self.rx_stopped_short = used < offered;
         self.rx_tail = self.rx_tail.wrapping_add(used as u64);
         let unpublished = self.rx_tail.wrapping_sub(self.rx_tail_published);
         if unpublished > 0
-            && (stopped
+            && (self.rx_stopped_short
                 || self.rx_tail == self.rx_head_seen
                 || unpublished >= (self.own.layout.capacity / 8) as u64)
         {
@@ -1338,8 +1340,7 @@ impl Connection for ShmConnection {
         // `tail`, which happens only after `consume` returned; the slice does not escape it.
         let slice = unsafe { std::slice::from_raw_parts(m.raw.as_ptr().add(base), n) };
         let used = consume(slice).min(n);
-        self.rx_stopped_short = used < n;
-        self.consumed(used, used < n);
+        self.consumed(used, n);
         Ok(used)
     }
 
