@@ -82,7 +82,7 @@ impl UniqueId {
         servers()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), Arc::new(server));
+            .insert(id.clone(), Arc::new(StoreHost::new(server, &id)));
         Ok(id)
     }
 }
@@ -126,9 +126,64 @@ pub fn peer_problem(rank: usize, size: usize, peer: usize) -> Option<String> {
 }
 
 /// Stores started by [`UniqueId::new`] in this process, found again by rank 0's `init`.
-fn servers() -> &'static Mutex<HashMap<UniqueId, Arc<StoreServer>>> {
-    static SERVERS: OnceLock<Mutex<HashMap<UniqueId, Arc<StoreServer>>>> = OnceLock::new();
+fn servers() -> &'static Mutex<HashMap<UniqueId, Arc<StoreHost>>> {
+    static SERVERS: OnceLock<Mutex<HashMap<UniqueId, Arc<StoreHost>>>> = OnceLock::new();
     SERVERS.get_or_init(Default::default)
+}
+
+/// Rank 0's bootstrap store, shared by the communicator that started it and every communicator
+/// split from it; it closes when the last of them is dropped.
+struct StoreHost {
+    _server: StoreServer,
+    id: UniqueId,
+    /// The [`SETTLED_ALL_KEY`]s of failed communicators that have been dropped
+    /// ([`Inner::settle_before_the_store_closes`]).
+    unsettled: Mutex<Vec<String>>,
+}
+
+impl StoreHost {
+    fn new(server: StoreServer, id: &UniqueId) -> StoreHost {
+        StoreHost {
+            _server: server,
+            id: id.clone(),
+            unsettled: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Waits (at most [`SETTLE_TIMEOUT`] in all) until every rank's watcher of every failed
+    /// communicator left in `unsettled` has read the failure or stopped, so that the store does
+    /// not close between a watcher's two polls and leave that rank without the cause (it would
+    /// see only a closed store, or nothing at all while idle). A rank that died never counts
+    /// itself, hence the bound.
+    fn settle(&self, store: Option<&mut StoreClient>) {
+        let keys = std::mem::take(&mut *lock(&self.unsettled));
+        if keys.is_empty() {
+            return;
+        }
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        let mut own = None;
+        let store = match store {
+            Some(store) => store,
+            None => match StoreClient::connect(&self.id.addr, &self.id.token, SETTLE_TIMEOUT) {
+                Ok(client) => own.insert(client),
+                Err(_) => return,
+            },
+        };
+        for key in keys {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || store.get(&key, left).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for StoreHost {
+    /// The store is about to close: a failure left by a communicator that was not the last
+    /// holder of the store (two dropped at once on different threads) is settled here.
+    fn drop(&mut self) {
+        self.settle(None);
+    }
 }
 
 fn random_token() -> std::result::Result<String, TransportError> {
@@ -320,7 +375,7 @@ struct Inner {
     store_addr: String,
     token: String,
     /// Keeps rank 0's store alive while any communicator using it lives.
-    _server: Option<Arc<StoreServer>>,
+    store_host: Option<Arc<StoreHost>>,
     splits: AtomicU64,
     watcher_stop: AtomicBool,
     /// The poison's cause was left on every connection ([`Inner::leave_farewell`]).
@@ -450,7 +505,8 @@ impl Communicator {
                 Some(s) => Some(s),
                 None => {
                     let bind = bind_address(&id.addr).map_err(boot)?;
-                    Some(Arc::new(StoreServer::start(bind, &id.token).map_err(boot)?))
+                    let server = StoreServer::start(bind, &id.token).map_err(boot)?;
+                    Some(Arc::new(StoreHost::new(server, id)))
                 }
             }
         } else {
@@ -467,7 +523,7 @@ impl Communicator {
         config: CommConfig,
         mut client: StoreClient,
         id: &UniqueId,
-        server: Option<Arc<StoreServer>>,
+        store_host: Option<Arc<StoreHost>>,
     ) -> Result<Communicator> {
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
         let mesh_config = MeshConfig {
@@ -538,7 +594,7 @@ impl Communicator {
             alarm: Mutex::new(alarm),
             store_addr: id.addr.clone(),
             token: id.token.clone(),
-            _server: server,
+            store_host,
             splits: AtomicU64::new(0),
             watcher_stop: AtomicBool::new(false),
             farewell_left: AtomicBool::new(false),
@@ -1024,7 +1080,7 @@ impl Communicator {
             config,
             client,
             &id,
-            inner._server.clone(),
+            inner.store_host.clone(),
         )
         .map(Some)
     }
@@ -1043,7 +1099,7 @@ impl Drop for Communicator {
         if let Some(t) = self.watcher.take() {
             let _ = t.join();
         }
-        self.inner.wait_for_watchers_to_settle();
+        self.inner.settle_before_the_store_closes();
     }
 }
 
@@ -1201,25 +1257,25 @@ impl Inner {
         true
     }
 
-    /// On the rank whose drop will close the store, after a failure was published there: waits
-    /// (at most [`SETTLE_TIMEOUT`]) until every rank's watcher has read it or stopped, so that
-    /// the store does not close between a watcher's two polls and leave that rank without the
-    /// cause (it would see only a closed store, or nothing at all while idle).
-    fn wait_for_watchers_to_settle(&self) {
-        let Some(server) = &self._server else {
+    /// On rank 0, as this communicator goes: if its failure was published in the store, leaves
+    /// the key that the other ranks' watchers set once they have all read it, and if no split
+    /// relative still holds the store, waits for every such key before the store closes
+    /// ([`StoreHost::settle`]; a relative dropped later waits for this one's too).
+    fn settle_before_the_store_closes(&self) {
+        let Some(host) = &self.store_host else {
             return;
         };
-        if self.size == 1
-            || Arc::strong_count(server) > 1
-            || !self.poison.set.load(Ordering::Acquire)
-        {
-            return;
-        }
         let Ok(mut store) = self.alarm.try_lock() else {
             return;
         };
-        if matches!(store.check(&self.store_key(ABORT_KEY)), Ok(true)) {
-            let _ = store.get(&self.store_key(SETTLED_ALL_KEY), SETTLE_TIMEOUT);
+        if self.size > 1
+            && self.poison.set.load(Ordering::Acquire)
+            && matches!(store.check(&self.store_key(ABORT_KEY)), Ok(true))
+        {
+            lock(&host.unsettled).push(self.store_key(SETTLED_ALL_KEY));
+        }
+        if Arc::strong_count(host) == 1 {
+            host.settle(Some(&mut store));
         }
     }
 
@@ -2060,7 +2116,7 @@ fn watch(inner: Arc<Inner>, mut client: StoreClient) {
 }
 
 /// Counts this rank's watcher as done with the store (it read the failure, or its communicator
-/// is going away); the last one to count says so, for [`Inner::wait_for_watchers_to_settle`].
+/// is going away); the last one to count says so, for [`StoreHost::settle`].
 fn settle(inner: &Inner, client: &mut StoreClient) {
     if let Ok(n) = client.add_within(&inner.store_key(SETTLED_KEY), 1, WATCH_PERIOD) {
         if n == inner.size as i64 {
@@ -2236,6 +2292,86 @@ mod tests {
             let proto = Selection::parse(spec).expect("spec");
             assert_eq!(shm_low_latency_max(&proto), want, "WEFT_PROTO={spec:?}");
         }
+    }
+
+    /// The store host of a fresh id, taken out of the process's table as rank 0's init would.
+    fn store_host() -> (UniqueId, Arc<StoreHost>) {
+        let id = UniqueId::new().expect("unique id");
+        let host = lock(servers()).remove(&id).expect("store host");
+        (id, host)
+    }
+
+    #[test]
+    fn the_store_closes_only_once_left_failures_are_settled_or_the_bound_passed() {
+        let (id, host) = store_host();
+        lock(&host.unsettled).push("c/settled-all".into());
+        let setter = std::thread::spawn({
+            let id = id.clone();
+            move || {
+                let mut client =
+                    StoreClient::connect(&id.addr, &id.token, SETTLE_TIMEOUT).expect("client");
+                std::thread::sleep(Duration::from_millis(300));
+                client.set("c/settled-all", b"1").expect("set");
+            }
+        });
+        let start = Instant::now();
+        drop(host);
+        let took = start.elapsed();
+        setter.join().expect("setter");
+        assert!(
+            took >= Duration::from_millis(300) && took < SETTLE_TIMEOUT,
+            "{took:?}"
+        );
+
+        // Nobody settles: the wait ends at the bound.
+        let (_, host) = store_host();
+        lock(&host.unsettled).push("c/settled-all".into());
+        let start = Instant::now();
+        drop(host);
+        let took = start.elapsed();
+        assert!(
+            took >= SETTLE_TIMEOUT && took < SETTLE_TIMEOUT * 2,
+            "{took:?}"
+        );
+    }
+
+    #[test]
+    fn a_failed_communicator_dropped_before_its_split_child_leaves_its_settle_to_the_child() {
+        let id = UniqueId::new().expect("unique id");
+        let left = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let id = id.clone();
+                    s.spawn(move || {
+                        let parent = Communicator::init_with(
+                            rank,
+                            2,
+                            &id,
+                            CommConfig::from_env().expect("config"),
+                        )
+                        .expect("init");
+                        let child = parent.split(Some(0), 0).expect("split").expect("member");
+                        if rank == 1 {
+                            while parent.error().is_none() {
+                                std::thread::sleep(Duration::from_millis(2));
+                            }
+                            return Vec::new();
+                        }
+                        let host = parent.inner.store_host.clone().expect("rank 0 hosts");
+                        parent.abort();
+                        drop(parent);
+                        let left = lock(&host.unsettled).clone();
+                        drop(child);
+                        left
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|h| h.join().expect("rank"))
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(left[0], vec![format!("c/{SETTLED_ALL_KEY}")]);
     }
 
     #[test]
