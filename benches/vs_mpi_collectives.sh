@@ -21,6 +21,11 @@
 #   MPIRUN_ARGS="..."         extra mpirun options (e.g. --bind-to none; OpenMPI binds ranks
 #                             to cores by default; weft perf only with WEFT_CPU_BIND=core)
 #   WEFT_PERF_OUT=dir         output folder (default target/perf/collectives)
+#   REPEAT=1                  rounds per collective, each an OpenMPI sweep then a weft sweep;
+#                             with more than one the table gives each side's median per size
+#                             (per column; #wrong: the maximum) and the range of each round's
+#                             ratios, [min-max]: on a shared machine single runs of sub-µs rows
+#                             swing by ±20 %, and alternating rounds see the same noise
 # Other environment (e.g. WEFT_SHM_CMA=0) reaches the weft runs. Leaves, per collective, the raw
 # outputs (mpi-*.txt, weft-*.txt), JSON (mpi-*.json from `weft baseline-json`, weft-*-<run>.json
 # from weft perf --json) and an SVG plot (*.svg) in the output folder. Sizes are measured in runs:
@@ -34,6 +39,8 @@ dtype=${2:-float}
 wire=${WIRE:-shm}
 read -r -a iters <<<"${ITERS:-200 40 10}"
 warmup=${WARMUP:-5}
+repeat=${REPEAT:-1}
+((repeat >= 1)) || { echo "REPEAT must be at least 1" >&2; exit 2; }
 read -r -a colls <<<"${COLLECTIVES:-all-reduce all-gather reduce-scatter broadcast reduce all-to-all}"
 read -r -a mpirun_extra <<<"${MPIRUN_ARGS:-}"
 out=${WEFT_PERF_OUT:-target/perf/collectives}
@@ -87,53 +94,41 @@ cargo build --release --bin weft -q
 weft=target/release/weft
 mpirun=(mpirun --allow-run-as-root --oversubscribe -n "$n" "${mpi_wire[@]}" "${mpirun_extra[@]}")
 
-table=$out/table-$dtype-$wire-$n.txt
-: >"$table"
-for c in "${colls[@]}"; do
-  tag=$c-$dtype-$wire-$n
-  echo "== $c, $dtype, $n ranks, $wire: OpenMPI" >&2
-  : >"$out/mpi-$tag.txt"
-  : >"$out/mpi-$tag.err"
-  for r in "${runs[@]}"; do
-    read -r b e <<<"$r"
-    if ! "${mpirun[@]}" "$out/mpi_collectives" "$c" "$dtype" "$b" "$e" "${iters[@]}" "$warmup" \
-      >>"$out/mpi-$tag.txt" 2>>"$out/mpi-$tag.err"; then
-      tail -n 20 "$out/mpi-$tag.err" >&2
-      exit 1
-    fi
-  done
-  "$weft" baseline-json "$out/mpi-$tag.txt" -o "$out/mpi-$tag.json"
-  echo "== $c, $dtype, $n ranks, $wire: weft perf" >&2
-  rm -f "$out/weft-$tag"-*.txt "$out/weft-$tag"-*.json
-  : >"$out/weft-$tag.txt"
-  last=$((${#runs[@]} - 1))
-  for i in "${!runs[@]}"; do
-    read -r b e <<<"${runs[i]}"
-    k=$(band "$b")
-    # The last run draws the plot: its own out-of-place and in-place curves, OpenMPI's, and
-    # weft's out-of-place and in-place rows of the earlier runs (the other sizes) as baselines.
-    plot=()
-    if ((i == last)); then
-      plot=(--plot "$out/$tag.svg" --baseline "$out/mpi-$tag.json")
-      for half in oop ip; do
-        if ((i == 0)); then break; fi
-        label=$([ $half = oop ] && echo out-of-place || echo in-place)
-        awk -v h=$half 'NF >= 13 && $1 ~ /^[0-9]+$/ {
-            if (h == "oop") print $1, $2, $6, $7, $8, $9; else print $1, $2, $10, $11, $12, $13 }' \
-          "$out/weft-$tag.txt" >"$out/weft-$tag-earlier-$half.txt"
-        if "$weft" baseline-json "$out/weft-$tag-earlier-$half.txt" --label "weft $dtype, $label (other sizes)" \
-          -o "$out/weft-$tag-earlier-$half.json"; then
-          plot+=(--baseline "$out/weft-$tag-earlier-$half.json")
-        fi
-      done
-    fi
-    env "${weft_env[@]}" "$weft" perf "$c" --np "$n" -d "$dtype" -o sum -r 0 -a 3 -b "$b" -e "$e" \
-      -n "${iters[k]}" -w "$warmup" --json "$out/weft-$tag-$i.json" "${plot[@]}" \
-      >"$out/weft-$tag-$i.txt" || true
-    cat "$out/weft-$tag-$i.txt" >>"$out/weft-$tag.txt"
-  done
-  # One table row per OpenMPI row, joined with weft's row of the same size.
-  awk -v c="$c" '
+# Medians over rounds: prints the first file with each data row (first field a size) replaced
+# field by field by the lower median over all files' rows of that size (an actual value, so its
+# printed form is kept); the fields listed in MAXF (#wrong) take the maximum instead.
+median_rows() {
+  local maxf=$1
+  shift
+  awk -v maxf="$maxf" '
+    function isnum(x) { return x ~ /^-?[0-9]+(\.[0-9]+)?$/ }
+    BEGIN { n = split(maxf, m, " "); for (i = 1; i <= n; i++) takemax[m[i]] = 1 }
+    FNR == 1 { file++ }
+    NF >= 6 && $1 ~ /^[0-9]+$/ { k = $1; c = ++cnt[k]; nf[k] = NF; for (f = 1; f <= NF; f++) v[k, f, c] = $f }
+    file == 1 { line[++lines] = $0 }
+    END {
+      for (l = 1; l <= lines; l++) {
+        $0 = line[l]
+        if (!(NF >= 6 && $1 ~ /^[0-9]+$/)) { print; continue }
+        k = $1; out = ""
+        for (f = 1; f <= nf[k]; f++) {
+          x = v[k, f, 1]
+          if (isnum(x) && cnt[k] > 1) {
+            for (i = 1; i <= cnt[k]; i++) a[i] = v[k, f, i] + 0
+            for (i = 2; i <= cnt[k]; i++) { t = a[i]; j = i - 1; while (j >= 1 && a[j] > t) { a[j + 1] = a[j]; j-- }; a[j + 1] = t }
+            pick = (f in takemax) ? a[cnt[k]] : a[int((cnt[k] + 1) / 2)]
+            for (i = 1; i <= cnt[k]; i++) if (v[k, f, i] + 0 == pick) { x = v[k, f, i]; break }
+          }
+          out = out (f > 1 ? " " : "") x
+        }
+        print out
+      }
+    }' "$@"
+}
+
+# One table row per OpenMPI row, joined with weft's row of the same size.
+join_rows() { # collective mpi-file weft-file
+  awk -v c="$1" '
     FNR == 1 { file++ }
     file == 1 && NF == 6 && $1 ~ /^[0-9]+$/ { order[++rows] = $1; mc[$1] = $2; mt[$1] = $3; mb[$1] = $5; mw[$1] = $6 }
     file == 2 && NF >= 13 && $1 ~ /^[0-9]+$/ { wc[$1] = $2; ot[$1] = $6; ob[$1] = $8; ow[$1] = $9; it[$1] = $10; ib[$1] = $12; iw[$1] = $13 }
@@ -148,11 +143,81 @@ for c in "${colls[@]}"; do
         if (mw[s] != 0 || ow[s] != 0 || iw[s] != 0) flag = flag " WRONG(" mw[s] "/" ow[s] "/" iw[s] ")"
         printf "%-14s %10s %10s %10s %8s %10s %8s %10s %8s %7.2f %7.2f%s\n", c, s, mc[s], mt[s], mb[s], ot[s], ob[s], it[s], ib[s], ro, ri, flag
       }
-    }' "$out/mpi-$tag.txt" "$out/weft-$tag.txt" >>"$table"
+    }' "$2" "$3"
+}
+
+table=$out/table-$dtype-$wire-$n.txt
+: >"$table"
+for c in "${colls[@]}"; do
+  tag=$c-$dtype-$wire-$n
+  rm -f "$out/mpi-$tag"-r*.txt "$out/weft-$tag"-r*.txt "$out/weft-$tag"-*.json
+  : >"$out/mpi-$tag.err"
+  for ((rep = 1; rep <= repeat; rep++)); do
+    round=$([ "$repeat" -gt 1 ] && echo ", round $rep of $repeat" || true)
+    echo "== $c, $dtype, $n ranks, $wire: OpenMPI$round" >&2
+    : >"$out/mpi-$tag-r$rep.txt"
+    for r in "${runs[@]}"; do
+      read -r b e <<<"$r"
+      if ! "${mpirun[@]}" "$out/mpi_collectives" "$c" "$dtype" "$b" "$e" "${iters[@]}" "$warmup" \
+        >>"$out/mpi-$tag-r$rep.txt" 2>>"$out/mpi-$tag.err"; then
+        tail -n 20 "$out/mpi-$tag.err" >&2
+        exit 1
+      fi
+    done
+    if ((rep == repeat)); then
+      median_rows 6 "$out/mpi-$tag"-r*.txt >"$out/mpi-$tag.txt"
+      "$weft" baseline-json "$out/mpi-$tag.txt" -o "$out/mpi-$tag.json"
+    fi
+    echo "== $c, $dtype, $n ranks, $wire: weft perf$round" >&2
+    : >"$out/weft-$tag-r$rep.txt"
+    last=$((${#runs[@]} - 1))
+    for i in "${!runs[@]}"; do
+      read -r b e <<<"${runs[i]}"
+      k=$(band "$b")
+      # The last round's last run draws the plot: its own out-of-place and in-place curves,
+      # OpenMPI's (medians), and weft's rows of this round's earlier runs (the other sizes).
+      plot=()
+      if ((rep == repeat && i == last)); then
+        plot=(--plot "$out/$tag.svg" --baseline "$out/mpi-$tag.json")
+        for half in oop ip; do
+          if ((i == 0)); then break; fi
+          label=$([ $half = oop ] && echo out-of-place || echo in-place)
+          awk -v h=$half 'NF >= 13 && $1 ~ /^[0-9]+$/ {
+              if (h == "oop") print $1, $2, $6, $7, $8, $9; else print $1, $2, $10, $11, $12, $13 }' \
+            "$out/weft-$tag-r$rep.txt" >"$out/weft-$tag-earlier-$half.txt"
+          if "$weft" baseline-json "$out/weft-$tag-earlier-$half.txt" --label "weft $dtype, $label (other sizes)" \
+            -o "$out/weft-$tag-earlier-$half.json"; then
+            plot+=(--baseline "$out/weft-$tag-earlier-$half.json")
+          fi
+        done
+      fi
+      env "${weft_env[@]}" "$weft" perf "$c" --np "$n" -d "$dtype" -o sum -r 0 -a 3 -b "$b" -e "$e" \
+        -n "${iters[k]}" -w "$warmup" --json "$out/weft-$tag-$i.json" "${plot[@]}" \
+        >"$out/weft-$tag-$i.txt" || true
+      cat "$out/weft-$tag-$i.txt" >>"$out/weft-$tag-r$rep.txt"
+    done
+  done
+  median_rows "9 13" "$out/weft-$tag"-r*.txt >"$out/weft-$tag.txt"
+  if ((repeat == 1)); then
+    join_rows "$c" "$out/mpi-$tag.txt" "$out/weft-$tag.txt" >>"$table"
+  else
+    # Each round's own ratios, their range appended to the medians' row.
+    for ((rep = 1; rep <= repeat; rep++)); do
+      join_rows "$c" "$out/mpi-$tag-r$rep.txt" "$out/weft-$tag-r$rep.txt"
+    done >"$out/rounds-$tag.txt"
+    join_rows "$c" "$out/mpi-$tag.txt" "$out/weft-$tag.txt" |
+      awk 'FNR == 1 { file++ }
+        file == 1 && NF >= 11 { s = $2; if (!(s in lo)) { lo[s] = hi[s] = $10; li[s] = hi2[s] = $11 }
+          if ($10 < lo[s]) lo[s] = $10; if ($10 > hi[s]) hi[s] = $10
+          if ($11 < li[s]) li[s] = $11; if ($11 > hi2[s]) hi2[s] = $11; next }
+        file == 2 { if (NF >= 11 && ($2 in lo)) printf "%s [%s-%s] [%s-%s]\n", $0, lo[$2], hi[$2], li[$2], hi2[$2]; else print }' \
+        "$out/rounds-$tag.txt" - >>"$table"
+  fi
 done
 
-echo "== weft vs OpenMPI, $dtype, $n ranks, $wire (time: max over ranks of the mean per iteration, us; busbw GB/s; r = OpenMPI time / weft time = weft busbw / OpenMPI busbw, >1: weft faster)"
+medians=$([ "$repeat" -gt 1 ] && echo "; medians of $repeat alternating rounds, [min-max] of the rounds' r-oop and r-ip" || true)
+echo "== weft vs OpenMPI, $dtype, $n ranks, $wire (time: max over ranks of the mean per iteration, us; busbw GB/s; r = OpenMPI time / weft time = weft busbw / OpenMPI busbw, >1: weft faster$medians)"
 printf "%-14s %10s %10s %10s %8s %10s %8s %10s %8s %7s %7s\n" collective size count \
   "mpi-us" "mpi-bus" "oop-us" "oop-bus" "ip-us" "ip-bus" "r-oop" "r-ip"
 cat "$table"
-echo "== files in $out: mpi-<collective>-$dtype-$wire-$n.{txt,json} (OpenMPI), weft-<collective>-$dtype-$wire-$n.txt (all weft rows), weft-<collective>-$dtype-$wire-$n-<run>.{txt,json} (one per weft perf run), <collective>-$dtype-$wire-$n.svg, $(basename "$table")"
+echo "== files in $out: mpi-<collective>-$dtype-$wire-$n.{txt,json} (OpenMPI), weft-<collective>-$dtype-$wire-$n.txt (all weft rows; both medians of the rounds, each round in -r<round>.txt), weft-<collective>-$dtype-$wire-$n-<run>.{txt,json} (one per weft perf run), <collective>-$dtype-$wire-$n.svg, $(basename "$table")"
