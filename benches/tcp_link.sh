@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# weft over TCP between two "hosts" whose link, not the CPU, is the limit:
+#   benches/tcp_link.sh [rate...]                 (default: 1gbit 4gbit unshaped)
+# Makes two network namespaces joined by a veth pair, shapes both ends with `tc tbf` at each
+# rate ("unshaped": no qdisc, so the two cores are the limit, as on loopback), and measures in
+# the same run iperf3's one stream from one namespace to the other and `weft perf all-reduce`
+# with one rank in each namespace (so they talk TCP over the veth), 2 ranks, float sum, -a 3.
+# Prints, per rate, iperf3's rate and weft's busbw at the largest sizes with their ratio: on
+# loopback with 2 cores the ranks and the kernel's TCP work share the cores that iperf3 has to
+# itself (docs/performance.md), a shaped link is what two real hosts look like.
+# Needs root, iproute2 and iperf3 (installed when missing). Environment: SIZES="-b 1M -e 128M"
+# (weft perf's size options), ITERS=20, SECONDS_IPERF=5.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rates=("$@")
+((${#rates[@]})) || rates=(1gbit 4gbit unshaped)
+read -r -a sizes <<<"${SIZES:--b 1M -e 128M}"
+iters=${ITERS:-20}
+secs=${SECONDS_IPERF:-5}
+[ "$(id -u)" = 0 ] || { echo "tcp_link: needs root (network namespaces)" >&2; exit 2; }
+need=()
+command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
+command -v iperf3 >/dev/null || need+=(iperf3)
+if ((${#need[@]})); then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+cargo build --release --bin weft -q
+weft=$PWD/target/release/weft
+out=${WEFT_PERF_OUT:-target/perf}/tcp-link
+mkdir -p "$out"
+
+tag=$(printf '%x' $(($$ % 0xfffff)))
+ns=(weftlink-$tag-a weftlink-$tag-b)
+dev=(wl${tag}a wl${tag}b)
+ip=(10.232.7.1 10.232.7.2)
+cleanup() { for n in "${ns[@]}"; do ip netns del "$n" 2>/dev/null || true; done; }
+trap cleanup EXIT
+for n in "${ns[@]}"; do ip netns add "$n"; done
+ip link add "${dev[0]}" type veth peer name "${dev[1]}"
+for i in 0 1; do
+  ip link set "${dev[i]}" netns "${ns[i]}"
+  ip -n "${ns[i]}" addr add "${ip[i]}/24" dev "${dev[i]}"
+  ip -n "${ns[i]}" link set "${dev[i]}" up
+  ip -n "${ns[i]}" link set lo up
+done
+
+summary=()
+for rate in "${rates[@]}"; do
+  for i in 0 1; do
+    ip netns exec "${ns[i]}" tc qdisc del dev "${dev[i]}" root 2>/dev/null || true
+    if [ "$rate" != unshaped ]; then
+      # tbf needs a bucket of at least one timer tick's worth of bytes at the rate; 4 MB covers
+      # 10 Gbit/s at 250 Hz.
+      ip netns exec "${ns[i]}" tc qdisc add dev "${dev[i]}" root tbf rate "$rate" burst 4mb latency 50ms
+    fi
+  done
+  echo "== $rate: iperf3, 1 stream, ${secs} s, ${ip[1]} -> ${ip[0]}"
+  ip netns exec "${ns[0]}" iperf3 -s -1 -p 5601 >/dev/null 2>&1 &
+  sleep 0.5
+  # Mbits/s (decimal, as weft's GB/s are 1e9 bytes; iperf3's byte formats are binary).
+  iperf=$(ip netns exec "${ns[1]}" iperf3 -c "${ip[0]}" -p 5601 -t "$secs" -f m 2>&1 |
+    awk '/receiver/ { printf "%.3f", $(NF-2) / 8000 }')
+  wait || true
+  echo "iperf3: ${iperf:-?} GB/s"
+  echo "== $rate: weft perf all-reduce, 2 ranks, one per namespace (TCP over the veth)"
+  pids=()
+  for rank in 0 1; do
+    ip netns exec "${ns[rank]}" env WEFT_RANK=$rank WEFT_WORLD_SIZE=2 WEFT_LOCAL_RANK=0 \
+      WEFT_LOCAL_WORLD_SIZE=1 WEFT_MASTER_ADDR="${ip[0]}" WEFT_MASTER_PORT=29471 \
+      WEFT_JOB_TOKEN="link$tag" WEFT_HOST_ID="link-host-$rank" WEFT_SOCKET_IFNAME="=${dev[rank]}" \
+      WEFT_TIMEOUT=120 "$weft" perf all-reduce -a 3 "${sizes[@]}" -n "$iters" -w 3 \
+      >"$out/weft-$rate-$rank.txt" 2>"$out/weft-$rate-$rank.err" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { cat "$out"/weft-"$rate"-*.err >&2; exit 1; }; done
+  grep -E '^ +[0-9]+ |#       size|Out of bounds' "$out/weft-$rate-0.txt"
+  summary+=("$(awk -v rate="$rate" -v iperf="${iperf:-0}" '
+    NF >= 13 && $1 ~ /^[0-9]+$/ { s = $1; o = $8; p = $12 }
+    END { if (iperf > 0) printf "%-9s %14s %10.3f %10.2f %10.2f %7.0f%% %7.0f%%", rate, s, iperf, o, p, 100 * o / iperf, 100 * p / iperf }' \
+    "$out/weft-$rate-0.txt")")
+done
+echo "== weft all-reduce busbw at the largest size against iperf3's one stream over the same link (GB/s)"
+printf "%-9s %14s %10s %10s %10s %8s %8s\n" link size iperf3 oop-bus ip-bus oop ip
+printf '%s\n' "${summary[@]}"
