@@ -674,7 +674,7 @@ fn own_cpus() -> Vec<usize> {
 const SHOW_CPUS: &str = "sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status";
 
 #[test]
-fn cpu_bind_core_pins_each_worker_to_its_own_cpu() {
+fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_extra_workers_round_robin() {
     let allowed = own_cpus();
     let n = allowed.len().min(2);
     let out = weft(&[
@@ -691,19 +691,34 @@ fn cpu_bind_core_pins_each_worker_to_its_own_cpu() {
     for (rank, lines) in by_rank(&out.stdout) {
         assert_eq!(cpu_list(&lines[0]), vec![allowed[rank]], "rank {rank}");
     }
-    // Unbound, and bound with more workers than CPUs: every worker may use every CPU.
-    let over = (allowed.len() + 1).to_string();
-    for args in [
-        ["--cpu-bind", "none", "-n", "2"],
-        ["--cpu-bind", "core", "-n", &over],
-    ] {
-        let mut argv = args.to_vec();
-        argv.extend(["--", "sh", "-c", SHOW_CPUS]);
-        let out = weft(&argv);
-        assert_eq!(out.code, Some(0), "{}", out.stderr);
-        for (rank, lines) in by_rank(&out.stdout) {
-            assert_eq!(cpu_list(&lines[0]), allowed, "{args:?} rank {rank}");
-        }
+    // Unbound: every worker may use every CPU.
+    let out = weft(&["--cpu-bind", "none", "-n", "2", "--", "sh", "-c", SHOW_CPUS]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    for (rank, lines) in by_rank(&out.stdout) {
+        assert_eq!(cpu_list(&lines[0]), allowed, "unbound rank {rank}");
+    }
+    // More workers than CPUs: dealt round-robin, and the launcher says so.
+    let over = allowed.len() + 1;
+    let out = weft(&[
+        "--cpu-bind",
+        "core",
+        "-n",
+        &over.to_string(),
+        "--",
+        "sh",
+        "-c",
+        SHOW_CPUS,
+    ]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("round-robin"), "{}", out.stderr);
+    let ranks = by_rank(&out.stdout);
+    assert_eq!(ranks.len(), over);
+    for (rank, lines) in ranks {
+        assert_eq!(
+            cpu_list(&lines[0]),
+            vec![allowed[rank % allowed.len()]],
+            "rank {rank} of {over}"
+        );
     }
     let out = weft_env(
         &["-n", "1", "--", "sh", "-c", SHOW_CPUS],

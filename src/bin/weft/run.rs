@@ -86,7 +86,7 @@ pub struct RunArgs {
     pub max_restarts: u32,
     /// Pin each worker to one CPU (`core`: local rank k gets the k-th CPU this launcher may use,
     /// like `mpirun --bind-to core` or `srun --cpu-bind=cores`) or leave placement to the
-    /// kernel (`none`, torchrun's behaviour). `core` with more workers than CPUs binds nothing.
+    /// kernel (`none`, torchrun's behaviour). With more workers than CPUs, `core` deals them round-robin.
     #[arg(
         long = "cpu-bind",
         value_enum,
@@ -169,12 +169,17 @@ pub enum CpuBind {
     Core,
 }
 
-/// The CPU for each local worker under `bind`, or `None` where workers stay unbound: binding
-/// is off, or there are more workers than `allowed` CPUs (binding would stack workers on
-/// CPUs while others idle; mpirun refuses to bind when oversubscribed for the same reason).
+/// The CPU for each local worker under `bind`, or `None` where workers stay unbound (binding
+/// off, or no CPU known). With more workers than `allowed` CPUs they are dealt round-robin
+/// (worker k on CPU k mod n), so that no CPU carries two more workers than another (mpirun
+/// refuses to bind then; asking for `core` is asking for a fixed placement, and an even one
+/// is the useful answer). With 4 ranks on 2 CPUs an 8-byte all-reduce ran faster dealt that
+/// way than left to the kernel (docs/performance.md).
 pub fn cpu_plan(bind: CpuBind, workers: usize, allowed: &[usize]) -> Option<Vec<usize>> {
     match bind {
-        CpuBind::Core if workers <= allowed.len() => Some(allowed[..workers].to_vec()),
+        CpuBind::Core if !allowed.is_empty() => {
+            Some((0..workers).map(|k| allowed[k % allowed.len()]).collect())
+        }
         _ => None,
     }
 }
@@ -560,12 +565,17 @@ impl Launch {
         let mut workers: Vec<Worker> = Vec::with_capacity(self.nproc_per_node);
         let allowed = allowed_cpus();
         let cpus = cpu_plan(self.cpu_bind, self.nproc_per_node, &allowed);
-        if self.cpu_bind == CpuBind::Core && cpus.is_none() && attempt == 0 {
+        if self.cpu_bind == CpuBind::Core && self.nproc_per_node > allowed.len() && attempt == 0 {
             eprintln!(
-                "{}: {} on {}: not binding to cores",
+                "{}: {} on {}: {}",
                 self.label,
                 plural(self.nproc_per_node, "worker"),
-                plural(allowed.len(), "CPU")
+                plural(allowed.len(), "CPU"),
+                if allowed.is_empty() {
+                    "not binding to cores"
+                } else {
+                    "binding round-robin (worker k on CPU k mod n)"
+                }
             );
         }
         for local in 0..self.nproc_per_node {
@@ -732,12 +742,15 @@ mod tests {
     }
 
     #[test]
-    fn cores_are_given_in_order_and_never_shared() {
+    fn cores_are_given_in_order_and_shared_only_when_workers_outnumber_them() {
         let allowed = [2, 3, 6, 7];
         assert_eq!(cpu_plan(CpuBind::Core, 3, &allowed), Some(vec![2, 3, 6]));
         assert_eq!(cpu_plan(CpuBind::Core, 4, &allowed), Some(vec![2, 3, 6, 7]));
-        // More workers than CPUs: no binding rather than two workers on one CPU.
-        assert_eq!(cpu_plan(CpuBind::Core, 5, &allowed), None);
+        // More workers than CPUs: dealt round-robin, no CPU gets two more than another.
+        assert_eq!(
+            cpu_plan(CpuBind::Core, 6, &allowed),
+            Some(vec![2, 3, 6, 7, 2, 3])
+        );
         assert_eq!(cpu_plan(CpuBind::None, 2, &allowed), None);
         assert_eq!(cpu_plan(CpuBind::Core, 1, &[]), None);
     }
