@@ -2352,7 +2352,10 @@ mod tests {
                         .expect("init");
                         let child = parent.split(Some(0), 0).expect("split").expect("member");
                         if rank == 1 {
-                            while parent.error().is_none() {
+                            let start = Instant::now();
+                            while parent.error().is_none()
+                                && start.elapsed() < Duration::from_secs(10)
+                            {
                                 std::thread::sleep(Duration::from_millis(2));
                             }
                             return Vec::new();
