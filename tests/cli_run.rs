@@ -674,7 +674,7 @@ fn own_cpus() -> Vec<usize> {
 const SHOW_CPUS: &str = "sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status";
 
 #[test]
-fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_extra_workers_round_robin() {
+fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_a_multiple_round_robin() {
     let allowed = own_cpus();
     let n = allowed.len().min(2);
     let out = weft(&[
@@ -697,13 +697,13 @@ fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_extra_workers_round_r
     for (rank, lines) in by_rank(&out.stdout) {
         assert_eq!(cpu_list(&lines[0]), allowed, "unbound rank {rank}");
     }
-    // More workers than CPUs: dealt round-robin, and the launcher says so.
-    let over = allowed.len() + 1;
+    // Twice as many workers as CPUs: dealt round-robin, and the launcher says so.
+    let twice = 2 * allowed.len();
     let out = weft(&[
         "--cpu-bind",
         "core",
         "-n",
-        &over.to_string(),
+        &twice.to_string(),
         "--",
         "sh",
         "-c",
@@ -712,13 +712,32 @@ fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_extra_workers_round_r
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert!(out.stderr.contains("round-robin"), "{}", out.stderr);
     let ranks = by_rank(&out.stdout);
-    assert_eq!(ranks.len(), over);
+    assert_eq!(ranks.len(), twice);
     for (rank, lines) in ranks {
         assert_eq!(
             cpu_list(&lines[0]),
             vec![allowed[rank % allowed.len()]],
-            "rank {rank} of {over}"
+            "rank {rank} of {twice}"
         );
+    }
+    // One more than the CPUs (not a multiple, for more than one CPU): unbound.
+    if allowed.len() > 1 {
+        let over = allowed.len() + 1;
+        let out = weft(&[
+            "--cpu-bind",
+            "core",
+            "-n",
+            &over.to_string(),
+            "--",
+            "sh",
+            "-c",
+            SHOW_CPUS,
+        ]);
+        assert_eq!(out.code, Some(0), "{}", out.stderr);
+        assert!(out.stderr.contains("not binding"), "{}", out.stderr);
+        for (rank, lines) in by_rank(&out.stdout) {
+            assert_eq!(cpu_list(&lines[0]), allowed, "rank {rank} of {over}");
+        }
     }
     let out = weft_env(
         &["-n", "1", "--", "sh", "-c", SHOW_CPUS],

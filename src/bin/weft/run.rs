@@ -86,7 +86,8 @@ pub struct RunArgs {
     pub max_restarts: u32,
     /// Pin each worker to one CPU (`core`: local rank k gets the k-th CPU this launcher may use,
     /// like `mpirun --bind-to core` or `srun --cpu-bind=cores`) or leave placement to the
-    /// kernel (`none`, torchrun's behaviour). With more workers than CPUs, `core` deals them round-robin.
+    /// kernel (`none`, torchrun's behaviour). With a multiple of the CPUs' count, `core` deals
+    /// workers round-robin; other counts above it stay unbound.
     #[arg(
         long = "cpu-bind",
         value_enum,
@@ -169,16 +170,17 @@ pub enum CpuBind {
     Core,
 }
 
-/// The CPU for each local worker under `bind`, or `None` where workers stay unbound (binding
-/// off, or no CPU known). With more workers than `allowed` CPUs they are dealt round-robin
-/// (worker k on CPU k mod n), so that no CPU carries two more workers than another (mpirun
-/// refuses to bind then; asking for `core` is asking for a fixed placement, and an even one
-/// is the useful answer). With 4 ranks on 2 CPUs an 8-byte all-reduce ran faster dealt that
-/// way than left to the kernel (docs/performance.md).
+/// The CPU for each local worker under `bind`, or `None` where workers stay unbound. With more
+/// workers than `allowed` CPUs they are dealt round-robin (worker k on CPU k mod n) when that
+/// loads every CPU equally, and left to the kernel otherwise. Measured (docs/performance.md):
+/// 4 ranks dealt over 2 CPUs ran small collectives as fast as or faster than unbound, and
+/// steadier; 3 ranks on 2 CPUs ran slower bound (one CPU carried two of them). mpirun refuses
+/// to bind oversubscribed ranks at all.
 pub fn cpu_plan(bind: CpuBind, workers: usize, allowed: &[usize]) -> Option<Vec<usize>> {
+    let n = allowed.len();
     match bind {
-        CpuBind::Core if !allowed.is_empty() => {
-            Some((0..workers).map(|k| allowed[k % allowed.len()]).collect())
+        CpuBind::Core if n > 0 && (workers <= n || workers.is_multiple_of(n)) => {
+            Some((0..workers).map(|k| allowed[k % n]).collect())
         }
         _ => None,
     }
@@ -571,10 +573,10 @@ impl Launch {
                 self.label,
                 plural(self.nproc_per_node, "worker"),
                 plural(allowed.len(), "CPU"),
-                if allowed.is_empty() {
-                    "not binding to cores"
-                } else {
+                if cpus.is_some() {
                     "binding round-robin (worker k on CPU k mod n)"
+                } else {
+                    "not binding to cores (that would not load every CPU equally)"
                 }
             );
         }
@@ -742,15 +744,16 @@ mod tests {
     }
 
     #[test]
-    fn cores_are_given_in_order_and_shared_only_when_workers_outnumber_them() {
+    fn cores_are_given_in_order_and_shared_evenly_or_not_at_all() {
         let allowed = [2, 3, 6, 7];
         assert_eq!(cpu_plan(CpuBind::Core, 3, &allowed), Some(vec![2, 3, 6]));
         assert_eq!(cpu_plan(CpuBind::Core, 4, &allowed), Some(vec![2, 3, 6, 7]));
-        // More workers than CPUs: dealt round-robin, no CPU gets two more than another.
+        // More workers than CPUs: dealt round-robin when every CPU gets as many, else unbound.
         assert_eq!(
-            cpu_plan(CpuBind::Core, 6, &allowed),
-            Some(vec![2, 3, 6, 7, 2, 3])
+            cpu_plan(CpuBind::Core, 8, &allowed),
+            Some(vec![2, 3, 6, 7, 2, 3, 6, 7])
         );
+        assert_eq!(cpu_plan(CpuBind::Core, 6, &allowed), None);
         assert_eq!(cpu_plan(CpuBind::None, 2, &allowed), None);
         assert_eq!(cpu_plan(CpuBind::Core, 1, &[]), None);
     }
