@@ -7,7 +7,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::time::Duration;
-use weftcc::reduce::{reduce_in_place, reduce_into};
+use weftcc::collectives::reduce::{reduce_in_place, reduce_into};
 use weftcc::{Combiner, DataType};
 
 fn plain_add(a: &mut [f32], b: &[f32]) {

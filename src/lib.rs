@@ -12,11 +12,21 @@
 //! # }
 //! ```
 //!
-//! The crates behind this facade: [`collectives`] (types, reductions, schedules, the
-//! communicator), [`transports`] (the `Connection` trait, shared memory, TCP, bootstrap) and
-//! [`cuda`] (device buffers, NVRTC kernels and CUDA IPC; builds and runs without CUDA).
+//! The crates behind this facade: [`collectives`] (the pure core: types, reductions, call
+//! shapes, schedules and their simulator), [`comm`] (the runtime: the communicator and its
+//! configuration, bootstrap, failure protocol and tuner), [`transports`] (the `Connection`
+//! trait, shared memory, TCP, bootstrap store), [`topology`] and [`cuda`] (device buffers, NVRTC
+//! kernels and CUDA IPC; builds and runs without CUDA).
 
 pub use weftcc_collectives as collectives;
-pub use weftcc_collectives::*;
+pub use weftcc_collectives::{
+    Algorithm, CallError, Combiner, DataType, Element, OpDesc, OpKind, RawOp, ReduceOp, HEADER_LEN,
+};
+pub use weftcc_comm as comm;
+pub use weftcc_comm::{
+    CommConfig, Communicator, Error, Group, Handle, LaunchInfo, Result, Tuner, UniqueId,
+};
 pub use weftcc_cuda as cuda;
+pub use weftcc_topology as topology;
+pub use weftcc_topology::tuner::{Protocol, Selection};
 pub use weftcc_transports as transports;

@@ -13,9 +13,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weftcc::collectives::comm::join_host_port;
-use weftcc::collectives::hierarchical::HostLayout;
-use weftcc::collectives::tuning::Tuner;
+use weftcc::collectives::schedule::hierarchical::HostLayout;
+use weftcc::comm::join_host_port;
+use weftcc::comm::tuning::Tuner;
 use weftcc::{
     Algorithm, CommConfig, Communicator, LaunchInfo, Protocol, ReduceOp, Selection, UniqueId,
 };

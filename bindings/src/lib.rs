@@ -24,7 +24,8 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::str::FromStr;
-use weftcc_collectives::{Communicator, DataType, Error, OpKind, RawOp, ReduceOp, UniqueId};
+use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
+use weftcc_comm::{Communicator, Error, UniqueId};
 
 /// Result of every call (NCCL's codes 0–7, then weftcc's own). The three enumerations are plain
 /// `int`s with named values, so a value C passes in that is not one of them is an error, not

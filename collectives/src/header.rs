@@ -133,7 +133,7 @@ fn checksum_words(words: [u64; 4]) -> u32 {
 }
 
 /// 32-bit FNV-1a: a cheap, stable hash for checksums and fingerprints (not for security).
-pub(crate) fn fnv1a32(bytes: impl IntoIterator<Item = u8>) -> u32 {
+pub fn fnv1a32(bytes: impl IntoIterator<Item = u8>) -> u32 {
     bytes.into_iter().fold(0x811c_9dc5u32, |h, x| {
         (h ^ u32::from(x)).wrapping_mul(0x0100_0193)
     })

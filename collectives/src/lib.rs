@@ -1,32 +1,24 @@
-//! weftcc's safe core: data types and reductions, algorithm schedules, and the communicator that
-//! executes them over the transports of `weftcc-transports`.
+//! weftcc's pure core: data types and reduction kernels, the shape rules of every call, the
+//! algorithm schedules and an in-memory simulator that runs them.
 //!
-//! This crate contains no `unsafe` and performs no system calls of its own: every byte that
-//! leaves the process goes through the [`weftcc_transports::Connection`] trait.
+//! Nothing here performs I/O: no sockets, files, threads, clocks, environment or randomness
+//! (a Cargo fact: the crate depends on no I/O crate). The runtime (`weftcc-comm`) executes these
+//! schedules over the transports; the CUDA path (`weftcc-cuda`) executes the same schedules on
+//! GPUs; the C ABI validates calls with the same [`call`] rules.
 
 #![forbid(unsafe_code)]
 
-pub mod comm;
+pub mod algorithm;
+pub mod call;
 pub mod dtype;
-pub mod engine;
-pub mod env;
-pub mod error;
 mod half_simd;
 pub mod header;
-pub mod hierarchical;
-pub mod logging;
 pub mod op;
 pub mod reduce;
 pub mod schedule;
-pub mod sim;
-pub mod tree;
-pub mod tuning;
 
-pub use comm::{CommConfig, Communicator, Group, Handle, RawOp, UniqueId};
+pub use algorithm::{Algorithm, UnknownAlgorithm};
+pub use call::{CallError, RawOp};
 pub use dtype::{DataType, Element};
-pub use env::LaunchInfo;
-pub use error::{Error, Result};
 pub use header::{OpDesc, HEADER_LEN};
 pub use op::{Combiner, OpKind, ReduceOp};
-pub use tuning::{Choice, Tuner};
-pub use weftcc_topology::tuner::{Algorithm, Protocol, Selection};

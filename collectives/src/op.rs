@@ -131,6 +131,19 @@ impl OpKind {
         OpKind::ALL.iter().copied().find(|k| *k as u8 == code)
     }
 
+    /// Whether a call of this kind reduces (its reduction matters).
+    pub const fn has_reduction(self) -> bool {
+        matches!(
+            self,
+            OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
+        )
+    }
+
+    /// Whether a call of this kind has a root.
+    pub const fn has_root(self) -> bool {
+        matches!(self, OpKind::Reduce | OpKind::Broadcast)
+    }
+
     /// Lower-case name with hyphens, as `weft perf` spells it (`all-reduce`).
     pub const fn name(self) -> &'static str {
         match self {

@@ -6,10 +6,10 @@
 
 use half::{bf16, f16};
 use proptest::prelude::*;
-use weftcc_collectives::hierarchical::{self, HostLayout};
+use weftcc_collectives::schedule::hierarchical::{self, HostLayout};
+use weftcc_collectives::schedule::sim::{self, RankMemory, SimError};
+use weftcc_collectives::schedule::tree;
 use weftcc_collectives::schedule::{self, Action, Schedule, ScheduleError};
-use weftcc_collectives::sim::{self, RankMemory, SimError};
-use weftcc_collectives::tree;
 use weftcc_collectives::{Combiner, DataType};
 
 const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];

@@ -25,6 +25,7 @@
 //! Buffers must stay alive until the stream has passed the operation (as with NCCL).
 
 use crate::driver::check;
+use crate::error::DeviceArgError;
 use crate::error::{CudaError, Result};
 use crate::group::{group_schedule, DeviceGroup};
 use crate::ipc::{BufferMap, IpcPeers};
@@ -34,9 +35,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
-use weftcc_collectives::{
-    schedule, Combiner, Communicator, DataType, Element, OpKind, RawOp, ReduceOp,
-};
+use weftcc_collectives::call::{self, Plan};
+use weftcc_collectives::{schedule, Combiner, DataType, Element, OpKind, RawOp, ReduceOp};
+use weftcc_comm::Communicator;
 
 /// How a device communicator moves data between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +123,7 @@ fn env_usize(name: &str, default: usize) -> usize {
 fn env_size(name: &str) -> Option<usize> {
     std::env::var(name)
         .ok()
-        .and_then(|v| weftcc_collectives::comm::parse_size(&v))
+        .and_then(|v| weftcc_comm::config::parse_size(&v).ok())
 }
 
 /// A device buffer argument, untyped: address and bytes.
@@ -420,11 +421,11 @@ impl DeviceComm {
         self.host.abort();
     }
 
-    pub(crate) fn invalid(&self, op: OpKind, reason: String) -> CudaError {
+    pub(crate) fn invalid(&self, op: OpKind, reason: impl Into<DeviceArgError>) -> CudaError {
         CudaError::InvalidArgument {
             rank: self.rank,
             op,
-            reason,
+            reason: reason.into(),
         }
     }
 
@@ -432,11 +433,10 @@ impl DeviceComm {
         if b.context().ordinal() != self.ctx.ordinal() {
             return Err(self.invalid(
                 op,
-                format!(
-                    "buffer on device {} but the communicator uses device {}",
-                    b.context().ordinal(),
-                    self.ctx.ordinal()
-                ),
+                DeviceArgError::BufferDevice {
+                    buffer: b.context().ordinal(),
+                    comm: self.ctx.ordinal(),
+                },
             ));
         }
         Ok(DevSpan {
@@ -478,16 +478,14 @@ impl DeviceComm {
     ) -> Result<()> {
         self.shared.check()?;
         if stream.context().ordinal() != self.ctx.ordinal() {
-            return Err(self.invalid(call.kind, "stream of another device".into()));
+            return Err(self.invalid(call.kind, DeviceArgError::StreamDevice));
         }
-        let plan = plan(
-            self.rank,
-            self.size,
-            &call,
-            send.map(|s| s.bytes),
-            recv.bytes,
-        )
-        .map_err(|r| self.invalid(call.kind, r))?;
+        if matches!(call.kind, OpKind::Barrier | OpKind::SendRecv) {
+            return Err(self.invalid(call.kind, DeviceArgError::NotDeviceCollective));
+        }
+        let plan = call
+            .plan(self.rank, self.size, send.map(|s| s.bytes), recv.bytes)
+            .map_err(|r| self.invalid(call.kind, r))?;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.last_op.store(call.kind as u8, Ordering::Relaxed);
         let r = match self.transport {
@@ -564,13 +562,10 @@ impl DeviceComm {
         let kind = OpKind::SendRecv;
         self.shared.check()?;
         if stream.context().ordinal() != self.ctx.ordinal() {
-            return Err(self.invalid(kind, "stream of another device".into()));
+            return Err(self.invalid(kind, DeviceArgError::StreamDevice));
         }
         for &(peer, _) in sends.iter().chain(recvs.iter()) {
-            if let Some(reason) = weftcc_collectives::comm::peer_problem(self.rank, self.size, peer)
-            {
-                return Err(self.invalid(kind, reason));
-            }
+            call::check_peer(self.rank, self.size, peer).map_err(|e| self.invalid(kind, e))?;
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.last_op.store(kind as u8, Ordering::Relaxed);
@@ -647,10 +642,10 @@ impl DeviceComm {
             OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
             OpKind::AllToAll => schedule::pairwise_all_to_all(r, n, count, slice, in_place),
             OpKind::Barrier | OpKind::SendRecv => {
-                return Err(self.invalid(call.kind, "not a device collective".into()))
+                return Err(self.invalid(call.kind, DeviceArgError::NotDeviceCollective))
             }
         }
-        .map_err(|e| self.invalid(call.kind, e.to_string()))?;
+        .map_err(|e| self.invalid(call.kind, e))?;
         ipc.enqueue(
             &sched,
             call.dtype,
@@ -723,74 +718,11 @@ impl DeviceComm {
     }
 }
 
-/// The device-side shape of a call (same rules as the host communicator's).
-struct Plan {
-    input_offset: usize,
-    output_offset: usize,
-    input_len: usize,
-}
-
 fn has_reduction(k: OpKind) -> bool {
     matches!(
         k,
         OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
     )
-}
-
-fn plan(
-    rank: usize,
-    n: usize,
-    call: &RawOp,
-    send: Option<usize>,
-    recv: usize,
-) -> std::result::Result<Plan, String> {
-    let es = call.dtype.size();
-    if matches!(call.kind, OpKind::Reduce | OpKind::Broadcast) && call.root >= n {
-        return Err(format!("root {} is out of range for {n} ranks", call.root));
-    }
-    let count_bytes = call.count.checked_mul(es).ok_or("count overflows")?;
-    let all_bytes = count_bytes.checked_mul(n).ok_or("count overflows")?;
-    let is_root = call.root == rank;
-    let (input_len, output_len, in_off, out_off) = match call.kind {
-        OpKind::AllReduce => (count_bytes, count_bytes, 0, 0),
-        OpKind::Reduce => (count_bytes, if is_root { count_bytes } else { 0 }, 0, 0),
-        OpKind::Broadcast => (if is_root { count_bytes } else { 0 }, count_bytes, 0, 0),
-        OpKind::AllGather => (count_bytes, all_bytes, rank * count_bytes, 0),
-        OpKind::ReduceScatter => (all_bytes, count_bytes, 0, rank * count_bytes),
-        OpKind::AllToAll => (all_bytes, all_bytes, 0, 0),
-        OpKind::Barrier | OpKind::SendRecv => return Err("not a device collective".into()),
-    };
-    match send {
-        Some(s) => {
-            if s < input_len {
-                return Err(format!("send buffer has {s} bytes, expected {input_len}"));
-            }
-            if recv < output_len {
-                return Err(format!(
-                    "receive buffer has {recv} bytes, expected {output_len}"
-                ));
-            }
-            Ok(Plan {
-                input_offset: 0,
-                output_offset: 0,
-                input_len,
-            })
-        }
-        None => {
-            let whole = match call.kind {
-                OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => all_bytes,
-                _ => count_bytes,
-            };
-            if recv != whole {
-                return Err(format!("buffer has {recv} bytes, expected {whole}"));
-            }
-            Ok(Plan {
-                input_offset: in_off,
-                output_offset: out_off,
-                input_len,
-            })
-        }
-    }
 }
 
 /// Checks that a GPU with PCI bus id `bus` can be reached from `ctx`'s GPU by peer access.
@@ -1029,7 +961,7 @@ impl Drop for DeviceComm {
 }
 
 macro_rules! collective {
-    ($(#[$m:meta])* $name:ident, $ip:ident, $blocking:ident, $kind:expr, count: |$n:ident, $s:ident, $r:ident| $count:expr $(, $arg:ident : $ty:ty => $set:ident)*) => {
+    ($(#[$m:meta])* $name:ident, $ip:ident, $blocking:ident, $kind:expr $(, $arg:ident : $ty:ty => $set:ident)*) => {
         $(#[$m])*
         pub fn $name<T: Element>(
             &self,
@@ -1038,8 +970,8 @@ macro_rules! collective {
             $($arg: $ty,)*
             stream: &Stream,
         ) -> Result<()> {
-            let ($n, $s, $r) = (self.size, send.len(), recv.len());
-            let call = RawOp::new($kind, T::DTYPE, $count)$(.$set($arg))*;
+            let call = RawOp::from_lengths($kind, T::DTYPE, self.size, Some(send.len()), recv.len())
+                $(.$set($arg))*;
             let (s, r) = (self.span(call.kind, send)?, self.span(call.kind, recv)?);
             self.enqueue(call, Some(s), r, stream)
         }
@@ -1052,10 +984,7 @@ macro_rules! collective {
             $($arg: $ty,)*
             stream: &Stream,
         ) -> Result<()> {
-            let $n = self.size;
-            let ($s, $r) = (buf.len(), buf.len());
-            let _ = $s;
-            let call = RawOp::new($kind, T::DTYPE, in_place_count($kind, $n, $r))$(.$set($arg))*;
+            let call = RawOp::from_lengths($kind, T::DTYPE, self.size, None, buf.len())$(.$set($arg))*;
             let b = self.span(call.kind, buf)?;
             self.enqueue(call, None, b, stream)
         }
@@ -1074,80 +1003,35 @@ macro_rules! collective {
     };
 }
 
-/// Elements per rank of an in-place call on a buffer of `len` elements.
-fn in_place_count(kind: OpKind, n: usize, len: usize) -> usize {
-    match kind {
-        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => len / n.max(1),
-        _ => len,
-    }
-}
-
 impl DeviceComm {
     collective!(
         /// All-reduce: every rank's `recv` holds the reduction of all `send`s.
-        all_reduce, all_reduce_in_place, all_reduce_blocking, OpKind::AllReduce,
-        count: |_n, _s, r| r, op: ReduceOp => with_op
+        all_reduce, all_reduce_in_place, all_reduce_blocking, OpKind::AllReduce, op: ReduceOp => with_op
     );
     collective!(
         /// Reduce: `root`'s `recv` holds the reduction (others' `recv` is not written).
-        reduce, reduce_in_place, reduce_blocking, OpKind::Reduce,
-        count: |_n, s, _r| s, op: ReduceOp => with_op, root: usize => with_root
+        reduce, reduce_in_place, reduce_blocking, OpKind::Reduce, op: ReduceOp => with_op, root: usize => with_root
     );
     collective!(
         /// Broadcast of `root`'s `send` into every `recv`.
-        broadcast, broadcast_in_place, broadcast_blocking, OpKind::Broadcast,
-        count: |_n, _s, r| r, root: usize => with_root
+        broadcast, broadcast_in_place, broadcast_blocking, OpKind::Broadcast, root: usize => with_root
     );
     collective!(
         /// All-gather: `recv` (n × count) holds every rank's `send` (count) in rank order.
-        all_gather, all_gather_in_place, all_gather_blocking, OpKind::AllGather,
-        count: |_n, s, _r| s
+        all_gather, all_gather_in_place, all_gather_blocking, OpKind::AllGather
     );
     collective!(
         /// Reduce-scatter: `recv` (count) holds block `rank` of the reduction of the `send`s
         /// (n × count).
-        reduce_scatter, reduce_scatter_in_place, reduce_scatter_blocking, OpKind::ReduceScatter,
-        count: |_n, _s, r| r, op: ReduceOp => with_op
+        reduce_scatter, reduce_scatter_in_place, reduce_scatter_blocking, OpKind::ReduceScatter, op: ReduceOp => with_op
     );
     collective!(
         /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
-        all_to_all, all_to_all_in_place, all_to_all_blocking, OpKind::AllToAll,
-        count: |n, _s, r| r / n.max(1)
+        all_to_all, all_to_all_in_place, all_to_all_blocking, OpKind::AllToAll
     );
 
     /// The data type of a call (for callers working with raw buffers).
     pub fn dtype_of<T: Element>() -> DataType {
         T::DTYPE
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn plans_follow_the_host_rules() {
-        let c = RawOp::new(OpKind::AllGather, DataType::Float32, 4);
-        let p = plan(1, 3, &c, None, 48).unwrap();
-        assert_eq!((p.input_offset, p.output_offset, p.input_len), (16, 0, 16));
-        assert!(plan(1, 3, &c, None, 44).is_err());
-        let c = RawOp::new(OpKind::ReduceScatter, DataType::Float64, 2);
-        let p = plan(2, 3, &c, None, 48).unwrap();
-        assert_eq!((p.input_offset, p.output_offset, p.input_len), (0, 32, 48));
-        let c = RawOp::new(OpKind::Reduce, DataType::Int8, 5).with_root(3);
-        assert!(plan(0, 3, &c, Some(5), 5).is_err());
-        let c = RawOp::new(OpKind::AllReduce, DataType::Int8, 5);
-        assert!(plan(0, 3, &c, Some(4), 5).is_err());
-        assert!(plan(0, 3, &c, Some(5), 4).is_err());
-        assert!(plan(
-            0,
-            3,
-            &RawOp::new(OpKind::Barrier, DataType::Int8, 0),
-            None,
-            0
-        )
-        .is_err());
-        assert_eq!(in_place_count(OpKind::AllToAll, 4, 12), 3);
-        assert_eq!(in_place_count(OpKind::Broadcast, 4, 12), 12);
     }
 }

@@ -1,8 +1,40 @@
 //! Errors of the CUDA layer. Driver failures name the driver call; collective failures name the
 //! rank, the operation and its sequence number, as the host communicator's errors do.
 
+use std::ops::Range;
 use std::time::Duration;
-use weftcc_collectives::OpKind;
+use weftcc_collectives::schedule::ScheduleError;
+use weftcc_collectives::{CallError, OpKind};
+
+/// Why a device call's arguments are wrong: the shape rules every path shares
+/// ([`CallError`]), or what only device buffers can get wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceArgError {
+    /// The call's shape (lengths, root, peer), as the host and the C ABI check it.
+    #[error(transparent)]
+    Call(#[from] CallError),
+    /// A buffer lives on another GPU than the communicator's.
+    #[error("buffer on device {buffer} but the communicator uses device {comm}")]
+    BufferDevice { buffer: usize, comm: usize },
+    /// The stream belongs to another GPU than the communicator's.
+    #[error("stream of another device")]
+    StreamDevice,
+    /// The kind has no device implementation (barrier: use the host communicator).
+    #[error("not a device collective")]
+    NotDeviceCollective,
+    /// `send_recv_parts` ranges out of bounds or overlapping.
+    #[error(
+        "parts {send:?} and {recv:?} of a buffer of {len} elements must be in bounds and disjoint"
+    )]
+    Parts {
+        send: Range<usize>,
+        recv: Range<usize>,
+        len: usize,
+    },
+    /// No schedule exists for the call.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+}
 
 /// A failure of the CUDA layer.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -29,7 +61,7 @@ pub enum CudaError {
     InvalidArgument {
         rank: usize,
         op: OpKind,
-        reason: String,
+        reason: DeviceArgError,
     },
     /// A device operation did not finish within the timeout.
     #[error("rank {rank}: {op} #{seq} on the GPU did not finish within {after:?}")]
@@ -50,7 +82,7 @@ pub enum CudaError {
     },
     /// The host communicator failed (setup, handle exchange).
     #[error(transparent)]
-    Host(#[from] weftcc_collectives::Error),
+    Host(#[from] weftcc_comm::Error),
     /// An earlier fatal error left this device communicator unusable.
     #[error("rank {rank}: device communicator unusable after an earlier error: {first}")]
     Poisoned { rank: usize, first: String },

@@ -13,7 +13,7 @@
 //! the group.
 
 use crate::comm::{DevSpan, DeviceComm};
-use crate::error::{CudaError, Result};
+use crate::error::{CudaError, DeviceArgError, Result};
 use crate::ipc::BufferMap;
 use crate::memory::{DeviceBuffer, Stream};
 use std::marker::PhantomData;
@@ -86,9 +86,11 @@ impl<'a> DeviceGroup<'a> {
         let bad = |r: &Range<usize>| r.start > r.end || r.end > len;
         let overlap = send.start < recv.end && recv.start < send.end;
         if bad(&send) || bad(&recv) || overlap {
-            let reason = format!(
-                "parts {send:?} and {recv:?} of a buffer of {len} elements must be in bounds and disjoint"
-            );
+            let reason = DeviceArgError::Parts {
+                send: send.clone(),
+                recv: recv.clone(),
+                len,
+            };
             self.error
                 .get_or_insert(self.comm.invalid(OpKind::SendRecv, reason));
             return self;

@@ -33,7 +33,8 @@ use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::time::Duration;
 use weftcc_collectives::schedule::{Action, BufId, Region, Schedule};
-use weftcc_collectives::{Combiner, Communicator, DataType};
+use weftcc_collectives::{Combiner, DataType};
+use weftcc_comm::Communicator;
 
 /// Which of our streams runs a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -28,7 +28,7 @@ pub use driver::{
     device_count, device_info, devices, driver_present, driver_version, ensure_driver, p2p_matrix,
     p2p_report, DeviceInfo, P2pLink,
 };
-pub use error::{CudaError, Result};
+pub use error::{CudaError, DeviceArgError, Result};
 pub use group::DeviceGroup;
 pub use ipc::{IpcHandle, IpcMapping};
 pub use memory::{Context, DeviceBuffer, Event, MemoryKind, PinnedBuffer, Stream};

@@ -16,7 +16,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weftcc_collectives::reduce;
-use weftcc_collectives::{Combiner, Communicator, DataType, Element, OpKind, ReduceOp, UniqueId};
+use weftcc_collectives::{Combiner, DataType, Element, OpKind, ReduceOp};
+use weftcc_comm::{Communicator, UniqueId};
 use weftcc_cuda::kernels::{divide_on_device, reduce_on_device, scale_on_device};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream, Transport};
 

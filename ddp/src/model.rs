@@ -279,7 +279,7 @@ pub fn evaluate(
 mod tests {
     use super::*;
     use crate::reducer::ReducerConfig;
-    use weftcc_collectives::{Communicator, UniqueId};
+    use weftcc_comm::{Communicator, UniqueId};
 
     fn one_rank() -> Communicator {
         let id = UniqueId::new().unwrap();

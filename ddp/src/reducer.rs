@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use thiserror::Error;
-use weftcc_collectives::{Communicator, Handle, ReduceOp};
+use weftcc_collectives::ReduceOp;
+use weftcc_comm::{Communicator, Handle};
 
 /// PyTorch's defaults: 25 MiB buckets, the first one 1 MiB.
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 << 20;
@@ -84,7 +85,7 @@ impl Default for ReducerConfig {
 pub enum ReducerError {
     /// The communicator failed.
     #[error("communication failed: {0}")]
-    Comm(#[from] weftcc_collectives::Error),
+    Comm(#[from] weftcc_comm::Error),
     /// A parameter index outside the registered ones.
     #[error("parameter {param} does not exist ({count} registered)")]
     UnknownParam { param: usize, count: usize },
@@ -150,7 +151,7 @@ enum InFlight {
 /// A finished bucket, as reported by the watcher thread.
 struct Done {
     bucket: usize,
-    result: std::result::Result<Vec<f32>, weftcc_collectives::Error>,
+    result: std::result::Result<Vec<f32>, weftcc_comm::Error>,
     /// When the all-reduce ended (before any cast back).
     at: Instant,
 }

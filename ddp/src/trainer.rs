@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
-use weftcc_collectives::{Communicator, ReduceOp};
+use weftcc_collectives::ReduceOp;
+use weftcc_comm::Communicator;
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, Meta};
 use crate::data::{self, DataError, Dataset, DistributedSampler};
@@ -101,7 +102,7 @@ pub enum TrainError {
     #[error(transparent)]
     Reducer(#[from] ReducerError),
     #[error("communication failed: {0}")]
-    Comm(#[from] weftcc_collectives::Error),
+    Comm(#[from] weftcc_comm::Error),
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]

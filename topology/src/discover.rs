@@ -280,6 +280,25 @@ pub fn discover() -> Discovered {
     discover_with(&DiscoverOptions::default())
 }
 
+/// This host's identity: `WEFT_HOST_ID` if set, else `<hostname>:<boot id>` (the boot id tells
+/// apart containers that share a host name but not a kernel; it is empty where
+/// `/proc/sys/kernel/random/boot_id` is unreadable). Ranks with equal ids share a host: the
+/// communicator connects them with shared memory and lays out hierarchical algorithms by it.
+pub fn host_id() -> String {
+    if let Ok(id) = std::env::var("WEFT_HOST_ID") {
+        if !id.trim().is_empty() {
+            return id.trim().to_string();
+        }
+    }
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown-host".into());
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    format!("{host}:{boot}")
+}
+
 /// Discovers a host with the given sysfs root, `nvidia-smi` program and /dev/shm.
 pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
     let mut notes = Vec::new();
@@ -289,7 +308,7 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
             hostname: nix::unistd::gethostname()
                 .ok()
                 .map(|h| h.to_string_lossy().into_owned()),
-            host_id: Some(weftcc_transports::host_id()),
+            host_id: Some(host_id()),
         },
         ..Topology::default()
     };

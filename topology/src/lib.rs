@@ -27,6 +27,7 @@ pub mod search;
 pub mod tuner;
 pub mod xml;
 
+pub use discover::host_id;
 pub use error::{Result, TopoError};
 pub use model::{
     class_rank, CpuNode, Gpu, Graph, GraphLink, GraphNode, HostInfo, LinkKind, LinkSpeeds, Nic,

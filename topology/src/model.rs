@@ -238,7 +238,7 @@ pub struct CpuNode {
 pub struct HostInfo {
     /// Host name when known.
     pub hostname: Option<String>,
-    /// weftcc host id (`weftcc_transports::host_id()`: WEFT_HOST_ID, else hostname + boot id).
+    /// weftcc host id ([`crate::discover::host_id`]: WEFT_HOST_ID, else hostname + boot id).
     pub host_id: Option<String>,
 }
 

@@ -79,64 +79,7 @@ impl fmt::Display for Collective {
     }
 }
 
-/// An algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Algorithm {
-    /// Ring (all-reduce = reduce-scatter + all-gather; pipelined chain for broadcast/reduce).
-    Ring,
-    /// Double binary tree across hosts, chain inside a host (all-reduce).
-    Tree,
-    /// Recursive doubling (all-reduce).
-    Rd,
-    /// Hierarchical (all-reduce across hosts): reduce-scatter inside each host, all-reduce of
-    /// each shard across hosts, all-gather inside each host.
-    Hier,
-}
-
-impl Algorithm {
-    /// Every algorithm.
-    pub const ALL: [Algorithm; 4] = [
-        Algorithm::Ring,
-        Algorithm::Tree,
-        Algorithm::Rd,
-        Algorithm::Hier,
-    ];
-
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::Ring => "ring",
-            Algorithm::Tree => "tree",
-            Algorithm::Rd => "rd",
-            Algorithm::Hier => "hier",
-        }
-    }
-}
-
-impl FromStr for Algorithm {
-    type Err = TopoError;
-    fn from_str(s: &str) -> Result<Self> {
-        let k = s.trim().to_ascii_lowercase().replace('-', "_");
-        let k = match k.as_str() {
-            "recursive_doubling" => "rd",
-            "hierarchical" => "hier",
-            other => other,
-        };
-        Algorithm::ALL
-            .into_iter()
-            .find(|a| a.name() == k)
-            .ok_or_else(|| {
-                TopoError::Tuner(format!("unknown algorithm {s:?} (ring, tree, rd, hier)"))
-            })
-    }
-}
-
-impl fmt::Display for Algorithm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use weftcc_collectives::Algorithm;
 
 /// A protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -165,16 +108,19 @@ impl Protocol {
     }
 }
 
+/// A name that is not a protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown protocol {0:?} (LL, LL128, Simple)")]
+pub struct UnknownProtocol(pub String);
+
 impl FromStr for Protocol {
-    type Err = TopoError;
-    fn from_str(s: &str) -> Result<Self> {
+    type Err = UnknownProtocol;
+    fn from_str(s: &str) -> std::result::Result<Self, UnknownProtocol> {
         match s.trim().to_ascii_lowercase().as_str() {
             "ll" => Ok(Protocol::Ll),
             "ll128" => Ok(Protocol::Ll128),
             "simple" => Ok(Protocol::Simple),
-            _ => Err(TopoError::Tuner(format!(
-                "unknown protocol {s:?} (LL, LL128, Simple)"
-            ))),
+            _ => Err(UnknownProtocol(s.to_string())),
         }
     }
 }
@@ -693,7 +639,10 @@ impl<T> Default for Selection<T> {
     }
 }
 
-impl<T: FromStr<Err = TopoError> + PartialEq + Copy> Selection<T> {
+impl<T: FromStr + PartialEq + Copy> Selection<T>
+where
+    T::Err: fmt::Display,
+{
     /// Parses an override value.
     pub fn parse(spec: &str) -> Result<Selection<T>> {
         let mut rules: Vec<Rule<T>> = Vec::new();
@@ -720,7 +669,9 @@ impl<T: FromStr<Err = TopoError> + PartialEq + Copy> Selection<T> {
                 if name.is_empty() {
                     return Err(TopoError::Tuner(format!("empty name in {entry:?}")));
                 }
-                let v: T = name.parse()?;
+                let v: T = name
+                    .parse()
+                    .map_err(|e: T::Err| TopoError::Tuner(e.to_string()))?;
                 if !items.contains(&v) {
                     items.push(v);
                 }

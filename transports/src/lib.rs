@@ -11,9 +11,9 @@
 //! * [`mesh`]: connects every pair of ranks of a communicator, choosing the transport per pair.
 //!
 //! Environment variables read by this crate: `WEFT_BUFFSIZE` ([`shm::buffsize_from_env`]),
-//! `WEFT_SOCKET_FAMILY` ([`tcp::Family::from_env`], read by [`mesh::Mesh::establish`]),
-//! and, through [`mesh::MeshConfig::from_env`] / [`mesh::host_id`], `WEFT_SHM_DISABLE`,
-//! `WEFT_SOCKET_IFNAME` and `WEFT_HOST_ID`.
+//! `WEFT_SOCKET_FAMILY` ([`tcp::Family::from_env`], read by [`mesh::Mesh::establish`]) and the
+//! shared-memory tuning knobs (`WEFT_SHM_CMA*`, `WEFT_SHM_LL_MAX`). The runtime reads the rest
+//! of the configuration ([`MeshConfig`]) and passes it in.
 //!
 //! `unsafe` in this crate is confined to shared-memory mapping, atomics in shared memory and
 //! futex/pidfd system calls; each block carries a `// SAFETY:` comment.
@@ -29,9 +29,9 @@ mod util;
 
 pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
-pub use mesh::{host_id, Mesh, MeshConfig};
+pub use mesh::{Mesh, MeshConfig};
 pub use store::{StoreClient, StoreServer};
-pub use util::parse_size;
+pub use util::{parse_size, InvalidSize};
 
 /// A fresh random job token (32 hex characters) for launchers that start all ranks themselves.
 pub fn random_token() -> error::Result<String> {

@@ -24,7 +24,7 @@ use crate::mem::{self, Doorbell, MemWaiter};
 use crate::shm::{self, ShmSegment, ShmWaiter};
 use crate::store::StoreClient;
 use crate::tcp::{self, Family, TcpEndpoint, TcpWaiter};
-use crate::util::{env_nonempty, Deadline};
+use crate::util::Deadline;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -60,52 +60,6 @@ pub struct MeshConfig {
     /// Largest write sent over shared memory as a low-latency message (see [`shm`]); 0 sends
     /// every write through the ring.
     pub shm_ll_max: usize,
-}
-
-impl MeshConfig {
-    /// A configuration from the environment: [`host_id`] (`WEFT_HOST_ID`), `WEFT_SHM_DISABLE`
-    /// (`1`/`true`/`yes`/`on`), `WEFT_SOCKET_IFNAME`, `WEFT_BUFFSIZE`, and [`DEFAULT_TIMEOUT`].
-    pub fn from_env(
-        rank: usize,
-        nranks: usize,
-        token: &str,
-        namespace: &str,
-    ) -> Result<MeshConfig> {
-        Ok(MeshConfig {
-            rank,
-            nranks,
-            host_id: host_id(),
-            shm_disable: env_flag("WEFT_SHM_DISABLE"),
-            socket_ifname: env_nonempty("WEFT_SOCKET_IFNAME"),
-            token: token.to_string(),
-            namespace: namespace.to_string(),
-            timeout: DEFAULT_TIMEOUT,
-            buffsize: shm::buffsize_from_env()?,
-            shm_ll_max: shm::ll_max_bytes(),
-        })
-    }
-}
-
-fn env_flag(name: &str) -> bool {
-    env_nonempty(name)
-        .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
-        .unwrap_or(false)
-}
-
-/// This host's identity for transport selection: `WEFT_HOST_ID` if set, else
-/// `<hostname>:<boot id>` (the boot id tells apart containers that share a host name but not a
-/// kernel; it is empty where `/proc/sys/kernel/random/boot_id` is unreadable).
-pub fn host_id() -> String {
-    if let Some(id) = env_nonempty("WEFT_HOST_ID") {
-        return id;
-    }
-    let host = nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "unknown-host".into());
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    format!("{host}:{boot}")
 }
 
 /// What each rank publishes about itself.
@@ -514,11 +468,5 @@ mod tests {
         for cut in 0..e.len() {
             assert!(PeerInfo::decode(&e[..cut]).is_none());
         }
-    }
-
-    #[test]
-    fn host_id_is_stable() {
-        assert_eq!(host_id(), host_id());
-        assert!(host_id().contains(':') || std::env::var("WEFT_HOST_ID").is_ok());
     }
 }

@@ -16,32 +16,40 @@ pub fn fnv1a64(data: &[u8]) -> u64 {
     h
 }
 
-/// Parses a byte size such as `4194304`, `512K`, `4M`, `1G` (suffixes are powers of 1024,
-/// case-insensitive, optionally followed by `B` or `iB`).
-pub fn parse_size(text: &str) -> Result<usize> {
-    let t = text.trim();
-    let bad = || {
-        TransportError::Config(format!(
-            "invalid size {text:?} (expected e.g. 4194304, 512K, 4M)"
-        ))
-    };
-    if t.is_empty() {
-        return Err(bad());
-    }
-    let lower = t.to_ascii_lowercase();
+/// A byte size that [`parse_size`] does not understand.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid size {0:?} (expected a number of bytes with an optional K, M, G or T suffix: 4194304, 512K, 4MiB, 1.5M)")]
+pub struct InvalidSize(pub String);
+
+/// Parses a byte size: `4194304`, `512K`, `4M`, `1G`, `1T` (powers of 1024, case-insensitive,
+/// optionally followed by `B` or `iB`: `64KB`, `4MiB`), and fractions with a suffix (`1.5M`).
+/// The one grammar of every size weftcc reads: `WEFT_BUFFSIZE` and friends, `weft perf -b/-e`.
+pub fn parse_size(text: &str) -> std::result::Result<usize, InvalidSize> {
+    let bad = || InvalidSize(text.to_string());
+    let lower = text.trim().to_ascii_lowercase();
     let stripped = lower
         .strip_suffix("ib")
         .or_else(|| lower.strip_suffix('b'))
         .unwrap_or(&lower);
-    let (digits, mult): (&str, u64) = match stripped.chars().last() {
-        Some('k') => (&stripped[..stripped.len() - 1], 1 << 10),
-        Some('m') => (&stripped[..stripped.len() - 1], 1 << 20),
-        Some('g') => (&stripped[..stripped.len() - 1], 1 << 30),
-        _ => (stripped, 1),
+    let (digits, shift) = match stripped.chars().last() {
+        Some('k') => (&stripped[..stripped.len() - 1], 10),
+        Some('m') => (&stripped[..stripped.len() - 1], 20),
+        Some('g') => (&stripped[..stripped.len() - 1], 30),
+        Some('t') => (&stripped[..stripped.len() - 1], 40),
+        _ => (stripped, 0),
     };
-    let n: u64 = digits.trim().parse().map_err(|_| bad())?;
-    let total = n.checked_mul(mult).ok_or_else(bad)?;
-    usize::try_from(total).map_err(|_| bad())
+    let digits = digits.trim();
+    if let Ok(n) = digits.parse::<usize>() {
+        return n.checked_mul(1usize << shift).ok_or_else(bad);
+    }
+    let scale = (1u64 << shift) as f64;
+    match digits.parse::<f64>() {
+        // A fraction only with a suffix, and only if it fits.
+        Ok(v) if shift > 0 && v.is_finite() && v >= 0.0 && v * scale < usize::MAX as f64 => {
+            Ok((v * scale) as usize)
+        }
+        _ => Err(bad()),
+    }
 }
 
 /// `nbytes` random bytes from the OS, as lowercase hex.
@@ -247,6 +255,14 @@ mod tests {
         assert!(parse_size("").is_err());
         assert!(parse_size("x").is_err());
         assert!(parse_size("99999999999999999999G").is_err());
+        assert_eq!(parse_size("64KB"), Ok(64 << 10));
+        assert_eq!(parse_size("8B"), Ok(8));
+        assert_eq!(parse_size("2T"), Ok(2 << 40));
+        assert_eq!(parse_size("1.5M"), Ok(3 << 19));
+        assert!(parse_size("1.5").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("abc").is_err());
+        assert!(parse_size("99999999999T").is_err());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::time::Duration;
-use weftcc_collectives::{CommConfig, Communicator, UniqueId};
+use weftcc_comm::{CommConfig, Communicator, UniqueId};
 
 pub fn config() -> CommConfig {
     let mut c = CommConfig::from_env().expect("config from env");

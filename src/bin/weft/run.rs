@@ -268,30 +268,6 @@ pub fn pick_free_port(addr: &str) -> io::Result<u16> {
     bind(addr).or_else(|_| bind("127.0.0.1"))
 }
 
-/// 128 random bits as 32 hex digits.
-fn random_token() -> String {
-    let mut bytes = [0u8; 16];
-    let from_urandom = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .is_ok();
-    if !from_urandom {
-        // Fallback: std's per-process random hash keys, mixed with time and pid.
-        use std::hash::{BuildHasher, Hasher};
-        for (i, chunk) in bytes.chunks_mut(8).enumerate() {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u128(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos()),
-            );
-            h.write_u32(std::process::id());
-            h.write_usize(i);
-            chunk.copy_from_slice(&h.finish().to_le_bytes());
-        }
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// 64-bit FNV-1a, stable across builds and machines (unlike std's hasher).
 fn fnv1a64(seed: u64, data: &[u8]) -> u64 {
     data.iter().fold(seed, |h, &b| {
@@ -439,7 +415,10 @@ impl Launch {
         match std::env::var("WEFT_JOB_TOKEN") {
             Ok(t) if !t.is_empty() => t,
             _ if self.nnodes > 1 => derived_token(&self.master_addr, port, attempt),
-            _ => random_token(),
+            // getrandom fails only without a kernel source of randomness: the derived token
+            // still tells this job from others.
+            _ => weftcc::transports::random_token()
+                .unwrap_or_else(|_| derived_token(&self.master_addr, port, attempt)),
         }
     }
 
@@ -792,10 +771,6 @@ mod tests {
 
     #[test]
     fn tokens() {
-        let a = random_token();
-        assert_eq!(a.len(), 32);
-        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_ne!(a, random_token());
         let d = derived_token("10.0.0.1", 29500, 0);
         assert_eq!(d.len(), 32);
         assert_eq!(d, derived_token("10.0.0.1", 29500, 0));

@@ -76,7 +76,7 @@ struct RankHost {
 /// topology and the tuner's predictions. Returns the text rank 0 prints (empty elsewhere).
 fn job_report(args: &TopoArgs) -> Result<String, String> {
     use std::fmt::Write as _;
-    use weftcc::collectives::hierarchical::HostLayout;
+    use weftcc::collectives::schedule::hierarchical::HostLayout;
     use weftcc::{CommConfig, Communicator, Tuner};
     use weftcc_topology::tuner::Collective;
 

@@ -126,33 +126,10 @@ impl Collective {
     }
 }
 
-/// Parses a byte size with an optional binary suffix: `8`, `1K` (1024), `128M`, `2G`, `1T`; a
-/// trailing `B` is allowed (`64KB`), and fractions with a suffix (`1.5M`).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let upper = s.trim().to_ascii_uppercase();
-    let t = upper
-        .strip_suffix("IB")
-        .or_else(|| upper.strip_suffix('B'))
-        .unwrap_or(&upper);
-    let (num, shift) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&t[..t.len() - 1], 10),
-        Some('M') => (&t[..t.len() - 1], 20),
-        Some('G') => (&t[..t.len() - 1], 30),
-        Some('T') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    let bad = || {
-        format!("invalid size {s:?} (expected a number of bytes with an optional K, M or G suffix)")
-    };
-    if let Ok(v) = num.parse::<u64>() {
-        return v.checked_mul(1u64 << shift).ok_or_else(bad);
-    }
-    match num.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 && v * ((1u64 << shift) as f64) < u64::MAX as f64 => {
-            Ok((v * (1u64 << shift) as f64) as u64)
-        }
-        _ => Err(bad()),
-    }
+/// Parses a byte size (`8`, `1K`, `128M`, `64KiB`, `1.5M`): the one grammar every weftcc size
+/// uses ([`weftcc::transports::parse_size`]), as clap's value parser.
+pub fn parse_size(s: &str) -> Result<u64, weftcc::transports::InvalidSize> {
+    weftcc::transports::parse_size(s).map(|v| v as u64)
 }
 
 /// The sizes from `min` to `max`: multiplied by `factor` (default 2, or 1 when `increment` is
@@ -485,23 +462,6 @@ pub fn footer(wrong: Option<u64>, avg_busbw: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("8"), Ok(8));
-        assert_eq!(parse_size("1K"), Ok(1024));
-        assert_eq!(parse_size("1k"), Ok(1024));
-        assert_eq!(parse_size("128M"), Ok(128 << 20));
-        assert_eq!(parse_size("2G"), Ok(2 << 30));
-        assert_eq!(parse_size("64KB"), Ok(64 << 10));
-        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
-        assert_eq!(parse_size("8B"), Ok(8));
-        assert_eq!(parse_size("1.5M"), Ok(3 << 19));
-        assert!(parse_size("").is_err());
-        assert!(parse_size("abc").is_err());
-        assert!(parse_size("-1").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
 
     #[test]
     fn sweeps() {

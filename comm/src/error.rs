@@ -1,9 +1,8 @@
 //! Errors of the communicator. Every message names this rank, the operation and its sequence
 //! number, so a log line from any rank of a large job says where it came from.
 
-use crate::header::OpDesc;
-use crate::op::OpKind;
 use std::time::Duration;
+use weftcc_collectives::{CallError, OpDesc, OpKind};
 use weftcc_transports::TransportError;
 
 /// A failure of a communicator or one of its operations.
@@ -18,7 +17,7 @@ pub enum Error {
     InvalidArgument {
         rank: usize,
         op: OpKind,
-        reason: String,
+        reason: CallError,
     },
     /// An operation did not finish within the communicator's timeout.
     #[error(

@@ -167,8 +167,8 @@ impl LaunchInfo {
                     .unwrap_or("none");
                 let shared = format!("{launcher:?}-{master_addr}-{master_port}-{job}");
                 // Hashed: transports accept tokens of at most 64 bytes.
-                let h = crate::header::fnv1a32(shared.bytes());
-                let h2 = crate::header::fnv1a32(shared.bytes().rev());
+                let h = weftcc_collectives::header::fnv1a32(shared.bytes());
+                let h2 = weftcc_collectives::header::fnv1a32(shared.bytes().rev());
                 format!("{}-{h:08x}{h2:08x}", format!("{launcher:?}").to_lowercase())
             }
         };

@@ -3,7 +3,7 @@
 //! A [`Schedule`] is what one rank does for one collective: a list of [`Step`]s (send a region,
 //! receive a region and copy or reduce it in, copy locally) with explicit dependencies. It is
 //! computed from (rank, nranks, count, slice size) alone and performs no I/O, so tests execute
-//! schedules of every rank in memory (see [`crate::sim`]) and the communicator's engine executes
+//! schedules of every rank in memory (see [`sim`]) and the communicator's engine executes
 //! the same schedule over real transports.
 //!
 //! Execution rules (the engine and the simulator both follow them):
@@ -16,6 +16,10 @@
 //!   [`BufId::Input`] and [`BufId::Output`] onto user memory (the same memory for in-place
 //!   operations, possibly at different offsets) and [`BufId::Scratch`] onto a per-communicator
 //!   buffer of `scratch_elems` elements.
+
+pub mod hierarchical;
+pub mod sim;
+pub mod tree;
 
 /// A logical buffer a step addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -12,14 +12,15 @@
 //! a broadcast root or a sender never waits to hear from its receivers (see
 //! [`execute_prepared`] for how mismatches are still caught).
 
-use crate::dtype::DataType;
+use crate::config::Backoff;
 use crate::error::{Error, Result};
-use crate::header::{OpDesc, HEADER_LEN};
-use crate::op::{Combiner, OpKind};
-use crate::reduce;
-use crate::schedule::{Action, BufId, Region, Schedule};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use weftcc_collectives::dtype::DataType;
+use weftcc_collectives::header::{OpDesc, HEADER_LEN};
+use weftcc_collectives::op::{Combiner, OpKind};
+use weftcc_collectives::reduce;
+use weftcc_collectives::schedule::{Action, BufId, Region, Schedule};
 use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
 
 /// Longest single sleep of the idle loop: bounds how late an abort, poison or deadline is seen.
@@ -39,11 +40,6 @@ impl Area<'_> {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.bytes().len()
-    }
-
-    /// True when the area holds no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.bytes().is_empty()
     }
 
     fn bytes(&self) -> &[u8] {
@@ -100,26 +96,6 @@ impl Layout {
                 let (start, area) = *list.get(i.checked_sub(1)?)?;
                 Some((area, (region.offset - start) * esize))
             }
-        }
-    }
-}
-
-/// The idle policy: spin briefly (a peer on another core answers within a microsecond), then
-/// yield (a peer waiting for this core gets it), then sleep on the transport's waiter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    pub spin: Duration,
-    pub yield_for: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        // Measured with 4 ranks on 2 cores (all-reduce, 8 B … 64 KiB): a long yield phase lets
-        // the peer that holds the core run; sleeping early pays a futex wake-up per hop, and
-        // spinning long starves the peer outright.
-        Backoff {
-            spin: Duration::from_micros(2),
-            yield_for: Duration::from_micros(1000),
         }
     }
 }
@@ -398,21 +374,6 @@ fn padded(bytes: usize) -> usize {
 /// transport message per direction).
 const COALESCE_MAX: usize = 4096;
 
-/// Runs `schedule` to completion (or error) over `conns`, with `ctx.desc` as the header on
-/// every connection.
-pub fn execute(
-    ctx: &Context<'_>,
-    schedule: &Schedule,
-    layout: &Layout,
-    areas: &mut [Area<'_>],
-    conns: &mut [Option<Box<dyn Connection>>],
-    waiter: &mut dyn IdleWaiter,
-) -> Result<()> {
-    let prepared = Prepared::new(schedule.clone());
-    let mut ws = Workspace::default();
-    execute_prepared(ctx, &prepared, layout, areas, conns, waiter, &[], &mut ws)
-}
-
 /// Runs a prepared schedule with per-peer headers: `(peer, header sent to it, header expected
 /// from it)`. Peers not listed use `ctx.desc` both ways (point-to-point groups differ per peer).
 ///
@@ -613,7 +574,7 @@ pub fn execute_prepared(
 /// `[destination or source, local operand]`.
 fn resolve_places(
     ctx: &Context<'_>,
-    steps: &[crate::schedule::Step],
+    steps: &[weftcc_collectives::schedule::Step],
     layout: &Layout,
     areas: &[Area<'_>],
     esize: usize,
@@ -649,7 +610,7 @@ fn resolve_places(
 struct Io<'x, 'c> {
     ctx: &'x Context<'c>,
     conn: &'x mut dyn Connection,
-    steps: &'x [crate::schedule::Step],
+    steps: &'x [weftcc_collectives::schedule::Step],
     order: &'x [usize],
     places: &'x [[(usize, usize, usize); 2]],
     done: &'x mut [bool],
@@ -756,7 +717,7 @@ fn pump_sends(
 /// Copies or reduces `incoming` into receive step `i`'s destination at byte `at`.
 fn deliver(
     ctx: &Context<'_>,
-    step: &crate::schedule::Step,
+    step: &weftcc_collectives::schedule::Step,
     place: [(usize, usize, usize); 2],
     areas: &mut [Area<'_>],
     at: usize,
@@ -1070,7 +1031,7 @@ fn two_areas<'s, 'a>(
 }
 
 /// Whether every step that step `i` depends on is done.
-fn deps_done(steps: &[crate::schedule::Step], done: &[bool], i: usize) -> bool {
+fn deps_done(steps: &[weftcc_collectives::schedule::Step], done: &[bool], i: usize) -> bool {
     steps[i].deps.iter().all(|&d| done.get(d) == Some(&true))
 }
 
@@ -1078,7 +1039,7 @@ fn deps_done(steps: &[crate::schedule::Step], done: &[bool], i: usize) -> bool {
 /// `max_len`; returns how many ran.
 fn run_ready_copies(
     ctx: &Context<'_>,
-    steps: &[crate::schedule::Step],
+    steps: &[weftcc_collectives::schedule::Step],
     copies: &[usize],
     places: &[[(usize, usize, usize); 2]],
     done: &mut [bool],

@@ -6,10 +6,10 @@
 //! Every rank computes the same choice from the same inputs (collective, bytes, rank count, the
 //! host of every rank, the configuration), so no agreement round is needed.
 
-use crate::hierarchical::HostLayout;
-use crate::op::OpKind;
 use std::collections::HashSet;
 use std::sync::Mutex;
+use weftcc_collectives::op::OpKind;
+use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_topology::tuner::{
     Algorithm, Calibration, Collective, Model, ModelInput, Prediction, ProtoFigures, Protocol,
     Selection,
@@ -37,41 +37,6 @@ pub mod defaults {
 pub const RD_ALL_GATHER_MAX_BYTES: u64 = 64 << 10;
 /// Largest reduce-scatter (whole input buffer) for which recursive halving is considered.
 pub const RD_REDUCE_SCATTER_MAX_BYTES: u64 = 64 << 10;
-
-/// Which schedule a call runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Choice {
-    /// Ring (all-reduce, all-gather, reduce-scatter) or pipelined chain (broadcast, reduce).
-    Ring,
-    /// Recursive doubling (all-reduce; all-gather on a power-of-two number of ranks), or its
-    /// mirror recursive halving (reduce-scatter on a power-of-two number of ranks).
-    Rd,
-    /// Double binary tree (all-reduce) or pipelined binary tree (broadcast, reduce).
-    Tree,
-    /// Hierarchical all-reduce (several hosts).
-    Hier,
-}
-
-impl Choice {
-    fn from_algorithm(a: Algorithm) -> Choice {
-        match a {
-            Algorithm::Ring => Choice::Ring,
-            Algorithm::Rd => Choice::Rd,
-            Algorithm::Tree => Choice::Tree,
-            Algorithm::Hier => Choice::Hier,
-        }
-    }
-
-    /// Lower-case name, as in `WEFT_ALGO`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Choice::Ring => "ring",
-            Choice::Rd => "rd",
-            Choice::Tree => "tree",
-            Choice::Hier => "hier",
-        }
-    }
-}
 
 /// The model's collective for an operation kind, if it has one.
 pub fn collective_of(kind: OpKind) -> Option<Collective> {
@@ -119,7 +84,7 @@ pub struct Tuner {
     simple: Selection<Protocol>,
     only: [Selection<Algorithm>; 4],
     /// (collective, size class, choice) already logged at INFO.
-    logged: Mutex<HashSet<(OpKind, u32, Choice)>>,
+    logged: Mutex<HashSet<(OpKind, u32, Algorithm)>>,
 }
 
 impl Tuner {
@@ -183,7 +148,7 @@ impl Tuner {
     /// The predicted fastest implemented algorithm for `coll` on `bytes` (nccl-tests size)
     /// among those `WEFT_ALGO` allows, with its prediction; the ring when the override allows
     /// nothing implemented for this collective.
-    pub fn predict(&self, coll: Collective, bytes: u64) -> (Choice, Option<Prediction>) {
+    pub fn predict(&self, coll: Collective, bytes: u64) -> (Algorithm, Option<Prediction>) {
         let mut best: Option<Prediction> = None;
         for (a, only) in Algorithm::ALL.into_iter().zip(&self.only) {
             if !self.implemented(coll, a, bytes) || !self.algos.allows(coll, a) {
@@ -196,9 +161,9 @@ impl Tuner {
             }
         }
         match best {
-            Some(p) => (Choice::from_algorithm(p.algo), Some(p)),
+            Some(p) => (p.algo, Some(p)),
             None => (
-                Choice::Ring,
+                Algorithm::Ring,
                 self.model
                     .predict(coll, Algorithm::Ring, Protocol::Simple, bytes),
             ),
@@ -208,9 +173,9 @@ impl Tuner {
     /// The schedule to run for `kind` on a user buffer of `bytes` (nccl-tests size); logs the
     /// choice at INFO the first time it is made for a collective and size class (powers of
     /// two), at DEBUG on every call.
-    pub fn choose(&self, kind: OpKind, bytes: usize, rank: usize, seq: u64) -> Choice {
+    pub fn choose(&self, kind: OpKind, bytes: usize, rank: usize, seq: u64) -> Algorithm {
         let Some(coll) = collective_of(kind) else {
-            return Choice::Ring;
+            return Algorithm::Ring;
         };
         let (choice, pred) = self.predict(coll, bytes as u64);
         let class = usize::BITS - bytes.leading_zeros();
@@ -270,17 +235,17 @@ mod tests {
             // The crossover moves with n (about 32 KiB at 3 ranks, where recursive doubling
             // folds a rank in, to 100 KiB at 8), around the 64 KiB measured at 2 and 4.
             for b in [8, 1024, 16 << 10] {
-                assert_eq!(pick(b), Choice::Rd, "n {n} bytes {b}");
+                assert_eq!(pick(b), Algorithm::Rd, "n {n} bytes {b}");
             }
             if n != 3 {
-                assert_eq!(pick(60 << 10), Choice::Rd, "n {n}");
+                assert_eq!(pick(60 << 10), Algorithm::Rd, "n {n}");
             }
             for b in [256 << 10, 1 << 20, 64 << 20] {
-                assert_eq!(pick(b), Choice::Ring, "n {n} bytes {b}");
+                assert_eq!(pick(b), Algorithm::Ring, "n {n} bytes {b}");
             }
             // Above its cap all-gather keeps the ring; the barrier only has one.
-            assert_eq!(t.choose(OpKind::AllGather, 1 << 20, 0, 1), Choice::Ring);
-            assert_eq!(t.choose(OpKind::Barrier, 0, 0, 1), Choice::Ring);
+            assert_eq!(t.choose(OpKind::AllGather, 1 << 20, 0, 1), Algorithm::Ring);
+            assert_eq!(t.choose(OpKind::Barrier, 0, 0, 1), Algorithm::Ring);
         }
     }
 
@@ -295,27 +260,31 @@ mod tests {
             for n in [4, 8, 16] {
                 let t = tuner(&vec![0; n], "");
                 for b in [8 * n, 2048, cap] {
-                    assert_eq!(t.choose(kind, b, 0, 1), Choice::Rd, "{kind} n {n} b {b}");
+                    assert_eq!(t.choose(kind, b, 0, 1), Algorithm::Rd, "{kind} n {n} b {b}");
                 }
-                assert_eq!(t.choose(kind, cap + 1, 0, 1), Choice::Ring, "{kind} n {n}");
+                assert_eq!(
+                    t.choose(kind, cap + 1, 0, 1),
+                    Algorithm::Ring,
+                    "{kind} n {n}"
+                );
             }
             // (With 2 ranks both are one exchange: the model's tie keeps the ring.)
             for n in [2, 3, 5, 6] {
                 let t = tuner(&vec![0; n], "");
-                assert_eq!(t.choose(kind, 8 * n, 0, 1), Choice::Ring, "{kind} n {n}");
+                assert_eq!(t.choose(kind, 8 * n, 0, 1), Algorithm::Ring, "{kind} n {n}");
             }
             // WEFT_ALGO=ring still rules it out.
             let t = tuner(&[0; 4], "ring");
-            assert_eq!(t.choose(kind, 32, 0, 1), Choice::Ring, "{kind}");
+            assert_eq!(t.choose(kind, 32, 0, 1), Algorithm::Ring, "{kind}");
         }
     }
 
     #[test]
     fn several_hosts_choose_hierarchical_for_large_all_reduce() {
         let t = tuner(&[0, 0, 1, 1], "");
-        assert_eq!(t.choose(OpKind::AllReduce, 64 << 20, 0, 1), Choice::Hier);
+        assert_eq!(t.choose(OpKind::AllReduce, 64 << 20, 0, 1), Algorithm::Hier);
         let (c, p) = t.predict(Collective::AllReduce, 64 << 20);
-        assert_eq!(c, Choice::Hier);
+        assert_eq!(c, Algorithm::Hier);
         let ring = t
             .model()
             .predict(
@@ -328,20 +297,23 @@ mod tests {
         assert!(p.unwrap().time_us < ring.time_us);
         // One host: never hierarchical, even when asked for.
         let one = tuner(&[0, 0, 0], "hier");
-        assert_eq!(one.choose(OpKind::AllReduce, 64 << 20, 0, 1), Choice::Ring);
+        assert_eq!(
+            one.choose(OpKind::AllReduce, 64 << 20, 0, 1),
+            Algorithm::Ring
+        );
     }
 
     #[test]
     fn overrides_restrict_the_choice() {
         let t = tuner(&[0, 0, 0, 0], "tree");
-        assert_eq!(t.choose(OpKind::AllReduce, 8, 0, 1), Choice::Tree);
-        assert_eq!(t.choose(OpKind::Broadcast, 8 << 20, 0, 1), Choice::Tree);
+        assert_eq!(t.choose(OpKind::AllReduce, 8, 0, 1), Algorithm::Tree);
+        assert_eq!(t.choose(OpKind::Broadcast, 8 << 20, 0, 1), Algorithm::Tree);
         // Nothing implemented is allowed for all-gather: the ring.
-        assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Choice::Ring);
+        assert_eq!(t.choose(OpKind::AllGather, 8, 0, 1), Algorithm::Ring);
         let t = tuner(&[0, 0, 0, 0], "^rd");
-        assert_eq!(t.choose(OpKind::AllReduce, 8, 0, 1), Choice::Ring);
+        assert_eq!(t.choose(OpKind::AllReduce, 8, 0, 1), Algorithm::Ring);
         let t = tuner(&[0, 0, 1, 1], "allreduce:ring;broadcast:tree");
-        assert_eq!(t.choose(OpKind::AllReduce, 64 << 20, 0, 1), Choice::Ring);
-        assert_eq!(t.choose(OpKind::Broadcast, 8, 0, 1), Choice::Tree);
+        assert_eq!(t.choose(OpKind::AllReduce, 64 << 20, 0, 1), Algorithm::Ring);
+        assert_eq!(t.choose(OpKind::Broadcast, 8, 0, 1), Algorithm::Tree);
     }
 }

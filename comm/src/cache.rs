@@ -1,0 +1,161 @@
+//! Each call's algorithm (the tuner's choice, remembered per collective and size) and its
+//! prepared schedule (cached per call shape: a training loop repeats a few calls, so a repeated
+//! call allocates nothing).
+
+use crate::communicator::{Inner, State};
+use crate::engine::Prepared;
+use crate::error::{Error, Result};
+use std::hash::Hasher;
+use std::sync::Arc;
+use weftcc_collectives::call::{self, RawOp};
+use weftcc_collectives::schedule::hierarchical::{self};
+use weftcc_collectives::schedule::{self, tree};
+use weftcc_collectives::{Algorithm, DataType, OpKind};
+
+impl Inner {
+    pub(crate) fn slice_elems(&self, dtype: DataType) -> usize {
+        (self.config.slice_bytes / dtype.size()).max(1)
+    }
+
+    /// The prepared schedule of a call of this shape: the tuner's choice (remembered per
+    /// collective and size) and the schedule (cached per [`ScheduleKey`]), built on a miss.
+    pub(crate) fn prepare(
+        &self,
+        st: &mut State,
+        call: &RawOp,
+        shape: CallShape,
+        seq: u64,
+    ) -> Result<Arc<Prepared>> {
+        let (r, n, count) = (self.rank, self.size, call.count);
+        let slice = self.slice_elems(call.dtype);
+        // nccl-tests size: the largest user buffer of the call.
+        let user_bytes = match call.kind {
+            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => count.saturating_mul(n),
+            _ => count,
+        }
+        .saturating_mul(call.dtype.size());
+        // The model's answer depends only on the collective and size: remember it (evaluating
+        // every algorithm's cost was an eighth of an 8-byte all-reduce).
+        let choice = match st.choices.get(&(call.kind, user_bytes)) {
+            _ if n == 1 => Algorithm::Ring,
+            Some(&c) => {
+                tracing::debug!(target: "weftcc::tuning", rank = r, op = %call.kind, seq, bytes = user_bytes, algo = c.name(), "algorithm chosen (remembered)");
+                c
+            }
+            None => {
+                let c = self.tuner.choose(call.kind, user_bytes, r, seq);
+                if st.choices.len() >= SCHEDULE_CACHE_ENTRIES {
+                    st.choices.clear();
+                }
+                st.choices.insert((call.kind, user_bytes), c);
+                c
+            }
+        };
+        let key = ScheduleKey {
+            kind: call.kind,
+            count,
+            slice,
+            root: shape.root,
+            in_place: shape.in_place,
+            algo: choice,
+        };
+        if let Some(prepared) = st.schedules.get(&key) {
+            return Ok(Arc::clone(prepared));
+        }
+        let sched = match (call.kind, choice) {
+            (OpKind::AllReduce, Algorithm::Rd) => {
+                schedule::recursive_doubling_all_reduce(r, n, count, slice)
+            }
+            (OpKind::AllReduce, Algorithm::Tree) => tree::tree_all_reduce(r, n, count, slice),
+            (OpKind::AllReduce, Algorithm::Hier) => {
+                hierarchical::hierarchical_all_reduce(r, self.tuner.layout(), count, slice)
+            }
+            (OpKind::AllReduce, _) => schedule::ring_all_reduce(r, n, count, slice),
+            (OpKind::Reduce, Algorithm::Tree) => tree::tree_reduce(r, n, call.root, count, slice),
+            (OpKind::Reduce, _) => schedule::chain_reduce(r, n, call.root, count, slice),
+            (OpKind::Broadcast, Algorithm::Tree) => {
+                tree::tree_broadcast(r, n, call.root, count, slice)
+            }
+            (OpKind::Broadcast, _) => schedule::chain_broadcast(r, n, call.root, count, slice),
+            (OpKind::AllGather, Algorithm::Rd) if n.is_power_of_two() => {
+                schedule::recursive_doubling_all_gather(r, n, count, slice)
+            }
+            (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
+            (OpKind::ReduceScatter, Algorithm::Rd) if n.is_power_of_two() => {
+                schedule::recursive_halving_reduce_scatter(r, n, count, slice)
+            }
+            (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
+            (OpKind::AllToAll, _) => {
+                schedule::pairwise_all_to_all(r, n, count, slice, shape.in_place)
+            }
+            (OpKind::Barrier, _) => schedule::dissemination_barrier(r, n),
+            (OpKind::SendRecv, _) => {
+                return Err(self.invalid(call.kind, call::CallError::PointToPointAsCollective))
+            }
+        }
+        .map_err(|e| Error::Internal {
+            rank: r,
+            op: call.kind,
+            seq,
+            reason: e.to_string(),
+        })?;
+        if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
+            st.schedules.clear();
+        }
+        let prepared = Arc::new(Prepared::new(sched));
+        st.schedules.insert(key, Arc::clone(&prepared));
+        Ok(prepared)
+    }
+}
+
+/// What decides a collective call's schedule, the tuner's choice included (rank, size and the
+/// settings are fixed per communicator; the choice follows from the kind and the bytes).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallShape {
+    pub(crate) kind: OpKind,
+    pub(crate) count: usize,
+    pub(crate) esize: usize,
+    pub(crate) root: usize,
+    /// In-place all-to-all (the only collective whose schedule differs in place).
+    pub(crate) in_place: bool,
+}
+
+/// What makes two calls' schedules identical (rank and size are fixed per communicator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct ScheduleKey {
+    pub(crate) kind: OpKind,
+    pub(crate) count: usize,
+    pub(crate) slice: usize,
+    pub(crate) root: usize,
+    pub(crate) in_place: bool,
+    /// The tuner's choice.
+    pub(crate) algo: Algorithm,
+}
+
+/// A fast hasher for [`ScheduleKey`] (SipHash's flood resistance buys nothing for keys that
+/// are this rank's own calls, and cost a tenth of a small operation).
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+}
+
+/// Bound on cached schedules: a sweep over many sizes must not grow memory without limit.
+pub(crate) const SCHEDULE_CACHE_ENTRIES: usize = 64;

@@ -1,0 +1,764 @@
+//! The communicator: a group of ranks that run collectives together. Each call validates its
+//! arguments ([`weftcc_collectives::call`]), takes its prepared schedule (`cache`), maps the
+//! schedule's logical buffers onto the caller's memory and hands both to the engine, in issue
+//! order (`ordering`); the first fatal error poisons it (`failure`).
+
+use crate::bootstrap::{bind_address, join_host_port, servers, StoreHost, UniqueId};
+use crate::cache::{CallShape, KeyHasher, ScheduleKey};
+use crate::config::CommConfig;
+use crate::config::{sends_pinned, shm_low_latency_max, warn_unimplemented_protocols};
+use crate::engine::{self, Area, Context, Layout, Placement, Prepared, Workspace};
+use crate::env::LaunchInfo;
+use crate::error::{Error, Result};
+use crate::failure::{watch, Poison, ALARM_TIMEOUT};
+use crate::group::Group;
+use crate::handle::Worker;
+use crate::lock;
+use crate::ordering::{CurrentOp, Turn};
+use crate::tuning::Tuner;
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::BuildHasherDefault;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use weftcc_collectives::call::{self, Plan, RawOp};
+use weftcc_collectives::header::{OpDesc, NO_ROOT};
+use weftcc_collectives::schedule::hierarchical::HostLayout;
+use weftcc_collectives::{reduce, Algorithm, DataType, Element, OpKind, ReduceOp};
+use weftcc_transports::mesh::{Mesh, MeshConfig};
+use weftcc_transports::store::{StoreClient, StoreServer};
+use weftcc_transports::TransportError;
+
+pub(crate) struct Inner {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) namespace: String,
+    pub(crate) config: CommConfig,
+    /// Chooses each call's algorithm.
+    pub(crate) tuner: Tuner,
+    pub(crate) timeout_ms: AtomicU64,
+    pub(crate) abort: AtomicBool,
+    pub(crate) poison: Poison,
+    /// Kind and sequence number of the operation running now (for errors raised elsewhere).
+    pub(crate) current: CurrentOp,
+    pub(crate) turn: Turn,
+    pub(crate) next_ticket: AtomicU64,
+    pub(crate) state: Mutex<State>,
+    /// Connection to the bootstrap store for splits.
+    pub(crate) store: Mutex<StoreClient>,
+    /// Connection to the store with a short timeout, for publishing failures: reporting an error
+    /// must never wait long on a store that is itself stuck.
+    pub(crate) alarm: Mutex<StoreClient>,
+    pub(crate) store_addr: String,
+    pub(crate) token: String,
+    /// Keeps rank 0's store alive while any communicator using it lives.
+    pub(crate) store_host: Option<Arc<StoreHost>>,
+    pub(crate) splits: AtomicU64,
+    pub(crate) watcher_stop: AtomicBool,
+    /// The poison's cause was left on every connection ([`Inner::leave_farewell`]).
+    pub(crate) farewell_left: AtomicBool,
+}
+
+pub(crate) struct State {
+    pub(crate) mesh: Mesh,
+    pub(crate) scratch: Vec<u64>,
+    /// Prepared schedules of recent distinct calls (a training loop repeats the same few).
+    pub(crate) schedules: HashMap<ScheduleKey, Arc<Prepared>, BuildHasherDefault<KeyHasher>>,
+    /// The previous call's shape and its prepared schedule: a repeated call (a benchmark loop,
+    /// a training step's buckets of one size) skips the tuner and schedule lookups.
+    pub(crate) last: Option<(CallShape, Arc<Prepared>)>,
+    /// The tuner's choice per (collective, bytes) already asked for.
+    pub(crate) choices: HashMap<(OpKind, usize), Algorithm, BuildHasherDefault<KeyHasher>>,
+    pub(crate) workspace: Workspace,
+    pub(crate) coll_seq: u64,
+    pub(crate) send_seq: Vec<u64>,
+    pub(crate) recv_seq: Vec<u64>,
+}
+
+/// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in
+/// an `Arc`) to call [`Communicator::abort`] from another thread.
+pub struct Communicator {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) worker: Mutex<Option<Worker>>,
+    pub(crate) watcher: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .field("namespace", &self.inner.namespace)
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// Joins the job described by the launcher's environment: `weft run`, torchrun, SLURM or
+    /// Open MPI variables (see [`LaunchInfo`]), with settings from `WEFT_*` variables.
+    pub fn from_env() -> Result<Communicator> {
+        let info = LaunchInfo::from_env()?;
+        let id = UniqueId {
+            addr: join_host_port(&info.master_addr, info.master_port),
+            token: info.token.clone(),
+        };
+        Communicator::init_with(info.rank, info.world_size, &id, CommConfig::from_env()?)
+    }
+
+    /// Joins the job identified by `id` as `rank` of `nranks`. Rank 0 serves the bootstrap
+    /// store (started by [`UniqueId::new`] in this process, or here on the id's port).
+    pub fn init(rank: usize, nranks: usize, id: &UniqueId) -> Result<Communicator> {
+        Communicator::init_with(rank, nranks, id, CommConfig::from_env()?)
+    }
+
+    /// [`Communicator::init`] with explicit settings.
+    pub fn init_with(
+        rank: usize,
+        nranks: usize,
+        id: &UniqueId,
+        config: CommConfig,
+    ) -> Result<Communicator> {
+        crate::logging::init();
+        if nranks == 0 || rank >= nranks {
+            return Err(Error::Config(format!(
+                "rank {rank} is out of range for {nranks} ranks"
+            )));
+        }
+        let boot = |source: TransportError| Error::Bootstrap { rank, source };
+        let server = if rank == 0 {
+            let existing = servers()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
+            match existing {
+                Some(s) => Some(s),
+                None => {
+                    let bind = bind_address(&id.addr).map_err(boot)?;
+                    let server = StoreServer::start(bind, &id.token).map_err(boot)?;
+                    Some(Arc::new(StoreHost::new(server, id)))
+                }
+            }
+        } else {
+            None
+        };
+        let client = StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        Communicator::build(rank, nranks, "c".to_string(), config, client, id, server)
+    }
+
+    pub(crate) fn build(
+        rank: usize,
+        nranks: usize,
+        namespace: String,
+        config: CommConfig,
+        mut client: StoreClient,
+        id: &UniqueId,
+        store_host: Option<Arc<StoreHost>>,
+    ) -> Result<Communicator> {
+        let boot = |source: TransportError| Error::Bootstrap { rank, source };
+        let mesh_config = MeshConfig {
+            rank,
+            nranks,
+            host_id: config.host_id.clone(),
+            shm_disable: config.shm_disable,
+            socket_ifname: config.socket_ifname.clone(),
+            token: id.token.clone(),
+            namespace: namespace.clone(),
+            timeout: config.timeout,
+            buffsize: config.buffsize,
+            shm_ll_max: shm_low_latency_max(&config.proto),
+        };
+        // Every store connection first: the mesh's closing barrier then guarantees that all ranks
+        // hold theirs before any rank can return (and rank 0 drop the store).
+        let watch_client =
+            StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
+        let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
+        let mut config = config;
+        let local_ranks = mesh
+            .host_ids()
+            .iter()
+            .filter(|h| Some(*h) == mesh.host_ids().get(rank))
+            .count();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let (Some(spin), true) = (config.oversubscribed_spin, local_ranks > cpus) {
+            tracing::info!(target: "weftcc::init", rank, local_ranks, cpus, "more ranks than CPUs on this host: spin {spin:?} before yielding");
+            config.backoff.spin = spin;
+        }
+        let tuner = Tuner::new(
+            HostLayout::from_labels(mesh.host_ids()),
+            !config.shm_disable,
+            config.algo.clone(),
+            config.calibration.as_ref(),
+        );
+        if rank == 0 {
+            warn_unimplemented_protocols(&config.proto);
+        }
+        let inner = Arc::new(Inner {
+            rank,
+            size: nranks,
+            namespace,
+            tuner,
+            timeout_ms: AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64),
+            config,
+            abort: AtomicBool::new(false),
+            poison: Poison {
+                error: Mutex::new(None),
+                set: AtomicBool::new(false),
+            },
+            current: CurrentOp::default(),
+            turn: Turn::default(),
+            next_ticket: AtomicU64::new(0),
+            state: Mutex::new(State {
+                mesh,
+                scratch: Vec::new(),
+                schedules: HashMap::default(),
+                last: None,
+                choices: HashMap::default(),
+                workspace: Workspace::default(),
+                coll_seq: 0,
+                send_seq: vec![0; nranks],
+                recv_seq: vec![0; nranks],
+            }),
+            store: Mutex::new(client),
+            alarm: Mutex::new(alarm),
+            store_addr: id.addr.clone(),
+            token: id.token.clone(),
+            store_host,
+            splits: AtomicU64::new(0),
+            watcher_stop: AtomicBool::new(false),
+            farewell_left: AtomicBool::new(false),
+        });
+        let watcher = if nranks > 1 {
+            let w = Arc::clone(&inner);
+            Some(
+                std::thread::Builder::new()
+                    .name(format!("weft-watch-{rank}"))
+                    .spawn(move || watch(w, watch_client))
+                    .map_err(|e| boot(TransportError::io("spawning the watcher thread", e)))?,
+            )
+        } else {
+            None
+        };
+        tracing::info!(target: "weftcc::init", rank, nranks, "communicator ready");
+        Ok(Communicator {
+            inner,
+            worker: Mutex::new(None),
+            watcher,
+        })
+    }
+
+    /// This rank's index, `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// Transport used to reach `peer` ("shm", "tcp"), `None` for this rank itself.
+    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
+        lock(&self.inner.state).mesh.transport_name(peer)
+    }
+
+    /// Per-operation timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Changes the per-operation timeout for operations that start after this call.
+    pub fn set_timeout(&self, timeout: Duration) {
+        let ms = timeout.as_millis().clamp(1, u64::MAX as u128) as u64;
+        self.inner.timeout_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Aborts the communicator: every waiting call returns [`Error::Aborted`] within a few
+    /// milliseconds, every later call fails, and other ranks are told. Callable from any thread.
+    pub fn abort(&self) {
+        self.inner.abort.store(true, Ordering::SeqCst);
+        let e = Error::Aborted {
+            rank: self.inner.rank,
+            by: None,
+            reason: "abort() called".into(),
+        };
+        self.inner.fail(e);
+        self.inner.leave_farewell();
+        self.inner.turn.wake_all();
+    }
+
+    /// The error that poisoned this communicator, if any (NCCL's `ncclCommGetAsyncError`).
+    pub fn error(&self) -> Option<Error> {
+        self.inner.poisoned()
+    }
+
+    // ----- collectives, blocking -----
+
+    /// All-reduce from `send` into `recv` (equal lengths).
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        let call = RawOp::new(OpKind::AllReduce, T::DTYPE, send.len()).with_op(op);
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// All-reduce in place.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let call = RawOp::new(OpKind::AllReduce, T::DTYPE, buf.len()).with_op(op);
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// Reduce to `root`: `recv` is written on the root only (other ranks may pass an empty slice).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let call = RawOp::new(OpKind::Reduce, T::DTYPE, send.len())
+            .with_op(op)
+            .with_root(root);
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// Reduce to `root` in place (non-root buffers are left unchanged).
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let call = RawOp::new(OpKind::Reduce, T::DTYPE, buf.len())
+            .with_op(op)
+            .with_root(root);
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// Broadcast `send` on the root into `recv` on every rank (non-roots may pass an empty `send`).
+    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let call = RawOp::new(OpKind::Broadcast, T::DTYPE, recv.len()).with_root(root);
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// Broadcast in place from `root`.
+    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let call = RawOp::new(OpKind::Broadcast, T::DTYPE, buf.len()).with_root(root);
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// All-gather: `recv` (size × `send.len()`) receives every rank's `send`, in rank order.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let call = RawOp::new(OpKind::AllGather, T::DTYPE, send.len());
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// All-gather in place: this rank's contribution is block `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let count = buf.len() / self.size();
+        let call = RawOp::new(OpKind::AllGather, T::DTYPE, count);
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// Reduce-scatter: `send` has size × `recv.len()` elements; block `rank` of the element-wise
+    /// reduction lands in `recv`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let call = RawOp::new(OpKind::ReduceScatter, T::DTYPE, recv.len()).with_op(op);
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// Reduce-scatter in place: the result is block `rank` of `buf`.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let count = buf.len() / self.size();
+        let call = RawOp::new(OpKind::ReduceScatter, T::DTYPE, count).with_op(op);
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let call = RawOp::new(OpKind::AllToAll, T::DTYPE, send.len() / self.size());
+        self.execute_raw(
+            call,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// All-to-all in place (uses a scratch copy of `buf`).
+    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let call = RawOp::new(OpKind::AllToAll, T::DTYPE, buf.len() / self.size());
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// Blocks until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        self.execute_raw(
+            RawOp::new(OpKind::Barrier, DataType::Uint8, 0),
+            None,
+            &mut [],
+        )
+    }
+
+    /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`]. Like
+    /// `MPI_Send`, it may return once the bytes are buffered (small messages) rather than when
+    /// the peer has received them; `buf` may be reused either way.
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.group().send(buf, peer).run()
+    }
+
+    /// Receives into `buf` from `peer`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.group().recv(buf, peer).run()
+    }
+
+    /// Starts a group of sends and receives that run together (so pairs of ranks can exchange
+    /// without deadlock). Messages between one ordered pair of ranks match in call order.
+    pub fn group(&self) -> Group<'_> {
+        Group {
+            comm: self,
+            sends: Vec::new(),
+            recvs: Vec::new(),
+        }
+    }
+
+    /// Untyped entry point (for the C bindings and tools): runs `call` with `send` as input
+    /// (`None` for in-place) and `recv` as output, both raw bytes of `call.dtype`.
+    /// Point-to-point kinds are not accepted here; use [`Communicator::group`].
+    pub fn execute_raw(&self, call: RawOp, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+        self.inner.check()?;
+        let plan = self.inner.plan(&call, send.map(<[u8]>::len), recv.len())?;
+        self.inner.run_blocking(call.kind, |inner, st| {
+            inner.run_planned(st, &call, &plan, send, recv)
+        })
+    }
+
+    // ----- collectives, asynchronous -----
+
+    /// Splits into sub-communicators: ranks passing the same `color` form one, ordered by
+    /// (`key`, old rank). Ranks passing `None` take part but get no communicator. Collective
+    /// over this communicator.
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        self.inner.check()?;
+        let inner = &self.inner;
+        let index = inner.splits.fetch_add(1, Ordering::SeqCst);
+        let prefix = format!("{}/split{}", inner.namespace, index);
+        let members = inner.run_blocking(OpKind::Barrier, |inner, _st| {
+            let mut store = lock(&inner.store);
+            let boot = |source| Error::Bootstrap {
+                rank: inner.rank,
+                source,
+            };
+            let mine = match color {
+                Some(c) => format!("{c} {key}"),
+                None => "none".to_string(),
+            };
+            store
+                .set(&format!("{prefix}/{}", inner.rank), mine.as_bytes())
+                .map_err(boot)?;
+            let mut members = Vec::new();
+            for r in 0..inner.size {
+                let v = store
+                    .get(&format!("{prefix}/{r}"), inner.timeout())
+                    .map_err(boot)?;
+                let v = String::from_utf8_lossy(&v).to_string();
+                let mut it = v.split_whitespace();
+                if let (Some(c), Some(k)) = (it.next(), it.next()) {
+                    if let (Ok(c), Ok(k)) = (c.parse::<u32>(), k.parse::<i64>()) {
+                        if Some(c) == color {
+                            members.push((k, r));
+                        }
+                    }
+                }
+            }
+            members.sort_unstable();
+            Ok(members)
+        })?;
+        let Some(color) = color else { return Ok(None) };
+        let new_rank = members
+            .iter()
+            .position(|&(_, r)| r == inner.rank)
+            .ok_or_else(|| Error::Internal {
+                rank: inner.rank,
+                op: OpKind::Barrier,
+                seq: 0,
+                reason: "this rank is missing from its own split group".into(),
+            })?;
+        let id = UniqueId {
+            addr: inner.store_addr.clone(),
+            token: inner.token.clone(),
+        };
+        let client =
+            StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
+                Error::Bootstrap {
+                    rank: inner.rank,
+                    source,
+                }
+            })?;
+        let mut config = inner.config.clone();
+        config.timeout = inner.timeout();
+        Communicator::build(
+            new_rank,
+            members.len(),
+            format!("{prefix}/c{color}"),
+            config,
+            client,
+            &id,
+            inner.store_host.clone(),
+        )
+        .map(Some)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        if let Some(w) = lock(&self.worker).take() {
+            drop(w.jobs);
+            let _ = w.thread.join();
+        }
+        // A poisoned communicator's cause, if no call could leave it yet (connections close
+        // when the last reference to `inner` goes).
+        self.inner.leave_farewell();
+        self.inner.watcher_stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.watcher.take() {
+            let _ = t.join();
+        }
+        self.inner.settle_before_the_store_closes();
+    }
+}
+
+impl Inner {
+    /// Checks a call's buffers against its count, root and kind ([`RawOp::plan`]).
+    pub(crate) fn plan(&self, call: &RawOp, send: Option<usize>, recv: usize) -> Result<Plan> {
+        call.plan(self.rank, self.size, send, recv)
+            .map_err(|reason| self.invalid(call.kind, reason))
+    }
+
+    pub(crate) fn invalid(&self, op: OpKind, reason: call::CallError) -> Error {
+        Error::InvalidArgument {
+            rank: self.rank,
+            op,
+            reason,
+        }
+    }
+
+    pub(crate) fn try_lock_state(&self) -> Option<std::sync::MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Builds the schedule of a validated call and executes it.
+    pub(crate) fn run_planned(
+        &self,
+        st: &mut State,
+        call: &RawOp,
+        plan: &Plan,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let (r, n, count) = (self.rank, self.size, call.count);
+        st.coll_seq += 1;
+        let seq = st.coll_seq;
+        self.current.set(call.kind, seq);
+        let shape = CallShape {
+            kind: call.kind,
+            count,
+            esize: call.dtype.size(),
+            root: if call.has_root() { call.root } else { 0 },
+            in_place: plan.in_place && call.kind == OpKind::AllToAll,
+        };
+        if !matches!(&st.last, Some((last, _)) if *last == shape) {
+            let prepared = self.prepare(st, call, shape, seq)?;
+            st.last = Some((shape, prepared));
+        }
+        let desc = OpDesc {
+            kind: call.kind,
+            seq,
+            dtype: call.dtype,
+            count: count as u64,
+            redop: if call.has_reduction() {
+                call.op.code()
+            } else {
+                0xff
+            },
+            root: if call.has_root() {
+                call.root as u32
+            } else {
+                NO_ROOT
+            },
+        };
+        let internal = |reason: String| Error::Internal {
+            rank: r,
+            op: call.kind,
+            seq,
+            reason,
+        };
+
+        // PreMulSum: scale this rank's input once; the algorithm then sums.
+        let scaled: Option<Vec<u64>> = match call.op {
+            ReduceOp::PreMulSum(factor) if call.has_reduction() => {
+                let src: &[u8] = match send {
+                    Some(s) => s,
+                    None => &recv[plan.input_offset..plan.input_offset + plan.input_len],
+                };
+                let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
+                reduce::scale_into(
+                    call.dtype,
+                    &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
+                    src,
+                    factor,
+                )
+                .map_err(|e| internal(e.to_string()))?;
+                Some(tmp)
+            }
+            _ => None,
+        };
+
+        let State {
+            mesh,
+            scratch,
+            last,
+            workspace,
+            ..
+        } = st;
+        let Some((_, prepared)) = last.as_ref() else {
+            return Err(internal("schedule cache".into()));
+        };
+        let scratch_bytes = prepared.schedule().scratch_elems * call.dtype.size();
+        if scratch.len() * 8 < scratch_bytes {
+            scratch.resize(scratch_bytes.div_ceil(8), 0);
+        }
+        let scratch_area: &mut [u8] =
+            &mut bytemuck::cast_slice_mut(scratch.as_mut_slice())[..scratch_bytes];
+        // Areas: 0 the receive buffer, 1 scratch, 2 the send buffer (or the scaled input).
+        let (input_area, input) = match (scaled.as_ref(), send) {
+            (Some(tmp), _) => (
+                &bytemuck::cast_slice(tmp.as_slice())[..plan.input_len],
+                Placement {
+                    area: 2,
+                    byte_offset: 0,
+                },
+            ),
+            (None, Some(s)) => (
+                s,
+                Placement {
+                    area: 2,
+                    byte_offset: 0,
+                },
+            ),
+            (None, None) => (
+                &[][..],
+                Placement {
+                    area: 0,
+                    byte_offset: plan.input_offset,
+                },
+            ),
+        };
+        let mut areas = [
+            Area::ReadWrite(recv),
+            Area::ReadWrite(scratch_area),
+            Area::ReadOnly(input_area),
+        ];
+        let layout = Layout::Fixed {
+            input,
+            output: Placement {
+                area: 0,
+                byte_offset: plan.output_offset,
+            },
+            scratch: Placement {
+                area: 1,
+                byte_offset: 0,
+            },
+        };
+        self.execute(
+            mesh,
+            desc,
+            call.dtype,
+            call.op,
+            prepared,
+            &layout,
+            &mut areas,
+            &[],
+            workspace,
+            seq,
+        )?;
+
+        // Avg: divide the reduced result once, where a result was written.
+        let es = call.dtype.size();
+        let result = match call.kind {
+            OpKind::Reduce if r != call.root => None,
+            OpKind::ReduceScatter => Some(plan.output_offset..plan.output_offset + count * es),
+            _ => Some(plan.output_offset..plan.output_offset + count * es),
+        };
+        if let (ReduceOp::Avg, true, true, Some(range), Area::ReadWrite(out)) =
+            (call.op, call.has_reduction(), n > 1, result, &mut areas[0])
+        {
+            let out = out
+                .get_mut(range)
+                .ok_or_else(|| internal("average range".into()))?;
+            reduce::divide_in_place(call.dtype, out, n).map_err(|e| internal(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn execute(
+        &self,
+        mesh: &mut Mesh,
+        desc: OpDesc,
+        dtype: DataType,
+        op: ReduceOp,
+        prepared: &Prepared,
+        layout: &Layout,
+        areas: &mut [Area<'_>],
+        headers: &[(usize, OpDesc, OpDesc)],
+        workspace: &mut Workspace,
+        collective_seq: u64,
+    ) -> Result<()> {
+        let poisoned = || self.poisoned();
+        let largest = areas.iter().map(Area::len).max().unwrap_or(0);
+        let ctx = Context {
+            rank: self.rank,
+            desc,
+            dtype,
+            combiner: op.combiner(),
+            timeout: self.timeout(),
+            abort: &self.abort,
+            backoff: self.config.backoff,
+            pinned_sends: sends_pinned(desc.kind, largest, self.config.pinned_max_bytes),
+            poisoned: &poisoned,
+            collective_seq,
+        };
+        let (conns, waiter) = mesh.parts();
+        engine::execute_prepared(
+            &ctx, prepared, layout, areas, conns, waiter, headers, workspace,
+        )
+    }
+}

@@ -1,0 +1,52 @@
+//! weftcc's runtime: the [`Communicator`], which executes the pure schedules of
+//! `weftcc-collectives` over the transports of `weftcc-transports`.
+//!
+//! One module per concept:
+//!
+//! | module | what |
+//! |---|---|
+//! | [`bootstrap`] | unique ids, rank 0's bootstrap store and how long it stays up |
+//! | [`config`] | settings from `WEFT_*` variables |
+//! | [`env`] | rank, size and rendezvous from the launcher (weft run, torchrun, SLURM, Open MPI) |
+//! | `communicator` | construction, the blocking API, split |
+//! | `handle` | the asynchronous API and its handles |
+//! | `ordering` | issue order: tickets, the operation running now |
+//! | `cache` | the tuner's choice and the prepared schedule of each call shape |
+//! | `group` | grouped sends and receives |
+//! | `failure` | poison, the job-wide failure protocol and its typed note |
+//! | `engine` | executes one schedule over the connections (poll loop, no threads) |
+//! | [`tuning`] | per-call algorithm choice from the cost model |
+//! | [`error`] | the error type |
+//! | `logging` | `WEFT_DEBUG` |
+
+#![forbid(unsafe_code)]
+
+pub mod bootstrap;
+mod cache;
+mod communicator;
+pub mod config;
+mod engine;
+pub mod env;
+pub mod error;
+mod failure;
+mod group;
+mod handle;
+mod logging;
+mod ordering;
+pub mod tuning;
+
+pub use bootstrap::{join_host_port, UniqueId};
+pub use communicator::Communicator;
+pub use config::{Backoff, CommConfig};
+pub use env::LaunchInfo;
+pub use error::{Error, Result};
+pub use group::Group;
+pub use handle::Handle;
+pub use tuning::Tuner;
+
+use std::sync::{Mutex, MutexGuard};
+
+/// Locks a mutex, recovering from poisoning (a panic elsewhere must not cascade).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
