@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use weftcc_collectives::schedule::hierarchical::{self, HostLayout};
 use weftcc_collectives::schedule::sim::{self, RankMemory, SimError};
 use weftcc_collectives::schedule::tree;
-use weftcc_collectives::schedule::{self, Action, Schedule, ScheduleError};
+use weftcc_collectives::schedule::{self, p2p, Action, Schedule, ScheduleError};
 use weftcc_collectives::{Combiner, DataType};
 
 const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];
@@ -482,8 +482,96 @@ fn check_barrier(p: &Params) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// A random group on every rank: each rank sends up to 4 messages (0..=`p.count` bytes) to
+/// random other ranks; each receiver posts the matching receives, in order per sender but
+/// interleaved across senders at random. Every receive buffer must end up with exactly the bytes
+/// of its matching send, whatever the interleaving, slice size and FIFO capacity.
+fn check_group(p: &Params) -> Result<(), TestCaseError> {
+    let mut rng = Rng(p.seed);
+    let n = p.n;
+    // messages[s][d]: the payloads rank s sends to rank d, in order.
+    let mut messages: Vec<Vec<Vec<Vec<u8>>>> = vec![vec![Vec::new(); n]; n];
+    let mut sends: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
+    if n > 1 {
+        for (s, list) in sends.iter_mut().enumerate() {
+            for _ in 0..rng.below(5) {
+                let d = (s + 1 + rng.below(n - 1)) % n;
+                let len = rng.below(p.count + 1);
+                let data = rng.bytes(len);
+                list.push((d, data.len()));
+                messages[s][d].push(data);
+            }
+        }
+    }
+    // Receives: per receiver, a random merge of its senders' ordered lists.
+    let mut recvs: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); n];
+    for (d, list) in recvs.iter_mut().enumerate() {
+        let mut queues: Vec<(usize, std::collections::VecDeque<Vec<u8>>)> = (0..n)
+            .map(|s| {
+                (
+                    s,
+                    messages[s][d]
+                        .iter()
+                        .cloned()
+                        .collect::<std::collections::VecDeque<_>>(),
+                )
+            })
+            .filter(|(_, q)| !q.is_empty())
+            .collect();
+        while !queues.is_empty() {
+            let k = rng.below(queues.len());
+            let (s, q) = &mut queues[k];
+            list.push((*s, q.pop_front().unwrap_or_default()));
+            if q.is_empty() {
+                queues.remove(k);
+            }
+        }
+    }
+    let slice = p.slice.max(1);
+    let mut scheds = Vec::new();
+    let mut mem = Vec::new();
+    for r in 0..n {
+        let mut input = Vec::new();
+        let mut send_list = Vec::new();
+        let mut cursor = [0usize; 16];
+        for &(d, len) in &sends[r] {
+            input.extend_from_slice(&messages[r][d][cursor[d]]);
+            cursor[d] += 1;
+            send_list.push((d, (), len));
+        }
+        let recv_list: Vec<(usize, (), usize)> = recvs[r]
+            .iter()
+            .map(|(s, data)| (*s, (), data.len()))
+            .collect();
+        let group = p2p::group_schedule(&send_list, &recv_list, slice);
+        let out_len: usize = recv_list.iter().map(|x| x.2).sum();
+        scheds.push(group.schedule);
+        mem.push(RankMemory::separate(input, vec![0xEE; out_len]));
+    }
+    check_slices(&scheds, slice)?;
+    let q = Params {
+        dtype: DataType::Uint8,
+        comb: Combiner::Sum,
+        ..p.clone()
+    };
+    sim_ok(simulate(&q, &mut rng, &scheds, &mut mem))?;
+    for (r, m) in mem.iter().enumerate() {
+        let want: Vec<u8> = recvs[r]
+            .iter()
+            .flat_map(|(_, d)| d.iter().copied())
+            .collect();
+        prop_assert_eq!(m.output().unwrap(), &want[..], "rank {}", r);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn group_send_recv_delivers_every_message(p in params(300)) {
+        check_group(&p)?;
+    }
 
     #[test]
     fn all_reduce_matches_reference(p in params(3000)) {

@@ -7,7 +7,7 @@ use crate::bootstrap::{bind_address, join_host_port, servers, StoreHost, UniqueI
 use crate::cache::{CallShape, KeyHasher, ScheduleKey};
 use crate::config::CommConfig;
 use crate::config::{sends_pinned, shm_low_latency_max, warn_unimplemented_protocols};
-use crate::engine::{self, Area, Context, Layout, Placement, Prepared, Workspace};
+use crate::engine::{self, Area, Context, Layout, Prepared, Workspace};
 use crate::env::LaunchInfo;
 use crate::error::{Error, Result};
 use crate::failure::{watch, Poison, ALARM_TIMEOUT};
@@ -26,6 +26,7 @@ use std::time::Duration;
 use weftcc_collectives::call::{self, Plan, RawOp};
 use weftcc_collectives::header::{OpDesc, NO_ROOT};
 use weftcc_collectives::schedule::hierarchical::HostLayout;
+use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::{reduce, Algorithm, DataType, Element, OpKind, ReduceOp};
 use weftcc_transports::mesh::{Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
@@ -661,42 +662,21 @@ impl Inner {
         let (input_area, input) = match (scaled.as_ref(), send) {
             (Some(tmp), _) => (
                 &bytemuck::cast_slice(tmp.as_slice())[..plan.input_len],
-                Placement {
-                    area: 2,
-                    byte_offset: 0,
-                },
+                Placement::new(2, 0),
             ),
-            (None, Some(s)) => (
-                s,
-                Placement {
-                    area: 2,
-                    byte_offset: 0,
-                },
-            ),
-            (None, None) => (
-                &[][..],
-                Placement {
-                    area: 0,
-                    byte_offset: plan.input_offset,
-                },
-            ),
+            (None, Some(s)) => (s, Placement::new(2, 0)),
+            (None, None) => (&[][..], Placement::new(0, plan.input_offset)),
         };
         let mut areas = [
             Area::ReadWrite(recv),
             Area::ReadWrite(scratch_area),
             Area::ReadOnly(input_area),
         ];
-        let layout = Layout::Fixed {
+        let layout = Layout::fixed(
             input,
-            output: Placement {
-                area: 0,
-                byte_offset: plan.output_offset,
-            },
-            scratch: Placement {
-                area: 1,
-                byte_offset: 0,
-            },
-        };
+            Placement::new(0, plan.output_offset),
+            Some(Placement::new(1, 0)),
+        );
         self.execute(
             mesh,
             desc,

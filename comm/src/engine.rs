@@ -13,14 +13,15 @@
 //! [`execute_prepared`] for how mismatches are still caught).
 
 use crate::config::Backoff;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SeenBy};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use weftcc_collectives::dtype::DataType;
 use weftcc_collectives::header::{OpDesc, HEADER_LEN};
 use weftcc_collectives::op::{Combiner, OpKind};
 use weftcc_collectives::reduce;
-use weftcc_collectives::schedule::{Action, BufId, Region, Schedule};
+use weftcc_collectives::schedule::layout::{BufferMap, Placement};
+use weftcc_collectives::schedule::{Action, Region, Schedule};
 use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
 
 /// Longest single sleep of the idle loop: bounds how late an abort, poison or deadline is seen.
@@ -50,54 +51,13 @@ impl Area<'_> {
     }
 }
 
-/// Where a logical buffer lives: an area and a byte offset into it.
-#[derive(Debug, Clone, Copy)]
-pub struct Placement {
-    pub area: usize,
-    pub byte_offset: usize,
-}
+/// How the schedule's logical buffers map onto the areas.
+pub type Layout = BufferMap<Placement>;
 
-/// How the schedule's logical buffers map onto memory.
-pub enum Layout {
-    /// Input, Output and Scratch each at a fixed place.
-    Fixed {
-        input: Placement,
-        output: Placement,
-        scratch: Placement,
-    },
-    /// Grouped point-to-point calls: Input (and Output) element offsets index a virtual
-    /// concatenation of several buffers; entry `(first_elem, area)` starts a buffer.
-    Concatenated {
-        inputs: Vec<(usize, usize)>,
-        outputs: Vec<(usize, usize)>,
-    },
-}
-
-impl Layout {
-    fn place(&self, region: &Region, esize: usize) -> Option<(usize, usize)> {
-        let bytes = |p: &Placement| Some((p.area, p.byte_offset + region.offset * esize));
-        match self {
-            Layout::Fixed {
-                input,
-                output,
-                scratch,
-            } => match region.buf {
-                BufId::Input => bytes(input),
-                BufId::Output => bytes(output),
-                BufId::Scratch => bytes(scratch),
-            },
-            Layout::Concatenated { inputs, outputs } => {
-                let list = match region.buf {
-                    BufId::Input => inputs,
-                    BufId::Output => outputs,
-                    BufId::Scratch => return None,
-                };
-                let i = list.partition_point(|(start, _)| *start <= region.offset);
-                let (start, area) = *list.get(i.checked_sub(1)?)?;
-                Some((area, (region.offset - start) * esize))
-            }
-        }
-    }
+/// `region`'s first byte: its area and byte offset.
+fn place(layout: &Layout, region: &Region, esize: usize) -> Option<(usize, usize)> {
+    let (p, elem) = layout.locate(region.buf, region.offset)?;
+    Some((p.area, p.offset.checked_add(elem.checked_mul(esize)?)?))
 }
 
 /// Everything the engine needs besides the schedule and memory.
@@ -132,6 +92,7 @@ impl Context<'_> {
             peer,
             op: self.kind(),
             seq: self.desc.seq,
+            seen_by: SeenBy::ThisRank,
             detail,
         }
     }
@@ -329,14 +290,7 @@ struct PlacesKey {
 
 impl PlacesKey {
     fn of(prepared: &Prepared, layout: &Layout, areas: &[Area<'_>], esize: usize) -> Option<Self> {
-        let Layout::Fixed {
-            input,
-            output,
-            scratch,
-        } = layout
-        else {
-            return None;
-        };
+        let [input, output, scratch] = layout.fixed_places()?;
         if areas.len() > 3 {
             return None;
         }
@@ -344,7 +298,7 @@ impl PlacesKey {
         for (len, area) in lens.iter_mut().zip(areas) {
             *len = area.len();
         }
-        let at = |p: &Placement| (p.area, p.byte_offset);
+        let at = |p: Placement| (p.area, p.offset);
         Some(PlacesKey {
             prepared: prepared.id,
             esize,
@@ -582,8 +536,7 @@ fn resolve_places(
 ) -> Result<()> {
     places.clear();
     let resolve = |r: &Region| -> Result<(usize, usize, usize)> {
-        let (area, off) = layout
-            .place(r, esize)
+        let (area, off) = place(layout, r, esize)
             .ok_or_else(|| ctx.internal(format!("region {r:?} has no placement")))?;
         let len = r.len * esize;
         let size = areas.get(area).map(|a| a.bytes().len()).unwrap_or(0);

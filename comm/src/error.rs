@@ -31,20 +31,24 @@ pub enum Error {
         after: Duration,
     },
     /// Peer rank `peer` died or closed its connections.
-    #[error("rank {rank}: peer rank {peer} lost during {op} #{seq}: {detail}")]
+    #[error("rank {rank}: peer rank {peer} lost during {op} #{seq}: {seen_by}{detail}")]
     PeerLost {
         rank: usize,
         peer: usize,
         op: OpKind,
         seq: u64,
+        /// Who saw the loss: this rank, another rank (whose report this rank adopted), or
+        /// this rank's watcher of the bootstrap store.
+        seen_by: SeenBy,
         detail: String,
     },
     /// `abort()` was called on this communicator, or another rank failed and aborted the job.
-    #[error("rank {rank}: communicator aborted: {reason}")]
+    #[error("rank {rank}: communicator aborted: {}{reason}", by.map(|b| format!("rank {b} failed: ")).unwrap_or_default())]
     Aborted {
         rank: usize,
         /// The rank that aborted or failed first, when another rank did.
         by: Option<usize>,
+        /// What happened (on rank `by`, when set: its error as it reported it).
         reason: String,
     },
     /// Ranks called different collectives (kind, type, count, reduction or root differ).
@@ -80,6 +84,27 @@ pub enum Error {
         seq: u64,
         reason: String,
     },
+}
+
+/// Who saw a peer's loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeenBy {
+    /// This rank, on its own connection to the peer.
+    ThisRank,
+    /// Another rank, which published the loss; this rank adopted its report.
+    Rank(usize),
+    /// This rank's watcher: the bootstrap store (on rank 0) stopped answering.
+    Watcher,
+}
+
+impl std::fmt::Display for SeenBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SeenBy::ThisRank => Ok(()),
+            SeenBy::Rank(r) => write!(f, "reported by rank {r}: "),
+            SeenBy::Watcher => f.write_str("reported by the watcher: "),
+        }
+    }
 }
 
 impl Error {

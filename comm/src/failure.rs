@@ -5,7 +5,7 @@
 //! it (at most [`SETTLE_TIMEOUT`]).
 
 use crate::communicator::Inner;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SeenBy};
 use crate::lock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -62,8 +62,15 @@ impl Inner {
             return;
         }
         let e = self.adopt_farewell(e);
+        // Errors adopted from another rank (or seen only by the watcher) are not published again.
         let local = !matches!(&e, Error::Aborted { by: Some(_), .. })
-            && !matches!(&e, Error::PeerLost { detail, .. } if detail.starts_with("reported by"));
+            && !matches!(
+                &e,
+                Error::PeerLost {
+                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher,
+                    ..
+                }
+            );
         // A local abort() is its own root cause: poison at once, so neither the caller of
         // abort() nor anyone waiting depends on how fast the store answers.
         if matches!(&e, Error::Aborted { by: None, .. }) {
@@ -129,43 +136,46 @@ impl Inner {
         let key = self.store_key(ABORT_KEY);
         match store.add(&format!("{key}-count"), 1) {
             Ok(1) => {
-                let _ = store.set(&key, self.note_of(&e).as_bytes());
+                let _ = store.set(&key, self.note_of(&e).encode().as_bytes());
                 e
             }
             Ok(_) => match store.get(&key, ALARM_TIMEOUT) {
-                Ok(v) => remote_error(self, &String::from_utf8_lossy(&v)).unwrap_or(e),
+                Ok(v) => remote_error(self, &v).unwrap_or(e),
                 Err(_) => e,
             },
             Err(_) => e,
         }
     }
 
-    /// `e` as the store and farewell notes carry it, for [`remote_error`] to read back:
-    /// `abort <rank> <reason>` or `lost <peer> <reporting rank> <detail>`, naming the rank where
-    /// the failure started (this one, or the one an adopted error came from).
-    pub(crate) fn note_of(&self, e: &Error) -> String {
+    /// `e` as the store and farewell notes carry it, naming the rank where the failure started
+    /// (this one, or the one an adopted error came from).
+    pub(crate) fn note_of(&self, e: &Error) -> FailureNote {
         match e {
             Error::Aborted {
                 by: Some(by),
                 reason,
                 ..
-            } => {
-                let prefix = format!("rank {by} failed: ");
-                format!(
-                    "abort {by} {}",
-                    reason.strip_prefix(&prefix).unwrap_or(reason)
-                )
-            }
-            Error::PeerLost { peer, detail, .. } => {
-                match detail
-                    .strip_prefix("reported by rank ")
-                    .and_then(|d| d.split_once(": "))
-                {
-                    Some((by, rest)) => format!("lost {peer} {by} {rest}"),
-                    None => format!("lost {peer} {} {detail}", self.rank),
-                }
-            }
-            other => format!("abort {} {other}", self.rank),
+            } => FailureNote::Abort {
+                origin: *by,
+                reason: reason.clone(),
+            },
+            Error::PeerLost {
+                peer,
+                seen_by,
+                detail,
+                ..
+            } => FailureNote::Lost {
+                peer: *peer,
+                reporter: match seen_by {
+                    SeenBy::Rank(r) => *r,
+                    SeenBy::ThisRank | SeenBy::Watcher => self.rank,
+                },
+                detail: detail.clone(),
+            },
+            other => FailureNote::Abort {
+                origin: self.rank,
+                reason: other.to_string(),
+            },
         }
     }
 
@@ -174,7 +184,11 @@ impl Inner {
     /// tell (it lives with rank 0). Any other error is returned as it is.
     pub(crate) fn adopt_farewell(&self, e: Error) -> Error {
         let peer = match &e {
-            Error::PeerLost { peer, detail, .. } if !detail.starts_with("reported by") => *peer,
+            Error::PeerLost {
+                peer,
+                seen_by: SeenBy::ThisRank,
+                ..
+            } => *peer,
             _ => return e,
         };
         let Some(st) = self.try_lock_state() else {
@@ -182,7 +196,8 @@ impl Inner {
         };
         let note = st.mesh.farewell(peer);
         drop(st);
-        note.and_then(|n| remote_error(self, &n)).unwrap_or(e)
+        note.and_then(|n| remote_error(self, n.as_bytes()))
+            .unwrap_or(e)
     }
 
     /// Leaves the poison's cause on every connection, once, for peers that see this rank close
@@ -197,7 +212,7 @@ impl Inner {
         let Some(mut st) = self.try_lock_state() else {
             return;
         };
-        st.mesh.leave_farewell(&self.note_of(&e));
+        st.mesh.leave_farewell(&self.note_of(&e).encode());
         self.farewell_left.store(true, Ordering::Release);
     }
 }
@@ -208,8 +223,7 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
     while !inner.watcher_stop.load(Ordering::SeqCst) {
         match client.get(&key, WATCH_PERIOD) {
             Ok(value) => {
-                let text = String::from_utf8_lossy(&value).to_string();
-                if let Some(e) = remote_error(&inner, &text) {
+                if let Some(e) = remote_error(&inner, &value) {
                     inner.fail(e);
                     inner.turn.wake_all();
                 }
@@ -228,7 +242,8 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     peer: 0,
                     op,
                     seq,
-                    detail: format!("reported by the watcher: the bootstrap store on rank 0 is unreachable ({e})"),
+                    seen_by: SeenBy::Watcher,
+                    detail: format!("the bootstrap store on rank 0 is unreachable ({e})"),
                 });
                 return;
             }
@@ -247,37 +262,91 @@ pub(crate) fn settle(inner: &Inner, client: &mut StoreClient) {
     }
 }
 
-/// Turns a failure published by another rank into this rank's error.
-pub(crate) fn remote_error(inner: &Inner, text: &str) -> Option<Error> {
+/// Turns a failure note published by another rank (in the store or as a farewell) into this
+/// rank's error; `None` for a note this rank wrote itself, or one it cannot read.
+pub(crate) fn remote_error(inner: &Inner, note: &[u8]) -> Option<Error> {
     let (op, seq) = inner.current.get();
-    let mut parts = text.splitn(4, ' ');
-    match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some("lost"), Some(peer), Some(by), detail) => {
-            let peer = peer.parse().ok()?;
-            if peer == inner.rank {
-                return None;
-            }
-            Some(Error::PeerLost {
-                rank: inner.rank,
-                peer,
-                op,
-                seq,
-                detail: format!("reported by rank {by}: {}", detail.unwrap_or("")),
-            })
-        }
-        (Some("abort"), Some(by), first, rest) => {
-            let by: usize = by.parse().ok()?;
-            if by == inner.rank {
-                return None;
-            }
-            let reason = [first.unwrap_or(""), rest.unwrap_or("")].join(" ");
-            Some(Error::Aborted {
-                rank: inner.rank,
-                by: Some(by),
-                reason: format!("rank {by} failed: {}", reason.trim()),
-            })
-        }
+    match FailureNote::decode(note)? {
+        FailureNote::Lost {
+            peer,
+            reporter,
+            detail,
+        } if peer != inner.rank => Some(Error::PeerLost {
+            rank: inner.rank,
+            peer,
+            op,
+            seq,
+            seen_by: SeenBy::Rank(reporter),
+            detail,
+        }),
+        FailureNote::Abort { origin, reason } if origin != inner.rank => Some(Error::Aborted {
+            rank: inner.rank,
+            by: Some(origin),
+            reason,
+        }),
         _ => None,
+    }
+}
+
+/// What a failing rank tells the others (through the store's abort key, and the farewell it
+/// leaves in its shared-memory rings): typed fields, encoded as a versioned record of fields
+/// separated by U+001F (the unit separator, which no number and no error text of weftcc
+/// contains); the text fields are for people and are never parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FailureNote {
+    /// Rank `origin` failed (or aborted); `reason` is its error as it reported it.
+    Abort { origin: usize, reason: String },
+    /// Rank `reporter` lost rank `peer`; `detail` says how.
+    Lost {
+        peer: usize,
+        reporter: usize,
+        detail: String,
+    },
+}
+
+impl FailureNote {
+    const MAGIC: &'static str = "weft-failure/1";
+    const SEP: char = '\u{1f}';
+
+    /// The note's wire form.
+    pub(crate) fn encode(&self) -> String {
+        let s = Self::SEP;
+        let m = Self::MAGIC;
+        match self {
+            FailureNote::Abort { origin, reason } => format!("{m}{s}abort{s}{origin}{s}{reason}"),
+            FailureNote::Lost {
+                peer,
+                reporter,
+                detail,
+            } => format!("{m}{s}lost{s}{peer}{s}{reporter}{s}{detail}"),
+        }
+    }
+
+    /// Reads a note written by [`FailureNote::encode`]; `None` for anything else.
+    pub(crate) fn decode(bytes: &[u8]) -> Option<FailureNote> {
+        // Lossy: a farewell cut to the ring's note size may end inside a character.
+        let text = String::from_utf8_lossy(bytes);
+        let mut fields = text.splitn(5, Self::SEP);
+        if fields.next()? != Self::MAGIC {
+            return None;
+        }
+        match fields.next()? {
+            "abort" => {
+                let origin = fields.next()?.parse().ok()?;
+                // The reason is the rest, separators and all.
+                let rest: Vec<&str> = fields.collect();
+                Some(FailureNote::Abort {
+                    origin,
+                    reason: rest.join(&Self::SEP.to_string()),
+                })
+            }
+            "lost" => Some(FailureNote::Lost {
+                peer: fields.next()?.parse().ok()?,
+                reporter: fields.next()?.parse().ok()?,
+                detail: fields.next()?.to_string(),
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -285,7 +354,48 @@ pub(crate) fn remote_error(inner: &Inner, text: &str) -> Option<Error> {
 mod tests {
     use super::*;
     use crate::{CommConfig, Communicator, UniqueId};
+    use proptest::prelude::*;
     use std::time::Instant;
+
+    proptest! {
+        /// Every note reads back as itself, whatever its text (separators included).
+        #[test]
+        fn failure_notes_round_trip(
+            origin in any::<usize>(),
+            peer in any::<usize>(),
+            text in ".*",
+            lost in any::<bool>(),
+        ) {
+            let note = if lost {
+                FailureNote::Lost { peer, reporter: origin, detail: text.clone() }
+            } else {
+                FailureNote::Abort { origin, reason: text.clone() }
+            };
+            prop_assert_eq!(FailureNote::decode(note.encode().as_bytes()), Some(note));
+        }
+
+        /// Bytes that are not a note (free text, a truncated note, garbage) read as nothing.
+        #[test]
+        fn failure_notes_reject_what_is_not_one(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            prop_assume!(!bytes.starts_with(FailureNote::MAGIC.as_bytes()));
+            prop_assert_eq!(FailureNote::decode(&bytes), None);
+        }
+    }
+
+    #[test]
+    fn old_free_text_notes_and_truncated_ones_are_not_read() {
+        assert_eq!(FailureNote::decode(b"abort 1 boom"), None);
+        let full = FailureNote::Lost {
+            peer: 3,
+            reporter: 1,
+            detail: "closed".into(),
+        }
+        .encode();
+        assert_eq!(
+            FailureNote::decode(&full.as_bytes()[..full.len() - 8]),
+            None
+        );
+    }
 
     #[test]
     fn a_failed_communicator_dropped_before_its_split_child_leaves_its_settle_to_the_child() {

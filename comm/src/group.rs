@@ -2,11 +2,12 @@
 //! without deadlock).
 
 use crate::communicator::{Communicator, Inner, State};
-use crate::engine::{Area, Layout, Prepared};
+use crate::engine::{Area, Prepared};
 use crate::error::Result;
 use weftcc_collectives::call::{self};
-use weftcc_collectives::header::{OpDesc, NO_ROOT};
-use weftcc_collectives::schedule::{Action, BufId, Region, Schedule, Step};
+use weftcc_collectives::header::OpDesc;
+use weftcc_collectives::schedule::layout::Placement;
+use weftcc_collectives::schedule::p2p;
 use weftcc_collectives::{DataType, Element, OpKind, ReduceOp};
 
 /// A grouped set of sends and receives, run together by [`Group::run`].
@@ -62,40 +63,19 @@ impl Inner {
         recvs: &mut [(usize, &mut [u8])],
     ) -> Result<()> {
         let slice = self.config.slice_bytes.max(8);
-        let mut sched = Schedule::default();
+        // Areas: the sends, then the receives, in call order.
+        let send_places: Vec<_> = (sends.iter().enumerate())
+            .map(|(i, (peer, buf))| (*peer, Placement::new(i, 0), buf.len()))
+            .collect();
+        let recv_places: Vec<_> = (recvs.iter().enumerate())
+            .map(|(i, (peer, buf))| (*peer, Placement::new(sends.len() + i, 0), buf.len()))
+            .collect();
+        let group = p2p::group_schedule(&send_places, &recv_places, slice);
         let mut areas: Vec<Area<'_>> = Vec::with_capacity(sends.len() + recvs.len());
-        let mut inputs = Vec::new();
-        let mut outputs = Vec::new();
-        // Per peer: (messages, total bytes, fingerprint of the message sizes).
-        let mut out_meta: Vec<(usize, Vec<usize>)> = Vec::new();
-        let mut in_meta: Vec<(usize, Vec<usize>)> = Vec::new();
-        let mut virtual_in = 0usize;
-        for &(peer, buf) in sends {
-            inputs.push((virtual_in, areas.len()));
-            areas.push(Area::ReadOnly(buf));
-            push_sliced(&mut sched, buf.len(), slice, |off, len| Action::Send {
-                peer,
-                src: Region::new(BufId::Input, virtual_in + off, len),
-            });
-            virtual_in += buf.len();
-            meta_push(&mut out_meta, peer, buf.len());
-        }
-        let mut virtual_out = 0usize;
-        for (peer, buf) in recvs.iter_mut() {
-            let peer = *peer;
-            let len = buf.len();
-            outputs.push((virtual_out, areas.len()));
-            areas.push(Area::ReadWrite(buf));
-            push_sliced(&mut sched, len, slice, |off, l| Action::RecvCopy {
-                peer,
-                dst: Region::new(BufId::Output, virtual_out + off, l),
-            });
-            virtual_out += len;
-            meta_push(&mut in_meta, peer, len);
-        }
-        sched.send_peers = out_meta.iter().map(|(p, _)| *p).collect();
-        sched.recv_peers = in_meta.iter().map(|(p, _)| *p).collect();
-        let layout = Layout::Concatenated { inputs, outputs };
+        areas.extend(sends.iter().map(|(_, buf)| Area::ReadOnly(buf)));
+        areas.extend(recvs.iter_mut().map(|(_, buf)| Area::ReadWrite(buf)));
+        let (sched, layout) = (group.schedule, group.buffers);
+        let (out_meta, in_meta) = (group.sent, group.received);
         // One header per peer and direction: the pair's message sequence number, total bytes and
         // a fingerprint of the message sizes, so mismatched sends and receives are detected.
         let desc_for = |seq: u64, sizes: &[usize]| OpDesc {
@@ -104,7 +84,7 @@ impl Inner {
             dtype: DataType::Uint8,
             count: sizes.iter().sum::<usize>() as u64,
             redop: 0xff,
-            root: fingerprint(sizes),
+            root: p2p::fingerprint(sizes),
         };
         let mut headers: Vec<(usize, OpDesc, OpDesc)> = Vec::new();
         let peers: Vec<usize> = {
@@ -162,42 +142,5 @@ impl Inner {
             workspace,
             *coll_seq,
         )
-    }
-}
-
-pub(crate) fn meta_push(meta: &mut Vec<(usize, Vec<usize>)>, peer: usize, len: usize) {
-    match meta.iter_mut().find(|(p, _)| *p == peer) {
-        Some((_, sizes)) => sizes.push(len),
-        None => meta.push((peer, vec![len])),
-    }
-}
-
-/// A fingerprint of a list of message sizes, carried in the header's root field (never
-/// [`NO_ROOT`]).
-pub(crate) fn fingerprint(sizes: &[usize]) -> u32 {
-    let h =
-        weftcc_collectives::header::fnv1a32(sizes.iter().flat_map(|s| (*s as u64).to_le_bytes()));
-    if h == NO_ROOT {
-        0
-    } else {
-        h
-    }
-}
-
-/// Appends steps moving `len` elements in slices of at most `slice`.
-pub(crate) fn push_sliced(
-    sched: &mut Schedule,
-    len: usize,
-    slice: usize,
-    mut make: impl FnMut(usize, usize) -> Action,
-) {
-    let mut off = 0;
-    while off < len {
-        let l = slice.min(len - off);
-        sched.steps.push(Step {
-            action: make(off, l),
-            deps: Vec::new(),
-        });
-        off += l;
     }
 }

@@ -39,7 +39,7 @@ pub use bootstrap::{join_host_port, UniqueId};
 pub use communicator::Communicator;
 pub use config::{Backoff, CommConfig};
 pub use env::LaunchInfo;
-pub use error::{Error, Result};
+pub use error::{Error, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
 pub use tuning::Tuner;

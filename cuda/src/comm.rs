@@ -27,7 +27,7 @@
 use crate::driver::check;
 use crate::error::DeviceArgError;
 use crate::error::{CudaError, Result};
-use crate::group::{group_schedule, DeviceGroup};
+use crate::group::DeviceGroup;
 use crate::ipc::{BufferMap, IpcPeers};
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
 use cudarc::driver::sys;
@@ -36,6 +36,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan};
+use weftcc_collectives::schedule::p2p;
 use weftcc_collectives::{schedule, Combiner, DataType, Element, OpKind, RawOp, ReduceOp};
 use weftcc_comm::Communicator;
 
@@ -591,7 +592,11 @@ impl DeviceComm {
         stream: &Stream,
     ) -> Result<()> {
         let mut ipc = self.ipc_state()?;
-        let (sched, bufs) = group_schedule(sends, recvs, ipc.slot_bytes);
+        let spans = |list: &[(usize, DevSpan)]| -> Vec<(usize, u64, usize)> {
+            list.iter().map(|(p, s)| (*p, s.ptr, s.bytes)).collect()
+        };
+        let group = p2p::group_schedule(&spans(sends), &spans(recvs), ipc.slot_bytes);
+        let (sched, bufs) = (group.schedule, group.buffers);
         if sched.steps.is_empty() {
             return Ok(());
         }
@@ -650,7 +655,7 @@ impl DeviceComm {
             &sched,
             call.dtype,
             call.op.combiner(),
-            &BufferMap::pair(input, output),
+            &BufferMap::fixed(input, output, None),
             stream,
         )?;
         // Avg: divide the reduced result once.

@@ -44,59 +44,17 @@ enum Lane {
     Local,
 }
 
-/// Where a schedule's `Input` and `Output` live: each is a list of device buffers laid end to
-/// end in element offsets (one buffer for a collective; one per send or receive of a group).
-/// A region never straddles two buffers (schedules slice within a buffer).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct BufferMap {
-    /// (first element, device address) of every non-empty buffer, by increasing first element.
-    inputs: Vec<(usize, u64)>,
-    outputs: Vec<(usize, u64)>,
-    input_end: usize,
-    output_end: usize,
-}
+/// Where a schedule's `Input` and `Output` live on the device: addresses (the core's map, one
+/// buffer for a collective, one per send or receive of a group laid end to end).
+pub(crate) type BufferMap = weftcc_collectives::schedule::layout::BufferMap<u64>;
 
-impl BufferMap {
-    /// One input and one output buffer.
-    pub(crate) fn pair(input: u64, output: u64) -> BufferMap {
-        BufferMap {
-            inputs: vec![(0, input)],
-            outputs: vec![(0, output)],
-            input_end: usize::MAX,
-            output_end: usize::MAX,
-        }
-    }
-
-    /// Appends an input buffer of `len` elements at `ptr`; returns its first element.
-    pub(crate) fn push_input(&mut self, ptr: u64, len: usize) -> usize {
-        Self::push(&mut self.inputs, &mut self.input_end, ptr, len)
-    }
-
-    /// Appends an output buffer of `len` elements at `ptr`; returns its first element.
-    pub(crate) fn push_output(&mut self, ptr: u64, len: usize) -> usize {
-        Self::push(&mut self.outputs, &mut self.output_end, ptr, len)
-    }
-
-    fn push(list: &mut Vec<(usize, u64)>, end: &mut usize, ptr: u64, len: usize) -> usize {
-        let start = *end;
-        if len > 0 {
-            list.push((start, ptr));
-        }
-        *end = start.saturating_add(len);
-        start
-    }
-
-    /// Address of element `offset` of `buf` (`Scratch` resolves to `scratch`).
-    pub(crate) fn address(&self, buf: BufId, offset: usize, es: u64, scratch: u64) -> u64 {
-        let list = match buf {
-            BufId::Input => &self.inputs,
-            BufId::Output => &self.outputs,
-            BufId::Scratch => return scratch + offset as u64 * es,
-        };
-        // The last buffer starting at or before `offset` holds it.
-        let i = list.partition_point(|&(start, _)| start <= offset).max(1) - 1;
-        let (start, ptr) = list.get(i).copied().unwrap_or((0, 0));
-        ptr + offset.saturating_sub(start) as u64 * es
+/// Device address of `r`'s first element (`Scratch` at `scratch`).
+fn address(bufs: &BufferMap, r: &Region, es: u64, scratch: u64) -> u64 {
+    match r.buf {
+        BufId::Scratch => scratch + r.offset as u64 * es,
+        buf => bufs
+            .locate(buf, r.offset)
+            .map_or(0, |(ptr, i)| ptr + i as u64 * es),
     }
 }
 
@@ -339,7 +297,7 @@ impl IpcPeers {
             &mut self.retired,
             scratch_bytes,
         )?;
-        let addr = |r: &Region| -> u64 { bufs.address(r.buf, r.offset, es, scratch) };
+        let addr = |r: &Region| -> u64 { address(bufs, r, es, scratch) };
         let lane_of = |a: &Action| match *a {
             Action::Send { peer, .. } => Lane::Send(peer),
             Action::RecvCopy { peer, .. } | Action::RecvReduce { peer, .. } => Lane::Recv(peer),

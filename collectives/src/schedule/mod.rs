@@ -18,6 +18,8 @@
 //!   buffer of `scratch_elems` elements.
 
 pub mod hierarchical;
+pub mod layout;
+pub mod p2p;
 pub mod sim;
 pub mod tree;
 

@@ -17,27 +17,13 @@
 //! overlapping regions, and data races: two steps of one rank that are in progress at the same
 //! time while one writes memory the other touches.
 
+use super::layout::Placement;
+use super::{Action, BufId, Region, Schedule, ScheduleError, StepId};
 use crate::dtype::DataType;
 use crate::op::Combiner;
 use crate::reduce::{self, KernelError};
-use crate::schedule::{Action, BufId, Region, Schedule, ScheduleError, StepId};
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
-
-/// Where a logical buffer lives: `len` bytes at byte `offset` of area `area`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Placement {
-    pub area: usize,
-    pub offset: usize,
-    pub len: usize,
-}
-
-impl Placement {
-    /// `len` bytes at byte `offset` of area `area`.
-    pub const fn new(area: usize, offset: usize, len: usize) -> Self {
-        Placement { area, offset, len }
-    }
-}
 
 /// The memory of one rank: one or more byte areas holding its Input and Output (which may
 /// overlap, to express in-place operations), plus its scratch space.
@@ -45,10 +31,10 @@ impl Placement {
 pub struct RankMemory {
     /// The rank's user memory.
     pub areas: Vec<Vec<u8>>,
-    /// Where [`BufId::Input`] lives.
-    pub input: Placement,
-    /// Where [`BufId::Output`] lives.
-    pub output: Placement,
+    /// Where [`BufId::Input`] lives, and its bytes.
+    pub input: (Placement, usize),
+    /// Where [`BufId::Output`] lives, and its bytes.
+    pub output: (Placement, usize),
     /// Scratch space. [`run`] replaces it with `scratch_elems` elements of filler bytes (`0xA5`)
     /// before executing and leaves it for inspection afterwards.
     pub scratch: Vec<u8>,
@@ -56,7 +42,7 @@ pub struct RankMemory {
 
 impl RankMemory {
     /// Memory with the given areas and placements.
-    pub fn new(areas: Vec<Vec<u8>>, input: Placement, output: Placement) -> Self {
+    pub fn new(areas: Vec<Vec<u8>>, input: (Placement, usize), output: (Placement, usize)) -> Self {
         RankMemory {
             areas,
             input,
@@ -70,8 +56,8 @@ impl RankMemory {
         let (il, ol) = (input.len(), output.len());
         RankMemory::new(
             vec![input, output],
-            Placement::new(0, 0, il),
-            Placement::new(1, 0, ol),
+            (Placement::new(0, 0), il),
+            (Placement::new(1, 0), ol),
         )
     }
 
@@ -81,8 +67,8 @@ impl RankMemory {
     pub fn shared(buf: Vec<u8>, input: (usize, usize), output: (usize, usize)) -> Self {
         RankMemory::new(
             vec![buf],
-            Placement::new(0, input.0, input.1),
-            Placement::new(0, output.0, output.1),
+            (Placement::new(0, input.0), input.1),
+            (Placement::new(0, output.0), output.1),
         )
     }
 
@@ -96,8 +82,8 @@ impl RankMemory {
         self.placed(self.output)
     }
 
-    fn placed(&self, p: Placement) -> Option<&[u8]> {
-        let end = p.offset.checked_add(p.len)?;
+    fn placed(&self, (p, len): (Placement, usize)) -> Option<&[u8]> {
+        let end = p.offset.checked_add(len)?;
         self.areas.get(p.area)?.get(p.offset..end)
     }
 
@@ -440,8 +426,8 @@ fn check_peer_lists(schedules: &[Schedule]) -> Result<(), SimError> {
 /// Resolves `r` to bytes of rank memory `m`, or `None` when it does not fit.
 fn resolve(m: &RankMemory, r: &Region, elem: usize) -> Option<Span> {
     let (area, base, cap) = match r.buf {
-        BufId::Input => (m.input.area, m.input.offset, m.input.len),
-        BufId::Output => (m.output.area, m.output.offset, m.output.len),
+        BufId::Input => (m.input.0.area, m.input.0.offset, m.input.1),
+        BufId::Output => (m.output.0.area, m.output.0.offset, m.output.1),
         BufId::Scratch => (m.areas.len(), 0, m.scratch.len()),
     };
     let off = r.offset.checked_mul(elem)?;
@@ -463,10 +449,10 @@ fn prepare(
     m: &RankMemory,
     elem: usize,
 ) -> Result<RankState, SimError> {
-    for (buf, p) in [(BufId::Input, m.input), (BufId::Output, m.output)] {
+    for (buf, (p, len)) in [(BufId::Input, m.input), (BufId::Output, m.output)] {
         let fits = p
             .offset
-            .checked_add(p.len)
+            .checked_add(len)
             .zip(m.areas.get(p.area))
             .is_some_and(|(end, a)| end <= a.len());
         if !fits {

@@ -1,0 +1,161 @@
+//! Grouped point-to-point: a group's sends and receives as one schedule (NCCL's
+//! `ncclGroupStart` / `ncclSend` / `ncclRecv` / `ncclGroupEnd`), so pairs of ranks can exchange
+//! in both directions without deadlock. The host runtime and the CUDA path run the same
+//! schedule.
+//!
+//! Elements are bytes. Input is the send buffers laid end to end, Output the receive buffers
+//! ([`BufferMap`]); every buffer is cut into messages of at most `slice` bytes. Steps have no
+//! dependencies: sends to one peer go out in step order and receives from one peer match in
+//! step order, which is all a group promises (messages between an ordered pair of ranks match
+//! in call order, and a receive must have the size of the matching send). Sends and receives
+//! alternate, so an executor that queues steps per peer (the GPU's lanes) never queues a long
+//! run of sends before the receives that let the peer's sends drain.
+
+use super::layout::BufferMap;
+use super::{Action, BufId, Region, Schedule, Step};
+
+/// A group's schedule, where its buffers lie, and the message sizes per peer (for the header
+/// that lets each side check the other's sizes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSchedule<P> {
+    pub schedule: Schedule,
+    pub buffers: BufferMap<P>,
+    /// Per peer sent to, in order of first appearance: the length of each send buffer.
+    pub sent: Vec<(usize, Vec<usize>)>,
+    /// Per peer received from: the length of each receive buffer.
+    pub received: Vec<(usize, Vec<usize>)>,
+}
+
+/// The schedule of a group of `sends` and `recvs`, each `(peer, place, bytes)` in call order.
+pub fn group_schedule<P: Copy>(
+    sends: &[(usize, P, usize)],
+    recvs: &[(usize, P, usize)],
+    slice: usize,
+) -> GroupSchedule<P> {
+    let slice = slice.max(1);
+    let mut buffers = BufferMap::default();
+    let mut sent: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut received: Vec<(usize, Vec<usize>)> = Vec::new();
+    let pieces = |start: usize, len: usize| {
+        (0..len)
+            .step_by(slice)
+            .map(move |o| (start + o, slice.min(len - o)))
+    };
+    let mut send_steps = Vec::new();
+    for &(peer, at, len) in sends {
+        let start = buffers.push_input(at, len);
+        for (offset, len) in pieces(start, len) {
+            let src = Region::new(BufId::Input, offset, len);
+            send_steps.push(Action::Send { peer, src });
+        }
+        add_message(&mut sent, peer, len);
+    }
+    let mut recv_steps = Vec::new();
+    for &(peer, at, len) in recvs {
+        let start = buffers.push_output(at, len);
+        for (offset, len) in pieces(start, len) {
+            let dst = Region::new(BufId::Output, offset, len);
+            recv_steps.push(Action::RecvCopy { peer, dst });
+        }
+        add_message(&mut received, peer, len);
+    }
+    let mut schedule = Schedule {
+        send_peers: sent.iter().map(|(p, _)| *p).collect(),
+        recv_peers: received.iter().map(|(p, _)| *p).collect(),
+        ..Schedule::default()
+    };
+    let (mut s, mut r) = (send_steps.into_iter(), recv_steps.into_iter());
+    loop {
+        let (a, b) = (s.next(), r.next());
+        if a.is_none() && b.is_none() {
+            break;
+        }
+        for action in [a, b].into_iter().flatten() {
+            schedule.steps.push(Step {
+                action,
+                deps: Vec::new(),
+            });
+        }
+    }
+    GroupSchedule {
+        schedule,
+        buffers,
+        sent,
+        received,
+    }
+}
+
+fn add_message(per_peer: &mut Vec<(usize, Vec<usize>)>, peer: usize, len: usize) {
+    match per_peer.iter_mut().find(|(p, _)| *p == peer) {
+        Some((_, sizes)) => sizes.push(len),
+        None => per_peer.push((peer, vec![len])),
+    }
+}
+
+/// A fingerprint of a list of message sizes (carried in a group header's root field; never
+/// [`crate::header::NO_ROOT`]).
+pub fn fingerprint(sizes: &[usize]) -> u32 {
+    let h = crate::header::fnv1a32(sizes.iter().flat_map(|s| (*s as u64).to_le_bytes()));
+    if h == crate::header::NO_ROOT {
+        0
+    } else {
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every message fits a slice, the messages of each buffer cover it exactly in order, each
+    /// resolves to the right place (empty buffers move nothing), and sends and receives
+    /// alternate.
+    #[test]
+    fn slices_each_buffer_and_addresses_it() {
+        let sends = [(1, 0x10_0000u64, 10), (2, 0x20_0000, 0), (1, 0x30_0000, 4)];
+        let recvs = [(3, 0x40_0000u64, 9), (1, 0x50_0000, 1)];
+        let g = group_schedule(&sends, &recvs, 4);
+        g.schedule.check(4).expect("a valid schedule");
+        let mut got = Vec::new();
+        for step in &g.schedule.steps {
+            let (peer, region, dir) = match step.action {
+                Action::Send { peer, src } => (peer, src, 's'),
+                Action::RecvCopy { peer, dst } => (peer, dst, 'r'),
+                ref other => panic!("unexpected step {other:?}"),
+            };
+            assert!(region.len <= 4 && region.len > 0);
+            let (at, i) = g.buffers.locate(region.buf, region.offset).unwrap();
+            got.push((dir, peer, at + i as u64, region.len));
+        }
+        assert_eq!(
+            got,
+            vec![
+                ('s', 1, 0x10_0000, 4),
+                ('r', 3, 0x40_0000, 4),
+                ('s', 1, 0x10_0004, 4),
+                ('r', 3, 0x40_0004, 4),
+                ('s', 1, 0x10_0008, 2),
+                ('r', 3, 0x40_0008, 1),
+                ('s', 1, 0x30_0000, 4),
+                ('r', 1, 0x50_0000, 1),
+            ]
+        );
+        assert_eq!(g.schedule.send_peers, vec![1, 2]);
+        assert_eq!(g.schedule.recv_peers, vec![3, 1]);
+        assert_eq!(g.sent, vec![(1, vec![10, 4]), (2, vec![0])]);
+        assert_eq!(g.received, vec![(3, vec![9]), (1, vec![1])]);
+    }
+
+    #[test]
+    fn empty_group_has_no_steps() {
+        let g = group_schedule::<u64>(&[], &[(1, 0x1000, 0)], 1 << 20);
+        assert!(g.schedule.steps.is_empty());
+        assert_eq!(g.schedule.recv_peers, vec![1]);
+    }
+
+    #[test]
+    fn fingerprints_tell_size_lists_apart() {
+        assert_ne!(fingerprint(&[4, 8]), fingerprint(&[8, 4]));
+        assert_ne!(fingerprint(&[]), crate::header::NO_ROOT);
+    }
+}
