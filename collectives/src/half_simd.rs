@@ -21,6 +21,16 @@ pub(crate) enum Half {
     Bf16,
 }
 
+/// Whether the AVX-512 kernels may run (where the CPU has them).
+static WIDE_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Lets the `f16`/`bf16` reductions use AVX-512 where the CPU has it (the default), or keeps
+/// them on the portable kernels (the runtime sets this from `WEFT_NO_AVX512`; this crate reads
+/// no environment).
+pub fn set_wide_kernels(enabled: bool) {
+    WIDE_KERNELS.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::Half;
@@ -30,16 +40,14 @@ mod imp {
 
     const LANES: usize = 16;
 
-    /// The AVX-512 token, detected once per process.
+    /// The AVX-512 token, detected once per process; `None` when the CPU lacks AVX-512 or
+    /// [`super::set_wide_kernels`] turned the kernels off.
     fn v4() -> Option<V4> {
         static V4_TOKEN: OnceLock<Option<V4>> = OnceLock::new();
-        *V4_TOKEN.get_or_init(|| {
-            if std::env::var_os("WEFT_NO_AVX512").is_some() {
-                None
-            } else {
-                V4::try_new()
-            }
-        })
+        if !super::WIDE_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        *V4_TOKEN.get_or_init(V4::try_new)
     }
 
     #[cfg(test)]

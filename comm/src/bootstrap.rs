@@ -40,10 +40,7 @@ impl UniqueId {
             addr: server.local_addr().to_string(),
             token,
         };
-        servers()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), Arc::new(StoreHost::new(server, &id)));
+        lock(servers()).insert(id.clone(), Arc::new(StoreHost::new(server, &id)));
         Ok(id)
     }
 }

@@ -122,6 +122,8 @@ impl Communicator {
         config: CommConfig,
     ) -> Result<Communicator> {
         crate::logging::init();
+        // The pure core reads no environment: the process-wide kernel choice is made here.
+        reduce::set_wide_kernels(std::env::var_os("WEFT_NO_AVX512").is_none());
         if nranks == 0 || rank >= nranks {
             return Err(Error::Config(format!(
                 "rank {rank} is out of range for {nranks} ranks"
@@ -129,10 +131,7 @@ impl Communicator {
         }
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
         let server = if rank == 0 {
-            let existing = servers()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(id);
+            let existing = lock(servers()).remove(id);
             match existing {
                 Some(s) => Some(s),
                 None => {

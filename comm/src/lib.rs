@@ -44,9 +44,4 @@ pub use group::Group;
 pub use handle::Handle;
 pub use tuning::Tuner;
 
-use std::sync::{Mutex, MutexGuard};
-
-/// Locks a mutex, recovering from poisoning (a panic elsewhere must not cascade).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+pub(crate) use weftcc_transports::lock;

@@ -39,6 +39,7 @@ use weftcc_collectives::call::{self, Plan};
 use weftcc_collectives::schedule::p2p;
 use weftcc_collectives::{schedule, Combiner, DataType, Element, OpKind, RawOp, ReduceOp};
 use weftcc_comm::Communicator;
+use weftcc_transports::lock;
 
 /// How a device communicator moves data between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,14 +195,14 @@ struct Shared {
 
 impl Shared {
     fn poison(&self, e: &CudaError) {
-        let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = lock(&self.error);
         if g.is_none() {
             *g = Some(e.clone());
         }
     }
 
     fn check(&self) -> Result<()> {
-        let g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let g = lock(&self.error);
         match &*g {
             Some(e) => Err(CudaError::Poisoned {
                 rank: self.rank,
@@ -379,11 +380,7 @@ impl DeviceComm {
 
     /// The first fatal error, if any.
     pub fn error(&self) -> Option<CudaError> {
-        self.shared
-            .error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.shared.error).clone()
     }
 
     /// Waits for everything enqueued on `stream` (at most the host communicator's timeout) and
@@ -416,7 +413,7 @@ impl DeviceComm {
             self.rank
         )));
         if let Some(ipc) = &self.ipc {
-            let g = ipc.lock().unwrap_or_else(|p| p.into_inner());
+            let g = lock(ipc);
             let _ = g.release_all();
         }
         self.host.abort();
@@ -519,7 +516,7 @@ impl DeviceComm {
         if !matches!(e, CudaError::InvalidArgument { .. }) {
             self.shared.poison(&e);
             if let Some(ipc) = &self.ipc {
-                let g = ipc.lock().unwrap_or_else(|p| p.into_inner());
+                let g = lock(ipc);
                 let _ = g.release_all();
             }
         }
@@ -581,7 +578,7 @@ impl DeviceComm {
     fn ipc_state(&self) -> Result<std::sync::MutexGuard<'_, IpcPeers>> {
         self.ipc
             .as_ref()
-            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+            .map(|m| lock(m))
             .ok_or_else(|| CudaError::Other("IPC transport without IPC state".into()))
     }
 
@@ -700,7 +697,7 @@ impl DeviceComm {
             ready,
             done: done.clone(),
         };
-        let tx = proxy.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = lock(&proxy.tx);
         tx.as_ref()
             .ok_or_else(|| CudaError::Other("proxy thread stopped".into()))?
             .send(job)
@@ -710,7 +707,7 @@ impl DeviceComm {
             // No stream memory operations: complete the operation before returning.
             let (m, cv) = &*done;
             let timeout = self.host.timeout() * 2;
-            let g = m.lock().unwrap_or_else(|p| p.into_inner());
+            let g = lock(m);
             let (g, _) = cv
                 .wait_timeout_while(g, timeout, |r| r.is_none())
                 .unwrap_or_else(|p| p.into_inner());
@@ -811,7 +808,7 @@ fn proxy_loop(
         // communicator; the output of this operation is then garbage).
         release_counter(&flag).store(job.ticket, Ordering::Release);
         let (m, cv) = &*job.done;
-        *m.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        *lock(m) = Some(r);
         cv.notify_all();
     }
 }
@@ -952,7 +949,7 @@ impl Drop for DeviceComm {
         if let Some(mut p) = self.proxy.take() {
             // Close the queue; the thread finishes the queued jobs (each bounded by the
             // timeout) and exits.
-            drop(p.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+            drop(lock(&p.tx).take());
             if let Some(t) = p.thread.take() {
                 let _ = t.join();
             }

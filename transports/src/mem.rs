@@ -7,8 +7,9 @@
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
+use crate::util::lock;
 use crate::util::AlignedBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 struct BellInner {
@@ -54,12 +55,6 @@ impl Doorbell {
         drop(c);
         self.inner.cv.notify_all();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A poisoned lock only means a consume callback panicked on another thread; the ring counters
-    // are updated after the callback returns, so the state is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// [`IdleWaiter`] for in-process connections: sleeps on its rank's [`Doorbell`].

@@ -26,6 +26,7 @@
 //! Counters made with [`StoreClient::add`] are stored as ASCII decimal text.
 
 use crate::error::{Result, TransportError};
+use crate::util::lock;
 use crate::util::Deadline;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
@@ -33,7 +34,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -68,10 +69,6 @@ const CLIENT_MARGIN: Duration = Duration::from_secs(10);
 /// How often idle connection threads look at the shutdown flag (a backstop: shutdown also
 /// shuts their sockets' read side down).
 const IDLE_POLL: Duration = Duration::from_millis(500);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn is_timeout(e: &std::io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
@@ -430,6 +427,33 @@ fn closed_or(status: u8, inner: &Inner) -> Vec<u8> {
     }
 }
 
+/// Waits up to `ms` milliseconds until `ready` answers (checked first, so an answer available
+/// before a shutdown is still given), the store closes, or the time is up.
+fn wait_until(
+    inner: &Inner,
+    ms: u64,
+    ready: impl Fn(&State) -> Option<Vec<u8>>,
+) -> std::result::Result<Vec<u8>, String> {
+    let deadline = Deadline::after(Duration::from_millis(ms));
+    let mut st = lock(&inner.state);
+    loop {
+        if let Some(answer) = ready(&st) {
+            return Ok(answer);
+        }
+        if st.closed {
+            return Ok(vec![ST_CLOSED]);
+        }
+        let left = deadline.remaining();
+        if left.is_zero() {
+            return Ok(closed_or(ST_TIMEOUT, inner));
+        }
+        st = match inner.cv.wait_timeout(st, left) {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        };
+    }
+}
+
 /// Executes one request. `Err` means the request was malformed: the connection gets closed.
 fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>, String> {
     let mut c = Cursor { buf: payload };
@@ -454,29 +478,16 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
             if !c.buf.is_empty() {
                 return Err(bad());
             }
-            let deadline = Deadline::after(Duration::from_millis(ms));
-            let mut st = lock(&inner.state);
-            loop {
-                // A value set before the shutdown is still answered: a rank that publishes an
-                // abort and then exits must not lose it to the store closing.
-                if let Some(v) = st.map.get(key) {
+            // A value set before the shutdown is still answered: a rank that publishes an
+            // abort and then exits must not lose it to the store closing.
+            wait_until(inner, ms, |st| {
+                st.map.get(key).map(|v| {
                     let mut out = Vec::with_capacity(1 + v.len());
                     out.push(ST_OK);
                     out.extend_from_slice(v);
-                    return Ok(out);
-                }
-                if st.closed {
-                    return Ok(vec![ST_CLOSED]);
-                }
-                let left = deadline.remaining();
-                if left.is_zero() {
-                    return Ok(closed_or(ST_TIMEOUT, inner));
-                }
-                st = match inner.cv.wait_timeout(st, left) {
-                    Ok((g, _)) => g,
-                    Err(e) => e.into_inner().0,
-                };
-            }
+                    out
+                })
+            })
         }
         OP_WAIT => {
             let ms = c.u64().ok_or_else(bad)?;
@@ -488,24 +499,11 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
             if !c.buf.is_empty() {
                 return Err(bad());
             }
-            let deadline = Deadline::after(Duration::from_millis(ms));
-            let mut st = lock(&inner.state);
-            loop {
-                if keys.iter().all(|k| st.map.contains_key(*k)) {
-                    return Ok(vec![ST_OK]);
-                }
-                if st.closed {
-                    return Ok(vec![ST_CLOSED]);
-                }
-                let left = deadline.remaining();
-                if left.is_zero() {
-                    return Ok(closed_or(ST_TIMEOUT, inner));
-                }
-                st = match inner.cv.wait_timeout(st, left) {
-                    Ok((g, _)) => g,
-                    Err(e) => e.into_inner().0,
-                };
-            }
+            wait_until(inner, ms, |st| {
+                keys.iter()
+                    .all(|k| st.map.contains_key(*k))
+                    .then(|| vec![ST_OK])
+            })
         }
         OP_ADD => {
             let delta = c.u64().ok_or_else(bad)? as i64;

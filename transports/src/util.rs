@@ -16,6 +16,13 @@ pub fn fnv1a64(data: &[u8]) -> u64 {
     h
 }
 
+/// Locks a mutex, recovering from poisoning: a panic on another thread must not cascade into
+/// every thread that touches the same state (weftcc's state stays consistent across a panic:
+/// counters are updated after the work they count). The one such helper of every weftcc crate.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A byte size that [`parse_size`] does not understand.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid size {0:?} (expected a number of bytes with an optional K, M, G or T suffix: 4194304, 512K, 4MiB, 1.5M)")]
