@@ -282,7 +282,7 @@ mod tests {
         let g = RawOp::new(OpKind::AllGather, DataType::Float32, 4);
         assert_eq!(
             g.plan(1, 3, None, 44).unwrap_err().to_string(),
-            "buffer has 44 bytes, expected 48 (12 elements of float32, a multiple of 3 ranks)"
+            "buffer has 44 bytes, expected 48 (12 elements of float, a multiple of 3 ranks)"
         );
     }
 
