@@ -4,7 +4,7 @@
 use crate::communicator::{Communicator, Inner, State};
 use crate::engine::{Area, Prepared};
 use crate::error::Result;
-use weftcc_collectives::call::{self};
+use weftcc_collectives::call;
 use weftcc_collectives::header::OpDesc;
 use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::schedule::p2p;

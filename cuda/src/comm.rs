@@ -626,7 +626,7 @@ impl DeviceComm {
         ipc.after_previous(stream)?;
         // PreMulSum: scale this rank's input once, into a buffer of our own.
         if let ReduceOp::PreMulSum(factor) = call.op {
-            if has_reduction(call.kind) {
+            if call.has_reduction() {
                 let elems = plan.input_len / es;
                 let scaled = ipc.prescale_buffer(plan.input_len)?;
                 kernels.scale(call.dtype, scaled, input, factor, elems, stream.as_raw())?;
@@ -656,7 +656,7 @@ impl DeviceComm {
             stream,
         )?;
         // Avg: divide the reduced result once.
-        if call.op == ReduceOp::Avg && has_reduction(call.kind) {
+        if call.op == ReduceOp::Avg && call.has_reduction() {
             let out_elems = match call.kind {
                 OpKind::Reduce if call.root != r => 0,
                 _ => count,
@@ -718,13 +718,6 @@ impl DeviceComm {
         }
         Ok(())
     }
-}
-
-fn has_reduction(k: OpKind) -> bool {
-    matches!(
-        k,
-        OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
-    )
 }
 
 /// Checks that a GPU with PCI bus id `bus` can be reached from `ctx`'s GPU by peer access.
