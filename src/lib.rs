@@ -18,6 +18,8 @@
 //! trait, shared memory, TCP, bootstrap store), [`topology`] and [`cuda`] (device buffers, NVRTC
 //! kernels and CUDA IPC; builds and runs without CUDA).
 
+#![forbid(unsafe_code)]
+
 pub use weftcc_collectives as collectives;
 pub use weftcc_collectives::{
     Algorithm, CallError, Combiner, DataType, Element, OpDesc, OpKind, RawOp, ReduceOp, HEADER_LEN,

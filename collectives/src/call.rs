@@ -90,6 +90,26 @@ impl RawOp {
         }
     }
 
+    /// This call as rank `rank` of `nranks` runs it, for [`crate::schedule::select`]: messages
+    /// of at most `slice_elems` elements, `in_place` when input and output are one buffer.
+    pub fn collective(
+        &self,
+        rank: usize,
+        nranks: usize,
+        slice_elems: usize,
+        in_place: bool,
+    ) -> crate::schedule::Collective {
+        crate::schedule::Collective {
+            kind: self.kind,
+            rank,
+            nranks,
+            root: self.root,
+            count: self.count,
+            slice_elems,
+            in_place,
+        }
+    }
+
     /// Sets the reduction.
     pub fn with_op(mut self, op: ReduceOp) -> Self {
         self.op = op;

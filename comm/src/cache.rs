@@ -8,8 +8,7 @@ use crate::error::{Error, Result};
 use std::hash::Hasher;
 use std::sync::Arc;
 use weftcc_collectives::call::{self, RawOp};
-use weftcc_collectives::schedule::hierarchical::{self};
-use weftcc_collectives::schedule::{self, tree};
+use weftcc_collectives::schedule::{self, Collective};
 use weftcc_collectives::{Algorithm, DataType, OpKind};
 
 impl Inner {
@@ -62,43 +61,27 @@ impl Inner {
         if let Some(prepared) = st.schedules.get(&key) {
             return Ok(Arc::clone(prepared));
         }
-        let sched = match (call.kind, choice) {
-            (OpKind::AllReduce, Algorithm::Rd) => {
-                schedule::recursive_doubling_all_reduce(r, n, count, slice)
-            }
-            (OpKind::AllReduce, Algorithm::Tree) => tree::tree_all_reduce(r, n, count, slice),
-            (OpKind::AllReduce, Algorithm::Hier) => {
-                hierarchical::hierarchical_all_reduce(r, self.tuner.layout(), count, slice)
-            }
-            (OpKind::AllReduce, _) => schedule::ring_all_reduce(r, n, count, slice),
-            (OpKind::Reduce, Algorithm::Tree) => tree::tree_reduce(r, n, call.root, count, slice),
-            (OpKind::Reduce, _) => schedule::chain_reduce(r, n, call.root, count, slice),
-            (OpKind::Broadcast, Algorithm::Tree) => {
-                tree::tree_broadcast(r, n, call.root, count, slice)
-            }
-            (OpKind::Broadcast, _) => schedule::chain_broadcast(r, n, call.root, count, slice),
-            (OpKind::AllGather, Algorithm::Rd) if n.is_power_of_two() => {
-                schedule::recursive_doubling_all_gather(r, n, count, slice)
-            }
-            (OpKind::AllGather, _) => schedule::ring_all_gather(r, n, count, slice),
-            (OpKind::ReduceScatter, Algorithm::Rd) if n.is_power_of_two() => {
-                schedule::recursive_halving_reduce_scatter(r, n, count, slice)
-            }
-            (OpKind::ReduceScatter, _) => schedule::ring_reduce_scatter(r, n, count, slice),
-            (OpKind::AllToAll, _) => {
-                schedule::pairwise_all_to_all(r, n, count, slice, shape.in_place)
-            }
-            (OpKind::Barrier, _) => schedule::dissemination_barrier(r, n),
-            (OpKind::SendRecv, _) => {
-                return Err(self.invalid(call.kind, call::CallError::PointToPointAsCollective))
-            }
+        if call.kind == OpKind::SendRecv {
+            return Err(self.invalid(call.kind, call::CallError::PointToPointAsCollective));
         }
-        .map_err(|e| Error::Internal {
+        let collective = Collective {
+            kind: call.kind,
             rank: r,
-            op: call.kind,
-            seq,
-            reason: e.to_string(),
-        })?;
+            nranks: n,
+            root: call.root,
+            count,
+            slice_elems: slice,
+            in_place: shape.in_place,
+        };
+        let sched =
+            schedule::select(&collective, choice, Some(self.tuner.layout())).map_err(|e| {
+                Error::Internal {
+                    rank: r,
+                    op: call.kind,
+                    seq,
+                    reason: e.to_string(),
+                }
+            })?;
         if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
             st.schedules.clear();
         }

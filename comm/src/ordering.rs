@@ -174,3 +174,224 @@ mod tests {
         }
     }
 }
+
+/// The ticket protocol under every interleaving: threads issue calls through `run_blocking`
+/// (its ticket-free fast path when nobody holds or waits for a ticket) or with a ticket of their
+/// own (`take_ticket`, `wait_turn`, `end_turn`), and each step below mirrors one atomic action
+/// of that code, the turn lock and its condition variable included (waits without the 50 ms
+/// timeout, so a missed wake-up shows as a stuck state instead of a delay). The checks: a
+/// ticket's call runs only on its turn, in ticket order, and nobody waits forever.
+#[cfg(test)]
+mod model {
+    use weftcc_transports::model::{explore, Model, Violation};
+
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+    enum Pc {
+        /// `run_blocking`: `next_ticket` is read next (then `now`, for the fast path).
+        Blocking,
+        FastNow {
+            next: u64,
+        },
+        /// `take_ticket` next.
+        Take,
+        /// `wait_turn`'s lock-free check.
+        Check(u64),
+        /// `wait_turn_slow`: lock, `waiters += 1`, the loop, `waiters -= 1`, unlock.
+        SlowLock(u64),
+        SlowCount(u64),
+        SlowLook(u64),
+        /// In `Condvar::wait` (the turn lock released) until notified.
+        Parked(u64),
+        Relock(u64),
+        SlowUncount(u64),
+        SlowUnlock(u64),
+        /// The call itself, under the state lock (`None`: the fast path, no ticket).
+        Call(Option<u64>),
+        Return(Option<u64>),
+        /// `end_turn`: store `now`, read `waiters`, then `wake_all` (lock, unlock, notify).
+        Store(u64),
+        LookWaiters,
+        WakeLock,
+        WakeUnlock,
+        Notify,
+        Done,
+    }
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct Tickets {
+        now: u64,
+        next_ticket: u64,
+        waiters: u64,
+        /// Owners of the turn lock and of the communicator's state lock.
+        turn_lock: Option<usize>,
+        state_lock: Option<usize>,
+        /// Ticketed calls completed, in order.
+        ran: u64,
+        pcs: Vec<Pc>,
+        broken: Option<&'static str>,
+    }
+
+    impl Tickets {
+        fn new(pcs: Vec<Pc>) -> Self {
+            Tickets {
+                now: 0,
+                next_ticket: 0,
+                waiters: 0,
+                turn_lock: None,
+                state_lock: None,
+                ran: 0,
+                pcs,
+                broken: None,
+            }
+        }
+    }
+
+    impl Model for Tickets {
+        fn threads(&self) -> usize {
+            self.pcs.len()
+        }
+
+        fn steps(&self, t: usize) -> Vec<Self> {
+            let mut s = self.clone();
+            let free = |lock: Option<usize>| lock.is_none();
+            s.pcs[t] = match self.pcs[t] {
+                Pc::Done | Pc::Parked(_) => return Vec::new(),
+                Pc::Blocking => Pc::FastNow {
+                    next: s.next_ticket,
+                },
+                Pc::FastNow { next } if next == s.now => Pc::Call(None),
+                Pc::FastNow { .. } => Pc::Take,
+                Pc::Take => {
+                    s.next_ticket += 1;
+                    Pc::Check(s.next_ticket - 1)
+                }
+                Pc::Check(k) if s.now == k => Pc::Call(Some(k)),
+                Pc::Check(k) => Pc::SlowLock(k),
+                Pc::SlowLock(_) | Pc::Relock(_) if !free(s.turn_lock) => return Vec::new(),
+                Pc::SlowLock(k) => {
+                    s.turn_lock = Some(t);
+                    Pc::SlowCount(k)
+                }
+                Pc::SlowCount(k) => {
+                    s.waiters += 1;
+                    Pc::SlowLook(k)
+                }
+                Pc::SlowLook(k) if s.now == k => Pc::SlowUncount(k),
+                Pc::SlowLook(k) => {
+                    s.turn_lock = None;
+                    Pc::Parked(k)
+                }
+                Pc::Relock(k) => {
+                    s.turn_lock = Some(t);
+                    Pc::SlowLook(k)
+                }
+                Pc::SlowUncount(k) => {
+                    s.waiters -= 1;
+                    Pc::SlowUnlock(k)
+                }
+                Pc::SlowUnlock(k) => {
+                    s.turn_lock = None;
+                    Pc::Call(Some(k))
+                }
+                Pc::Call(_) if !free(s.state_lock) => return Vec::new(),
+                Pc::Call(ticket) => {
+                    s.state_lock = Some(t);
+                    if let Some(k) = ticket {
+                        if s.now != k || s.ran != k {
+                            s.broken = Some("a ticket's call ran out of its turn");
+                        }
+                    }
+                    Pc::Return(ticket)
+                }
+                Pc::Return(ticket) => {
+                    s.state_lock = None;
+                    match ticket {
+                        Some(k) => {
+                            s.ran += 1;
+                            Pc::Store(k)
+                        }
+                        None => Pc::Done,
+                    }
+                }
+                Pc::Store(k) => {
+                    s.now = k + 1;
+                    Pc::LookWaiters
+                }
+                Pc::LookWaiters if s.waiters > 0 => Pc::WakeLock,
+                Pc::LookWaiters => Pc::Done,
+                Pc::WakeLock if !free(s.turn_lock) => return Vec::new(),
+                Pc::WakeLock => {
+                    s.turn_lock = Some(t);
+                    Pc::WakeUnlock
+                }
+                Pc::WakeUnlock => {
+                    s.turn_lock = None;
+                    Pc::Notify
+                }
+                Pc::Notify => {
+                    for pc in &mut s.pcs {
+                        if let Pc::Parked(k) = *pc {
+                            *pc = Pc::Relock(k);
+                        }
+                    }
+                    Pc::Done
+                }
+            };
+            vec![s]
+        }
+
+        fn finished(&self) -> bool {
+            self.pcs.iter().all(|&pc| pc == Pc::Done)
+        }
+
+        fn check(&self) -> Result<(), &'static str> {
+            self.broken.map_or(Ok(()), Err)
+        }
+    }
+
+    #[test]
+    fn tickets_run_in_order_and_nobody_sleeps_through_a_turn() {
+        for pcs in [
+            vec![Pc::Take, Pc::Take, Pc::Take],
+            vec![Pc::Blocking, Pc::Take, Pc::Take],
+            vec![Pc::Blocking, Pc::Blocking, Pc::Take],
+            vec![Pc::Blocking, Pc::Take, Pc::Take, Pc::Blocking],
+        ] {
+            let explored = explore(Tickets::new(pcs), 5_000_000).unwrap_or_else(|v| panic!("{v}"));
+            assert!(explored.states > 100, "{explored:?}");
+        }
+    }
+
+    #[test]
+    fn a_turn_passed_on_without_waking_is_found() {
+        // `end_turn` that skips the wake-up although somebody waits: a parked ticket never runs.
+        #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+        struct NoWake(Tickets);
+        impl Model for NoWake {
+            fn threads(&self) -> usize {
+                self.0.threads()
+            }
+            fn steps(&self, t: usize) -> Vec<Self> {
+                let skip = self.0.pcs[t] == Pc::LookWaiters;
+                self.0
+                    .steps(t)
+                    .into_iter()
+                    .map(|mut s| {
+                        if skip {
+                            s.pcs[t] = Pc::Done;
+                        }
+                        NoWake(s)
+                    })
+                    .collect()
+            }
+            fn finished(&self) -> bool {
+                self.0.finished()
+            }
+            fn check(&self) -> Result<(), &'static str> {
+                self.0.check()
+            }
+        }
+        let result = explore(NoWake(Tickets::new(vec![Pc::Take, Pc::Take])), 1_000_000);
+        assert!(matches!(result, Err(Violation::Stuck { .. })), "{result:?}");
+    }
+}

@@ -37,7 +37,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan};
 use weftcc_collectives::schedule::p2p;
-use weftcc_collectives::{schedule, Combiner, DataType, Element, OpKind, RawOp, ReduceOp};
+use weftcc_collectives::{
+    schedule, Algorithm, Combiner, DataType, Element, OpKind, RawOp, ReduceOp,
+};
 use weftcc_comm::Communicator;
 use weftcc_transports::lock;
 
@@ -633,21 +635,19 @@ impl DeviceComm {
                 input = scaled;
             }
         }
-        let sched = match call.kind {
-            OpKind::AllReduce if count.saturating_mul(es) <= self.rd_max => {
-                schedule::recursive_doubling_all_reduce(r, n, count, slice)
-            }
-            OpKind::AllReduce => schedule::ring_all_reduce(r, n, count, slice),
-            OpKind::Reduce => schedule::chain_reduce(r, n, call.root, count, slice),
-            OpKind::Broadcast => schedule::chain_broadcast(r, n, call.root, count, slice),
-            OpKind::AllGather => schedule::ring_all_gather(r, n, count, slice),
-            OpKind::ReduceScatter => schedule::ring_reduce_scatter(r, n, count, slice),
-            OpKind::AllToAll => schedule::pairwise_all_to_all(r, n, count, slice, in_place),
-            OpKind::Barrier | OpKind::SendRecv => {
-                return Err(self.invalid(call.kind, DeviceArgError::NotDeviceCollective))
-            }
+        if matches!(call.kind, OpKind::Barrier | OpKind::SendRecv) {
+            return Err(self.invalid(call.kind, DeviceArgError::NotDeviceCollective));
         }
-        .map_err(|e| self.invalid(call.kind, e))?;
+        // Recursive doubling for small all-reduces, the ring and chain schedules otherwise.
+        let algorithm = if call.kind == OpKind::AllReduce && count.saturating_mul(es) <= self.rd_max
+        {
+            Algorithm::Rd
+        } else {
+            Algorithm::Ring
+        };
+        let collective = call.collective(r, n, slice, in_place);
+        let sched = schedule::select(&collective, algorithm, None)
+            .map_err(|e| self.invalid(call.kind, e))?;
         ipc.enqueue(
             &sched,
             call.dtype,

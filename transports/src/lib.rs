@@ -15,13 +15,19 @@
 //! shared-memory tuning knobs (`WEFT_SHM_CMA*`, `WEFT_SHM_LL_MAX`). The runtime reads the rest
 //! of the configuration ([`MeshConfig`]) and passes it in.
 //!
-//! `unsafe` in this crate is confined to shared-memory mapping, atomics in shared memory and
-//! futex/pidfd system calls; each block carries a `// SAFETY:` comment.
+//! * [`process`]: termination signals and worker pre-exec setup for launchers (`weft run`).
+//!
+//! `unsafe` in this crate is confined to shared-memory mapping, atomics in shared memory,
+//! futex/pidfd system calls and the launcher's signal handler and pre-exec hook ([`process`]);
+//! each block carries a `// SAFETY:` comment.
 
 pub mod conn;
 pub mod error;
 pub mod mem;
 pub mod mesh;
+pub mod model;
+pub mod process;
+pub mod ring;
 pub mod shm;
 pub mod store;
 pub mod tcp;

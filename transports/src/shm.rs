@@ -87,6 +87,7 @@
 
 use crate::conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 use crate::error::{Result, TransportError};
+use crate::ring::{RecvCursor, SendCursor};
 use crate::util::{env_nonempty, fnv1a64, futex_wait, futex_wake, parse_size, ProcessWatch};
 use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
@@ -667,12 +668,11 @@ impl ShmSegment {
             remote,
             rx,
             tx,
-            rx_tail,
-            rx_head_seen: rx_tail,
-            rx_stopped_short: false,
-            rx_tail_published: rx_tail,
-            tx_head,
-            tx_tail_seen,
+            recv: RecvCursor::at(rx_tail),
+            send: SendCursor {
+                head: tx_head,
+                tail_seen: tx_tail_seen,
+            },
             watch,
             peer_dead: false,
             peer_pid,
@@ -752,19 +752,10 @@ pub struct ShmConnection {
     /// Offset of the incoming ring (in `own`) and the outgoing ring (in `remote`).
     rx: usize,
     tx: usize,
-    rx_tail: u64,
-    /// The sender's head as last read (a lower bound of the real one): re-read only when the
-    /// bytes it announced are used up, so that while the sender is ahead the line it keeps
-    /// writing does not have to travel for every read.
-    rx_head_seen: u64,
-    /// The last read's consumer took less than it was offered (e.g. the start of an element
-    /// whose rest is still to come): the next read looks at the head again.
-    rx_stopped_short: bool,
-    /// The tail as last published to the sender (see [`ShmConnection::consumed`]).
-    rx_tail_published: u64,
-    tx_head: u64,
-    /// The receiver's tail as last read (a lower bound of the real one).
-    tx_tail_seen: u64,
+    /// The incoming ring's counters (this side is its receiver).
+    recv: RecvCursor,
+    /// The outgoing ring's counters (this side is its sender).
+    send: SendCursor,
     watch: ProcessWatch,
     peer_dead: bool,
     peer_pid: i32,
@@ -853,7 +844,7 @@ impl ShmConnection {
         self.stage_start == self.stage_end
             && self.ll_start == self.ll_end
             && self.front_ref().is_none()
-            && self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire) == self.rx_tail
+            && self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire) == self.recv.tail
             && self.ll_front().ok().flatten().is_none_or(|l| !l.complete)
     }
 
@@ -867,7 +858,7 @@ impl ShmConnection {
         // Whole words at a word boundary only (module docs).
         if data.is_empty()
             || data.len() > self.ll_max
-            || !(data.len() | self.tx_head as usize).is_multiple_of(8)
+            || !(data.len() | self.send.head as usize).is_multiple_of(8)
         {
             return false;
         }
@@ -897,7 +888,7 @@ impl ShmConnection {
                 );
             }
             if line == 0 {
-                let meta = u64::from(self.tx_head as u32) | ((data.len() as u64) << 32);
+                let meta = u64::from(self.send.head as u32) | ((data.len() as u64) << 32);
                 r.u64_at(at + LL_FIRST_DATA).store(meta, Ordering::Relaxed);
             }
             r.u64_at(at + LL_FLAG).store(flag, Ordering::Release);
@@ -925,12 +916,12 @@ impl ShmConnection {
         }
         let meta = m.u64_at(slot + LL_FIRST_DATA).load(Ordering::Relaxed);
         let len = (meta >> 32) as usize;
-        let ahead = u64::from((meta as u32).wrapping_sub(self.rx_tail as u32));
+        let ahead = u64::from((meta as u32).wrapping_sub(self.recv.tail as u32));
         if len == 0 || len > LL_MAX || ahead > m.layout.capacity as u64 {
             return Err(self.corrupt("low-latency message with a bad length or position"));
         }
         Ok(Some(LlFront {
-            ring_pos: self.rx_tail.wrapping_add(ahead),
+            ring_pos: self.recv.tail.wrapping_add(ahead),
             len,
             complete: flags[..ll_lines(len)].iter().all(|&f| f == want),
         }))
@@ -962,32 +953,21 @@ impl ShmConnection {
             .store(self.rx_ll, Ordering::Release);
     }
 
-    /// Advances the tail past the `used` of `offered` ring bytes. The tail is published to the
-    /// sender (a store to a line it reads, and its doorbell) only when it may matter: every known
-    /// byte is consumed (the sender may be waiting for space), the reader stopped short (took
-    /// less than offered: it may not come back soon), or an eighth of the ring is waiting to be
-    /// released. While the sender is ahead, small reads then cost no store and no locked
-    /// instruction each.
+    /// Advances the tail past the `used` of `offered` ring bytes, publishing it when the rule
+    /// says so ([`RecvCursor::consumed`]).
     fn consumed(&mut self, used: usize, offered: usize) {
-        self.rx_stopped_short = used < offered;
-        self.rx_tail = self.rx_tail.wrapping_add(used as u64);
-        let unpublished = self.rx_tail.wrapping_sub(self.rx_tail_published);
-        if unpublished > 0
-            && (self.rx_stopped_short
-                || self.rx_tail == self.rx_head_seen
-                || unpublished >= (self.own.layout.capacity / 8) as u64)
-        {
+        let release_every = RecvCursor::release_every(self.own.layout.capacity);
+        if self.recv.consumed(used, offered, release_every) {
             self.publish_tail();
         }
     }
 
     /// Tells the sender how far this side has consumed the ring, if it does not know yet.
     fn publish_tail(&mut self) {
-        if self.rx_tail_published != self.rx_tail {
-            self.rx_tail_published = self.rx_tail;
+        if let Some(tail) = self.recv.publish() {
             self.own
                 .u64_at(self.rx + R_TAIL)
-                .store(self.rx_tail, Ordering::Release);
+                .store(tail, Ordering::Release);
             self.remote.ring_doorbell();
         }
     }
@@ -1031,7 +1011,7 @@ impl ShmConnection {
         // follow through the ring.
         let len = data.len() & !7;
         if len < min
-            || !self.tx_head.is_multiple_of(8)
+            || !self.send.head.is_multiple_of(8)
             || r.u32_at(self.tx + R_CMA_OK).load(Ordering::Acquire) == 0
         {
             return None;
@@ -1041,7 +1021,7 @@ impl ShmConnection {
             return None;
         }
         let slot = self.tx + R_REFS + (self.tx_refs % REF_SLOTS) as usize * REF_SLOT_BYTES;
-        r.u64_at(slot).store(self.tx_head, Ordering::Relaxed);
+        r.u64_at(slot).store(self.send.head, Ordering::Relaxed);
         r.u64_at(slot + 8)
             .store(data.as_ptr() as u64, Ordering::Relaxed);
         r.u64_at(slot + 16).store(len as u64, Ordering::Relaxed);
@@ -1082,8 +1062,10 @@ impl ShmConnection {
 
     fn at_tail(&self, front: Option<InRef>) -> Result<Option<InRef>> {
         match front {
-            Some(f) if f.ring_pos == self.rx_tail => Ok(Some(f)),
-            Some(f) if f.ring_pos.wrapping_sub(self.rx_tail) > self.own.layout.capacity as u64 => {
+            Some(f) if f.ring_pos == self.recv.tail => Ok(Some(f)),
+            Some(f)
+                if f.ring_pos.wrapping_sub(self.recv.tail) > self.own.layout.capacity as u64 =>
+            {
                 Err(self.corrupt("reference outside the ring"))
             }
             _ => Ok(None),
@@ -1215,19 +1197,15 @@ impl Connection for ShmConnection {
         let cap = r.layout.capacity;
         // The receiver's tail only grows: re-read it (a cache line the receiver keeps writing)
         // only when the space known from the last read is not enough.
-        let mut used = self.tx_head.wrapping_sub(self.tx_tail_seen);
-        if (cap as u64).saturating_sub(used) < data.len() as u64 {
-            self.tx_tail_seen = r.u64_at(self.tx + R_TAIL).load(Ordering::Acquire);
-            used = self.tx_head.wrapping_sub(self.tx_tail_seen);
+        if self.send.needs_tail(data.len(), cap) {
+            self.send.tail_seen = r.u64_at(self.tx + R_TAIL).load(Ordering::Acquire);
         }
-        if used > cap as u64 {
+        let Ok((n, off)) = self.send.writable(data.len(), cap) else {
             return Err(self.corrupt("tail ahead of head"));
-        }
-        let n = data.len().min(cap - used as usize);
+        };
         if n == 0 {
             return Ok(0);
         }
-        let off = (self.tx_head & (cap as u64 - 1)) as usize;
         let first = n.min(cap - off);
         let base = self.tx + r.layout.ctrl_size;
         // SAFETY: [base, base + cap) is the data area of our outgoing ring inside the validated
@@ -1239,9 +1217,8 @@ impl Connection for ShmConnection {
             std::ptr::copy_nonoverlapping(data.as_ptr(), dst.add(off), first);
             std::ptr::copy_nonoverlapping(data.as_ptr().add(first), dst, n - first);
         }
-        self.tx_head = self.tx_head.wrapping_add(n as u64);
-        r.u64_at(self.tx + R_HEAD)
-            .store(self.tx_head, Ordering::Release);
+        let head = self.send.wrote(n);
+        r.u64_at(self.tx + R_HEAD).store(head, Ordering::Release);
         r.ring_doorbell();
         Ok(n)
     }
@@ -1278,17 +1255,17 @@ impl Connection for ShmConnection {
         // references and slots, which is all the rule needs.
         let front = self.front_ref();
         let mut closed = false;
-        if self.rx_head_seen == self.rx_tail || self.rx_stopped_short {
+        if self.recv.needs_head() {
             closed = self
                 .own
                 .u32_at(self.rx + R_SENDER_CLOSED)
                 .load(Ordering::Acquire)
                 != 0;
-            self.rx_head_seen = self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
+            self.recv.head_seen = self.own.u64_at(self.rx + R_HEAD).load(Ordering::Acquire);
         }
-        let mut head = self.rx_head_seen;
+        let mut head = self.recv.head_seen;
         let ll = self.ll_front()?;
-        if let Some(l) = ll.filter(|l| l.ring_pos == self.rx_tail) {
+        if let Some(l) = ll.filter(|l| l.ring_pos == self.recv.tail) {
             // Before a reference at the same position: that one stopped the sender.
             if max == 0 || !l.complete {
                 return Ok(0);
@@ -1307,16 +1284,15 @@ impl Connection for ShmConnection {
             .into_iter()
             .flatten()
         {
-            if pos.wrapping_sub(self.rx_tail) < head.wrapping_sub(self.rx_tail) {
+            if pos.wrapping_sub(self.recv.tail) < head.wrapping_sub(self.recv.tail) {
                 head = pos;
             }
         }
         let m = &*self.own;
         let cap = m.layout.capacity;
-        let avail = head.wrapping_sub(self.rx_tail);
-        if avail > cap as u64 {
+        let Ok((avail, off)) = self.recv.readable(head, cap) else {
             return Err(self.corrupt("head beyond capacity"));
-        }
+        };
         if avail == 0 {
             // Starved (or waiting behind a message or reference): the sender may be waiting for
             // the space this side has consumed.
@@ -1331,7 +1307,6 @@ impl Connection for ShmConnection {
             self.publish_tail();
             return Ok(0);
         }
-        let off = (self.rx_tail & (cap as u64 - 1)) as usize;
         let n = (avail as usize).min(cap - off).min(max);
         let base = self.rx + m.layout.ctrl_size + off;
         // SAFETY: [base, base + n) lies inside the incoming ring's data area of our own mapping
@@ -1349,7 +1324,9 @@ impl Connection for ShmConnection {
         if self.stage_start == self.stage_end && self.ll_start == self.ll_end && !dst.is_empty() {
             if let Some(f) = self.ref_at_tail()? {
                 // A low-latency message at the same position was written before it.
-                let ll_first = self.ll_front()?.is_some_and(|l| l.ring_pos == self.rx_tail);
+                let ll_first = self
+                    .ll_front()?
+                    .is_some_and(|l| l.ring_pos == self.recv.tail);
                 if !ll_first {
                     return self.copy_ref(f, dst);
                 }

@@ -17,10 +17,8 @@
 //! cross-host step waits for the reduce-scatter steps that wrote its piece, and every all-gather
 //! step touching this rank's chunk waits for the cross-host steps that wrote it.
 
-use crate::schedule::{
-    check_rank, even_chunk, ring_all_reduce, slices, Action, BufId, Region, Schedule,
-    ScheduleError, Step, StepId,
-};
+use super::build::{check_rank, even_chunk, slices};
+use super::{ring_all_reduce, Action, BufId, Region, Schedule, ScheduleError, Step, StepId};
 
 /// Which host each rank is on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -185,7 +183,7 @@ pub fn hierarchical_all_reduce(
                     let (o, l) = even_chunk(c, count, m);
                     slices(o, l, slice_elems).count()
                 };
-                len(crate::schedule::before(i, s, m)) + len(crate::schedule::before(i, s + 1, m))
+                len(super::build::before(i, s, m)) + len(super::build::before(i, s + 1, m))
             })
             .sum()
     }

@@ -13,10 +13,8 @@
 //! Like the other builders, these compute one rank's steps from (rank, nranks, root, count,
 //! slice) alone and perform no I/O (see [`crate::schedule`] for the execution rules).
 
-use crate::schedule::{
-    check_rank, check_root, even_chunk, slices, BufId, Builder, Region, Schedule, ScheduleError,
-    StepId,
-};
+use super::build::{check_rank, check_root, even_chunk, slices, Builder};
+use super::{BufId, Region, Schedule, ScheduleError, StepId};
 
 /// How ranks are placed on the positions of a heap-shaped tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +28,7 @@ pub enum Labeling {
 impl Labeling {
     fn pos(self, rank: usize, n: usize) -> usize {
         match self {
-            Labeling::Rotated { root } => crate::schedule::before(rank, root, n),
+            Labeling::Rotated { root } => super::build::before(rank, root, n),
             Labeling::Reversed => n - 1 - rank,
         }
     }
@@ -121,14 +119,10 @@ pub fn tree_all_reduce(
 ) -> Result<Schedule, ScheduleError> {
     check_rank(rank, nranks)?;
     let n = nranks;
-    let mut b = Builder::default();
     if n == 1 {
-        b.copy(
-            Region::new(BufId::Input, 0, count),
-            Region::new(BufId::Output, 0, count),
-        );
-        return Ok(b.finish(Vec::new(), Vec::new(), 0));
+        return Ok(Builder::single_rank(count));
     }
+    let mut b = Builder::default();
     let trees = double_tree_nodes(rank, n);
     let parts: [Vec<(usize, usize)>; 2] = [0, 1].map(|t| {
         let (o, l) = even_chunk(t, count, 2);

@@ -6,6 +6,8 @@
 //! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives (`--plot` draws them,
 //!   `--baseline` overlays a peer's curve converted by `weft baseline-json`).
 
+#![forbid(unsafe_code)]
+
 mod perf;
 mod run;
 mod topo;

@@ -15,12 +15,14 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
+use weftcc_transports::process::{
+    catch_termination_signals, launch_as_worker, take_pending_signal,
+};
 
 /// How long stopped workers get between SIGTERM and SIGKILL.
 const GRACE: Duration = Duration::from_secs(3);
@@ -206,24 +208,9 @@ enum Outcome {
     Fatal(i32),
 }
 
-/// The signal the launcher received last (0: none), set by the signal handler.
-static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    PENDING_SIGNAL.store(sig, Ordering::SeqCst);
-}
-
 fn install_signal_handlers() {
-    let action = SigAction::new(
-        SigHandler::Handler(on_signal),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
-        if let Err(e) = unsafe { signal::sigaction(sig, &action) } {
-            eprintln!("weft run: cannot install a handler for {sig}: {e}");
-        }
+    for (sig, e) in catch_termination_signals() {
+        eprintln!("weft run: cannot install a handler for {sig}: {e}");
     }
 }
 
@@ -464,15 +451,6 @@ impl Launch {
         done: &mpsc::Sender<()>,
     ) -> io::Result<Worker> {
         let rank = self.node_rank * self.nproc_per_node + local;
-        // Built before the fork: the child only makes the system call.
-        let cpu_set = match cpu {
-            Some(c) => {
-                let mut set = nix::sched::CpuSet::new();
-                set.set(c).map_err(io::Error::from)?;
-                Some(set)
-            }
-            None => None,
-        };
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
             .envs(self.worker_env(local, attempt, port, token))
@@ -483,24 +461,7 @@ impl Launch {
         if self.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        let parent = std::process::id();
-        // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
-        // functions (prctl, getppid, _exit, and sched_setaffinity on a set built before the
-        // fork).
-        unsafe {
-            cmd.pre_exec(move || {
-                // Die with the launcher, even when it is SIGKILLed.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
-                if libc::getppid() as u32 != parent {
-                    libc::_exit(1);
-                }
-                // Before exec, so every thread the worker starts inherits the binding.
-                if let Some(set) = &cpu_set {
-                    nix::sched::sched_setaffinity(Pid::from_raw(0), set)?;
-                }
-                Ok(())
-            });
-        }
+        launch_as_worker(&mut cmd, cpu)?;
         let mut child = cmd.spawn()?;
         if self.prefix {
             let prefix = format!("[{rank}]: ");
@@ -521,8 +482,7 @@ impl Launch {
     }
 
     fn run_attempt(&self, attempt: u32) -> Outcome {
-        let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-        if sig != 0 {
+        if let Some(sig) = take_pending_signal() {
             eprintln!(
                 "{}: received {}; not starting workers",
                 self.label,
@@ -597,8 +557,7 @@ impl Launch {
     /// Waits for the workers; on the first failure or a signal to the launcher, stops the rest.
     fn watch(&self, workers: &mut [Worker]) -> Outcome {
         loop {
-            let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-            if sig != 0 {
+            if let Some(sig) = take_pending_signal() {
                 let running = workers.iter().filter(|w| w.status.is_none()).count();
                 eprintln!(
                     "{}: received {}; forwarding it to {}",
@@ -654,7 +613,7 @@ impl Launch {
             if running == 0 {
                 return;
             }
-            let again = PENDING_SIGNAL.swap(0, Ordering::SeqCst) != 0;
+            let again = take_pending_signal().is_some();
             if again || Instant::now() >= deadline {
                 if killed {
                     if Instant::now() >= deadline {

@@ -1,0 +1,183 @@
+//! What every schedule builder shares: argument checks, ring arithmetic, slicing, and the
+//! [`Builder`] that accumulates steps.
+
+use super::{Action, BufId, Region, Schedule, ScheduleError, Step, StepId, MAX_RANKS};
+
+pub(crate) fn check_rank(rank: usize, nranks: usize) -> Result<(), ScheduleError> {
+    if nranks == 0 {
+        Err(ScheduleError::NoRanks)
+    } else if nranks > MAX_RANKS {
+        Err(ScheduleError::TooManyRanks {
+            nranks,
+            max: MAX_RANKS,
+        })
+    } else if rank >= nranks {
+        Err(ScheduleError::RankOutOfRange { rank, nranks })
+    } else {
+        Ok(())
+    }
+}
+
+pub(crate) fn check_root(root: usize, nranks: usize) -> Result<(), ScheduleError> {
+    if root >= nranks {
+        Err(ScheduleError::RootOutOfRange { root, nranks })
+    } else {
+        Ok(())
+    }
+}
+
+/// Recursive doubling and halving pair ranks by `rank ^ 2^k`: they need a power of two.
+pub(crate) fn check_power_of_two(nranks: usize) -> Result<(), ScheduleError> {
+    if nranks.is_power_of_two() {
+        Ok(())
+    } else {
+        Err(ScheduleError::NotPowerOfTwo { nranks })
+    }
+}
+
+/// `count * nranks`, or an error when it overflows.
+pub(crate) fn total(count: usize, nranks: usize) -> Result<usize, ScheduleError> {
+    count
+        .checked_mul(nranks)
+        .ok_or(ScheduleError::CountOverflow { count, nranks })
+}
+
+/// `(rank + n - back) % n` for `back <= n` (the ring position `back` places before `rank`).
+pub(crate) fn before(rank: usize, back: usize, n: usize) -> usize {
+    // rank < n <= MAX_RANKS and back <= n: no overflow or underflow (saturating regardless).
+    (rank.saturating_add(n).saturating_sub(back)) % n.max(1)
+}
+
+/// The `[start, end)` of chunk `i` of `count` elements split as evenly as possible into `n`.
+pub(crate) fn even_chunk(i: usize, count: usize, n: usize) -> (usize, usize) {
+    let n = n.max(1) as u128;
+    let at = |j: usize| ((j as u128 * count as u128) / n) as usize;
+    let start = at(i);
+    (start, at(i + 1).saturating_sub(start))
+}
+
+/// Splits `len` elements at `offset` into messages of at most `slice` elements (0 means 1):
+/// `(offset, len)` pairs, none empty. Both ends of a transfer compute the same split.
+pub(crate) fn slices(
+    offset: usize,
+    len: usize,
+    slice: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let slice = slice.max(1);
+    (0..len.div_ceil(slice)).map(move |k| {
+        let start = k * slice;
+        (offset + start, slice.min(len - start))
+    })
+}
+
+/// Which step last wrote which elements of one buffer, for schedules whose reads do not line up
+/// with earlier writes' slices (recursive doubling and halving): a read waits for every write
+/// it overlaps. Writes recorded at the same start replace each other.
+#[derive(Default)]
+pub(crate) struct Writes(std::collections::BTreeMap<usize, (usize, StepId)>);
+
+impl Writes {
+    pub(crate) fn record(&mut self, start: usize, len: usize, step: StepId) {
+        self.0.insert(start, (start + len, step));
+    }
+
+    /// The steps whose writes overlap `start .. start + len` (writes do not overlap each other).
+    pub(crate) fn overlapping(&self, start: usize, len: usize) -> Vec<StepId> {
+        self.0
+            .range(..start + len)
+            .rev()
+            .take_while(|(_, &(end, _))| end > start)
+            .map(|(_, &(_, step))| step)
+            .collect()
+    }
+}
+
+/// Accumulates steps.
+#[derive(Default)]
+pub(crate) struct Builder {
+    pub(crate) steps: Vec<Step>,
+}
+
+impl Builder {
+    pub(crate) fn push(&mut self, action: Action, deps: Vec<StepId>) -> StepId {
+        let id = self.steps.len();
+        self.steps.push(Step { action, deps });
+        id
+    }
+
+    pub(crate) fn send(&mut self, peer: usize, src: Region, deps: Vec<StepId>) -> StepId {
+        self.push(Action::Send { peer, src }, deps)
+    }
+
+    pub(crate) fn recv_copy(&mut self, peer: usize, dst: Region, deps: Vec<StepId>) -> StepId {
+        self.push(Action::RecvCopy { peer, dst }, deps)
+    }
+
+    pub(crate) fn recv_reduce(
+        &mut self,
+        peer: usize,
+        local: Region,
+        dst: Region,
+        deps: Vec<StepId>,
+    ) -> StepId {
+        self.push(Action::RecvReduce { peer, local, dst }, deps)
+    }
+
+    /// A local copy of `len` elements, omitted when empty.
+    pub(crate) fn copy(&mut self, src: Region, dst: Region) -> Option<StepId> {
+        (src.len > 0).then(|| self.push(Action::Copy { src, dst }, Vec::new()))
+    }
+
+    /// The whole schedule of a collective on one rank: a local copy of `count` elements from
+    /// Input to Output (none when empty or, at run time, in place).
+    pub(crate) fn single_rank(count: usize) -> Schedule {
+        let mut b = Builder::default();
+        b.copy(
+            Region::new(BufId::Input, 0, count),
+            Region::new(BufId::Output, 0, count),
+        );
+        b.finish(Vec::new(), Vec::new(), 0)
+    }
+
+    /// One step of a pipelined exchange: the k-th send slice, then the k-th receive slice, for
+    /// every k up to the longer list, so a rank forwards slice k while slice k + 1 arrives.
+    /// `send(b, k, slice)` and `recv(b, k, slice)` push the steps; their ids come back in order.
+    pub(crate) fn exchange(
+        &mut self,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        mut send: impl FnMut(&mut Self, usize, (usize, usize)) -> StepId,
+        mut recv: impl FnMut(&mut Self, usize, (usize, usize)) -> StepId,
+    ) -> (Vec<StepId>, Vec<StepId>) {
+        let mut sent = Vec::with_capacity(sends.len());
+        let mut received = Vec::with_capacity(recvs.len());
+        for k in 0..sends.len().max(recvs.len()) {
+            if let Some(&slice) = sends.get(k) {
+                sent.push(send(self, k, slice));
+            }
+            if let Some(&slice) = recvs.get(k) {
+                received.push(recv(self, k, slice));
+            }
+        }
+        (sent, received)
+    }
+
+    pub(crate) fn finish(
+        self,
+        send_peers: Vec<usize>,
+        recv_peers: Vec<usize>,
+        scratch_elems: usize,
+    ) -> Schedule {
+        Schedule {
+            steps: self.steps,
+            send_peers,
+            recv_peers,
+            scratch_elems,
+        }
+    }
+}
+
+/// The dependency list "slice `k` of the previous transfer", empty when there is none.
+pub(crate) fn dep_at(ids: &[StepId], k: usize) -> Vec<StepId> {
+    ids.get(k).copied().into_iter().collect()
+}

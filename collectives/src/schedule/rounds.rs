@@ -1,0 +1,363 @@
+//! Schedules in rounds of exchanges with one partner per round: recursive doubling and halving
+//! (`log2 n` rounds instead of the ring's `n - 1` dependent steps, the better choice where
+//! latency dominates), the dissemination barrier and pairwise all-to-all.
+
+use super::build::{
+    before, check_power_of_two, check_rank, dep_at, slices, total, Builder, Writes,
+};
+use super::{ring_reduce_scatter, Action, BufId, Region, Schedule, ScheduleError, StepId};
+
+/// Latency-optimal all-reduce for small messages: recursive doubling (⌈log2 n⌉ exchange rounds,
+/// each exchanging the whole vector), with the usual fold-in/fold-out for ranks beyond the largest
+/// power of two.
+///
+/// Input and Output hold `count` elements each and may be the same memory (in place). Let `p` be
+/// the largest power of two `<= nranks`:
+/// * A rank `r >= p` sends its Input to `r - p` and receives the final result from it into
+///   Output (each slice of the result only after the same slice of its Input has gone out).
+/// * A rank `r < nranks - p` first receives the Input of `r + p` and combines it with its own
+///   Input (the fold-in); it is the only rank that computes that combination.
+/// * In round `k` (`d = 2^k < p`) ranks `r` and `r ^ d` exchange their accumulators and both
+///   combine them (`a ⊕ b` on one side, `b ⊕ a` on the other). The combiners are commutative, so
+///   after round `k` every group of `2^(k+1)` aligned ranks holds bitwise identical values, and
+///   after the last round all ranks `< p` do (floating-point sums included). The folding ranks
+///   then send the result to `r + p`, which copy it, so every rank ends with the same bits.
+///   (This needs `⊕` to be commutative bit for bit, which holds for integers and for float sums
+///   and products without NaNs; float `Min`/`Max` of `-0.0` and `+0.0`, or NaNs with different
+///   payloads, may leave different bits on the two sides of an exchange.)
+///
+/// A round reads its accumulator `X` (for its send and as the local operand) and writes
+/// `X ⊕ received` into the other of Output and Scratch, so a round's receive never writes what
+/// the same round's send reads; the next round's receive, which writes `X`'s buffer again, waits
+/// for this round's send and receive of the same slice. Round 0 of a non-folding rank reads its
+/// Input and therefore writes Scratch (in place, Output is the Input still being sent). The
+/// folding ranks place their fold-in so that the last round writes Output; the others copy the
+/// result from Scratch to Output when the number of rounds is odd. Every transfer is split into
+/// messages of at most `slice_elems` elements with per-slice deps. Ranks `< p` need
+/// `scratch_elems = count`; ranks `>= p` and a single rank need none.
+pub fn recursive_doubling_all_reduce(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    if n == 1 {
+        return Ok(Builder::single_rank(count));
+    }
+    let mut b = Builder::default();
+    // n >= 2, so p >= 2 and there is at least one round.
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let extra = n - p;
+    let parts: Vec<(usize, usize)> = slices(0, count, slice_elems).collect();
+    let at = |buf: BufId, (o, l): (usize, usize)| Region::new(buf, o, l);
+    let other = |buf: BufId| {
+        if buf == BufId::Output {
+            BufId::Scratch
+        } else {
+            BufId::Output
+        }
+    };
+
+    if rank >= p {
+        let q = rank - p;
+        for &s in &parts {
+            let sent = b.send(q, at(BufId::Input, s), Vec::new());
+            // In place, this Output slice is the Input slice being sent.
+            b.recv_copy(q, at(BufId::Output, s), vec![sent]);
+        }
+        return Ok(b.finish(vec![q], vec![q], 0));
+    }
+
+    let rounds = p.trailing_zeros() as usize;
+    let folds = rank < extra;
+    let mut send_peers = Vec::with_capacity(rounds + 1);
+    let mut recv_peers = Vec::with_capacity(rounds + 1);
+
+    // Steps that wrote the current accumulator, slice by slice (none while it is the Input), and
+    // the sends of the previous round (which read the buffer the current round writes).
+    let mut prev_recv: Vec<StepId> = Vec::new();
+    let mut prev_send: Vec<StepId> = Vec::new();
+    // Buffers of the current accumulator X and of the next one Y.
+    let (mut x, mut y) = if folds {
+        // Y of round k is Output when rounds - 1 - k is even: the last round writes Output.
+        let first_y = if (rounds - 1).is_multiple_of(2) {
+            BufId::Output
+        } else {
+            BufId::Scratch
+        };
+        let acc = other(first_y);
+        let hi = rank + p;
+        recv_peers.push(hi);
+        for &s in &parts {
+            prev_recv.push(b.recv_reduce(hi, at(BufId::Input, s), at(acc, s), Vec::new()));
+        }
+        (acc, first_y)
+    } else {
+        (BufId::Input, BufId::Scratch)
+    };
+
+    let mut d = 1usize;
+    while d < p {
+        let partner = rank ^ d;
+        send_peers.push(partner);
+        recv_peers.push(partner);
+        // The receive writes Y, which the previous round's send read.
+        (prev_send, prev_recv) = b.exchange(
+            &parts,
+            &parts,
+            |b, k, s| b.send(partner, at(x, s), dep_at(&prev_recv, k)),
+            |b, k, s| {
+                let mut deps = dep_at(&prev_recv, k);
+                deps.extend(dep_at(&prev_send, k));
+                b.recv_reduce(partner, at(x, s), at(y, s), deps)
+            },
+        );
+        (x, y) = (y, other(y));
+        d <<= 1;
+    }
+
+    if folds {
+        // x is Output here (see above).
+        let hi = rank + p;
+        send_peers.push(hi);
+        for (k, &s) in parts.iter().enumerate() {
+            b.send(hi, at(x, s), dep_at(&prev_recv, k));
+        }
+    } else if x == BufId::Scratch {
+        // Output was last read by the final round (its Input, in place, when there is one round).
+        for (k, &s) in parts.iter().enumerate() {
+            let mut deps = dep_at(&prev_recv, k);
+            deps.extend(dep_at(&prev_send, k));
+            b.push(
+                Action::Copy {
+                    src: at(BufId::Scratch, s),
+                    dst: at(BufId::Output, s),
+                },
+                deps,
+            );
+        }
+    }
+    Ok(b.finish(send_peers, recv_peers, count))
+}
+
+/// Recursive-halving reduce-scatter for a power-of-two number of ranks: `log2 n` exchange
+/// rounds instead of the ring's `n - 1` dependent steps, the better choice where latency
+/// dominates.
+///
+/// Input holds `nranks * count` elements, Output `count`. A rank starts responsible for all `n`
+/// blocks; in round `k` (`d = n/2, n/4, …, 1`) it and its partner `r ^ d` split the window of
+/// blocks both are responsible for: each sends the half that holds the partner's block and
+/// reduces the partner's copy of the other half with its own. Partial sums live in Scratch, laid
+/// out like Input; the last round (the window is then this rank's block) reduces into Output.
+/// Every step that reads partial sums waits for the previous round's steps that wrote them.
+pub fn recursive_halving_reduce_scatter(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    check_power_of_two(nranks)?;
+    let n = nranks;
+    let all = total(count, n)?;
+    if n == 1 {
+        // One rank: the ring's schedule, a copy of Input into Output.
+        return ring_reduce_scatter(rank, n, count, slice_elems);
+    }
+    let mut b = Builder::default();
+    // The previous round's writes to Scratch. Each round reads only inside the window the
+    // previous one wrote, so older writes never matter.
+    let mut written = Writes::default();
+    let mut peers = Vec::new();
+    let (mut window, mut d) = (0usize, n / 2);
+    while d >= 1 {
+        let partner = rank ^ d;
+        peers.push(partner);
+        let (first, last) = (d == n / 2, d == 1);
+        // Blocks [window, window + 2d) split in two halves of d blocks.
+        let (keep, give) = if rank & d == 0 {
+            (window, window + d)
+        } else {
+            (window + d, window)
+        };
+        let partial = if first { BufId::Input } else { BufId::Scratch };
+        for (o, l) in slices(0, d * count, slice_elems) {
+            let start = give * count + o;
+            let deps = written.overlapping(start, l);
+            b.send(partner, Region::new(partial, start, l), deps);
+        }
+        let mut now_written = Writes::default();
+        for (o, l) in slices(0, d * count, slice_elems) {
+            let start = keep * count + o;
+            let deps = written.overlapping(start, l);
+            let dst = if last {
+                Region::new(BufId::Output, o, l)
+            } else {
+                Region::new(BufId::Scratch, start, l)
+            };
+            let step = b.recv_reduce(partner, Region::new(partial, start, l), dst, deps);
+            now_written.record(start, l, step);
+        }
+        written = now_written;
+        window = keep;
+        d /= 2;
+    }
+    Ok(b.finish(peers.clone(), peers, if n > 2 { all } else { 0 }))
+}
+
+/// Recursive-doubling all-gather for a power-of-two number of ranks: `log2 n` exchange rounds
+/// instead of the ring's `n - 1` dependent steps, the better choice where latency dominates.
+///
+/// Input holds `count` elements, Output `nranks * count`; block `rank` of Output receives this
+/// rank's Input (a local copy, skipped by the engine in place). In round `k` (`d = 2^k`) rank `r`
+/// and its partner `r ^ d` exchange the `d` blocks each holds, the aligned group starting at
+/// block `r & !(d - 1)`: contiguous in Output, so one transfer each way, split into slices. Each
+/// sent slice waits for the steps that wrote its elements (the copy, earlier receives).
+pub fn recursive_doubling_all_gather(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    check_power_of_two(nranks)?;
+    let n = nranks;
+    total(count, n)?;
+    let mut b = Builder::default();
+    // Who wrote which elements of Output.
+    let mut writers = Writes::default();
+    if let Some(c) = b.copy(
+        Region::new(BufId::Input, 0, count),
+        Region::new(BufId::Output, rank * count, count),
+    ) {
+        writers.record(rank * count, count, c);
+    }
+    let mut peers = Vec::new();
+    let mut d = 1usize;
+    while d < n {
+        let partner = rank ^ d;
+        let mine = (rank & !(d - 1)) * count;
+        let theirs = (partner & !(d - 1)) * count;
+        peers.push(partner);
+        let mut received = Vec::new();
+        for (o, l) in slices(0, d * count, slice_elems) {
+            if d == 1 {
+                b.send(partner, Region::new(BufId::Input, o, l), Vec::new());
+            } else {
+                let deps = writers.overlapping(mine + o, l);
+                b.send(partner, Region::new(BufId::Output, mine + o, l), deps);
+            }
+            let r = b.recv_copy(
+                partner,
+                Region::new(BufId::Output, theirs + o, l),
+                Vec::new(),
+            );
+            received.push((theirs + o, l, r));
+        }
+        for (start, len, step) in received {
+            writers.record(start, len, step);
+        }
+        match d.checked_mul(2) {
+            Some(x) => d = x,
+            None => break,
+        }
+    }
+    Ok(b.finish(peers.clone(), peers, 0))
+}
+
+/// Dissemination barrier: in round `k` (while `d = 2^k < nranks`) a rank sends one element from
+/// Scratch\[0\] to `rank + d` and receives one into Scratch\[1\] from `rank - d`. A round's send and
+/// receive wait for the previous round's receive. `scratch_elems = 2` (0 for one rank).
+pub fn dissemination_barrier(rank: usize, nranks: usize) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    let mut b = Builder::default();
+    let mut send_peers = Vec::new();
+    let mut recv_peers = Vec::new();
+    let mut prev_recv: Vec<StepId> = Vec::new();
+    let mut d = 1usize;
+    while d < n {
+        let to = (rank + d) % n;
+        let from = before(rank, d, n);
+        send_peers.push(to);
+        recv_peers.push(from);
+        b.send(to, Region::new(BufId::Scratch, 0, 1), prev_recv.clone());
+        let r = b.recv_copy(from, Region::new(BufId::Scratch, 1, 1), prev_recv);
+        prev_recv = vec![r];
+        match d.checked_mul(2) {
+            Some(x) => d = x,
+            None => break,
+        }
+    }
+    let scratch = if n > 1 { 2 } else { 0 };
+    Ok(b.finish(send_peers, recv_peers, scratch))
+}
+
+/// Pairwise all-to-all: at round `k = 1..nranks` a rank sends Input block `rank + k` to rank
+/// `rank + k` and receives Output block `rank - k` from rank `rank - k`; its own block is copied
+/// locally. Input and Output hold `nranks * count` elements.
+///
+/// With `in_place` (Input and Output are the same memory) every block that leaves (all but the
+/// rank's own) is first copied slice by slice to the same place in Scratch
+/// (`scratch_elems = nranks * count`); sends read Scratch, and the receive into a slice waits
+/// for that slice's copy. The own block stays where it is.
+pub fn pairwise_all_to_all(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+    in_place: bool,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    let all = total(count, n)?;
+    let mut b = Builder::default();
+    // In place: the staging copy of each outgoing slice, by (block, slice index).
+    let mut staged: Vec<Vec<Vec<StepId>>> = vec![Vec::new(); n];
+    let (src_buf, scratch) = if in_place {
+        for (block, slots) in staged.iter_mut().enumerate() {
+            if block == rank {
+                continue;
+            }
+            for (o, l) in slices(0, count, slice_elems) {
+                let at = block * count + o;
+                let c = b.copy(
+                    Region::new(BufId::Output, at, l),
+                    Region::new(BufId::Scratch, at, l),
+                );
+                slots.push(c.into_iter().collect());
+            }
+        }
+        (BufId::Scratch, all)
+    } else {
+        b.copy(
+            Region::new(BufId::Input, rank * count, count),
+            Region::new(BufId::Output, rank * count, count),
+        );
+        (BufId::Input, 0)
+    };
+    let staged_dep = |block: usize, k: usize| staged[block].get(k).cloned().unwrap_or_default();
+    let mut send_peers = Vec::with_capacity(n.saturating_sub(1));
+    let mut recv_peers = Vec::with_capacity(n.saturating_sub(1));
+    for k in 1..n {
+        let to = (rank + k) % n;
+        let from = before(rank, k, n);
+        send_peers.push(to);
+        recv_peers.push(from);
+        for (i, (o, l)) in slices(0, count, slice_elems).enumerate() {
+            b.send(
+                to,
+                Region::new(src_buf, to * count + o, l),
+                staged_dep(to, i),
+            );
+            b.recv_copy(
+                from,
+                Region::new(BufId::Output, from * count + o, l),
+                staged_dep(from, i),
+            );
+        }
+    }
+    Ok(b.finish(send_peers, recv_peers, scratch))
+}
