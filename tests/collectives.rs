@@ -22,8 +22,6 @@ trait Val: Element + Copy + Default {
     /// Relative precision (2 ulp) for rounded results.
     const EPS: f64;
     fn from_i128_wrapping(v: i128) -> Self;
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
 }
 
 macro_rules! int_val {
@@ -33,30 +31,26 @@ macro_rules! int_val {
             const SIGNED: bool = $signed;
             const EPS: f64 = 0.0;
             fn from_i128_wrapping(v: i128) -> Self { v as $t }
-            fn from_f64(v: f64) -> Self { v as $t }
-            fn to_f64(self) -> f64 { self as f64 }
         }
     )*};
 }
 int_val!(i8, true; u8, false; i32, true; u32, false; i64, true; u64, false);
 
 macro_rules! float_val {
-    ($($t:ty, $eps:expr, $from:expr, $to:expr);*) => {$(
+    ($($t:ty, $eps:expr);*) => {$(
         impl Val for $t {
             const INT: bool = false;
             const SIGNED: bool = true;
             const EPS: f64 = $eps;
-            fn from_i128_wrapping(v: i128) -> Self { $from(v as f64) }
-            fn from_f64(v: f64) -> Self { $from(v) }
-            fn to_f64(self) -> f64 { $to(self) }
+            fn from_i128_wrapping(v: i128) -> Self { Element::from_f64(v as f64) }
         }
     )*};
 }
 float_val!(
-    f32, 2.0 * f32::EPSILON as f64, |v: f64| v as f32, |x: f32| x as f64;
-    f64, 2.0 * f64::EPSILON, |v: f64| v, |x: f64| x;
-    f16, 2.0 / 1024.0, f16::from_f64, |x: f16| x.to_f64();
-    bf16, 2.0 / 128.0, bf16::from_f64, |x: bf16| x.to_f64()
+    f32, 2.0 * f32::EPSILON as f64;
+    f64, 2.0 * f64::EPSILON;
+    f16, 2.0 / 1024.0;
+    bf16, 2.0 / 128.0
 );
 
 /// Input of `rank` at index `i` for reduction `op`.

@@ -122,28 +122,105 @@ mod sealed {
 pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + sealed::Sealed {
     /// The data type this Rust type stands for.
     const DTYPE: DataType;
+    /// The nearest value of this type (`as` for integers: saturating, NaN to 0).
+    fn from_f64(v: f64) -> Self;
+    /// This value as `f64` (exact except for 64-bit integers beyond 2^53).
+    fn to_f64(self) -> f64;
 }
 
 macro_rules! element {
-    ($($t:ty => $d:ident),* $(,)?) => {$(
+    ($($t:ty => $d:ident, $from:expr, $to:expr);* $(;)?) => {$(
         impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DataType = DataType::$d;
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
         }
     )*};
 }
 
 element! {
-    i8 => Int8,
-    u8 => Uint8,
-    i32 => Int32,
-    u32 => Uint32,
-    i64 => Int64,
-    u64 => Uint64,
-    half::f16 => Float16,
-    f32 => Float32,
-    f64 => Float64,
-    half::bf16 => Bfloat16,
+    i8 => Int8, |v| v as i8, |x| x as f64;
+    u8 => Uint8, |v| v as u8, |x| x as f64;
+    i32 => Int32, |v| v as i32, |x| x as f64;
+    u32 => Uint32, |v| v as u32, |x| x as f64;
+    i64 => Int64, |v| v as i64, |x| x as f64;
+    u64 => Uint64, |v| v as u64, |x| x as f64;
+    half::f16 => Float16, half::f16::from_f64, half::f16::to_f64;
+    f32 => Float32, |v| v as f32, |x| x as f64;
+    f64 => Float64, |v| v, |x| x;
+    half::bf16 => Bfloat16, half::bf16::from_f64, half::bf16::to_f64;
+}
+
+/// Evaluates `$body` with the type name `$T` standing for the Rust type of the data type
+/// `$dtype` (an [`Element`]): the one place that turns a run-time [`DataType`] into a generic
+/// call, e.g. `with_element!(dtype, |T| reduce_slice::<T>(a, b))`.
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, |$T:ident| $body:expr) => {
+        match $dtype {
+            $crate::DataType::Int8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::DataType::Uint8 => {
+                type $T = u8;
+                $body
+            }
+            $crate::DataType::Int32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DataType::Uint32 => {
+                type $T = u32;
+                $body
+            }
+            $crate::DataType::Int64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DataType::Uint64 => {
+                type $T = u64;
+                $body
+            }
+            $crate::DataType::Float16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::DataType::Float32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DataType::Float64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DataType::Bfloat16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+        }
+    };
+}
+
+impl DataType {
+    /// `v` as one element of this type, in memory order (see [`Element::from_f64`]).
+    pub fn encode_f64(self, v: f64) -> Vec<u8> {
+        with_element!(self, |T| bytemuck::bytes_of(&T::from_f64(v)).to_vec())
+    }
+
+    /// The first element of `bytes` as `f64`, or `None` when `bytes` is shorter than one.
+    pub fn decode_f64(self, bytes: &[u8]) -> Option<f64> {
+        let bytes = bytes.get(..self.size())?;
+        Some(with_element!(self, |T| bytemuck::pod_read_unaligned::<T>(
+            bytes
+        )
+        .to_f64()))
+    }
 }
 
 #[cfg(test)]

@@ -20,5 +20,7 @@ pub mod schedule;
 pub use algorithm::{Algorithm, UnknownAlgorithm};
 pub use call::{CallError, RawOp};
 pub use dtype::{DataType, Element};
+/// The half-precision types [`half::f16`] and [`half::bf16`] (for [`with_element!`]).
+pub use half;
 pub use header::{OpDesc, HEADER_LEN};
 pub use op::{Combiner, OpKind, ReduceOp};

@@ -26,6 +26,7 @@ use crate::dtype::{DataType, Element};
 pub use crate::half_simd::set_wide_kernels;
 use crate::half_simd::{self, Half};
 use crate::op::Combiner;
+use crate::with_element;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -68,18 +69,7 @@ pub fn reduce_into(
         });
     }
     whole_elements(dtype, dst.len())?;
-    match dtype {
-        DataType::Int8 => bytes_reduce_into::<i8>(comb, dst, a, b),
-        DataType::Uint8 => bytes_reduce_into::<u8>(comb, dst, a, b),
-        DataType::Int32 => bytes_reduce_into::<i32>(comb, dst, a, b),
-        DataType::Uint32 => bytes_reduce_into::<u32>(comb, dst, a, b),
-        DataType::Int64 => bytes_reduce_into::<i64>(comb, dst, a, b),
-        DataType::Uint64 => bytes_reduce_into::<u64>(comb, dst, a, b),
-        DataType::Float16 => bytes_reduce_into::<f16>(comb, dst, a, b),
-        DataType::Float32 => bytes_reduce_into::<f32>(comb, dst, a, b),
-        DataType::Float64 => bytes_reduce_into::<f64>(comb, dst, a, b),
-        DataType::Bfloat16 => bytes_reduce_into::<bf16>(comb, dst, a, b),
-    }
+    with_element!(dtype, |T| bytes_reduce_into::<T>(comb, dst, a, b));
     Ok(())
 }
 
@@ -93,18 +83,7 @@ pub fn reduce_in_place(
 ) -> Result<(), KernelError> {
     same_len(dst.len(), src.len())?;
     whole_elements(dtype, dst.len())?;
-    match dtype {
-        DataType::Int8 => bytes_reduce_in_place::<i8>(comb, dst, src),
-        DataType::Uint8 => bytes_reduce_in_place::<u8>(comb, dst, src),
-        DataType::Int32 => bytes_reduce_in_place::<i32>(comb, dst, src),
-        DataType::Uint32 => bytes_reduce_in_place::<u32>(comb, dst, src),
-        DataType::Int64 => bytes_reduce_in_place::<i64>(comb, dst, src),
-        DataType::Uint64 => bytes_reduce_in_place::<u64>(comb, dst, src),
-        DataType::Float16 => bytes_reduce_in_place::<f16>(comb, dst, src),
-        DataType::Float32 => bytes_reduce_in_place::<f32>(comb, dst, src),
-        DataType::Float64 => bytes_reduce_in_place::<f64>(comb, dst, src),
-        DataType::Bfloat16 => bytes_reduce_in_place::<bf16>(comb, dst, src),
-    }
+    with_element!(dtype, |T| bytes_reduce_in_place::<T>(comb, dst, src));
     Ok(())
 }
 
@@ -121,18 +100,7 @@ pub fn scale_into(
 ) -> Result<(), KernelError> {
     same_len(dst.len(), src.len())?;
     whole_elements(dtype, dst.len())?;
-    match dtype {
-        DataType::Int8 => bytes_scale_into::<i8>(dst, src, factor),
-        DataType::Uint8 => bytes_scale_into::<u8>(dst, src, factor),
-        DataType::Int32 => bytes_scale_into::<i32>(dst, src, factor),
-        DataType::Uint32 => bytes_scale_into::<u32>(dst, src, factor),
-        DataType::Int64 => bytes_scale_into::<i64>(dst, src, factor),
-        DataType::Uint64 => bytes_scale_into::<u64>(dst, src, factor),
-        DataType::Float16 => bytes_scale_into::<f16>(dst, src, factor),
-        DataType::Float32 => bytes_scale_into::<f32>(dst, src, factor),
-        DataType::Float64 => bytes_scale_into::<f64>(dst, src, factor),
-        DataType::Bfloat16 => bytes_scale_into::<bf16>(dst, src, factor),
-    }
+    with_element!(dtype, |T| bytes_scale_into::<T>(dst, src, factor));
     Ok(())
 }
 
@@ -145,18 +113,7 @@ pub fn divide_in_place(dtype: DataType, buf: &mut [u8], divisor: usize) -> Resul
         return Err(KernelError::DivideByZero);
     }
     whole_elements(dtype, buf.len())?;
-    match dtype {
-        DataType::Int8 => bytes_divide::<i8>(buf, divisor),
-        DataType::Uint8 => bytes_divide::<u8>(buf, divisor),
-        DataType::Int32 => bytes_divide::<i32>(buf, divisor),
-        DataType::Uint32 => bytes_divide::<u32>(buf, divisor),
-        DataType::Int64 => bytes_divide::<i64>(buf, divisor),
-        DataType::Uint64 => bytes_divide::<u64>(buf, divisor),
-        DataType::Float16 => bytes_divide::<f16>(buf, divisor),
-        DataType::Float32 => bytes_divide::<f32>(buf, divisor),
-        DataType::Float64 => bytes_divide::<f64>(buf, divisor),
-        DataType::Bfloat16 => bytes_divide::<bf16>(buf, divisor),
-    }
+    with_element!(dtype, |T| bytes_divide::<T>(buf, divisor));
     Ok(())
 }
 

@@ -183,7 +183,7 @@ mod tests {
 /// ticket's call runs only on its turn, in ticket order, and nobody waits forever.
 #[cfg(test)]
 mod model {
-    use weftcc_transports::model::{explore, Model, Violation};
+    use weftcc_transports::model::{explore, Faulty, Model, Violation};
 
     #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
     enum Pc {
@@ -365,33 +365,15 @@ mod model {
     #[test]
     fn a_turn_passed_on_without_waking_is_found() {
         // `end_turn` that skips the wake-up although somebody waits: a parked ticket never runs.
-        #[derive(Clone, PartialEq, Eq, Hash, Debug)]
-        struct NoWake(Tickets);
-        impl Model for NoWake {
-            fn threads(&self) -> usize {
-                self.0.threads()
-            }
-            fn steps(&self, t: usize) -> Vec<Self> {
-                let skip = self.0.pcs[t] == Pc::LookWaiters;
-                self.0
-                    .steps(t)
-                    .into_iter()
-                    .map(|mut s| {
-                        if skip {
-                            s.pcs[t] = Pc::Done;
-                        }
-                        NoWake(s)
-                    })
-                    .collect()
-            }
-            fn finished(&self) -> bool {
-                self.0.finished()
-            }
-            fn check(&self) -> Result<(), &'static str> {
-                self.0.check()
-            }
-        }
-        let result = explore(NoWake(Tickets::new(vec![Pc::Take, Pc::Take])), 1_000_000);
+        let no_wake = Faulty {
+            model: Tickets::new(vec![Pc::Take, Pc::Take]),
+            fault: |before, t, after| {
+                if before.pcs[t] == Pc::LookWaiters {
+                    after.pcs[t] = Pc::Done;
+                }
+            },
+        };
+        let result = explore(no_wake, 1_000_000);
         assert!(matches!(result, Err(Violation::Stuck { .. })), "{result:?}");
     }
 }

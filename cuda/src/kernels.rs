@@ -385,25 +385,10 @@ mod tests {
         for i in (0..n).step_by(3) {
             let small = ((i as i64 * 7919 + seed as i64) % 41 - 20) as f64;
             let mut one = vec![0u8; es];
-            reduce::scale_into(t, &mut one, &from_f64(t, 1.0), small).expect("scale");
+            reduce::scale_into(t, &mut one, &t.encode_f64(1.0), small).expect("scale");
             v[i * es..(i + 1) * es].copy_from_slice(&one);
         }
         v
-    }
-
-    fn from_f64(t: DataType, x: f64) -> Vec<u8> {
-        match t {
-            DataType::Int8 => (x as i8).to_le_bytes().to_vec(),
-            DataType::Uint8 => (x as u8).to_le_bytes().to_vec(),
-            DataType::Int32 => (x as i32).to_le_bytes().to_vec(),
-            DataType::Uint32 => (x as u32).to_le_bytes().to_vec(),
-            DataType::Int64 => (x as i64).to_le_bytes().to_vec(),
-            DataType::Uint64 => (x as u64).to_le_bytes().to_vec(),
-            DataType::Float16 => half::f16::from_f64(x).to_le_bytes().to_vec(),
-            DataType::Float32 => (x as f32).to_le_bytes().to_vec(),
-            DataType::Float64 => x.to_le_bytes().to_vec(),
-            DataType::Bfloat16 => half::bf16::from_f64(x).to_le_bytes().to_vec(),
-        }
     }
 
     /// Same value, NaN-aware and sign-of-zero-blind for floats; bit-exact otherwise.
@@ -411,15 +396,7 @@ mod tests {
         if a == b {
             return true;
         }
-        let f = |x: &[u8]| -> f64 {
-            match t {
-                DataType::Float16 => half::f16::from_le_bytes([x[0], x[1]]).to_f64(),
-                DataType::Bfloat16 => half::bf16::from_le_bytes([x[0], x[1]]).to_f64(),
-                DataType::Float32 => f32::from_le_bytes(x.try_into().expect("4")) as f64,
-                DataType::Float64 => f64::from_le_bytes(x.try_into().expect("8")),
-                _ => 1.0,
-            }
-        };
+        let f = |x: &[u8]| t.decode_f64(x).expect("one element");
         t.is_float() && {
             let (x, y) = (f(a), f(b));
             (x.is_nan() && y.is_nan()) || (x == 0.0 && y == 0.0)

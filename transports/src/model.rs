@@ -59,6 +59,57 @@ impl<M: Debug> std::fmt::Display for Violation<M> {
     }
 }
 
+/// `model` with a fault injected into every step (`fault(before, thread, after)` may change the
+/// state a step of `thread` reached): how a test shows that the exploration does find a broken
+/// protocol.
+#[derive(Clone, Debug)]
+pub struct Faulty<M> {
+    pub model: M,
+    pub fault: fn(&M, usize, &mut M),
+}
+
+// States compare by the model alone: one exploration has one fault.
+impl<M: PartialEq> PartialEq for Faulty<M> {
+    fn eq(&self, other: &Self) -> bool {
+        self.model == other.model
+    }
+}
+
+impl<M: Eq> Eq for Faulty<M> {}
+
+impl<M: Hash> Hash for Faulty<M> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.model.hash(state);
+    }
+}
+
+impl<M: Model> Model for Faulty<M> {
+    fn threads(&self) -> usize {
+        self.model.threads()
+    }
+
+    fn steps(&self, t: usize) -> Vec<Self> {
+        let mut next = self.model.steps(t);
+        for state in &mut next {
+            (self.fault)(&self.model, t, state);
+        }
+        next.into_iter()
+            .map(|model| Faulty {
+                model,
+                fault: self.fault,
+            })
+            .collect()
+    }
+
+    fn finished(&self) -> bool {
+        self.model.finished()
+    }
+
+    fn check(&self) -> Result<(), &'static str> {
+        self.model.check()
+    }
+}
+
 /// Visits every state reachable from `start`, depth first; fails on the first violation.
 pub fn explore<M: Model>(start: M, max_states: usize) -> Result<Explored, Violation<M>> {
     let mut seen = HashSet::new();

@@ -128,7 +128,7 @@ impl RecvCursor {
 #[cfg(test)]
 mod model {
     use super::*;
-    use crate::model::{explore, Model, Violation};
+    use crate::model::{explore, Faulty, Model, Violation};
 
     /// A doorbell (`H_DOORBELL`) and its sleeping count (`H_SLEEPING`), one per segment.
     #[derive(Clone, Copy, Default, PartialEq, Eq, Hash, Debug)]
@@ -447,33 +447,11 @@ mod model {
     fn the_model_finds_a_receiver_that_never_publishes_its_tail() {
         // A receiver that keeps its tail to itself starves a sender that fills the ring: the
         // exploration must report it stuck (the check can fail).
-        let result = explore(NeverPublish(RingModel::new(8, 12, 8, 1)), 1_000_000);
+        let never_publish = Faulty {
+            model: RingModel::new(8, 12, 8, 1),
+            fault: |_, _, after| after.tail = 0,
+        };
+        let result = explore(never_publish, 1_000_000);
         assert!(matches!(result, Err(Violation::Stuck { .. })), "{result:?}");
-    }
-
-    /// The ring model with a receiver whose tail never reaches the sender.
-    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
-    struct NeverPublish(RingModel);
-
-    impl Model for NeverPublish {
-        fn threads(&self) -> usize {
-            2
-        }
-        fn steps(&self, t: usize) -> Vec<Self> {
-            self.0
-                .steps(t)
-                .into_iter()
-                .map(|mut s| {
-                    s.tail = 0;
-                    NeverPublish(s)
-                })
-                .collect()
-        }
-        fn finished(&self) -> bool {
-            self.0.finished()
-        }
-        fn check(&self) -> Result<(), &'static str> {
-            self.0.check()
-        }
     }
 }

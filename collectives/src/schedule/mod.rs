@@ -17,29 +17,25 @@
 //!   operations, possibly at different offsets) and [`BufId::Scratch`] onto a per-communicator
 //!   buffer of `scratch_elems` elements.
 //!
-//! The builders, one file per family: along the ring, [`ring_all_reduce`] and the other ring
-//! schedules and the chains of the rooted collectives (`ring`); in rounds of partner exchanges,
-//! recursive doubling and halving, the dissemination barrier and [`pairwise_all_to_all`]
-//! (`rounds`); [`tree`], [`hierarchical`],
+//! The builders: the flat ones (`flat`: [`ring_all_reduce`] and the other ring schedules, the
+//! chains of the rooted collectives, recursive doubling and halving, the dissemination barrier,
+//! [`pairwise_all_to_all`]), [`tree`], [`hierarchical`],
 //! point-to-point groups ([`p2p`]); [`select`] maps an [`Algorithm`](crate::Algorithm) to them;
 //! [`layout`] maps a schedule's buffers onto memory; [`sim`] executes schedules in memory.
 
 mod build;
+mod flat;
 pub mod hierarchical;
 pub mod layout;
 pub mod p2p;
-mod ring;
-mod rounds;
 pub mod select;
 pub mod sim;
 pub mod tree;
 
-pub use ring::{
-    chain_broadcast, chain_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
-};
-pub use rounds::{
-    dissemination_barrier, pairwise_all_to_all, recursive_doubling_all_gather,
-    recursive_doubling_all_reduce, recursive_halving_reduce_scatter,
+pub use flat::{
+    chain_broadcast, chain_reduce, dissemination_barrier, pairwise_all_to_all,
+    recursive_doubling_all_gather, recursive_doubling_all_reduce, recursive_halving_reduce_scatter,
+    ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 };
 pub use select::{select, Collective};
 

@@ -7,6 +7,7 @@
 use std::io::Write;
 use std::time::Instant;
 
+use weftcc::collectives::with_element;
 use weftcc::{Communicator, DataType, Element, Error, ReduceOp};
 
 use crate::run::{CpuBind, Launch};
@@ -497,6 +498,57 @@ fn wrong_values(rows: &[Row]) -> u64 {
         .sum()
 }
 
+/// Rank 0's header: the title, the sweep's settings, a line per rank, the column names.
+fn print_header(
+    out: &mut impl Write,
+    opts: &Options,
+    title: String,
+    rank_lines: impl Iterator<Item = String>,
+) {
+    let mut text = title;
+    text += &format!(
+        "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0\n#\n# Using devices\n",
+        opts.min_bytes,
+        opts.max_bytes,
+        opts.step_text,
+        opts.warmup,
+        opts.iters,
+        u8::from(opts.check),
+    );
+    for line in rank_lines {
+        text += &line;
+        text.push('\n');
+    }
+    text += "#\n";
+    text += spec::COLUMN_HEADER;
+    let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+}
+
+/// Every (type, op, size) row of a sweep, measured by `row` (`None`: a combination the
+/// collective skips); rank 0 prints each as it comes.
+fn sweep<E>(
+    opts: &Options,
+    me: usize,
+    out: &mut impl Write,
+    mut row: impl FnMut(DataType, Option<ReduceOp>, u64) -> Result<Option<Row>, E>,
+) -> Result<Vec<Row>, E> {
+    let mut rows = Vec::new();
+    for &dtype in &opts.dtypes {
+        for &op in &opts.ops {
+            for &size in &opts.sizes {
+                let Some(row) = row(dtype, op, size)? else {
+                    continue;
+                };
+                if me == 0 {
+                    print_row(out, &row);
+                }
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}
+
 /// Rank 0's end of a sweep: the footer, then the plot and the JSON rows when asked for.
 fn finish(
     out: &mut impl Write,
@@ -537,52 +589,20 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
     let ranks = gather_ranks(comm)?;
     let mut out = std::io::stdout().lock();
     if me == 0 {
-        let mut text = format!(
+        let title = format!(
             "# weft perf {}: weftcc {}, {n} ranks\n",
             opts.collective.name(),
             env!("CARGO_PKG_VERSION")
         );
-        text += &format!(
-            "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0\n#\n# Using devices\n",
-            opts.min_bytes,
-            opts.max_bytes,
-            opts.step_text,
-            opts.warmup,
-            opts.iters,
-            u8::from(opts.check),
-        );
-        for (r, (pid, local, host)) in ranks.iter().enumerate() {
-            text += &spec::rank_line(r, *pid, host, *local);
-            text.push('\n');
-        }
-        text += "#\n";
-        text += spec::COLUMN_HEADER;
-        let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+        let lines = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (pid, local, host))| spec::rank_line(r, *pid, host, *local));
+        print_header(&mut out, opts, title, lines);
     }
-    let mut rows = Vec::new();
-    for &dtype in &opts.dtypes {
-        for &op in &opts.ops {
-            for &size in &opts.sizes {
-                let row = match dtype {
-                    DataType::Int8 => bench_size::<i8>(comm, opts, op, size)?,
-                    DataType::Uint8 => bench_size::<u8>(comm, opts, op, size)?,
-                    DataType::Int32 => bench_size::<i32>(comm, opts, op, size)?,
-                    DataType::Uint32 => bench_size::<u32>(comm, opts, op, size)?,
-                    DataType::Int64 => bench_size::<i64>(comm, opts, op, size)?,
-                    DataType::Uint64 => bench_size::<u64>(comm, opts, op, size)?,
-                    DataType::Float16 => bench_size::<half::f16>(comm, opts, op, size)?,
-                    DataType::Float32 => bench_size::<f32>(comm, opts, op, size)?,
-                    DataType::Float64 => bench_size::<f64>(comm, opts, op, size)?,
-                    DataType::Bfloat16 => bench_size::<half::bf16>(comm, opts, op, size)?,
-                };
-                let Some(row) = row else { continue };
-                if me == 0 {
-                    print_row(&mut out, &row);
-                }
-                rows.push(row);
-            }
-        }
-    }
+    let rows = sweep(opts, me, &mut out, |dtype, op, size| {
+        with_element!(dtype, |T| bench_size::<T>(comm, opts, op, size))
+    })?;
     let wrong = wrong_values(&rows);
     if me == 0 {
         finish(&mut out, opts, n, &rows, outputs)?;
@@ -593,42 +613,8 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
     Ok(wrong == 0)
 }
 
-/// Scalar conversions the driver needs on top of [`Element`].
-pub trait Num: Element + Copy {
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
-
-macro_rules! num_prim {
-    ($($t:ty),*) => {$(
-        impl Num for $t {
-            fn from_f64(v: f64) -> Self { v as $t }
-            fn to_f64(self) -> f64 { self as f64 }
-        }
-    )*};
-}
-num_prim!(i8, u8, i32, u32, i64, u64, f32, f64);
-
-impl Num for half::f16 {
-    fn from_f64(v: f64) -> Self {
-        half::f16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        half::f16::to_f64(self)
-    }
-}
-
-impl Num for half::bf16 {
-    fn from_f64(v: f64) -> Self {
-        half::bf16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        half::bf16::to_f64(self)
-    }
-}
-
 /// Out-of-place call of the benchmarked collective.
-fn run_oop<T: Num>(
+fn run_oop<T: Element>(
     comm: &Communicator,
     c: Collective,
     op: ReduceOp,
@@ -655,7 +641,7 @@ fn run_oop<T: Num>(
 /// In-place call of the benchmarked collective. Send/recv has no in-place form that Rust's
 /// borrows allow (one buffer sent and received into at once), so its in-place variant sends the
 /// buffer's first half and receives into its second half.
-fn run_ip<T: Num>(
+fn run_ip<T: Element>(
     comm: &Communicator,
     c: Collective,
     op: ReduceOp,
@@ -750,21 +736,21 @@ impl SizePlan {
     }
 
     /// The first `len` elements of this rank's pattern.
-    fn pattern_values<T: Num>(&self, len: usize) -> Vec<T> {
+    fn pattern_values<T: Element>(&self, len: usize) -> Vec<T> {
         (0..len)
             .map(|i| T::from_f64(self.pattern.value(self.me, i)))
             .collect()
     }
 
     /// The send buffer: this rank's pattern, never written.
-    fn send<T: Num>(&self) -> Vec<T> {
+    fn send<T: Element>(&self) -> Vec<T> {
         self.pattern_values(self.send_len)
     }
 
     /// The in-place buffer of the timed runs. A reduction's starts at zero so repeated
     /// reductions cannot overflow (0 is a fixed point of every reduction), which keeps integer
     /// and float arithmetic free of overflow and infinities.
-    fn timed_in_place<T: Num>(&self) -> Vec<T> {
+    fn timed_in_place<T: Element>(&self) -> Vec<T> {
         if self.coll.reduces() {
             vec![T::from_f64(0.0); self.ip_len]
         } else {
@@ -779,14 +765,14 @@ impl SizePlan {
 
     /// The out-of-place receive buffer before the check: a value that differs from every
     /// expected element, so an element the collective forgot to write counts as wrong.
-    fn sentinels<T: Num>(&self) -> Vec<T> {
+    fn sentinels<T: Element>(&self) -> Vec<T> {
         (0..self.recv_len)
             .map(|j| T::from_f64(spec::sentinel(self.expected(j))))
             .collect()
     }
 
     /// The in-place buffer before the check.
-    fn in_place_inputs<T: Num>(&self) -> Vec<T> {
+    fn in_place_inputs<T: Element>(&self) -> Vec<T> {
         let p = self;
         (0..p.ip_len)
             .map(|j| {
@@ -798,18 +784,18 @@ impl SizePlan {
     }
 
     /// Wrong elements of an out-of-place result.
-    fn oop_wrong<T: Num>(&self, recv: &[T]) -> u64 {
+    fn oop_wrong<T: Element>(&self, recv: &[T]) -> u64 {
         self.count_wrong(recv)
     }
 
     /// Wrong elements of the part of an in-place buffer that holds the result.
-    fn ip_wrong<T: Num>(&self, buf: &[T]) -> u64 {
+    fn ip_wrong<T: Element>(&self, buf: &[T]) -> u64 {
         let (lo, hi) = self.coll.in_place_output(self.count, self.n, self.me);
         self.count_wrong(&buf[lo..hi])
     }
 
     /// Counts the elements of `out` that differ from what `expected(j)` says (None: unchecked).
-    fn count_wrong<T: Num>(&self, out: &[T]) -> u64 {
+    fn count_wrong<T: Element>(&self, out: &[T]) -> u64 {
         out.iter()
             .enumerate()
             .filter(|&(j, v)| match self.expected(j) {
@@ -829,7 +815,7 @@ impl SizePlan {
 }
 
 /// Benchmarks one size of one (type, op) combination. None when the size holds no element.
-fn bench_size<T: Num>(
+fn bench_size<T: Element>(
     comm: &Communicator,
     opts: &Options,
     op: Option<ReduceOp>,

@@ -4,14 +4,14 @@
 //! enqueued on one stream per rank and timed like nccl-tests: wall time of `-n` enqueued calls
 //! plus the final stream synchronisation.
 
-use std::io::Write;
 use std::time::Instant;
 
-use weftcc::{Communicator, DataType, ReduceOp};
+use weftcc::collectives::with_element;
+use weftcc::{Communicator, Element, ReduceOp};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream};
 
 use super::spec::{self, Collective};
-use super::{Num, Options, Outputs, PerfArgs, Row, SizePlan};
+use super::{Options, Outputs, PerfArgs, Row, SizePlan};
 
 /// Entry point of `weft perf --device cuda` (after the options were parsed).
 pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i32 {
@@ -80,54 +80,27 @@ fn run(comm: Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool
     let mut out = std::io::stdout().lock();
     if me == 0 {
         let info = weftcc_cuda::device_info(device)?;
-        let mut text = format!(
+        let title = format!(
             "# weft perf {} --device cuda: weftcc {}, {n} ranks, transport {:?}, driver {}\n",
             opts.collective.name(),
             env!("CARGO_PKG_VERSION"),
             dcomm.transport(),
             weftcc_cuda::driver_version()?
         );
-        text += &format!(
-            "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0\n#\n# Using devices\n",
-            opts.min_bytes, opts.max_bytes, opts.step_text, opts.warmup, opts.iters, u8::from(opts.check),
-        );
-        for (r, (pid, _local, hostname)) in ranks.iter().enumerate() {
-            let line = spec::rank_line(r, *pid, hostname, devs[r]);
-            text += &line.replace("[cpu] host memory", &format!("[gpu] {}", info.name));
-            text.push('\n');
-        }
-        text += "#\n";
-        text += spec::COLUMN_HEADER;
-        let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+        let lines = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (pid, _local, hostname))| {
+                spec::rank_line(r, *pid, hostname, devs[r])
+                    .replace("[cpu] host memory", &format!("[gpu] {}", info.name))
+            });
+        super::print_header(&mut out, opts, title, lines);
     }
-    let mut rows = Vec::new();
-    for &dtype in &opts.dtypes {
-        for &op in &opts.ops {
-            for &size in &opts.sizes {
-                let row = match dtype {
-                    DataType::Int8 => bench_size::<i8>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Uint8 => bench_size::<u8>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Int32 => bench_size::<i32>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Uint32 => bench_size::<u32>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Int64 => bench_size::<i64>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Uint64 => bench_size::<u64>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Float16 => {
-                        bench_size::<half::f16>(&dcomm, &ctx, &stream, opts, op, size)?
-                    }
-                    DataType::Float32 => bench_size::<f32>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Float64 => bench_size::<f64>(&dcomm, &ctx, &stream, opts, op, size)?,
-                    DataType::Bfloat16 => {
-                        bench_size::<half::bf16>(&dcomm, &ctx, &stream, opts, op, size)?
-                    }
-                };
-                let Some(row) = row else { continue };
-                if me == 0 {
-                    super::print_row(&mut out, &row);
-                }
-                rows.push(row);
-            }
-        }
-    }
+    let rows = super::sweep(opts, me, &mut out, |dtype, op, size| {
+        with_element!(dtype, |T| bench_size::<T>(
+            &dcomm, &ctx, &stream, opts, op, size
+        ))
+    })?;
     let wrong = super::wrong_values(&rows);
     if me == 0 {
         super::finish(&mut out, opts, host.size(), &rows, outputs)
@@ -138,7 +111,7 @@ fn run(comm: Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool
 }
 
 /// Out-of-place call on device buffers.
-fn run_oop<T: Num>(
+fn run_oop<T: Element>(
     c: &DeviceComm,
     coll: Collective,
     op: ReduceOp,
@@ -165,7 +138,7 @@ fn run_oop<T: Num>(
 }
 
 /// In-place call on a device buffer.
-fn run_ip<T: Num>(
+fn run_ip<T: Element>(
     c: &DeviceComm,
     coll: Collective,
     op: ReduceOp,
@@ -213,12 +186,12 @@ fn time_loop(
     Ok(start.elapsed().as_secs_f64() / iters as f64)
 }
 
-fn upload<T: Num>(ctx: &Context, v: &[T]) -> Result<DeviceBuffer<T>, CudaError> {
+fn upload<T: Element>(ctx: &Context, v: &[T]) -> Result<DeviceBuffer<T>, CudaError> {
     ctx.upload(v)
 }
 
 /// One size of one (type, op) combination, as the host benchmark's `bench_size`.
-fn bench_size<T: Num>(
+fn bench_size<T: Element>(
     c: &DeviceComm,
     ctx: &Context,
     s: &Stream,

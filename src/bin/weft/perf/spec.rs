@@ -567,19 +567,7 @@ mod tests {
     }
 
     fn exact_in(t: DataType, v: f64) -> bool {
-        let back = match t {
-            DataType::Int8 => v as i8 as f64,
-            DataType::Uint8 => v as u8 as f64,
-            DataType::Int32 => v as i32 as f64,
-            DataType::Uint32 => v as u32 as f64,
-            DataType::Int64 => v as i64 as f64,
-            DataType::Uint64 => v as u64 as f64,
-            DataType::Float16 => half::f16::from_f64(v).to_f64(),
-            DataType::Bfloat16 => half::bf16::from_f64(v).to_f64(),
-            DataType::Float32 => v as f32 as f64,
-            DataType::Float64 => v,
-        };
-        back == v && v <= exact_limit(t) as f64
+        t.decode_f64(&t.encode_f64(v)) == Some(v) && v <= exact_limit(t) as f64
     }
 
     /// Every partial reduction in rank order (and every single value) is exact in the type, for
