@@ -143,16 +143,18 @@ macro_rules! element {
     )*};
 }
 
+macro_rules! int_elements {
+    ($($t:ty => $d:ident),*) => {
+        element!($($t => $d, |v| v as $t, |x| x as f64);*);
+    };
+}
+
+int_elements!(i8 => Int8, u8 => Uint8, i32 => Int32, u32 => Uint32, i64 => Int64, u64 => Uint64);
+
 element! {
-    i8 => Int8, |v| v as i8, |x| x as f64;
-    u8 => Uint8, |v| v as u8, |x| x as f64;
-    i32 => Int32, |v| v as i32, |x| x as f64;
-    u32 => Uint32, |v| v as u32, |x| x as f64;
-    i64 => Int64, |v| v as i64, |x| x as f64;
-    u64 => Uint64, |v| v as u64, |x| x as f64;
-    half::f16 => Float16, half::f16::from_f64, half::f16::to_f64;
     f32 => Float32, |v| v as f32, |x| x as f64;
     f64 => Float64, |v| v, |x| x;
+    half::f16 => Float16, half::f16::from_f64, half::f16::to_f64;
     half::bf16 => Bfloat16, half::bf16::from_f64, half::bf16::to_f64;
 }
 
@@ -162,47 +164,16 @@ element! {
 #[macro_export]
 macro_rules! with_element {
     ($dtype:expr, |$T:ident| $body:expr) => {
+        $crate::with_element!(@arms $dtype, $T, $body; Int8 i8, Uint8 u8, Int32 i32, Uint32 u32,
+            Int64 i64, Uint64 u64, Float16 $crate::half::f16, Float32 f32, Float64 f64,
+            Bfloat16 $crate::half::bf16)
+    };
+    (@arms $dtype:expr, $T:ident, $body:expr; $($variant:ident $ty:ty),*) => {
         match $dtype {
-            $crate::DataType::Int8 => {
-                type $T = i8;
+            $($crate::DataType::$variant => {
+                type $T = $ty;
                 $body
-            }
-            $crate::DataType::Uint8 => {
-                type $T = u8;
-                $body
-            }
-            $crate::DataType::Int32 => {
-                type $T = i32;
-                $body
-            }
-            $crate::DataType::Uint32 => {
-                type $T = u32;
-                $body
-            }
-            $crate::DataType::Int64 => {
-                type $T = i64;
-                $body
-            }
-            $crate::DataType::Uint64 => {
-                type $T = u64;
-                $body
-            }
-            $crate::DataType::Float16 => {
-                type $T = $crate::half::f16;
-                $body
-            }
-            $crate::DataType::Float32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::DataType::Float64 => {
-                type $T = f64;
-                $body
-            }
-            $crate::DataType::Bfloat16 => {
-                type $T = $crate::half::bf16;
-                $body
-            }
+            })*
         }
     };
 }

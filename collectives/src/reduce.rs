@@ -410,10 +410,9 @@ float_lanes!(f32, f64);
 /// operation) the portable paths below are used:
 ///
 /// * `f16` goes block by block through `half`'s slice conversions, which use the F16C
-///   instructions when the CPU has them (detected at run time inside `half`). Branch-free SSE2
-///   conversions written here (the baseline target, no `unsafe` needed) were measured ~3.5×
-///   slower: binary16 needs ~50 vector instructions per 8 elements each way (subnormals,
-///   infinities and NaNs selected by masks), against one F16C instruction.
+///   instructions when the CPU has them (detected at run time inside `half`), rather than
+///   branch-free SSE2 conversions: binary16 needs ~50 vector instructions per 8 elements each
+///   way (subnormals, infinities and NaNs selected by masks), against one F16C instruction.
 /// * `bf16` is widened, combined and narrowed element by element in one pass by branch-free
 ///   integer arithmetic ([`bf16_widen`], [`f32_to_bf16`]) that the compiler vectorises with
 ///   SSE2.

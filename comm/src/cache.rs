@@ -51,11 +51,7 @@ impl Inner {
             }
         };
         let key = ScheduleKey {
-            kind: call.kind,
-            count,
-            slice,
-            root: shape.root,
-            in_place: shape.in_place,
+            shape,
             algo: choice,
         };
         if let Some(prepared) = st.schedules.get(&key) {
@@ -91,9 +87,9 @@ impl Inner {
     }
 }
 
-/// What decides a collective call's schedule, the tuner's choice included (rank, size and the
+/// What decides a collective call's schedule apart from the tuner's choice (rank, size and the
 /// settings are fixed per communicator; the choice follows from the kind and the bytes).
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct CallShape {
     pub(crate) kind: OpKind,
     pub(crate) count: usize,
@@ -103,15 +99,10 @@ pub(crate) struct CallShape {
     pub(crate) in_place: bool,
 }
 
-/// What makes two calls' schedules identical (rank and size are fixed per communicator).
+/// What makes two calls' schedules identical: the shape and the tuner's choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct ScheduleKey {
-    pub(crate) kind: OpKind,
-    pub(crate) count: usize,
-    pub(crate) slice: usize,
-    pub(crate) root: usize,
-    pub(crate) in_place: bool,
-    /// The tuner's choice.
+    pub(crate) shape: CallShape,
     pub(crate) algo: Algorithm,
 }
 

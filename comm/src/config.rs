@@ -30,16 +30,15 @@ pub struct CommConfig {
     /// sleep until a peer signals.
     pub backoff: Backoff,
     /// Spin used instead of `backoff.spin` when this host runs more ranks than it has CPUs: a
-    /// spinning rank then only delays the peer it waits for (measured with 4 ranks on 2 cores:
-    /// 8 B all-reduce 5.7 → 3.3 µs without the spin). `None` keeps `backoff.spin`; `from_env`
-    /// sets `None` when `WEFT_SPIN_US` is given.
+    /// spinning rank then only delays the peer it waits for (see docs/performance.md).
+    /// `None` keeps `backoff.spin`; `from_env` sets `None` when `WEFT_SPIN_US` is given.
     pub oversubscribed_spin: Option<Duration>,
     /// Largest operation (its largest buffer, bytes) whose messages are sent pinned, i.e. single
     /// copy over shared memory (`WEFT_SHM_CMA_MAX_OP`); only collectives whose receivers copy
-    /// (all-gather, broadcast, all-to-all, send/recv) use it. `None` keeps the measured
-    /// defaults: no bound for all-gather, all-to-all and send/recv, [`DEFAULT_PINNED_MAX_BYTES`]
-    /// for broadcast, whose pipelined cross-memory copies of data no longer in cache were
-    /// measured slower than the ring (8 MiB, 2 ranks, in place: 630 → 740–790 µs).
+    /// (all-gather, broadcast, all-to-all, send/recv) use it. `None` keeps the defaults: no
+    /// bound for all-gather, all-to-all and send/recv, [`DEFAULT_PINNED_MAX_BYTES`] for
+    /// broadcast, whose pipelined cross-memory copies of data no longer in cache are slower than
+    /// the ring for large buffers.
     pub pinned_max_bytes: Option<usize>,
     /// Algorithms the tuner may choose (`WEFT_ALGO`, NCCL_ALGO syntax: `ring`, `tree`, `rd`,
     /// `hier`, `^tree`, `allreduce:tree;broadcast:ring`); unrestricted by default.

@@ -247,6 +247,12 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// The step in progress has moved all its bytes: on to the lane's next.
+    fn step_done(&mut self) {
+        self.next += 1;
+        self.moved = 0;
+    }
+
     /// A cursor over `range`; `header` says whether a header goes first in its direction.
     fn new(range: &std::ops::Range<usize>, header: bool, expect: OpDesc) -> Cursor {
         Cursor {
@@ -660,8 +666,7 @@ fn pump_sends(
             }
         }
         io.done[i] = true;
-        cur.next += 1;
-        cur.moved = 0;
+        cur.step_done();
         progressed = true;
     }
     Ok(progressed)
@@ -834,8 +839,7 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
             progressed = true;
         }
         io.done[i] = true;
-        cur.next += 1;
-        cur.moved = 0;
+        cur.step_done();
         progressed = true;
     }
     Ok(progressed)

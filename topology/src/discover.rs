@@ -63,6 +63,18 @@ fn read_trim(p: &Path) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// A NIC found under sysfs: `dev` is its `device` directory.
+fn sysfs_nic(name: String, dev: &Path, speed_gbit: Option<f64>, kind: NicKind) -> Nic {
+    Nic {
+        label: name.clone(),
+        name,
+        speed_gbit,
+        numa: read_numa(dev),
+        bus_id: bus_of(dev),
+        kind,
+    }
+}
+
 fn read_numa(dev: &Path) -> Option<u32> {
     read_trim(&dev.join("numa_node"))
         .and_then(|s| s.parse::<i64>().ok())
@@ -165,14 +177,7 @@ pub fn nics_from_sysfs(sysfs: &Path) -> Vec<Nic> {
                 speed = Some(speed.map_or(r, |s: f64| s.max(r)));
             }
         }
-        out.push(Nic {
-            label: name.clone(),
-            name,
-            speed_gbit: speed,
-            numa: read_numa(&dev),
-            bus_id: bus_of(&dev),
-            kind: NicKind::Ib,
-        });
+        out.push(sysfs_nic(name, &dev, speed, NicKind::Ib));
     }
     for (name, path) in sorted_dir(&sysfs.join("class/net")) {
         let dev = path.join("device");
@@ -183,14 +188,7 @@ pub fn nics_from_sysfs(sysfs: &Path) -> Vec<Nic> {
             .and_then(|s| s.parse::<i64>().ok())
             .filter(|&s| s > 0)
             .map(|mbit| mbit as f64 / 1000.0);
-        out.push(Nic {
-            label: name.clone(),
-            name,
-            speed_gbit: speed,
-            numa: read_numa(&dev),
-            bus_id: bus_of(&dev),
-            kind: NicKind::Ethernet,
-        });
+        out.push(sysfs_nic(name, &dev, speed, NicKind::Ethernet));
     }
     out
 }
@@ -441,19 +439,7 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
     if let Err(e) = topo.validate() {
         notes.push(format!("inconsistent discovery ({e}); paths dropped"));
         let n = topo.ndevices();
-        topo.paths = (0..n)
-            .map(|a| {
-                (0..n)
-                    .map(|b| {
-                        if a == b {
-                            PathClass::Loc
-                        } else {
-                            PathClass::Na
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
+        topo.paths = PathClass::matrix(n, |_, _| PathClass::Na);
     }
     Discovered {
         topology: topo,

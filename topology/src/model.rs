@@ -30,6 +30,23 @@ pub enum PathClass {
 }
 
 impl PathClass {
+    /// The `n × n` matrix of classes: `Loc` on the diagonal, `between(a, b)` elsewhere.
+    pub fn matrix(n: usize, mut between: impl FnMut(usize, usize) -> PathClass) -> Vec<Vec<Self>> {
+        (0..n)
+            .map(|a| {
+                (0..n)
+                    .map(|b| {
+                        if a == b {
+                            PathClass::Loc
+                        } else {
+                            between(a, b)
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Parses one `nvidia-smi topo -m` cell (case-insensitive); `None` when unknown.
     pub fn parse(s: &str) -> Option<PathClass> {
         let u = s.trim().to_ascii_uppercase();

@@ -245,24 +245,17 @@ pub fn to_topology(s: &NvmlSnapshot) -> Result<Topology> {
     }
     p2p_missing.sort_unstable();
     p2p_missing.dedup();
-    let mut paths = vec![vec![PathClass::Na; n]; n];
-    for a in 0..n {
-        for b in 0..n {
-            paths[a][b] = if a == b {
-                PathClass::Loc
-            } else {
-                let mut nv = direct[a][b].max(direct[b][a]);
-                if switch_links[a] > 0 && switch_links[b] > 0 && fabric.find(a) == fabric.find(b) {
-                    nv += switch_links[a].min(switch_links[b]);
-                }
-                if nv > 0 {
-                    PathClass::NvLink(nv.min(64))
-                } else {
-                    level[a][b].map_or(PathClass::Na, PcieLevel::class)
-                }
-            };
+    let paths = PathClass::matrix(n, |a, b| {
+        let mut nv = direct[a][b].max(direct[b][a]);
+        if switch_links[a] > 0 && switch_links[b] > 0 && fabric.find(a) == fabric.find(b) {
+            nv += switch_links[a].min(switch_links[b]);
         }
-    }
+        if nv > 0 {
+            PathClass::NvLink(nv.min(64))
+        } else {
+            level[a][b].map_or(PathClass::Na, PcieLevel::class)
+        }
+    });
     let mut topo = Topology {
         source: "nvml".into(),
         gpus: gpus

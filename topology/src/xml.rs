@@ -325,16 +325,9 @@ pub fn read(text: &str) -> Result<Topology> {
         v
     };
     let chains: Vec<Vec<usize>> = placed.iter().map(|p| chain(p)).collect();
-    let mut paths = vec![vec![PathClass::Na; n]; n];
-    for a in 0..n {
-        for b in 0..n {
-            paths[a][b] = if a == b {
-                PathClass::Loc
-            } else {
-                pci_class(placed[a], placed[b], &chains[a], &chains[b], &pcis)
-            };
-        }
-    }
+    let mut paths = PathClass::matrix(n, |a, b| {
+        pci_class(placed[a], placed[b], &chains[a], &chains[b], &pcis)
+    });
     // NVLink between GPUs.
     let ng = gpus.len();
     let mut counts = vec![vec![0u32; ng]; ng];

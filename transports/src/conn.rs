@@ -32,9 +32,6 @@ pub trait Connection: Send {
     /// The peer's rank in the communicator.
     fn peer(&self) -> usize;
 
-    /// A short name for logs ("shm", "tcp", "mem").
-    fn kind(&self) -> &'static str;
-
     /// Accepts as many leading bytes of `data` as fit now; returns how many (0 when full).
     fn try_send(&mut self, data: &[u8]) -> Result<usize>;
 

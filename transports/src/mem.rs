@@ -182,10 +182,6 @@ impl Connection for MemConnection {
         self.peer
     }
 
-    fn kind(&self) -> &'static str {
-        "mem"
-    }
-
     fn try_send(&mut self, data: &[u8]) -> Result<usize> {
         let mut g = lock(&self.shared);
         if g.closed[1 - self.side] {

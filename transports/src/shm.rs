@@ -100,8 +100,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Default ring capacity (bytes per directed peer pair): 1 MiB. Four 256 KiB slices in flight
-/// keep large transfers pipelined, and a ring this small stays in cache: a 32 KiB all-reduce
-/// took 9 µs with it against 20–46 µs with a 4 MiB ring that cycles through memory (2 ranks).
+/// keep large transfers pipelined, and a ring this small stays in cache (a larger one cycles
+/// through memory and slows mid-size transfers).
 pub const DEFAULT_BUFFSIZE: usize = 1 << 20;
 /// Smallest ring capacity accepted: 64 KiB.
 pub const MIN_BUFFSIZE: usize = 64 << 10;
@@ -1167,10 +1167,6 @@ fn words_as_bytes(words: &[u64]) -> &[u8] {
 impl Connection for ShmConnection {
     fn peer(&self) -> usize {
         self.peer
-    }
-
-    fn kind(&self) -> &'static str {
-        "shm"
     }
 
     fn try_send(&mut self, data: &[u8]) -> Result<usize> {

@@ -134,6 +134,10 @@ impl<'a> Cursor<'a> {
     fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.buf)
     }
+    /// `Some` when everything was read (a request carries nothing more).
+    fn end(&self) -> Option<()> {
+        self.buf.is_empty().then_some(())
+    }
 }
 
 fn put_key(v: &mut Vec<u8>, key: &[u8]) {
@@ -454,6 +458,11 @@ fn wait_until(
     }
 }
 
+/// The store's state, unless it has closed.
+fn open_state(inner: &Inner) -> Option<std::sync::MutexGuard<'_, State>> {
+    Some(lock(&inner.state)).filter(|st| !st.closed)
+}
+
 /// Executes one request. `Err` means the request was malformed: the connection gets closed.
 fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>, String> {
     let mut c = Cursor { buf: payload };
@@ -463,10 +472,9 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
         OP_SET => {
             let key = c.key().ok_or_else(bad)?;
             let value = c.rest();
-            let mut st = lock(&inner.state);
-            if st.closed {
+            let Some(mut st) = open_state(inner) else {
                 return Ok(vec![ST_CLOSED]);
-            }
+            };
             st.map.insert(key.to_vec(), value.to_vec());
             drop(st);
             inner.cv.notify_all();
@@ -475,9 +483,7 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
         OP_GET => {
             let ms = c.u64().ok_or_else(bad)?;
             let key = c.key().ok_or_else(bad)?;
-            if !c.buf.is_empty() {
-                return Err(bad());
-            }
+            c.end().ok_or_else(bad)?;
             // A value set before the shutdown is still answered: a rank that publishes an
             // abort and then exits must not lose it to the store closing.
             wait_until(inner, ms, |st| {
@@ -496,9 +502,7 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
             for _ in 0..count {
                 keys.push(c.key().ok_or_else(bad)?);
             }
-            if !c.buf.is_empty() {
-                return Err(bad());
-            }
+            c.end().ok_or_else(bad)?;
             wait_until(inner, ms, |st| {
                 keys.iter()
                     .all(|k| st.map.contains_key(*k))
@@ -508,13 +512,10 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
         OP_ADD => {
             let delta = c.u64().ok_or_else(bad)? as i64;
             let key = c.key().ok_or_else(bad)?;
-            if !c.buf.is_empty() {
-                return Err(bad());
-            }
-            let mut st = lock(&inner.state);
-            if st.closed {
+            c.end().ok_or_else(bad)?;
+            let Some(mut st) = open_state(inner) else {
                 return Ok(vec![ST_CLOSED]);
-            }
+            };
             let old = match st.map.get(key) {
                 None => 0i64,
                 Some(v) => match std::str::from_utf8(v)
@@ -539,13 +540,10 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
         }
         OP_CHECK | OP_DELETE => {
             let key = c.key().ok_or_else(bad)?;
-            if !c.buf.is_empty() {
-                return Err(bad());
-            }
-            let mut st = lock(&inner.state);
-            if st.closed {
+            c.end().ok_or_else(bad)?;
+            let Some(mut st) = open_state(inner) else {
                 return Ok(vec![ST_CLOSED]);
-            }
+            };
             let had = if op == OP_CHECK {
                 st.map.contains_key(key)
             } else {

@@ -450,10 +450,6 @@ impl Connection for TcpConnection {
         self.peer
     }
 
-    fn kind(&self) -> &'static str {
-        "tcp"
-    }
-
     fn try_send(&mut self, data: &[u8]) -> Result<usize> {
         if self.failed.is_some() {
             return Err(self.lost());

@@ -11,6 +11,7 @@
 //! alternate, so an executor that queues steps per peer (the GPU's lanes) never queues a long
 //! run of sends before the receives that let the peer's sends drain.
 
+use super::build::slices;
 use super::layout::BufferMap;
 use super::{Action, BufId, Region, Schedule, Step};
 
@@ -21,10 +22,13 @@ pub struct GroupSchedule<P> {
     pub schedule: Schedule,
     pub buffers: BufferMap<P>,
     /// Per peer sent to, in order of first appearance: the length of each send buffer.
-    pub sent: Vec<(usize, Vec<usize>)>,
+    pub sent: PerPeer,
     /// Per peer received from: the length of each receive buffer.
-    pub received: Vec<(usize, Vec<usize>)>,
+    pub received: PerPeer,
 }
+
+/// Buffer lengths per peer, peers in order of first appearance.
+pub type PerPeer = Vec<(usize, Vec<usize>)>;
 
 /// The schedule of a group of `sends` and `recvs`, each `(peer, place, bytes)` in call order.
 pub fn group_schedule<P: Copy>(
@@ -32,39 +36,25 @@ pub fn group_schedule<P: Copy>(
     recvs: &[(usize, P, usize)],
     slice: usize,
 ) -> GroupSchedule<P> {
-    let slice = slice.max(1);
     let mut buffers = BufferMap::default();
-    let mut sent: Vec<(usize, Vec<usize>)> = Vec::new();
-    let mut received: Vec<(usize, Vec<usize>)> = Vec::new();
-    let pieces = |start: usize, len: usize| {
-        (0..len)
-            .step_by(slice)
-            .map(move |o| (start + o, slice.min(len - o)))
-    };
-    let mut send_steps = Vec::new();
-    for &(peer, at, len) in sends {
-        let start = buffers.push_input(at, len);
-        for (offset, len) in pieces(start, len) {
-            let src = Region::new(BufId::Input, offset, len);
-            send_steps.push(Action::Send { peer, src });
-        }
-        add_message(&mut sent, peer, len);
-    }
-    let mut recv_steps = Vec::new();
-    for &(peer, at, len) in recvs {
-        let start = buffers.push_output(at, len);
-        for (offset, len) in pieces(start, len) {
-            let dst = Region::new(BufId::Output, offset, len);
-            recv_steps.push(Action::RecvCopy { peer, dst });
-        }
-        add_message(&mut received, peer, len);
-    }
+    let (send_pieces, sent) = messages(sends, BufId::Input, slice, |at, len| {
+        buffers.push_input(at, len)
+    });
+    let (recv_pieces, received) = messages(recvs, BufId::Output, slice, |at, len| {
+        buffers.push_output(at, len)
+    });
+    let send_steps = send_pieces
+        .into_iter()
+        .map(|(peer, src)| Action::Send { peer, src });
+    let recv_steps = recv_pieces
+        .into_iter()
+        .map(|(peer, dst)| Action::RecvCopy { peer, dst });
     let mut schedule = Schedule {
         send_peers: sent.iter().map(|(p, _)| *p).collect(),
         recv_peers: received.iter().map(|(p, _)| *p).collect(),
         ..Schedule::default()
     };
-    let (mut s, mut r) = (send_steps.into_iter(), recv_steps.into_iter());
+    let (mut s, mut r) = (send_steps, recv_steps);
     loop {
         let (a, b) = (s.next(), r.next());
         if a.is_none() && b.is_none() {
@@ -85,7 +75,26 @@ pub fn group_schedule<P: Copy>(
     }
 }
 
-fn add_message(per_peer: &mut Vec<(usize, Vec<usize>)>, peer: usize, len: usize) {
+/// One side of a group: its buffers cut into messages of at most `slice` bytes, `(peer, region
+/// of `buf`)` each, and the buffer lengths per peer. `place(at, len)` lays a buffer into `buf`
+/// and returns where it starts.
+fn messages<P: Copy>(
+    list: &[(usize, P, usize)],
+    buf: BufId,
+    slice: usize,
+    mut place: impl FnMut(P, usize) -> usize,
+) -> (Vec<(usize, Region)>, PerPeer) {
+    let mut pieces = Vec::new();
+    let mut per_peer = Vec::new();
+    for &(peer, at, len) in list {
+        let start = place(at, len);
+        pieces.extend(slices(start, len, slice).map(|(o, l)| (peer, Region::new(buf, o, l))));
+        add_message(&mut per_peer, peer, len);
+    }
+    (pieces, per_peer)
+}
+
+fn add_message(per_peer: &mut PerPeer, peer: usize, len: usize) {
     match per_peer.iter_mut().find(|(p, _)| *p == peer) {
         Some((_, sizes)) => sizes.push(len),
         None => per_peer.push((peer, vec![len])),
