@@ -296,20 +296,48 @@ impl Communicator {
 
     // ----- collectives, blocking -----
 
-    /// All-reduce from `send` into `recv` (equal lengths).
-    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let call = RawOp::new(OpKind::AllReduce, T::DTYPE, send.len()).with_op(op);
+    /// A typed out-of-place collective: the count from the buffers' lengths
+    /// ([`RawOp::from_lengths`], the rule the CUDA path uses too); `with` sets the op and root.
+    fn typed<T: Element>(
+        &self,
+        kind: OpKind,
+        send: &[T],
+        recv: &mut [T],
+        with: impl FnOnce(RawOp) -> RawOp,
+    ) -> Result<()> {
+        let call = RawOp::from_lengths(kind, T::DTYPE, self.size(), Some(send.len()), recv.len());
         self.execute_raw(
-            call,
+            with(call),
             Some(bytemuck::cast_slice(send)),
             bytemuck::cast_slice_mut(recv),
         )
     }
 
+    /// A typed in-place collective (see [`Communicator::typed`]).
+    fn typed_in_place<T: Element>(
+        &self,
+        kind: OpKind,
+        buf: &mut [T],
+        with: impl FnOnce(RawOp) -> RawOp,
+    ) -> Result<()> {
+        let call = with(RawOp::from_lengths(
+            kind,
+            T::DTYPE,
+            self.size(),
+            None,
+            buf.len(),
+        ));
+        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// All-reduce from `send` into `recv` (equal lengths).
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.typed(OpKind::AllReduce, send, recv, |c| c.with_op(op))
+    }
+
     /// All-reduce in place.
     pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let call = RawOp::new(OpKind::AllReduce, T::DTYPE, buf.len()).with_op(op);
-        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+        self.typed_in_place(OpKind::AllReduce, buf, |c| c.with_op(op))
     }
 
     /// Reduce to `root`: `recv` is written on the root only (other ranks may pass an empty slice).
@@ -320,14 +348,9 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let call = RawOp::new(OpKind::Reduce, T::DTYPE, send.len())
-            .with_op(op)
-            .with_root(root);
-        self.execute_raw(
-            call,
-            Some(bytemuck::cast_slice(send)),
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.typed(OpKind::Reduce, send, recv, |c| {
+            c.with_op(op).with_root(root)
+        })
     }
 
     /// Reduce to `root` in place (non-root buffers are left unchanged).
@@ -337,43 +360,27 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let call = RawOp::new(OpKind::Reduce, T::DTYPE, buf.len())
-            .with_op(op)
-            .with_root(root);
-        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+        self.typed_in_place(OpKind::Reduce, buf, |c| c.with_op(op).with_root(root))
     }
 
     /// Broadcast `send` on the root into `recv` on every rank (non-roots may pass an empty `send`).
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let call = RawOp::new(OpKind::Broadcast, T::DTYPE, recv.len()).with_root(root);
-        self.execute_raw(
-            call,
-            Some(bytemuck::cast_slice(send)),
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.typed(OpKind::Broadcast, send, recv, |c| c.with_root(root))
     }
 
     /// Broadcast in place from `root`.
     pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let call = RawOp::new(OpKind::Broadcast, T::DTYPE, buf.len()).with_root(root);
-        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+        self.typed_in_place(OpKind::Broadcast, buf, |c| c.with_root(root))
     }
 
     /// All-gather: `recv` (size × `send.len()`) receives every rank's `send`, in rank order.
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let call = RawOp::new(OpKind::AllGather, T::DTYPE, send.len());
-        self.execute_raw(
-            call,
-            Some(bytemuck::cast_slice(send)),
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.typed(OpKind::AllGather, send, recv, |c| c)
     }
 
     /// All-gather in place: this rank's contribution is block `rank` of `buf`.
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let count = buf.len() / self.size();
-        let call = RawOp::new(OpKind::AllGather, T::DTYPE, count);
-        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+        self.typed_in_place(OpKind::AllGather, buf, |c| c)
     }
 
     /// Reduce-scatter: `send` has size × `recv.len()` elements; block `rank` of the element-wise
@@ -384,35 +391,22 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let call = RawOp::new(OpKind::ReduceScatter, T::DTYPE, recv.len()).with_op(op);
-        self.execute_raw(
-            call,
-            Some(bytemuck::cast_slice(send)),
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.typed(OpKind::ReduceScatter, send, recv, |c| c.with_op(op))
     }
 
     /// Reduce-scatter in place: the result is block `rank` of `buf`.
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let count = buf.len() / self.size();
-        let call = RawOp::new(OpKind::ReduceScatter, T::DTYPE, count).with_op(op);
-        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+        self.typed_in_place(OpKind::ReduceScatter, buf, |c| c.with_op(op))
     }
 
     /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let call = RawOp::new(OpKind::AllToAll, T::DTYPE, send.len() / self.size());
-        self.execute_raw(
-            call,
-            Some(bytemuck::cast_slice(send)),
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.typed(OpKind::AllToAll, send, recv, |c| c)
     }
 
     /// All-to-all in place (uses a scratch copy of `buf`).
     pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let call = RawOp::new(OpKind::AllToAll, T::DTYPE, buf.len() / self.size());
-        self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
+        self.typed_in_place(OpKind::AllToAll, buf, |c| c)
     }
 
     /// Blocks until every rank has called `barrier`.

@@ -26,9 +26,7 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::AllReduce, T::DTYPE, n).with_op(op)
-        })
+        self.submit_in_place(buf, OpKind::AllReduce, move |c| c.with_op(op))
     }
 
     /// Starts an in-place broadcast from `root` of an owned buffer.
@@ -36,9 +34,7 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::Broadcast, T::DTYPE, n).with_root(root)
-        })
+        self.submit_in_place(buf, OpKind::Broadcast, move |c| c.with_root(root))
     }
 
     /// Starts an in-place reduce to `root` of an owned buffer.
@@ -46,11 +42,7 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::Reduce, T::DTYPE, n)
-                .with_op(op)
-                .with_root(root)
-        })
+        self.submit_in_place(buf, OpKind::Reduce, move |c| c.with_op(op).with_root(root))
     }
 
     /// Starts an in-place all-gather (contribution in block `rank`) of an owned buffer.
@@ -58,10 +50,7 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        let size = self.size();
-        self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::AllGather, T::DTYPE, n / size)
-        })
+        self.submit_in_place(buf, OpKind::AllGather, |c| c)
     }
 
     /// Starts an in-place reduce-scatter (result in block `rank`) of an owned buffer.
@@ -69,10 +58,7 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        let size = self.size();
-        self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::ReduceScatter, T::DTYPE, n / size).with_op(op)
-        })
+        self.submit_in_place(buf, OpKind::ReduceScatter, move |c| c.with_op(op))
     }
 
     /// Starts an in-place all-to-all of an owned buffer.
@@ -80,10 +66,7 @@ impl Communicator {
     where
         B: AsMut<[T]> + Send + 'static,
     {
-        let size = self.size();
-        self.submit_in_place(buf, move |n| {
-            RawOp::new(OpKind::AllToAll, T::DTYPE, n / size)
-        })
+        self.submit_in_place(buf, OpKind::AllToAll, |c| c)
     }
 
     /// Starts a barrier.
@@ -122,18 +105,23 @@ impl Communicator {
         })
     }
 
+    /// Queues an in-place collective on an owned buffer: the count from its length
+    /// ([`RawOp::from_lengths`], as for the blocking calls); `with` sets the op and root.
     pub(crate) fn submit_in_place<T: Element, B>(
         &self,
         buf: B,
-        make: impl FnOnce(usize) -> RawOp + Send + 'static,
+        kind: OpKind,
+        with: impl FnOnce(RawOp) -> RawOp + Send + 'static,
     ) -> Handle<B>
     where
         B: AsMut<[T]> + Send + 'static,
     {
         let inner = Arc::clone(&self.inner);
+        let nranks = self.size();
         self.submit(buf, move |b| {
             let bytes: &mut [u8] = bytemuck::cast_slice_mut(b.as_mut());
-            let call = make(bytes.len() / T::DTYPE.size());
+            let len = bytes.len() / T::DTYPE.size();
+            let call = with(RawOp::from_lengths(kind, T::DTYPE, nranks, None, len));
             let plan = inner.plan(&call, None, bytes.len())?;
             inner.run_blocking(call.kind, |i, st| {
                 i.run_planned(st, &call, &plan, None, bytes)

@@ -478,35 +478,28 @@ impl<'c> Reducer<'c> {
 
     /// The gradient of `param` (averaged after a synchronised `finish`).
     pub fn grad(&self, param: usize) -> Result<&[f32]> {
+        let (bi, range) = self.grad_at(param)?;
+        let data = self.buckets[bi].data.as_ref();
+        Ok(&data.ok_or(ReducerError::InFlight { param, bucket: bi })?[range])
+    }
+
+    /// The bucket that holds `param`'s gradient and where in it, once the bucket is not in
+    /// flight.
+    fn grad_at(&self, param: usize) -> Result<(usize, std::ops::Range<usize>)> {
         self.check_usable()?;
         self.check_param(param)?;
         let (bi, off) = self.loc[param];
-        let b = &self.buckets[bi];
-        if b.inflight {
+        if self.buckets[bi].inflight {
             return Err(ReducerError::InFlight { param, bucket: bi });
         }
-        let d = b
-            .data
-            .as_ref()
-            .ok_or(ReducerError::InFlight { param, bucket: bi })?;
-        Ok(&d[off..off + self.sizes[param]])
+        Ok((bi, off..off + self.sizes[param]))
     }
 
     /// The gradient memory of `param` inside its bucket, to write or accumulate into.
     pub fn grad_mut(&mut self, param: usize) -> Result<&mut [f32]> {
-        self.check_usable()?;
-        self.check_param(param)?;
-        let (bi, off) = self.loc[param];
-        let n = self.sizes[param];
-        let b = &mut self.buckets[bi];
-        if b.inflight {
-            return Err(ReducerError::InFlight { param, bucket: bi });
-        }
-        let d = b
-            .data
-            .as_mut()
-            .ok_or(ReducerError::InFlight { param, bucket: bi })?;
-        Ok(&mut d[off..off + n])
+        let (bi, range) = self.grad_at(param)?;
+        let data = self.buckets[bi].data.as_mut();
+        Ok(&mut data.ok_or(ReducerError::InFlight { param, bucket: bi })?[range])
     }
 
     /// Starts a backward pass. With `sync == false` (PyTorch's `no_sync`) gradients only

@@ -558,13 +558,6 @@ fn link_label(k: LinkKind) -> String {
     }
 }
 
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
-
 /// Graphviz DOT rendering: the graph, with the first ring in red.
 pub fn render_dot(r: &Report) -> String {
     let t = &r.topology;
@@ -771,7 +764,7 @@ pub fn render_svg(r: &Report) -> String {
             py(v) - 13.0,
             px(v),
             py(v) + 4.0,
-            escape(&node_label(t, &g.nodes[v].kind))
+            crate::xml::escape(&node_label(t, &g.nodes[v].kind))
         );
     }
     if let Some(ring) = r.rings.rings.first() {
@@ -780,7 +773,7 @@ pub fn render_svg(r: &Report) -> String {
             "<text x=\"10\" y=\"{:.0}\" fill=\"red\">ring 0: {} ({:.1} GB/s bottleneck; {} \
              channel(s), {:.1} GB/s total)</text>",
             height - 10.0,
-            escape(&ring_text(t, &ring.order)),
+            crate::xml::escape(&ring_text(t, &ring.order)),
             ring.bottleneck_gbps,
             r.rings.rings.len(),
             r.rings.total_gbps()

@@ -475,7 +475,8 @@ pub fn cpulist_to_mask(list: &str) -> String {
         .join(",")
 }
 
-fn esc(s: &str) -> String {
+/// `s` with the characters XML (and SVG and DOT labels) cannot carry escaped.
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
@@ -528,7 +529,7 @@ pub fn write(topo: &Topology) -> String {
             });
         let _ = write!(o, "  <cpu numaid=\"{}\"", s.numa);
         if let Some(a) = aff {
-            let _ = write!(o, " affinity=\"{}\"", esc(&cpulist_to_mask(&a)));
+            let _ = write!(o, " affinity=\"{}\"", escape(&cpulist_to_mask(&a)));
         }
         o.push_str(" arch=\"x86_64\">\n");
         for e in &s.children {
@@ -647,7 +648,7 @@ fn write_elem(
             let _ = write!(
                 o,
                 "{pad}    <net name=\"{}\" dev=\"{}\"",
-                esc(&n.name),
+                escape(&n.name),
                 d - ng
             );
             if let Some(s) = n.speed_gbit {

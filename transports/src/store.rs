@@ -183,23 +183,7 @@ impl StoreServer {
                 token.len()
             )));
         }
-        let sock = Socket::new(Domain::for_address(bind), Type::STREAM, Some(Protocol::TCP))
-            .map_err(|e| TransportError::io("creating store socket", e))?;
-        let _ = sock.set_reuse_address(true);
-        sock.bind(&bind.into())
-            .map_err(|e| TransportError::io(format!("binding store to {bind}"), e))?;
-        sock.listen(1024)
-            .map_err(|e| TransportError::io("store listen", e))?;
-        sock.set_nonblocking(true)
-            .map_err(|e| TransportError::io("store listener non-blocking", e))?;
-        let local = sock
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_socket())
-            .ok_or_else(|| TransportError::Io {
-                what: "store address".into(),
-                message: "unknown".into(),
-            })?;
+        let (sock, local) = crate::tcp::listen(bind, None, "store")?;
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 map: HashMap::new(),

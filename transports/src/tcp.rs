@@ -603,6 +603,38 @@ impl IdleWaiter for TcpWaiter {
 // Establishment
 // ---------------------------------------------------------------------------------------------
 
+/// A non-blocking listening socket bound to `addr` (port 0: any), and the address it got.
+/// `buffer` sets the kernel's socket buffers before `listen`, so accepted sockets inherit them
+/// (window scaling is negotiated early). `what` names the listener in errors.
+pub(crate) fn listen(
+    addr: SocketAddr,
+    buffer: Option<usize>,
+    what: &str,
+) -> Result<(Socket, SocketAddr)> {
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+        .map_err(|e| TransportError::io(format!("creating the {what} socket"), e))?;
+    let _ = sock.set_reuse_address(true);
+    if let Some(bytes) = buffer {
+        let _ = sock.set_send_buffer_size(bytes);
+        let _ = sock.set_recv_buffer_size(bytes);
+    }
+    sock.bind(&addr.into())
+        .map_err(|e| TransportError::io(format!("binding the {what} to {addr}"), e))?;
+    sock.listen(1024)
+        .map_err(|e| TransportError::io(format!("{what} listen"), e))?;
+    sock.set_nonblocking(true)
+        .map_err(|e| TransportError::io(format!("making the {what} non-blocking"), e))?;
+    let local = sock
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .ok_or_else(|| TransportError::Io {
+            what: format!("{what} address"),
+            message: "unknown".into(),
+        })?;
+    Ok((sock, local))
+}
+
 /// A listening endpoint of one rank plus the identity it presents in handshakes.
 pub struct TcpEndpoint {
     listener: Socket,
@@ -630,26 +662,7 @@ impl TcpEndpoint {
         if rank > u32::MAX as usize {
             return Err(TransportError::Config(format!("rank {rank} too large")));
         }
-        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
-            .map_err(|e| TransportError::io("creating listening socket", e))?;
-        let _ = sock.set_reuse_address(true);
-        // Set before listen so accepted sockets inherit them (window scaling is negotiated early).
-        let _ = sock.set_send_buffer_size(SOCKET_BUFFER_BYTES);
-        let _ = sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
-        sock.bind(&addr.into())
-            .map_err(|e| TransportError::io(format!("binding {addr}"), e))?;
-        sock.listen(1024)
-            .map_err(|e| TransportError::io("listen", e))?;
-        sock.set_nonblocking(true)
-            .map_err(|e| TransportError::io("making listener non-blocking", e))?;
-        let local = sock
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_socket())
-            .ok_or_else(|| TransportError::Io {
-                what: "listener address".into(),
-                message: "unknown".into(),
-            })?;
+        let (sock, local) = listen(addr, Some(SOCKET_BUFFER_BYTES), "listener")?;
         Ok(TcpEndpoint {
             listener: sock,
             local,

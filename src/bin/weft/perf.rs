@@ -174,12 +174,8 @@ fn started_by_launcher() -> bool {
 
 /// Entry point of `weft perf`.
 pub fn main(args: PerfArgs) -> i32 {
-    let opts = match options(&args) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("weft perf: {e}");
-            return 2;
-        }
+    let Ok(opts) = options(&args).map_err(|e| eprintln!("weft perf: {e}")) else {
+        return 2;
     };
     let baselines = match args
         .baseline

@@ -187,12 +187,8 @@ fn kill_hook() -> Option<(usize, u64)> {
 }
 
 pub fn main(args: TrainArgs) -> i32 {
-    let cfg = match config(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("weft train: {e}");
-            return 2;
-        }
+    let Ok(cfg) = config(&args).map_err(|e| eprintln!("weft train: {e}")) else {
+        return 2;
     };
     let comm = if launched() {
         Communicator::from_env()

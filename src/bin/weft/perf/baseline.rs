@@ -125,25 +125,22 @@ fn table_row(line: &str) -> Option<BaselineRow> {
     let num = |i: usize| w.get(i).and_then(|s| s.parse::<f64>().ok());
     let int = |i: usize| w.get(i).and_then(|s| s.parse::<u64>().ok());
     let (size, count) = (int(0)?, int(1)?);
-    if w.len() == 6 {
-        return Some(BaselineRow {
+    // The time, algbw, busbw and #wrong columns from `at` on.
+    let row_from = |at: usize| {
+        Some(BaselineRow {
             size,
             count,
-            time_us: num(2)?,
-            algbw: num(3)?,
-            busbw: num(4)?,
-            wrong: int(5),
-        });
+            time_us: num(at)?,
+            algbw: num(at + 1)?,
+            busbw: num(at + 2)?,
+            wrong: int(at + 3),
+        })
+    };
+    if w.len() == 6 {
+        return row_from(2);
     }
     if w.len() >= 9 && w[2].parse::<f64>().is_err() {
-        return Some(BaselineRow {
-            size,
-            count,
-            time_us: num(5)?,
-            algbw: num(6)?,
-            busbw: num(7)?,
-            wrong: int(8),
-        });
+        return row_from(5);
     }
     None
 }

@@ -1,7 +1,7 @@
 //! Pure parts of `weft perf`: sizes, per-collective counts and bus-bandwidth factors, validation
 //! patterns with their expected values, and nccl-tests-style formatting.
 
-use weftcc::{DataType, ReduceOp};
+use weftcc::{DataType, OpKind, ReduceOp};
 
 /// The collectives `weft perf` measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -48,17 +48,27 @@ impl Collective {
         }
     }
 
+    /// The operation this benchmark runs.
+    pub const fn kind(self) -> OpKind {
+        match self {
+            Collective::AllReduce => OpKind::AllReduce,
+            Collective::AllGather => OpKind::AllGather,
+            Collective::ReduceScatter => OpKind::ReduceScatter,
+            Collective::Broadcast => OpKind::Broadcast,
+            Collective::Reduce => OpKind::Reduce,
+            Collective::AllToAll => OpKind::AllToAll,
+            Collective::SendRecv => OpKind::SendRecv,
+        }
+    }
+
     /// True for the collectives that apply a reduction (and so take `-o`).
     pub const fn reduces(self) -> bool {
-        matches!(
-            self,
-            Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
-        )
+        self.kind().has_reduction()
     }
 
     /// True for the collectives with a root (and so take `-r`).
     pub const fn has_root(self) -> bool {
-        matches!(self, Collective::Broadcast | Collective::Reduce)
+        self.kind().has_root()
     }
 
     /// True when the size column counts the buffer of all ranks' blocks (count × type × nranks).
