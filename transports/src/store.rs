@@ -32,7 +32,6 @@ use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -244,22 +243,10 @@ impl Drop for StoreServer {
 }
 
 fn accept_loop(listener: Socket, inner: Arc<Inner>) {
-    use nix::poll::{PollFd, PollFlags, PollTimeout};
     while !inner.shutdown.load(Ordering::Acquire) {
-        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-        let _ = nix::poll::poll(&mut fds, PollTimeout::from(50u16));
-        let (sock, from) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
-                continue
-            }
-            Err(e) => {
-                tracing::warn!(target: "weftcc::bootstrap", error = %e, "store accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
+        let Some((sock, from)) = crate::tcp::accept_within(&listener, 50, "store") else {
+            continue;
         };
-        let from = from.as_socket().map(|a| a.to_string()).unwrap_or_default();
         if inner.active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
             tracing::warn!(target: "weftcc::bootstrap", from = %from, "store connection limit reached; closing new connection");
             continue;

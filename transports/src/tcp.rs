@@ -28,6 +28,7 @@
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
 use crate::util::{env_nonempty, fnv1a64, AlignedBuf, Deadline};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -603,6 +604,30 @@ impl IdleWaiter for TcpWaiter {
 // Establishment
 // ---------------------------------------------------------------------------------------------
 
+/// The next connection on `listener`, waiting up to `wait_ms` for one, and the peer's address;
+/// `None` when none came. A failed accept is logged (`what` names the listener) and paced, so a
+/// caller's loop can simply try again.
+pub(crate) fn accept_within(
+    listener: &Socket,
+    wait_ms: u16,
+    what: &str,
+) -> Option<(Socket, String)> {
+    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    let _ = nix::poll::poll(&mut fds, PollTimeout::from(wait_ms));
+    match listener.accept() {
+        Ok((sock, from)) => {
+            let from = from.as_socket().map(|a| a.to_string()).unwrap_or_default();
+            Some((sock, from))
+        }
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => None,
+        Err(e) => {
+            tracing::warn!(target: "weftcc::net", listener = what, error = %e, "accept failed");
+            std::thread::sleep(Duration::from_millis(5));
+            None
+        }
+    }
+}
+
 /// A non-blocking listening socket bound to `addr` (port 0: any), and the address it got.
 /// `buffer` sets the kernel's socket buffers before `listen`, so accepted sockets inherit them
 /// (window scaling is negotiated early). `what` names the listener in errors.
@@ -695,7 +720,6 @@ impl TcpEndpoint {
         timeout: Duration,
         cancel: Option<&AtomicBool>,
     ) -> Result<Vec<TcpConnection>> {
-        use nix::poll::{PollFd, PollFlags, PollTimeout};
         let deadline = Deadline::after(timeout);
         let (tx, rx) = mpsc::channel::<(u32, Socket)>();
         let inflight = Arc::new(AtomicUsize::new(0));
@@ -734,20 +758,10 @@ impl TcpEndpoint {
                 .remaining()
                 .min(Duration::from_millis(10))
                 .as_millis() as u16;
-            let mut fds = [PollFd::new(self.listener.as_fd(), PollFlags::POLLIN)];
-            let _ = nix::poll::poll(&mut fds, PollTimeout::from(wait_ms.max(1)));
-            let (sock, from) = match self.listener.accept() {
-                Ok(x) => x,
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
-                    continue
-                }
-                Err(e) => {
-                    tracing::warn!(target: "weftcc::net", error = %e, "accept failed");
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                }
+            let Some((sock, from)) = accept_within(&self.listener, wait_ms.max(1), "listener")
+            else {
+                continue;
             };
-            let from = from.as_socket().map(|a| a.to_string()).unwrap_or_default();
             let tx = tx.clone();
             let token = self.token.clone();
             let ns = self.namespace_hash;
