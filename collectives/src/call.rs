@@ -80,6 +80,7 @@ pub struct Plan {
 
 impl RawOp {
     /// An operation with `Sum` and root 0.
+    #[inline]
     pub fn new(kind: OpKind, dtype: DataType, count: usize) -> Self {
         RawOp {
             kind,
@@ -111,12 +112,14 @@ impl RawOp {
     }
 
     /// Sets the reduction.
+    #[inline]
     pub fn with_op(mut self, op: ReduceOp) -> Self {
         self.op = op;
         self
     }
 
     /// Sets the root.
+    #[inline]
     pub fn with_root(mut self, root: usize) -> Self {
         self.root = root;
         self
@@ -137,6 +140,7 @@ impl RawOp {
     /// all-to-all, `recv` for broadcast and reduce-scatter; an in-place buffer holds `nranks`
     /// blocks for all-gather, reduce-scatter and all-to-all). [`RawOp::plan`] then checks the
     /// other buffer against it.
+    #[inline]
     pub fn from_lengths(
         kind: OpKind,
         dtype: DataType,

@@ -31,6 +31,7 @@ pub struct OpDesc {
 
 impl OpDesc {
     /// Encodes the header sent by `sender`.
+    #[inline]
     pub fn encode(&self, sender: u32) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         self.encode_into(sender, &mut b);
@@ -39,6 +40,7 @@ impl OpDesc {
 
     /// [`OpDesc::encode`] into `b`. The checksum is taken over the words as computed, not read
     /// back from `b` (reading bytes just stored one by one as words stalls the load).
+    #[inline]
     pub fn encode_into(&self, sender: u32, b: &mut [u8; HEADER_LEN]) {
         let words = self.words(sender);
         for (chunk, word) in b[..32].chunks_exact_mut(8).zip(words) {
@@ -50,6 +52,7 @@ impl OpDesc {
 
     /// Whether `b` is exactly the header `sender` encodes for this description: the receiver's
     /// check on the common path, without decoding (a mismatch is then decoded to report it).
+    #[inline]
     pub fn is_encoded_in(&self, sender: u32, b: &[u8; HEADER_LEN]) -> bool {
         let words = self.words(sender);
         let tail = u64::from(checksum_words(words));
@@ -75,6 +78,7 @@ impl OpDesc {
     }
 
     /// Decodes a header; returns the description and the sender's rank.
+    #[inline]
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<(OpDesc, u32), HeaderError> {
         if b[0..4] != MAGIC {
             return Err(HeaderError::Magic);

@@ -54,6 +54,7 @@ const BLOCK: usize = 256;
 
 /// `dst = a ⊕ b` element-wise. All three byte slices must hold the same number of whole
 /// elements of `dtype`.
+#[inline]
 pub fn reduce_into(
     dtype: DataType,
     comb: Combiner,
@@ -75,6 +76,7 @@ pub fn reduce_into(
 
 /// `dst = dst ⊕ src` element-wise. Both byte slices must hold the same number of whole elements
 /// of `dtype`.
+#[inline]
 pub fn reduce_in_place(
     dtype: DataType,
     comb: Combiner,

@@ -244,14 +244,10 @@ pub fn tree_reduce(
 ) -> Result<Schedule, ScheduleError> {
     check_rank(rank, nranks)?;
     check_root(root, nranks)?;
-    let mut b = Builder::default();
     if nranks == 1 {
-        b.copy(
-            Region::new(BufId::Input, 0, count),
-            Region::new(BufId::Output, 0, count),
-        );
-        return Ok(b.finish(Vec::new(), Vec::new(), 0));
+        return Ok(Builder::single_rank(count));
     }
+    let mut b = Builder::default();
     let node = tree_node(Labeling::Rotated { root }, rank, nranks);
     let acc = if node.parent.is_none() {
         BufId::Output
