@@ -236,10 +236,6 @@ fn sim_ok(r: Result<(), SimError>) -> Result<(), TestCaseError> {
     r.map_err(|e| TestCaseError::fail(e.to_string()))
 }
 
-fn check_all_reduce(p: &Params) -> Result<(), TestCaseError> {
-    check_all_reduce_with(p, schedule::ring_all_reduce)
-}
-
 fn check_all_reduce_with(
     p: &Params,
     builder: impl Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
@@ -251,16 +247,7 @@ fn check_all_reduce_with(
         .collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
     check_slices(&scheds, p.slice)?;
-    let mut mem: Vec<RankMemory> = inputs
-        .iter()
-        .map(|x| {
-            if p.in_place {
-                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
-            } else {
-                RankMemory::separate(x.clone(), rng.bytes(bytes))
-            }
-        })
-        .collect();
+    let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
     let want = fold(p.dtype, p.comb, &inputs, 0, bytes);
     for (r, m) in mem.iter().enumerate() {
@@ -272,13 +259,27 @@ fn check_all_reduce_with(
     Ok(())
 }
 
+/// Each rank's memory for a collective whose Input and Output both hold `count` elements: one
+/// buffer in place, else the rank's input and `output(rank)`.
+fn same_size_memory(
+    p: &Params,
+    inputs: &[Vec<u8>],
+    mut output: impl FnMut(usize) -> Vec<u8>,
+) -> Vec<RankMemory> {
+    let whole = (0, p.count * p.dtype.size());
+    let memory = |(r, x): (usize, &Vec<u8>)| {
+        if p.in_place {
+            RankMemory::shared(x.clone(), whole, whole)
+        } else {
+            RankMemory::separate(x.clone(), output(r))
+        }
+    };
+    inputs.iter().enumerate().map(memory).collect()
+}
+
 /// The signature shared by the all-gather and reduce-scatter builders (rank, nranks, count,
 /// slice).
 type BlockBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
-
-fn check_reduce_scatter(p: &Params) -> Result<(), TestCaseError> {
-    check_reduce_scatter_with(p, schedule::ring_reduce_scatter)
-}
 
 fn check_reduce_scatter_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
@@ -312,10 +313,6 @@ fn check_reduce_scatter_with(p: &Params, builder: BlockBuilder) -> Result<(), Te
     Ok(())
 }
 
-fn check_all_gather(p: &Params) -> Result<(), TestCaseError> {
-    check_all_gather_with(p, schedule::ring_all_gather)
-}
-
 fn check_all_gather_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let block = p.count * p.dtype.size();
@@ -346,26 +343,13 @@ fn check_all_gather_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCa
 /// The signature shared by the rooted builders (rank, nranks, root, count, slice).
 type RootedBuilder = fn(usize, usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
 
-fn check_broadcast(p: &Params) -> Result<(), TestCaseError> {
-    check_broadcast_with(p, schedule::chain_broadcast)
-}
-
 fn check_broadcast_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
     check_slices(&scheds, p.slice)?;
-    let mut mem: Vec<RankMemory> = inputs
-        .iter()
-        .map(|x| {
-            if p.in_place {
-                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
-            } else {
-                RankMemory::separate(x.clone(), rng.bytes(bytes))
-            }
-        })
-        .collect();
+    let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
     for (r, m) in mem.iter().enumerate() {
         prop_assert_eq!(m.output().unwrap(), &inputs[p.root][..], "rank {}", r);
@@ -374,10 +358,6 @@ fn check_broadcast_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCa
         }
     }
     Ok(())
-}
-
-fn check_reduce(p: &Params) -> Result<(), TestCaseError> {
-    check_reduce_with(p, schedule::chain_reduce)
 }
 
 fn check_reduce_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseError> {
@@ -389,17 +369,7 @@ fn check_reduce_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseE
     let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
     check_slices(&scheds, p.slice)?;
     let sentinels: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
-    let mut mem: Vec<RankMemory> = inputs
-        .iter()
-        .zip(&sentinels)
-        .map(|(x, s)| {
-            if p.in_place {
-                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
-            } else {
-                RankMemory::separate(x.clone(), s.clone())
-            }
-        })
-        .collect();
+    let mut mem = same_size_memory(p, &inputs, |r| sentinels[r].clone());
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
     let want = fold(p.dtype, p.comb, &inputs, 0, bytes);
     for (r, m) in mem.iter().enumerate() {
@@ -573,33 +543,12 @@ proptest! {
         check_group(&p)?;
     }
 
+    /// Ring, recursive doubling, double binary tree and hierarchical all-reduce.
     #[test]
     fn all_reduce_matches_reference(p in params(3000)) {
-        check_all_reduce(&p)?;
-    }
-
-    #[test]
-    fn recursive_doubling_all_reduce_matches_reference(p in params(3000)) {
+        check_all_reduce_with(&p, schedule::ring_all_reduce)?;
         check_all_reduce_with(&p, schedule::recursive_doubling_all_reduce)?;
-    }
-
-    #[test]
-    fn recursive_doubling_all_reduce_is_bitwise_identical(q in float_params()) {
-        check_float_all_reduce_identical(&q, schedule::recursive_doubling_all_reduce)?;
-    }
-
-    #[test]
-    fn tree_all_reduce_matches_reference(p in params(3000)) {
         check_all_reduce_with(&p, tree::tree_all_reduce)?;
-    }
-
-    #[test]
-    fn tree_all_reduce_is_bitwise_identical(q in float_params()) {
-        check_float_all_reduce_identical(&q, tree::tree_all_reduce)?;
-    }
-
-    #[test]
-    fn hierarchical_all_reduce_matches_reference(p in params(3000)) {
         let l = layout(p.n, p.seed);
         check_all_reduce_with(&p, |r, _, count, slice| {
             hierarchical::hierarchical_all_reduce(r, &l, count, slice)
@@ -607,55 +556,32 @@ proptest! {
     }
 
     #[test]
-    fn hierarchical_all_reduce_is_bitwise_identical(q in float_params()) {
+    fn all_reduce_is_bitwise_identical(q in float_params()) {
+        check_float_all_reduce_identical(&q, schedule::recursive_doubling_all_reduce)?;
+        check_float_all_reduce_identical(&q, tree::tree_all_reduce)?;
         let l = layout(q.n, q.seed);
         check_float_all_reduce_identical(&q, |r, _, count, slice| {
             hierarchical::hierarchical_all_reduce(r, &l, count, slice)
         })?;
     }
 
+    /// Chains and pipelined binary trees.
     #[test]
-    fn tree_broadcast_matches_reference(p in params(3000)) {
+    fn broadcast_and_reduce_match_reference(p in params(3000)) {
+        check_broadcast_with(&p, schedule::chain_broadcast)?;
+        check_reduce_with(&p, schedule::chain_reduce)?;
         check_broadcast_with(&p, tree::tree_broadcast)?;
-    }
-
-    #[test]
-    fn tree_reduce_matches_reference(p in params(3000)) {
         check_reduce_with(&p, tree::tree_reduce)?;
     }
 
+    /// Rings, and recursive halving and doubling on a power of two (1, 2, 4, 8, 16 ranks).
     #[test]
-    fn reduce_scatter_matches_reference(p in params(300)) {
-        check_reduce_scatter(&p)?;
-    }
-
-    #[test]
-    fn recursive_halving_reduce_scatter_matches_reference(p in params(300)) {
-        // Power-of-two rank counts only (1, 2, 4, 8, 16).
+    fn reduce_scatter_and_all_gather_match_reference(p in params(300)) {
+        check_reduce_scatter_with(&p, schedule::ring_reduce_scatter)?;
+        check_all_gather_with(&p, schedule::ring_all_gather)?;
         let p = Params { n: 1 << p.n.ilog2(), ..p };
         check_reduce_scatter_with(&p, schedule::recursive_halving_reduce_scatter)?;
-    }
-
-    #[test]
-    fn all_gather_matches_reference(p in params(300)) {
-        check_all_gather(&p)?;
-    }
-
-    #[test]
-    fn recursive_doubling_all_gather_matches_reference(p in params(300)) {
-        // Power-of-two rank counts only (1, 2, 4, 8, 16).
-        let p = Params { n: 1 << p.n.ilog2(), ..p };
         check_all_gather_with(&p, schedule::recursive_doubling_all_gather)?;
-    }
-
-    #[test]
-    fn broadcast_matches_reference(p in params(3000)) {
-        check_broadcast(&p)?;
-    }
-
-    #[test]
-    fn reduce_matches_reference(p in params(3000)) {
-        check_reduce(&p)?;
     }
 
     #[test]
@@ -689,11 +615,11 @@ fn every_dtype_and_combiner() {
                     root: count % n,
                 };
                 let what = format!("{p:?}");
-                check_all_reduce(&p).expect(&what);
-                check_reduce_scatter(&p).expect(&what);
-                check_reduce(&p).expect(&what);
-                check_all_gather(&p).expect(&what);
-                check_broadcast(&p).expect(&what);
+                check_all_reduce_with(&p, schedule::ring_all_reduce).expect(&what);
+                check_reduce_scatter_with(&p, schedule::ring_reduce_scatter).expect(&what);
+                check_reduce_with(&p, schedule::chain_reduce).expect(&what);
+                check_all_gather_with(&p, schedule::ring_all_gather).expect(&what);
+                check_broadcast_with(&p, schedule::chain_broadcast).expect(&what);
                 check_all_to_all(&p).expect(&what);
             }
         }
@@ -740,16 +666,7 @@ fn check_float_all_reduce_identical(
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|r| inexact_data(p, r)).collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
-    let mut mem: Vec<RankMemory> = inputs
-        .iter()
-        .map(|x| {
-            if p.in_place {
-                RankMemory::shared(x.clone(), (0, bytes), (0, bytes))
-            } else {
-                RankMemory::separate(x.clone(), rng.bytes(bytes))
-            }
-        })
-        .collect();
+    let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
     let first = mem[0].output().unwrap().to_vec();
     for (r, m) in mem.iter().enumerate() {

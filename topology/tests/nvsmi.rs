@@ -1,32 +1,12 @@
 //! `nvidia-smi topo -m` parser: real-looking fixtures and malformed inputs.
 
+mod common;
+use common::{fixture, fixtures};
 use weftcc_topology::{nvsmi, NicKind, PathClass, TopoError};
-
-fn fixture(name: &str) -> String {
-    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
-}
-
-pub const FIXTURES: &[&str] = &[
-    "dgx1_v100.txt",
-    "dgx2_v100.txt",
-    "dgx_a100.txt",
-    "dgx_h100.txt",
-    "hgx_a100_4gpu.txt",
-    "nvlink_bridged_pairs.txt",
-    "nvlink_pairs8_dual_socket.txt",
-    "pcie2_phb.txt",
-    "pcie4_nic_far.txt",
-    "pcie4_one_socket.txt",
-    "pcie4_pxb.txt",
-    "pcie4_spaces_ansi.txt",
-    "pcie8_dual_socket.txt",
-    "single_gpu.txt",
-];
 
 #[test]
 fn every_fixture_parses_and_is_consistent() {
-    for f in FIXTURES {
+    for f in &fixtures() {
         let t = nvsmi::parse(&fixture(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
         t.validate().unwrap();
         assert!(!t.gpus.is_empty(), "{f}");
@@ -158,7 +138,7 @@ fn garbage_never_panics() {
     let alphabet: Vec<char> = "GPUNICX \t\n0123456789NVPIXSYSNODE/A:-,\u{1b}[m"
         .chars()
         .collect();
-    for f in FIXTURES {
+    for f in &fixtures() {
         let base: Vec<char> = fixture(f).chars().collect();
         for _ in 0..150 {
             let mut s = base.clone();

@@ -1,31 +1,12 @@
 //! NCCL topology XML: round trips of every fixture, a hand-written NCCL-style dump, malformed input.
 
+mod common;
+use common::{fixture, fixtures};
 use weftcc_topology::{nvsmi, xml, NicKind, PathClass, TopoError};
-
-const FIXTURES: &[&str] = &[
-    "dgx1_v100.txt",
-    "dgx2_v100.txt",
-    "dgx_a100.txt",
-    "dgx_h100.txt",
-    "hgx_a100_4gpu.txt",
-    "nvlink_bridged_pairs.txt",
-    "nvlink_pairs8_dual_socket.txt",
-    "pcie2_phb.txt",
-    "pcie4_nic_far.txt",
-    "pcie4_one_socket.txt",
-    "pcie4_pxb.txt",
-    "pcie8_dual_socket.txt",
-    "single_gpu.txt",
-];
-
-fn fixture(name: &str) -> String {
-    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
-}
 
 #[test]
 fn round_trip_keeps_every_path_class() {
-    for f in FIXTURES {
+    for f in &fixtures() {
         let t = nvsmi::parse(&fixture(f)).unwrap();
         let text = xml::write(&t);
         let back = xml::read(&text).unwrap_or_else(|e| panic!("{f}: {e}\n{text}"));
