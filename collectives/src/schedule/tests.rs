@@ -1,10 +1,11 @@
 //! Builder tests: every schedule checked for structure, peers, dependencies and sizes.
 
 use super::build::{even_chunk, slices};
+use super::tree::{tree_all_reduce, tree_broadcast, tree_reduce};
 use super::*;
 use std::collections::HashMap;
 
-/// Elements of Input, Output and Scratch a rank's schedule may address.
+/// Elements of Input and Output every rank's schedule may address (besides its Scratch).
 struct Sizes {
     input: usize,
     output: usize,
@@ -20,7 +21,7 @@ fn region_fits(r: &Region, sizes: &Sizes, scratch: usize) -> bool {
 }
 
 /// Checks the structural rules over the schedules of all ranks of one collective.
-fn check_all(scheds: &[Schedule], sizes: &[Sizes], slice: usize, all_peers_talk: bool) {
+fn check_all(scheds: &[Schedule], sizes: &Sizes, slice: usize, all_peers_talk: bool) {
     let n = scheds.len();
     let slice = slice.max(1);
     // (from, to) -> lengths of the sends in order, and of the receives in order.
@@ -55,7 +56,7 @@ fn check_all(scheds: &[Schedule], sizes: &[Sizes], slice: usize, all_peers_talk:
             for reg in regions {
                 assert!(reg.len > 0, "rank {r} step {i} empty");
                 assert!(
-                    region_fits(&reg, &sizes[r], s.scratch_elems),
+                    region_fits(&reg, sizes, s.scratch_elems),
                     "rank {r} step {i} region {reg:?} out of bounds"
                 );
             }
@@ -103,12 +104,10 @@ fn ring_all_reduce_structure() {
         let s: Vec<_> = (0..n)
             .map(|r| ring_all_reduce(r, n, count, slice).unwrap())
             .collect();
-        let sizes: Vec<_> = (0..n)
-            .map(|_| Sizes {
-                input: count,
-                output: count,
-            })
-            .collect();
+        let sizes = Sizes {
+            input: count,
+            output: count,
+        };
         check_all(&s, &sizes, slice, true);
     });
 }
@@ -122,12 +121,10 @@ fn check_reduce_scatter_shape(
     all_peers_talk: bool,
 ) -> Vec<Schedule> {
     let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
-    let sizes: Vec<_> = (0..n)
-        .map(|_| Sizes {
-            input: n * count,
-            output: count,
-        })
-        .collect();
+    let sizes = Sizes {
+        input: n * count,
+        output: count,
+    };
     check_all(&s, &sizes, slice, all_peers_talk);
     s
 }
@@ -185,12 +182,10 @@ fn check_all_gather_shape(
     all_peers_talk: bool,
 ) {
     let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
-    let sizes: Vec<_> = (0..n)
-        .map(|_| Sizes {
-            input: count,
-            output: n * count,
-        })
-        .collect();
+    let sizes = Sizes {
+        input: count,
+        output: n * count,
+    };
     check_all(&s, &sizes, slice, all_peers_talk);
 }
 
@@ -212,12 +207,10 @@ fn recursive_doubling_all_gather_structure() {
 fn chain_structure() {
     grid(|n, count, slice| {
         for root in 0..n {
-            let sizes: Vec<_> = (0..n)
-                .map(|_| Sizes {
-                    input: count,
-                    output: count,
-                })
-                .collect();
+            let sizes = Sizes {
+                input: count,
+                output: count,
+            };
             let s: Vec<_> = (0..n)
                 .map(|r| chain_broadcast(r, n, root, count, slice).unwrap())
                 .collect();
@@ -250,12 +243,10 @@ fn all_to_all_and_barrier_structure() {
             let s: Vec<_> = (0..n)
                 .map(|r| pairwise_all_to_all(r, n, count, slice, in_place).unwrap())
                 .collect();
-            let sizes: Vec<_> = (0..n)
-                .map(|_| Sizes {
-                    input: n * count,
-                    output: n * count,
-                })
-                .collect();
+            let sizes = Sizes {
+                input: n * count,
+                output: n * count,
+            };
             check_all(&s, &sizes, slice, true);
             for sched in &s {
                 assert_eq!(sched.send_peers.len(), n - 1);
@@ -266,12 +257,10 @@ fn all_to_all_and_barrier_structure() {
         let s: Vec<_> = (0..n)
             .map(|r| dissemination_barrier(r, n).unwrap())
             .collect();
-        let sizes: Vec<_> = (0..n)
-            .map(|_| Sizes {
-                input: 0,
-                output: 0,
-            })
-            .collect();
+        let sizes = Sizes {
+            input: 0,
+            output: 0,
+        };
         check_all(&s, &sizes, 1, true);
         let rounds = (usize::BITS - (n - 1).leading_zeros()) as usize;
         assert_eq!(s[0].send_peers.len(), if n == 1 { 0 } else { rounds });
@@ -312,41 +301,61 @@ fn count_zero_keeps_peers_and_emits_no_steps() {
 
 #[test]
 fn invalid_arguments_are_errors() {
-    assert_eq!(ring_all_reduce(0, 0, 5, 1), Err(ScheduleError::NoRanks));
-    assert_eq!(
-        ring_reduce_scatter(3, 3, 5, 1),
-        Err(ScheduleError::RankOutOfRange { rank: 3, nranks: 3 })
-    );
-    assert_eq!(
-        chain_broadcast(0, 3, 3, 5, 1),
-        Err(ScheduleError::RootOutOfRange { root: 3, nranks: 3 })
-    );
-    assert_eq!(
-        chain_reduce(0, 2, 7, 5, 1),
-        Err(ScheduleError::RootOutOfRange { root: 7, nranks: 2 })
-    );
-    assert_eq!(
-        ring_all_gather(0, 4, usize::MAX / 2, 1),
-        Err(ScheduleError::CountOverflow {
-            count: usize::MAX / 2,
-            nranks: 4
-        })
-    );
-    assert_eq!(
-        pairwise_all_to_all(0, 3, usize::MAX / 2, 1, false),
-        Err(ScheduleError::CountOverflow {
-            count: usize::MAX / 2,
-            nranks: 3
-        })
-    );
+    use ScheduleError::{CountOverflow, NoRanks, RankOutOfRange, RootOutOfRange};
+    let half = usize::MAX / 2;
+    let cases = [
+        (ring_all_reduce(0, 0, 5, 1), NoRanks),
+        (
+            ring_reduce_scatter(3, 3, 5, 1),
+            RankOutOfRange { rank: 3, nranks: 3 },
+        ),
+        (
+            chain_broadcast(0, 3, 3, 5, 1),
+            RootOutOfRange { root: 3, nranks: 3 },
+        ),
+        (
+            chain_reduce(0, 2, 7, 5, 1),
+            RootOutOfRange { root: 7, nranks: 2 },
+        ),
+        (
+            ring_all_gather(0, 4, half, 1),
+            CountOverflow {
+                count: half,
+                nranks: 4,
+            },
+        ),
+        (
+            pairwise_all_to_all(0, 3, half, 1, false),
+            CountOverflow {
+                count: half,
+                nranks: 3,
+            },
+        ),
+        (
+            dissemination_barrier(1, 1),
+            RankOutOfRange { rank: 1, nranks: 1 },
+        ),
+        (tree_all_reduce(0, 0, 5, 1), NoRanks),
+        (
+            tree_all_reduce(2, 2, 5, 1),
+            RankOutOfRange { rank: 2, nranks: 2 },
+        ),
+        (
+            tree_broadcast(0, 3, 3, 5, 1),
+            RootOutOfRange { root: 3, nranks: 3 },
+        ),
+        (
+            tree_reduce(0, 2, 9, 5, 1),
+            RootOutOfRange { root: 9, nranks: 2 },
+        ),
+    ];
+    for (i, (got, want)) in cases.into_iter().enumerate() {
+        assert_eq!(got, Err(want), "case {i}");
+    }
     assert!(matches!(
         dissemination_barrier(0, usize::MAX),
         Err(ScheduleError::TooManyRanks { .. })
     ));
-    assert_eq!(
-        dissemination_barrier(1, 1),
-        Err(ScheduleError::RankOutOfRange { rank: 1, nranks: 1 })
-    );
     // Huge counts with one rank are fine (a single copy).
     assert_eq!(ring_all_reduce(0, 1, usize::MAX, 0).unwrap().steps.len(), 1);
 }
@@ -454,12 +463,10 @@ fn recursive_doubling_all_reduce_structure() {
                 let s: Vec<_> = (0..n)
                     .map(|r| recursive_doubling_all_reduce(r, n, count, slice).unwrap())
                     .collect();
-                let sizes: Vec<_> = (0..n)
-                    .map(|_| Sizes {
-                        input: count,
-                        output: count,
-                    })
-                    .collect();
+                let sizes = Sizes {
+                    input: count,
+                    output: count,
+                };
                 check_all(&s, &sizes, slice, true);
                 let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
                 for (r, sched) in s.iter().enumerate() {
