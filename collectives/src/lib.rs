@@ -16,6 +16,8 @@ pub mod header;
 pub mod op;
 pub mod reduce;
 pub mod schedule;
+#[doc(hidden)]
+pub mod testing;
 
 pub use algorithm::{Algorithm, UnknownAlgorithm};
 pub use call::{CallError, RawOp};

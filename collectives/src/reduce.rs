@@ -765,22 +765,9 @@ mod tests {
         }
     }
 
-    /// Deterministic pseudo-random bytes.
-    fn bytes(seed: u64, len: usize) -> Vec<u8> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 24) as u8
-            })
-            .collect()
-    }
-
     /// Values of `T` built from random bytes, with interesting ones mixed in.
     fn values<T: Element>(seed: u64, n: usize, special: &[T]) -> Vec<T> {
-        let raw = bytes(seed, n * std::mem::size_of::<T>());
+        let raw = crate::testing::noise(seed, n * std::mem::size_of::<T>());
         let mut v: Vec<T> = raw
             .chunks_exact(std::mem::size_of::<T>())
             .map(bytemuck::pod_read_unaligned)

@@ -227,10 +227,7 @@ const IDENTICAL_ALL_REDUCES: [BlockBuilder; 2] = [
 ];
 
 /// The hierarchical all-reduce on a random host layout of `n` ranks.
-fn hierarchical_on(
-    n: usize,
-    seed: u64,
-) -> impl Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError> {
+fn hierarchical_on(n: usize, seed: u64) -> impl Build {
     let hosts = layout(n, seed);
     move |r, _, count, slice| hierarchical::hierarchical_all_reduce(r, &hosts, count, slice)
 }
@@ -252,10 +249,7 @@ fn sim_ok(r: Result<(), SimError>) -> Result<(), TestCaseError> {
     r.map_err(|e| TestCaseError::fail(e.to_string()))
 }
 
-fn check_all_reduce_with(
-    p: &Params,
-    builder: impl Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
-) -> Result<(), TestCaseError> {
+fn check_all_reduce_with(p: &Params, builder: impl Build) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n)
@@ -292,6 +286,11 @@ fn same_size_memory(
     };
     inputs.iter().enumerate().map(memory).collect()
 }
+
+/// A builder of the (rank, nranks, count, slice) form, closures included.
+trait Build: Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError> {}
+
+impl<F: Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>> Build for F {}
 
 /// The signature shared by the all-gather and reduce-scatter builders (rank, nranks, count,
 /// slice).
@@ -607,34 +606,48 @@ proptest! {
     }
 }
 
-/// Every data type and combiner through the reducing collectives, at a fixed awkward shape.
-#[test]
-fn every_dtype_and_combiner() {
+/// Params for every data type and combiner at each shape `(ranks, count, slice, FIFO cap)`, with
+/// the indices of the type and the combiner (out of place, root `count % ranks`).
+fn every_dtype_and_combiner_at(
+    shapes: &[(usize, usize, usize, Option<usize>)],
+) -> Vec<(usize, usize, Params)> {
+    let mut all = Vec::new();
     for (i, dtype) in DataType::ALL.into_iter().enumerate() {
         for (j, comb) in COMBS.into_iter().enumerate() {
-            for (n, count, slice, cap) in
-                [(5, 37, 4, Some(13)), (3, 2, 0, None), (7, 100, 9, Some(64))]
-            {
+            for &(n, count, slice, cap) in shapes {
+                let seed = (i * 31 + j * 7 + n) as u64;
+                let root = count % n;
                 let p = Params {
                     n,
                     count,
                     slice,
-                    seed: (i * 31 + j * 7 + n) as u64,
+                    seed,
                     dtype,
                     comb,
                     cap,
-                    in_place: (i + j) % 2 == 0,
-                    root: count % n,
+                    in_place: false,
+                    root,
                 };
-                let what = format!("{p:?}");
-                check_all_reduce_with(&p, schedule::ring_all_reduce).expect(&what);
-                check_reduce_scatter_with(&p, schedule::ring_reduce_scatter).expect(&what);
-                check_reduce_with(&p, schedule::chain_reduce).expect(&what);
-                check_all_gather_with(&p, schedule::ring_all_gather).expect(&what);
-                check_broadcast_with(&p, schedule::chain_broadcast).expect(&what);
-                check_all_to_all(&p).expect(&what);
+                all.push((i, j, p));
             }
         }
+    }
+    all
+}
+
+/// Every data type and combiner through the reducing collectives, at a fixed awkward shape.
+#[test]
+fn every_dtype_and_combiner() {
+    let shapes = [(5, 37, 4, Some(13)), (3, 2, 0, None), (7, 100, 9, Some(64))];
+    for (i, j, mut p) in every_dtype_and_combiner_at(&shapes) {
+        p.in_place = (i + j) % 2 == 0;
+        let what = format!("{p:?}");
+        check_all_reduce_with(&p, schedule::ring_all_reduce).expect(&what);
+        check_reduce_scatter_with(&p, schedule::ring_reduce_scatter).expect(&what);
+        check_reduce_with(&p, schedule::chain_reduce).expect(&what);
+        check_all_gather_with(&p, schedule::ring_all_gather).expect(&what);
+        check_broadcast_with(&p, schedule::chain_broadcast).expect(&what);
+        check_all_to_all(&p).expect(&what);
     }
 }
 
@@ -670,10 +683,7 @@ fn inexact_data(p: &Params, r: usize) -> Vec<u8> {
 
 /// Runs an all-reduce (sum) of inexact float data and checks that every rank ends with the same
 /// bits, and that those are close to the exact sum.
-fn check_float_all_reduce_identical(
-    p: &Params,
-    builder: impl Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
-) -> Result<(), TestCaseError> {
+fn check_float_all_reduce_identical(p: &Params, builder: impl Build) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|r| inexact_data(p, r)).collect();
@@ -743,39 +753,26 @@ fn inexact_float_sums_depend_on_order() {
 /// the trees and the hierarchical all-reduce.
 #[test]
 fn recursive_doubling_every_dtype_and_combiner() {
-    for (i, dtype) in DataType::ALL.into_iter().enumerate() {
-        for (j, comb) in COMBS.into_iter().enumerate() {
-            for (n, count, slice, cap) in [
-                (5, 37, 4, Some(13)),
-                (3, 2, 0, None),
-                (8, 100, 9, Some(5)),
-                (12, 3, 1, Some(1)),
-            ] {
-                for in_place in [false, true] {
-                    let p = Params {
-                        n,
-                        count,
-                        slice,
-                        seed: (i * 31 + j * 7 + n) as u64,
-                        dtype,
-                        comb,
-                        cap,
-                        in_place,
-                        root: 0,
-                    };
-                    let what = format!("{p:?}");
-                    check_all_reduce_with(&p, schedule::recursive_doubling_all_reduce)
-                        .expect(&what);
-                    check_all_reduce_with(&p, tree::tree_all_reduce).expect(&what);
-                    check_broadcast_with(&p, tree::tree_broadcast).expect(&what);
-                    check_reduce_with(&p, tree::tree_reduce).expect(&what);
-                    let l = layout(n, p.seed);
-                    check_all_reduce_with(&p, |r, _, c, s| {
-                        hierarchical::hierarchical_all_reduce(r, &l, c, s)
-                    })
-                    .expect(&what);
-                }
+    let shapes = [
+        (5, 37, 4, Some(13)),
+        (3, 2, 0, None),
+        (8, 100, 9, Some(5)),
+        (12, 3, 1, Some(1)),
+    ];
+    for (_, _, p) in every_dtype_and_combiner_at(&shapes) {
+        for in_place in [false, true] {
+            let p = Params {
+                in_place,
+                root: 0,
+                ..p.clone()
+            };
+            let what = format!("{p:?}");
+            for builder in IDENTICAL_ALL_REDUCES {
+                check_all_reduce_with(&p, builder).expect(&what);
             }
+            check_broadcast_with(&p, tree::tree_broadcast).expect(&what);
+            check_reduce_with(&p, tree::tree_reduce).expect(&what);
+            check_all_reduce_with(&p, hierarchical_on(p.n, p.seed)).expect(&what);
         }
     }
 }

@@ -364,24 +364,11 @@ mod tests {
         assert!(!SOURCE.contains("#include"));
     }
 
-    /// Deterministic xorshift bytes (no extra dependency).
-    fn bytes(seed: u64, n: usize) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect()
-    }
-
     /// Inputs for one type: raw random bits (every exponent, NaN, infinities, subnormals)
     /// interleaved with small integers (exact cases, ties when scaled by -2.5).
     fn inputs(t: DataType, n: usize, seed: u64) -> Vec<u8> {
         let es = t.size();
-        let mut v = bytes(seed, n * es);
+        let mut v = weftcc_collectives::testing::noise(seed, n * es);
         for i in (0..n).step_by(3) {
             let small = ((i as i64 * 7919 + seed as i64) % 41 - 20) as f64;
             let mut one = vec![0u8; es];
@@ -389,18 +376,6 @@ mod tests {
             v[i * es..(i + 1) * es].copy_from_slice(&one);
         }
         v
-    }
-
-    /// Same value, NaN-aware and sign-of-zero-blind for floats; bit-exact otherwise.
-    fn same(t: DataType, a: &[u8], b: &[u8]) -> bool {
-        if a == b {
-            return true;
-        }
-        let f = |x: &[u8]| t.decode_f64(x).expect("one element");
-        t.is_float() && {
-            let (x, y) = (f(a), f(b));
-            (x.is_nan() && y.is_nan()) || (x == 0.0 && y == 0.0)
-        }
     }
 
     /// The host C++ program: for every type, runs each kernel aligned and misaligned (offset by
@@ -507,7 +482,7 @@ mod tests {
                 let check = |what: &str, got: Vec<u8>, want: Vec<u8>| {
                     for (i, (g, w)) in got.chunks(es).zip(want.chunks(es)).enumerate() {
                         assert!(
-                            same(*t, g, w),
+                            weftcc_collectives::testing::same_value(*t, g, w),
                             "{t} {what} element {i}: kernel {g:?}, CPU {w:?} (a {:?}, b {:?})",
                             &a[i * es..(i + 1) * es],
                             &b[i * es..(i + 1) * es]

@@ -16,6 +16,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weftcc_collectives::reduce;
+use weftcc_collectives::testing::{noise, same_value as same};
 use weftcc_collectives::{Combiner, DataType, Element, OpKind, ReduceOp};
 use weftcc_comm::{Communicator, UniqueId};
 use weftcc_cuda::kernels::{divide_on_device, reduce_on_device, scale_on_device};
@@ -233,28 +234,19 @@ fn expected(
 // ---------------------------------------------------------------------------------------------
 // The matrix.
 
-const KINDS: [OpKind; 6] = [
-    OpKind::AllReduce,
-    OpKind::Reduce,
-    OpKind::Broadcast,
-    OpKind::AllGather,
-    OpKind::ReduceScatter,
-    OpKind::AllToAll,
-];
-
-fn reduces(k: OpKind) -> bool {
-    matches!(
-        k,
-        OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
-    )
+/// The device collectives (every kind but send/recv and barrier).
+fn kinds() -> impl Iterator<Item = OpKind> {
+    OpKind::ALL
+        .into_iter()
+        .filter(|k| !matches!(k, OpKind::SendRecv | OpKind::Barrier))
 }
 
 fn matrix(comm: &DeviceComm, ctx: &Context, stream: &Stream, full: bool) {
     let n = comm.size();
     let me = comm.rank();
     let mut cases = 0usize;
-    for kind in KINDS {
-        let ops: Vec<ReduceOp> = if reduces(kind) {
+    for kind in kinds() {
+        let ops: Vec<ReduceOp> = if kind.has_reduction() {
             vec![
                 ReduceOp::Sum,
                 ReduceOp::Prod,
@@ -552,32 +544,6 @@ fn kernels_match_the_cpu_kernels_on_the_device() {
     for t in DataType::ALL {
         typed!(t, kernel_case(&ctx, &stream));
     }
-}
-
-fn noise(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
-fn same(t: DataType, a: &[u8], b: &[u8]) -> bool {
-    a == b
-        || (t.is_float() && {
-            let f = |x: &[u8]| match t {
-                DataType::Float16 => half::f16::from_le_bytes([x[0], x[1]]).to_f64(),
-                DataType::Bfloat16 => half::bf16::from_le_bytes([x[0], x[1]]).to_f64(),
-                DataType::Float32 => f32::from_le_bytes(x.try_into().expect("4")) as f64,
-                _ => f64::from_le_bytes(x.try_into().expect("8")),
-            };
-            let (x, y) = (f(a), f(b));
-            (x.is_nan() && y.is_nan()) || (x == 0.0 && y == 0.0)
-        })
 }
 
 fn kernel_case<T: Element>(ctx: &Context, stream: &Stream) {
