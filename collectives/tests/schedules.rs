@@ -58,53 +58,44 @@ fn gen_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> Vec
     out
 }
 
-/// `acc = acc ⊕ x` element by element, written directly for each type (independent of the
-/// kernels in `reduce.rs`).
+/// `acc = acc ⊕ x` element by element, written directly (independent of the kernels in
+/// `reduce.rs`): integers in `i128` (sign- or zero-extended, the result truncated back to the
+/// type's width, which is the type's wrapping arithmetic), floats in `f64` rounded to the type.
 fn ref_combine(dtype: DataType, comb: Combiner, acc: &mut [u8], x: &[u8]) {
-    macro_rules! int {
-        ($t:ty) => {{
-            const S: usize = std::mem::size_of::<$t>();
-            for (a, b) in acc.chunks_exact_mut(S).zip(x.chunks_exact(S)) {
-                let p = <$t>::from_le_bytes(a.try_into().unwrap());
-                let q = <$t>::from_le_bytes(b.try_into().unwrap());
-                let r = match comb {
-                    Combiner::Sum => p.wrapping_add(q),
-                    Combiner::Prod => p.wrapping_mul(q),
-                    Combiner::Min => p.min(q),
-                    Combiner::Max => p.max(q),
-                };
-                a.copy_from_slice(&r.to_le_bytes());
-            }
-        }};
-    }
-    macro_rules! float {
-        ($t:ty, $to:expr, $from:expr) => {{
-            const S: usize = std::mem::size_of::<$t>();
-            for (a, b) in acc.chunks_exact_mut(S).zip(x.chunks_exact(S)) {
-                let p: f64 = $to(<$t>::from_le_bytes(a.try_into().unwrap()));
-                let q: f64 = $to(<$t>::from_le_bytes(b.try_into().unwrap()));
-                let r = match comb {
-                    Combiner::Sum => p + q,
-                    Combiner::Prod => p * q,
-                    Combiner::Min => p.min(q),
-                    Combiner::Max => p.max(q),
-                };
-                let r: $t = $from(r);
-                a.copy_from_slice(&r.to_le_bytes());
-            }
-        }};
-    }
-    match dtype {
-        DataType::Int8 => int!(i8),
-        DataType::Uint8 => int!(u8),
-        DataType::Int32 => int!(i32),
-        DataType::Uint32 => int!(u32),
-        DataType::Int64 => int!(i64),
-        DataType::Uint64 => int!(u64),
-        DataType::Float16 => float!(f16, f16::to_f64, f16::from_f64),
-        DataType::Bfloat16 => float!(bf16, bf16::to_f64, bf16::from_f64),
-        DataType::Float32 => float!(f32, f64::from, |v: f64| v as f32),
-        DataType::Float64 => float!(f64, |v| v, |v| v),
+    let width = dtype.size();
+    let signed = matches!(dtype, DataType::Int8 | DataType::Int32 | DataType::Int64);
+    let int = |b: &[u8]| {
+        let mut v = [0u8; 16];
+        v[..width].copy_from_slice(b);
+        let shift = 128 - 8 * width as u32;
+        let raw = i128::from_le_bytes(v);
+        if signed {
+            (raw << shift) >> shift
+        } else {
+            raw
+        }
+    };
+    let float = |b: &[u8]| dtype.decode_f64(b).expect("one element");
+    for (a, b) in acc.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+        if dtype.is_float() {
+            let (p, q) = (float(a), float(b));
+            let r = match comb {
+                Combiner::Sum => p + q,
+                Combiner::Prod => p * q,
+                Combiner::Min => p.min(q),
+                Combiner::Max => p.max(q),
+            };
+            a.copy_from_slice(&dtype.encode_f64(r));
+        } else {
+            let (p, q) = (int(a), int(b));
+            let r = match comb {
+                Combiner::Sum => p.wrapping_add(q),
+                Combiner::Prod => p.wrapping_mul(q),
+                Combiner::Min => p.min(q),
+                Combiner::Max => p.max(q),
+            };
+            a.copy_from_slice(&r.to_le_bytes()[..width]);
+        }
     }
 }
 

@@ -17,6 +17,7 @@
 //! | `engine` | executes one schedule over the connections (poll loop, no threads) |
 //! | [`tuning`] | per-call algorithm choice from the cost model |
 //! | [`error`] | the error type |
+//! | `local` | [`run_ranks`]: ranks as threads of one process |
 //! | `logging` | `WEFT_DEBUG` |
 
 #![forbid(unsafe_code)]
@@ -31,6 +32,7 @@ pub mod error;
 mod failure;
 mod group;
 mod handle;
+mod local;
 mod logging;
 mod ordering;
 pub mod tuning;
@@ -42,6 +44,7 @@ pub use env::LaunchInfo;
 pub use error::{Error, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
+pub use local::run_ranks;
 pub use tuning::Tuner;
 
 pub(crate) use weftcc_transports::lock;

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::time::Duration;
-use weftcc::{CommConfig, Communicator, UniqueId};
+use weftcc::{CommConfig, Communicator};
 
 /// Which transport the ranks use between them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,32 +44,6 @@ pub fn with_ranks_configs<R: Send>(
     cfg: impl Fn(usize) -> CommConfig + Sync,
     body: impl Fn(usize, &Communicator) -> R + Sync,
 ) -> Vec<R> {
-    let id = UniqueId::new().expect("unique id");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let id = id.clone();
-                let cfg = cfg(rank);
-                let body = &body;
-                s.spawn(move || {
-                    let comm = Communicator::init_with(rank, n, &id, cfg)
-                        .unwrap_or_else(|e| panic!("rank {rank}: init failed: {e}"));
-                    body(rank, &comm)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| match h.join() {
-                Ok(r) => r,
-                Err(p) => std::panic::resume_unwind(Box::new(format!(
-                    "rank {rank} panicked: {:?}",
-                    p.downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                ))),
-            })
-            .collect()
-    })
+    weftcc::comm::run_ranks(n, cfg, |rank, comm| body(rank, &comm))
+        .unwrap_or_else(|e| panic!("ranks: {e}"))
 }

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::time::Duration;
-use weftcc_comm::{CommConfig, Communicator, UniqueId};
+use weftcc_comm::{CommConfig, Communicator};
 
 pub fn config() -> CommConfig {
     let mut c = CommConfig::from_env().expect("config from env");
@@ -20,26 +20,7 @@ pub fn with_ranks_config<R: Send>(
     cfg: CommConfig,
     body: impl Fn(usize, Communicator) -> R + Sync,
 ) -> Vec<R> {
-    let id = UniqueId::new().expect("unique id");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let id = id.clone();
-                let cfg = cfg.clone();
-                let body = &body;
-                s.spawn(move || {
-                    let comm = Communicator::init_with(rank, n, &id, cfg)
-                        .unwrap_or_else(|e| panic!("rank {rank}: init failed: {e}"));
-                    body(rank, comm)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| h.join().unwrap_or_else(|_| panic!("rank {rank} panicked")))
-            .collect()
-    })
+    weftcc_comm::run_ranks(n, |_| cfg.clone(), body).expect("ranks")
 }
 
 /// Largest |a - b| / max |b| over the elements of each tensor, maximised over tensors.
