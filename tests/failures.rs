@@ -108,39 +108,30 @@ fn an_abort_reaches_an_idle_rank_when_a_split_child_outlives_the_parent_on_rank_
     // pin the mechanism (the parent leaves its key, the store's host waits for it).
     for round in 0..40 {
         let wire = if round % 2 == 0 { Wire::Shm } else { Wire::Tcp };
-        let id = UniqueId::new().expect("unique id");
-        let seen = std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..2)
-                .map(|rank| {
-                    let id = id.clone();
-                    s.spawn(move || {
-                        let parent = weftcc::Communicator::init_with(rank, 2, &id, config(wire))
-                            .expect("init");
-                        let child = parent.split(Some(0), 0).expect("split").expect("member");
-                        if rank == 0 {
-                            // The child's abort stops its watcher at once, so its drop does not
-                            // wait a watch period that would cover the parent's watchers.
-                            parent.abort();
-                            child.abort();
-                            drop(parent);
-                            drop(child);
-                            return None;
-                        }
-                        let start = Instant::now();
-                        while parent.error().is_none() && start.elapsed() < Duration::from_secs(5) {
-                            std::thread::sleep(Duration::from_millis(2));
-                        }
-                        let seen = parent.error();
-                        drop(child);
-                        seen
-                    })
-                })
-                .collect();
-            ranks
-                .into_iter()
-                .map(|h| h.join().expect("rank thread"))
-                .collect::<Vec<_>>()
-        });
+        let seen = weftcc::comm::run_ranks(
+            2,
+            |_| config(wire),
+            |rank, parent| {
+                let child = parent.split(Some(0), 0).expect("split").expect("member");
+                if rank == 0 {
+                    // The child's abort stops its watcher at once, so its drop does not
+                    // wait a watch period that would cover the parent's watchers.
+                    parent.abort();
+                    child.abort();
+                    drop(parent);
+                    drop(child);
+                    return None;
+                }
+                let start = Instant::now();
+                while parent.error().is_none() && start.elapsed() < Duration::from_secs(5) {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let seen = parent.error();
+                drop(child);
+                seen
+            },
+        )
+        .expect("ranks");
         assert!(
             matches!(
                 &seen[1],

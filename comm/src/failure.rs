@@ -353,7 +353,7 @@ impl FailureNote {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CommConfig, Communicator, UniqueId};
+    use crate::CommConfig;
     use proptest::prelude::*;
     use std::time::Instant;
 
@@ -399,43 +399,24 @@ mod tests {
 
     #[test]
     fn a_failed_communicator_dropped_before_its_split_child_leaves_its_settle_to_the_child() {
-        let id = UniqueId::new().expect("unique id");
-        let left = std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..2)
-                .map(|rank| {
-                    let id = id.clone();
-                    s.spawn(move || {
-                        let parent = Communicator::init_with(
-                            rank,
-                            2,
-                            &id,
-                            CommConfig::from_env().expect("config"),
-                        )
-                        .expect("init");
-                        let child = parent.split(Some(0), 0).expect("split").expect("member");
-                        if rank == 1 {
-                            let start = Instant::now();
-                            while parent.error().is_none()
-                                && start.elapsed() < Duration::from_secs(10)
-                            {
-                                std::thread::sleep(Duration::from_millis(2));
-                            }
-                            return Vec::new();
-                        }
-                        let host = parent.inner.store_host.clone().expect("rank 0 hosts");
-                        parent.abort();
-                        drop(parent);
-                        let left = lock(&host.unsettled).clone();
-                        drop(child);
-                        left
-                    })
-                })
-                .collect();
-            ranks
-                .into_iter()
-                .map(|h| h.join().expect("rank"))
-                .collect::<Vec<_>>()
-        });
+        let config = |_| CommConfig::from_env().expect("config");
+        let left = crate::run_ranks(2, config, |rank, parent| {
+            let child = parent.split(Some(0), 0).expect("split").expect("member");
+            if rank == 1 {
+                let start = Instant::now();
+                while parent.error().is_none() && start.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                return Vec::new();
+            }
+            let host = parent.inner.store_host.clone().expect("rank 0 hosts");
+            parent.abort();
+            drop(parent);
+            let left = lock(&host.unsettled).clone();
+            drop(child);
+            left
+        })
+        .expect("ranks");
         assert_eq!(left[0], vec![format!("c/{SETTLED_ALL_KEY}")]);
     }
 }

@@ -301,53 +301,23 @@ fn count_zero_keeps_peers_and_emits_no_steps() {
 
 #[test]
 fn invalid_arguments_are_errors() {
-    use ScheduleError::{CountOverflow, NoRanks, RankOutOfRange, RootOutOfRange};
+    use ScheduleError::NoRanks;
+    let rank = |rank, nranks| ScheduleError::RankOutOfRange { rank, nranks };
+    let root = |root, nranks| ScheduleError::RootOutOfRange { root, nranks };
+    let overflow = |count, nranks| ScheduleError::CountOverflow { count, nranks };
     let half = usize::MAX / 2;
     let cases = [
         (ring_all_reduce(0, 0, 5, 1), NoRanks),
-        (
-            ring_reduce_scatter(3, 3, 5, 1),
-            RankOutOfRange { rank: 3, nranks: 3 },
-        ),
-        (
-            chain_broadcast(0, 3, 3, 5, 1),
-            RootOutOfRange { root: 3, nranks: 3 },
-        ),
-        (
-            chain_reduce(0, 2, 7, 5, 1),
-            RootOutOfRange { root: 7, nranks: 2 },
-        ),
-        (
-            ring_all_gather(0, 4, half, 1),
-            CountOverflow {
-                count: half,
-                nranks: 4,
-            },
-        ),
-        (
-            pairwise_all_to_all(0, 3, half, 1, false),
-            CountOverflow {
-                count: half,
-                nranks: 3,
-            },
-        ),
-        (
-            dissemination_barrier(1, 1),
-            RankOutOfRange { rank: 1, nranks: 1 },
-        ),
+        (ring_reduce_scatter(3, 3, 5, 1), rank(3, 3)),
+        (chain_broadcast(0, 3, 3, 5, 1), root(3, 3)),
+        (chain_reduce(0, 2, 7, 5, 1), root(7, 2)),
+        (ring_all_gather(0, 4, half, 1), overflow(half, 4)),
+        (pairwise_all_to_all(0, 3, half, 1, false), overflow(half, 3)),
+        (dissemination_barrier(1, 1), rank(1, 1)),
         (tree_all_reduce(0, 0, 5, 1), NoRanks),
-        (
-            tree_all_reduce(2, 2, 5, 1),
-            RankOutOfRange { rank: 2, nranks: 2 },
-        ),
-        (
-            tree_broadcast(0, 3, 3, 5, 1),
-            RootOutOfRange { root: 3, nranks: 3 },
-        ),
-        (
-            tree_reduce(0, 2, 9, 5, 1),
-            RootOutOfRange { root: 9, nranks: 2 },
-        ),
+        (tree_all_reduce(2, 2, 5, 1), rank(2, 2)),
+        (tree_broadcast(0, 3, 3, 5, 1), root(3, 3)),
+        (tree_reduce(0, 2, 9, 5, 1), root(9, 2)),
     ];
     for (i, (got, want)) in cases.into_iter().enumerate() {
         assert_eq!(got, Err(want), "case {i}");
