@@ -262,25 +262,22 @@ pub fn flag(name: &str) -> bool {
 mod tests {
     use super::*;
 
-    fn vars(list: &[(&str, &str)]) -> HashMap<String, String> {
-        list.iter()
+    /// An environment from `KEY=value` words.
+    fn vars(words: &str) -> HashMap<String, String> {
+        words
+            .split_whitespace()
+            .map(|w| w.split_once('=').expect("KEY=value"))
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
     }
 
     #[test]
     fn weft_variables_win_over_torchrun() {
-        let v = vars(&[
-            ("WEFT_RANK", "1"),
-            ("WEFT_WORLD_SIZE", "4"),
-            ("WEFT_LOCAL_RANK", "1"),
-            ("WEFT_LOCAL_WORLD_SIZE", "2"),
-            ("WEFT_MASTER_ADDR", "10.0.0.1"),
-            ("WEFT_MASTER_PORT", "1234"),
-            ("WEFT_JOB_TOKEN", "abc"),
-            ("RANK", "3"),
-            ("WORLD_SIZE", "8"),
-        ]);
+        let v = vars(
+            "WEFT_RANK=1 WEFT_WORLD_SIZE=4 WEFT_LOCAL_RANK=1 \
+            WEFT_LOCAL_WORLD_SIZE=2 WEFT_MASTER_ADDR=10.0.0.1 \
+            WEFT_MASTER_PORT=1234 WEFT_JOB_TOKEN=abc RANK=3 WORLD_SIZE=8",
+        );
         let i = LaunchInfo::from_vars(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Weft);
         assert_eq!(
@@ -295,14 +292,10 @@ mod tests {
 
     #[test]
     fn torchrun_variables() {
-        let v = vars(&[
-            ("RANK", "3"),
-            ("WORLD_SIZE", "8"),
-            ("LOCAL_RANK", "1"),
-            ("LOCAL_WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "head"),
-            ("MASTER_PORT", "29400"),
-        ]);
+        let v = vars(
+            "RANK=3 WORLD_SIZE=8 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=head \
+            MASTER_PORT=29400",
+        );
         let i = LaunchInfo::from_vars(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Torchrun);
         assert_eq!((i.rank, i.world_size, i.local_rank), (3, 8, 1));
@@ -313,14 +306,11 @@ mod tests {
 
     #[test]
     fn slurm_variables_take_first_host_and_job_port() {
-        let v = vars(&[
-            ("SLURM_PROCID", "5"),
-            ("SLURM_NTASKS", "8"),
-            ("SLURM_LOCALID", "1"),
-            ("SLURM_TASKS_PER_NODE", "4(x2)"),
-            ("SLURM_JOB_NODELIST", "gpu[017-020,33],cpu1"),
-            ("SLURM_JOB_ID", "4242"),
-        ]);
+        let v = vars(
+            "SLURM_PROCID=5 SLURM_NTASKS=8 SLURM_LOCALID=1 \
+            SLURM_TASKS_PER_NODE=4(x2) SLURM_JOB_NODELIST=gpu[017-020,33],cpu1 \
+            SLURM_JOB_ID=4242",
+        );
         let i = LaunchInfo::from_vars(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Slurm);
         assert_eq!(
@@ -336,41 +326,28 @@ mod tests {
 
     #[test]
     fn open_mpi_on_one_host_uses_loopback() {
-        let v = vars(&[
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
-        ]);
+        let v = vars(
+            "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 \
+            OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_COMM_WORLD_LOCAL_SIZE=2",
+        );
         let i = LaunchInfo::from_vars(&v).unwrap();
         assert_eq!(
             (i.launcher, i.master_addr.as_str()),
             (Launcher::OpenMpi, "127.0.0.1")
         );
-        let multi = vars(&[
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
-        ]);
+        let multi =
+            vars("OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_SIZE=1");
         assert!(LaunchInfo::from_vars(&multi).is_err());
     }
 
     #[test]
     fn bad_values_are_config_errors() {
-        assert!(LaunchInfo::from_vars(&vars(&[])).is_err());
-        assert!(LaunchInfo::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).is_err());
-        assert!(LaunchInfo::from_vars(&vars(&[
-            ("RANK", "2"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "a")
-        ]))
-        .is_err());
-        assert!(LaunchInfo::from_vars(&vars(&[
-            ("RANK", "0"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "a"),
-            ("MASTER_PORT", "99999")
-        ]))
+        assert!(LaunchInfo::from_vars(&vars("")).is_err());
+        assert!(LaunchInfo::from_vars(&vars("RANK=x WORLD_SIZE=2")).is_err());
+        assert!(LaunchInfo::from_vars(&vars("RANK=2 WORLD_SIZE=2 MASTER_ADDR=a")).is_err());
+        assert!(LaunchInfo::from_vars(&vars(
+            "RANK=0 WORLD_SIZE=2 MASTER_ADDR=a MASTER_PORT=99999"
+        ))
         .is_err());
     }
 

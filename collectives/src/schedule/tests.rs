@@ -11,6 +11,12 @@ struct Sizes {
     output: usize,
 }
 
+impl Sizes {
+    fn new(input: usize, output: usize) -> Self {
+        Sizes { input, output }
+    }
+}
+
 fn region_fits(r: &Region, sizes: &Sizes, scratch: usize) -> bool {
     let cap = match r.buf {
         BufId::Input => sizes.input,
@@ -104,10 +110,7 @@ fn ring_all_reduce_structure() {
         let s: Vec<_> = (0..n)
             .map(|r| ring_all_reduce(r, n, count, slice).unwrap())
             .collect();
-        let sizes = Sizes {
-            input: count,
-            output: count,
-        };
+        let sizes = Sizes::new(count, count);
         check_all(&s, &sizes, slice, true);
     });
 }
@@ -121,10 +124,7 @@ fn check_reduce_scatter_shape(
     all_peers_talk: bool,
 ) -> Vec<Schedule> {
     let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
-    let sizes = Sizes {
-        input: n * count,
-        output: count,
-    };
+    let sizes = Sizes::new(n * count, count);
     check_all(&s, &sizes, slice, all_peers_talk);
     s
 }
@@ -182,10 +182,7 @@ fn check_all_gather_shape(
     all_peers_talk: bool,
 ) {
     let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
-    let sizes = Sizes {
-        input: count,
-        output: n * count,
-    };
+    let sizes = Sizes::new(count, n * count);
     check_all(&s, &sizes, slice, all_peers_talk);
 }
 
@@ -207,10 +204,7 @@ fn recursive_doubling_all_gather_structure() {
 fn chain_structure() {
     grid(|n, count, slice| {
         for root in 0..n {
-            let sizes = Sizes {
-                input: count,
-                output: count,
-            };
+            let sizes = Sizes::new(count, count);
             let s: Vec<_> = (0..n)
                 .map(|r| chain_broadcast(r, n, root, count, slice).unwrap())
                 .collect();
@@ -243,10 +237,7 @@ fn all_to_all_and_barrier_structure() {
             let s: Vec<_> = (0..n)
                 .map(|r| pairwise_all_to_all(r, n, count, slice, in_place).unwrap())
                 .collect();
-            let sizes = Sizes {
-                input: n * count,
-                output: n * count,
-            };
+            let sizes = Sizes::new(n * count, n * count);
             check_all(&s, &sizes, slice, true);
             for sched in &s {
                 assert_eq!(sched.send_peers.len(), n - 1);
@@ -257,10 +248,7 @@ fn all_to_all_and_barrier_structure() {
         let s: Vec<_> = (0..n)
             .map(|r| dissemination_barrier(r, n).unwrap())
             .collect();
-        let sizes = Sizes {
-            input: 0,
-            output: 0,
-        };
+        let sizes = Sizes::new(0, 0);
         check_all(&s, &sizes, 1, true);
         let rounds = (usize::BITS - (n - 1).leading_zeros()) as usize;
         assert_eq!(s[0].send_peers.len(), if n == 1 { 0 } else { rounds });
@@ -433,10 +421,7 @@ fn recursive_doubling_all_reduce_structure() {
                 let s: Vec<_> = (0..n)
                     .map(|r| recursive_doubling_all_reduce(r, n, count, slice).unwrap())
                     .collect();
-                let sizes = Sizes {
-                    input: count,
-                    output: count,
-                };
+                let sizes = Sizes::new(count, count);
                 check_all(&s, &sizes, slice, true);
                 let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
                 for (r, sched) in s.iter().enumerate() {

@@ -54,48 +54,31 @@ worker's code (128+N for signal N). SIGINT/SIGTERM/SIGHUP to the launcher are fo
 #[command(after_help = AFTER_HELP)]
 pub struct RunArgs {
     /// Workers to start on this node (a number, or `auto`/`cpu` for the number of CPUs).
-    #[arg(short = 'n', long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = parse_nproc)]
+    #[arg(short = 'n', long, visible_alias = "nproc_per_node", default_value = "1", value_parser = parse_nproc)]
     pub nproc_per_node: usize,
     /// Number of nodes in the job.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub nnodes: u32,
     /// Rank of this node, 0 <= K < nnodes.
-    #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
+    #[arg(long, visible_alias = "node_rank", default_value_t = 0)]
     pub node_rank: u32,
     /// Address of the node running rank 0.
-    #[arg(
-        long = "master-addr",
-        visible_alias = "master_addr",
-        default_value = "127.0.0.1"
-    )]
+    #[arg(long, visible_alias = "master_addr", default_value = "127.0.0.1")]
     pub master_addr: String,
     /// Port of rank 0's rendezvous; 0 picks a free port (single-node jobs only).
-    #[arg(
-        long = "master-port",
-        visible_alias = "master_port",
-        default_value_t = 29500
-    )]
+    #[arg(long, visible_alias = "master_port", default_value_t = 29500)]
     pub master_port: u16,
     /// Do not prefix worker output with `[rank]: `; workers inherit stdout and stderr.
-    #[arg(long = "no-prefix")]
+    #[arg(long)]
     pub no_prefix: bool,
     /// Restart all workers up to R times when one fails.
-    #[arg(
-        long = "max-restarts",
-        visible_alias = "max_restarts",
-        default_value_t = 0
-    )]
+    #[arg(long, visible_alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: u32,
     /// Pin each worker to one CPU (`core`: local rank k gets the k-th CPU this launcher may use,
     /// like `mpirun --bind-to core` or `srun --cpu-bind=cores`) or leave placement to the
     /// kernel (`none`, torchrun's behaviour). With a multiple of the CPUs' count, `core` deals
     /// workers round-robin; other counts above it stay unbound.
-    #[arg(
-        long = "cpu-bind",
-        value_enum,
-        env = "WEFT_CPU_BIND",
-        default_value = "none"
-    )]
+    #[arg(long, value_enum, env = "WEFT_CPU_BIND", default_value = "none")]
     pub cpu_bind: CpuBind,
     /// The worker program and its arguments (after `--`).
     #[arg(
