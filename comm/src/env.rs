@@ -73,27 +73,26 @@ impl LaunchInfo {
             None => port("MASTER_PORT")?,
         };
 
+        // `weft run` (WEFT_RANK, …) and torchrun (RANK, …) give rank and sizes directly.
+        let direct = |prefix: &str| -> Result<Option<[usize; 4]>> {
+            let var = |name: &str| num(&format!("{prefix}{name}"));
+            Ok(match (var("RANK")?, var("WORLD_SIZE")?) {
+                (Some(r), Some(n)) => Some([
+                    r,
+                    n,
+                    var("LOCAL_RANK")?.unwrap_or(r),
+                    var("LOCAL_WORLD_SIZE")?.unwrap_or(n),
+                ]),
+                _ => None,
+            })
+        };
         let (launcher, rank, world, local_rank, local_world, addr, port_no) =
-            if let (Some(r), Some(n)) = (num("WEFT_RANK")?, num("WEFT_WORLD_SIZE")?) {
-                (
-                    Launcher::Weft,
-                    r,
-                    n,
-                    num("WEFT_LOCAL_RANK")?.unwrap_or(r),
-                    num("WEFT_LOCAL_WORLD_SIZE")?.unwrap_or(n),
-                    explicit_addr.clone(),
-                    explicit_port,
-                )
-            } else if let (Some(r), Some(n)) = (num("RANK")?, num("WORLD_SIZE")?) {
-                (
-                    Launcher::Torchrun,
-                    r,
-                    n,
-                    num("LOCAL_RANK")?.unwrap_or(r),
-                    num("LOCAL_WORLD_SIZE")?.unwrap_or(n),
-                    explicit_addr.clone(),
-                    explicit_port,
-                )
+            if let Some([r, n, lr, lw]) = direct("WEFT_")? {
+                let addr = explicit_addr.clone();
+                (Launcher::Weft, r, n, lr, lw, addr, explicit_port)
+            } else if let Some([r, n, lr, lw]) = direct("")? {
+                let addr = explicit_addr.clone();
+                (Launcher::Torchrun, r, n, lr, lw, addr, explicit_port)
             } else if let (Some(r), Some(n)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
                 let head = get("SLURM_JOB_NODELIST")
                     .or(get("SLURM_NODELIST"))

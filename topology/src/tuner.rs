@@ -116,12 +116,11 @@ pub struct UnknownProtocol(pub String);
 impl FromStr for Protocol {
     type Err = UnknownProtocol;
     fn from_str(s: &str) -> std::result::Result<Self, UnknownProtocol> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "ll" => Ok(Protocol::Ll),
-            "ll128" => Ok(Protocol::Ll128),
-            "simple" => Ok(Protocol::Simple),
-            _ => Err(UnknownProtocol(s.to_string())),
-        }
+        let name = s.trim();
+        let known = Protocol::ALL
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(name));
+        known.ok_or_else(|| UnknownProtocol(s.to_string()))
     }
 }
 

@@ -1,5 +1,6 @@
 //! Discovery from a fake sysfs tree and a fake `nvidia-smi`, and on this machine.
 
+mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -102,10 +103,8 @@ fn cpu_only_host_from_sysfs() {
 fn gpus_from_a_fake_nvidia_smi() {
     let root = tmpdir("gpu");
     fake_sysfs(&root);
-    let fixture = format!(
-        "{}/tests/fixtures/pcie4_nic_far.txt",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let fixture = common::fixture_path("pcie4_nic_far.txt");
+    let fixture = fixture.display();
     let script = root.join("nvidia-smi");
     put(
         &root,

@@ -1,7 +1,7 @@
 //! `nvidia-smi topo -m` parser: real-looking fixtures and malformed inputs.
 
 mod common;
-use common::{fixture, fixtures};
+use common::{fixture, fixtures, gpu_matrix};
 use weftcc_topology::{nvsmi, NicKind, PathClass, TopoError};
 
 #[test]
@@ -181,26 +181,7 @@ fn hostile_values_do_not_overflow() {
     let _ = weftcc_topology::report::render_text(&r);
     let _ = weftcc_topology::xml::write(&t);
     // A big all-NVLink host (beyond the exact search) stays fast.
-    let n = 64;
-    let mut text = String::new();
-    text += &(0..n)
-        .map(|i| format!("GPU{i}"))
-        .collect::<Vec<_>>()
-        .join(" ");
-    text.push('\n');
-    for i in 0..n {
-        text += &format!("GPU{i}");
-        for j in 0..n {
-            text += if i == j {
-                " X"
-            } else if (i + j) % 3 == 0 {
-                " NV2"
-            } else {
-                " SYS"
-            };
-        }
-        text.push('\n');
-    }
+    let text = gpu_matrix(64, |i, j| if (i + j) % 3 == 0 { "NV2" } else { "SYS" });
     let t = nvsmi::parse(&text).unwrap();
     let t0 = std::time::Instant::now();
     let plan = weftcc_topology::search::rings(&t, &weftcc_topology::LinkSpeeds::default());

@@ -1,14 +1,11 @@
 //! `weft topo` content: warnings on the fixtures and the four renderings.
 
+mod common;
+use common::topology;
 use weftcc_topology::report::{
     build, render_dot, render_json, render_svg, render_text, ReportOptions,
 };
-use weftcc_topology::{nvsmi, Topology};
-
-fn load(name: &str) -> Topology {
-    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
-    nvsmi::parse(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
+use weftcc_topology::Topology;
 
 fn codes(t: &Topology, opts: &ReportOptions) -> Vec<String> {
     build(t, opts)
@@ -20,26 +17,26 @@ fn codes(t: &Topology, opts: &ReportOptions) -> Vec<String> {
 
 #[test]
 fn socket_groups_follow_numa_and_nvlink() {
-    let t = load("dgx1_v100.txt");
+    let t = topology("dgx1_v100.txt");
     let g = t.socket_groups();
     assert_eq!(&g[..8], &[0, 0, 0, 0, 1, 1, 1, 1]);
-    let t = load("nvlink_bridged_pairs.txt");
+    let t = topology("nvlink_bridged_pairs.txt");
     assert_eq!(t.socket_groups(), vec![0, 0, 1, 1]);
-    let t = load("dgx_a100.txt");
+    let t = topology("dgx_a100.txt");
     assert_eq!(t.socket_groups()[..8].iter().max(), Some(&3));
 }
 
 #[test]
 fn warnings_users_can_act_on() {
     let o = ReportOptions::default();
-    assert!(codes(&load("pcie8_dual_socket.txt"), &o).contains(&"cross_socket".to_string()));
-    assert!(codes(&load("nvlink_bridged_pairs.txt"), &o).contains(&"cross_socket".to_string()));
-    assert!(!codes(&load("dgx1_v100.txt"), &o).contains(&"cross_socket".to_string()));
-    assert!(codes(&load("pcie4_nic_far.txt"), &o).contains(&"nic_far".to_string()));
-    assert!(codes(&load("dgx_h100.txt"), &o).is_empty());
-    assert!(codes(&load("dgx_a100.txt"), &o).is_empty());
+    assert!(codes(&topology("pcie8_dual_socket.txt"), &o).contains(&"cross_socket".to_string()));
+    assert!(codes(&topology("nvlink_bridged_pairs.txt"), &o).contains(&"cross_socket".to_string()));
+    assert!(!codes(&topology("dgx1_v100.txt"), &o).contains(&"cross_socket".to_string()));
+    assert!(codes(&topology("pcie4_nic_far.txt"), &o).contains(&"nic_far".to_string()));
+    assert!(codes(&topology("dgx_h100.txt"), &o).is_empty());
+    assert!(codes(&topology("dgx_a100.txt"), &o).is_empty());
 
-    let mut t = load("dgx1_v100.txt");
+    let mut t = topology("dgx1_v100.txt");
     t.p2p_missing = vec![(0, 1), (0, 5)];
     let r = build(&t, &o);
     let w = r.warnings.iter().find(|w| w.code == "p2p_missing").unwrap();
@@ -66,7 +63,7 @@ fn warnings_users_can_act_on() {
 
 #[test]
 fn renderings() {
-    let t = load("dgx1_v100.txt");
+    let t = topology("dgx1_v100.txt");
     let opts = ReportOptions {
         nhosts: 4,
         ..ReportOptions::default()
@@ -100,7 +97,7 @@ fn renderings() {
         "pcie8_dual_socket.txt",
         "single_gpu.txt",
     ] {
-        let r = build(&load(f), &ReportOptions::default());
+        let r = build(&topology(f), &ReportOptions::default());
         let svg = render_svg(&r);
         // Well-formed XML.
         let mut rd = quick_xml::Reader::from_str(&svg);

@@ -1,12 +1,9 @@
 //! Ring search on the fixtures: NVLink where it exists, sockets crossed at most once each way.
 
+mod common;
+use common::{gpu_matrix, topology};
 use weftcc_topology::search::{double_binary_tree, global_ring, host_chain, network_order, rings};
 use weftcc_topology::{nvsmi, LinkSpeeds, PathClass, Topology};
-
-fn load(name: &str) -> Topology {
-    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
-    nvsmi::parse(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
 
 fn assert_valid_ring(t: &Topology, order: &[usize]) {
     let mut seen = order.to_vec();
@@ -20,7 +17,7 @@ fn assert_valid_ring(t: &Topology, order: &[usize]) {
 
 #[test]
 fn dgx1_rings_use_only_nvlink_and_several_channels() {
-    let t = load("dgx1_v100.txt");
+    let t = topology("dgx1_v100.txt");
     let plan = rings(&t, &LinkSpeeds::default());
     assert!(plan.rings.len() >= 4, "{plan:?}");
     for r in &plan.rings {
@@ -45,7 +42,7 @@ fn nvswitch_systems_get_full_nvlink_bandwidth() {
         ("dgx_h100.txt", 18.0),
         ("dgx2_v100.txt", 6.0),
     ] {
-        let t = load(f);
+        let t = topology(f);
         let plan = rings(&t, &LinkSpeeds::default());
         assert!(!plan.rings.is_empty());
         for r in &plan.rings {
@@ -63,7 +60,7 @@ fn pcie_dual_socket_crosses_once_each_way() {
         "nvlink_bridged_pairs.txt",
         "nvlink_pairs8_dual_socket.txt",
     ] {
-        let t = load(f);
+        let t = topology(f);
         let plan = rings(&t, &LinkSpeeds::default());
         assert!(!plan.rings.is_empty(), "{f}");
         for r in &plan.rings {
@@ -87,7 +84,7 @@ fn pcie_dual_socket_crosses_once_each_way() {
 #[test]
 fn pcie_single_socket_prefers_switch_neighbours() {
     for f in ["pcie4_one_socket.txt", "pcie4_pxb.txt", "pcie4_nic_far.txt"] {
-        let t = load(f);
+        let t = topology(f);
         let plan = rings(&t, &LinkSpeeds::default());
         let r = &plan.rings[0];
         assert_valid_ring(&t, &r.order);
@@ -102,11 +99,11 @@ fn pcie_single_socket_prefers_switch_neighbours() {
 
 #[test]
 fn tiny_hosts() {
-    let t = load("single_gpu.txt");
+    let t = topology("single_gpu.txt");
     let plan = rings(&t, &LinkSpeeds::default());
     assert_eq!(plan.rings.len(), 1);
     assert_eq!(plan.rings[0].order, vec![0]);
-    let t = load("pcie2_phb.txt");
+    let t = topology("pcie2_phb.txt");
     let plan = rings(&t, &LinkSpeeds::default());
     assert_eq!(plan.rings[0].hops, vec![PathClass::Phb, PathClass::Phb]);
     assert_eq!(host_chain(&plan, 2).len(), 2);
@@ -117,20 +114,7 @@ fn tiny_hosts() {
 #[test]
 fn large_host_uses_backtracking() {
     // 24 GPUs on an NVSwitch (beyond the exact search's 16).
-    let n = 24;
-    let mut text = String::from("\t");
-    text += &(0..n)
-        .map(|i| format!("GPU{i}"))
-        .collect::<Vec<_>>()
-        .join("\t");
-    text.push('\n');
-    for i in 0..n {
-        text += &format!("GPU{i}");
-        for j in 0..n {
-            text += if i == j { "\tX" } else { "\tNV18" };
-        }
-        text.push('\n');
-    }
+    let text = gpu_matrix(24, |_, _| "NV18");
     let t = nvsmi::parse(&text).unwrap();
     let plan = rings(&t, &LinkSpeeds::default());
     assert_valid_ring(&t, &plan.rings[0].order);
@@ -151,7 +135,7 @@ fn trees_for_host_counts() {
 
 #[test]
 fn rings_across_hosts_enter_and_leave_next_to_the_nics() {
-    let t = load("pcie8_dual_socket.txt");
+    let t = topology("pcie8_dual_socket.txt");
     let plan = rings(&t, &LinkSpeeds::default());
     let order = network_order(&t, &plan.rings[0]);
     assert_valid_ring(&t, &order);
@@ -173,7 +157,7 @@ fn rings_across_hosts_enter_and_leave_next_to_the_nics() {
     let global = global_ring(&[order.clone(), order.clone()]);
     assert_eq!(global.len(), 16);
     // Without NICs the slowest hop is cut.
-    let t = load("nvlink_bridged_pairs.txt");
+    let t = topology("nvlink_bridged_pairs.txt");
     let plan = rings(&t, &LinkSpeeds::default());
     let order = network_order(&t, &plan.rings[0]);
     assert_ne!(t.gpu_path(order[3], order[0]), PathClass::NvLink(4));
@@ -182,7 +166,7 @@ fn rings_across_hosts_enter_and_leave_next_to_the_nics() {
 #[test]
 fn direct_nvlink_mesh_gets_several_channels() {
     // 4 GPUs, every pair NV4 directly (no NVSwitch): 12 links = 240 GB/s per GPU.
-    let t = load("hgx_a100_4gpu.txt");
+    let t = topology("hgx_a100_4gpu.txt");
     let plan = rings(&t, &LinkSpeeds::default());
     for r in &plan.rings {
         assert_valid_ring(&t, &r.order);

@@ -1,11 +1,12 @@
 //! α-β model and WEFT_ALGO / WEFT_PROTO override syntax.
 
+mod common;
 use weftcc_topology::search::rings;
 use weftcc_topology::tuner::{
     Algorithm, Calibration, Collective, LinkFigure, Measurement, Model, ModelInput, Protocol,
     Selection,
 };
-use weftcc_topology::{nvsmi, LinkSpeeds, TopoError};
+use weftcc_topology::{LinkSpeeds, TopoError};
 
 fn input(nranks: usize, nhosts: usize) -> ModelInput {
     ModelInput {
@@ -172,8 +173,7 @@ fn calibration_fits_and_round_trips() {
 
 #[test]
 fn model_from_a_fixture() {
-    let p = format!("{}/tests/fixtures/dgx_h100.txt", env!("CARGO_MANIFEST_DIR"));
-    let t = nvsmi::parse(&std::fs::read_to_string(p).unwrap()).unwrap();
+    let t = common::topology("dgx_h100.txt");
     let sp = LinkSpeeds::default();
     let plan = rings(&t, &sp);
     let mi = ModelInput::from_topology(&t, &plan, &sp, 1, None);

@@ -396,27 +396,14 @@ fn check_peer_lists(schedules: &[Schedule]) -> Result<(), SimError> {
             }
         }
     }
+    // Every (sender, receiver) pair either side lists must be listed by the other side too.
+    let sends = |a: usize, b: usize| schedules[a].send_peers.contains(&b);
+    let recvs = |a: usize, b: usize| schedules[a].recv_peers.contains(&b);
     for (rank, s) in schedules.iter().enumerate() {
-        for &peer in &s.send_peers {
-            if !schedules
-                .get(peer)
-                .is_some_and(|p| p.recv_peers.contains(&rank))
-            {
-                return Err(SimError::PeerListMismatch {
-                    sender: rank,
-                    receiver: peer,
-                });
-            }
-        }
-        for &peer in &s.recv_peers {
-            if !schedules
-                .get(peer)
-                .is_some_and(|p| p.send_peers.contains(&rank))
-            {
-                return Err(SimError::PeerListMismatch {
-                    sender: peer,
-                    receiver: rank,
-                });
+        let listed = s.send_peers.iter().map(|&p| (rank, p));
+        for (sender, receiver) in listed.chain(s.recv_peers.iter().map(|&p| (p, rank))) {
+            if !(sends(sender, receiver) && recvs(receiver, sender)) {
+                return Err(SimError::PeerListMismatch { sender, receiver });
             }
         }
     }
@@ -837,6 +824,18 @@ fn run_recv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs byte schedules (sum), steps in the order they become ready.
+    fn run_bytes(scheds: &[Schedule], mem: &mut [RankMemory]) -> Result<(), SimError> {
+        run(
+            DataType::Uint8,
+            Combiner::Sum,
+            scheds,
+            mem,
+            &mut |_| 0,
+            None,
+        )
+    }
     use crate::schedule::Step;
 
     fn step(action: Action, deps: Vec<StepId>) -> Step {
@@ -986,15 +985,7 @@ mod tests {
             })
             .collect();
         let mut mem = two_ranks(4);
-        let err = run(
-            DataType::Uint8,
-            Combiner::Sum,
-            &scheds,
-            &mut mem,
-            &mut |_| 0,
-            None,
-        )
-        .unwrap_err();
+        let err = run_bytes(&scheds, &mut mem).unwrap_err();
         let SimError::Deadlock { stuck } = &err else {
             panic!("{err:?}")
         };
@@ -1011,15 +1002,7 @@ mod tests {
             dst: output(0, 3),
         };
         let mut mem = two_ranks(4);
-        let err = run(
-            DataType::Uint8,
-            Combiner::Sum,
-            &scheds,
-            &mut mem,
-            &mut |_| 0,
-            None,
-        )
-        .unwrap_err();
+        let err = run_bytes(&scheds, &mut mem).unwrap_err();
         assert_eq!(
             err,
             SimError::LengthMismatch {
