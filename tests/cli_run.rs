@@ -90,6 +90,11 @@ const ENV_VARS: &str = "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GR
     $MASTER_ADDR $MASTER_PORT $WEFT_MASTER_ADDR $WEFT_MASTER_PORT \
     $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $OMP_NUM_THREADS $WEFT_JOB_TOKEN";
 
+/// `weft run -n N -- sh -c SCRIPT`.
+fn shell_job(n: usize, script: &str) -> Out {
+    weft(&["-n", &n.to_string(), "--", "sh", "-c", script])
+}
+
 #[test]
 fn workers_get_torchrun_and_weft_environment() {
     let out = weft(&["-n", "3", "--", "sh", "-c", ENV_VARS]);
@@ -220,14 +225,7 @@ fn no_prefix_passes_output_through() {
 
 #[test]
 fn exit_code_of_the_first_failed_rank() {
-    let out = weft(&[
-        "-n",
-        "3",
-        "--",
-        "sh",
-        "-c",
-        "if [ $RANK = 1 ]; then exit 7; fi; sleep 60",
-    ]);
+    let out = shell_job(3, "if [ $RANK = 1 ]; then exit 7; fi; sleep 60");
     assert_eq!(out.code, Some(7), "{}", out.stderr);
     assert!(
         out.stderr.contains("rank 1 (pid ") && out.stderr.contains(") exited with code 7 first"),
@@ -245,14 +243,7 @@ fn exit_code_of_the_first_failed_rank() {
 
 #[test]
 fn worker_killed_by_a_signal() {
-    let out = weft(&[
-        "-n",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        "if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60",
-    ]);
+    let out = shell_job(2, "if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60");
     assert_eq!(out.code, Some(128 + 9), "{}", out.stderr);
     assert!(
         out.stderr.contains("rank 0 (pid ")
@@ -267,14 +258,10 @@ fn worker_killed_by_a_signal() {
 #[test]
 fn hanging_worker_is_killed_after_the_grace_period() {
     // Rank 0 ignores SIGTERM (and so does its sleep): only SIGKILL, after ~3 s, stops it.
-    let out = weft(&[
-        "-n",
-        "2",
-        "--",
-        "sh",
-        "-c",
+    let out = shell_job(
+        2,
         "trap '' TERM; if [ $RANK = 1 ]; then sleep 0.2; exit 1; fi; sleep 60",
-    ]);
+    );
     assert_eq!(out.code, Some(1), "{}", out.stderr);
     assert!(out.elapsed >= Duration::from_secs(2), "{:?}", out.elapsed);
     assert!(out.elapsed < Duration::from_secs(20), "{:?}", out.elapsed);
@@ -370,7 +357,7 @@ fn missing_program_and_bad_arguments() {
 
 #[test]
 fn all_success_exits_zero_and_waits_for_everyone() {
-    let out = weft(&["-n", "3", "--", "sh", "-c", "sleep 0.$RANK; echo done"]);
+    let out = shell_job(3, "sleep 0.$RANK; echo done");
     assert_eq!(out.code, Some(0));
     assert_eq!(by_rank(&out.stdout).values().flatten().count(), 3);
 }
@@ -404,7 +391,12 @@ fn sigterm_to_the_launcher_is_forwarded() {
 }
 
 /// Runs `weft perf` (which launches its own ranks unless started by a launcher).
-fn perf(args: &[&str], launcher: Option<&[&str]>) -> Out {
+/// `weft perf` with the words of `line` and then `paths` (file arguments, which may hold spaces).
+fn perf(line: &str, paths: &[&str], launcher: Option<&[&str]>) -> Out {
+    let args: Vec<&str> = line
+        .split_whitespace()
+        .chain(paths.iter().copied())
+        .collect();
     let start = Instant::now();
     let mut cmd = Command::new(WEFT);
     if let Some(l) = launcher {
@@ -434,21 +426,8 @@ fn rows(stdout: &str) -> Vec<Vec<String>> {
 fn perf_launches_its_own_ranks_and_checks_results() {
     let json = std::env::temp_dir().join(format!("weft-perf-{}.json", std::process::id()));
     let out = perf(
-        &[
-            "all-reduce",
-            "-b",
-            "8",
-            "-e",
-            "1K",
-            "-n",
-            "2",
-            "-w",
-            "1",
-            "--np",
-            "3",
-            "--json",
-            json.to_str().unwrap(),
-        ],
+        "all-reduce -b 8 -e 1K -n 2 -w 1 --np 3 --json",
+        &[json.to_str().unwrap()],
         None,
     );
     assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
@@ -485,21 +464,8 @@ fn perf_launches_its_own_ranks_and_checks_results() {
 #[test]
 fn perf_under_weft_run_prints_on_rank_0_only() {
     let out = perf(
-        &[
-            "all-gather",
-            "-b",
-            "1K",
-            "-e",
-            "4K",
-            "-d",
-            "half",
-            "-n",
-            "2",
-            "-w",
-            "1",
-            "-c",
-            "0",
-        ],
+        "all-gather -b 1K -e 4K -d half -n 2 -w 1 -c 0",
+        &[],
         Some(&["-n", "2"]),
     );
     assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
@@ -517,16 +483,16 @@ fn perf_under_weft_run_prints_on_rank_0_only() {
 
 #[test]
 fn perf_rejects_bad_arguments() {
-    let out = perf(&["broadcast", "-r", "5", "--np", "2"], None);
+    let out = perf("broadcast -r 5 --np 2", &[], None);
     assert_eq!(out.code, Some(2));
     assert!(
         out.stderr.contains("root 5 is out of range for 2 ranks"),
         "{}",
         out.stderr
     );
-    let out = perf(&["all-reduce", "-d", "float128"], None);
+    let out = perf("all-reduce -d float128", &[], None);
     assert_eq!(out.code, Some(2));
-    let out = perf(&["all-reduce", "-b", "1M", "-e", "1K"], None);
+    let out = perf("all-reduce -b 1M -e 1K", &[], None);
     assert_eq!(out.code, Some(2));
 }
 
@@ -605,25 +571,8 @@ fn perf_plot_overlays_a_converted_baseline() {
     assert_eq!(conv.0, Some(0), "{}", conv.1);
     let svg = dir.join("plot.svg");
     let out = perf(
-        &[
-            "all-reduce",
-            "-b",
-            "8",
-            "-e",
-            "1K",
-            "-f",
-            "4",
-            "-n",
-            "2",
-            "-w",
-            "1",
-            "--np",
-            "2",
-            "--plot",
-            svg.to_str().unwrap(),
-            "--baseline",
-            json.to_str().unwrap(),
-        ],
+        "all-reduce -b 8 -e 1K -f 4 -n 2 -w 1 --np 2 --plot",
+        &[svg.to_str().unwrap(), "--baseline", json.to_str().unwrap()],
         None,
     );
     assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
@@ -636,13 +585,8 @@ fn perf_plot_overlays_a_converted_baseline() {
     assert_eq!(drawing.matches("<circle").count(), 4 * 2 + 2);
     // A file that is not a baseline is refused before anything runs.
     let bad = perf(
-        &[
-            "all-reduce",
-            "--plot",
-            svg.to_str().unwrap(),
-            "--baseline",
-            text.to_str().unwrap(),
-        ],
+        "all-reduce --plot",
+        &[svg.to_str().unwrap(), "--baseline", text.to_str().unwrap()],
         None,
     );
     assert_eq!(bad.code, Some(2), "{}", bad.stderr);

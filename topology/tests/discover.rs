@@ -20,6 +20,11 @@ fn put(root: &Path, rel: &str, content: &str) {
     fs::write(p, content).unwrap();
 }
 
+/// `rel` as a symbolic link to `target` (both under `root`), as sysfs links a device.
+fn link(root: &Path, target: &str, rel: &str) {
+    std::os::unix::fs::symlink(root.join(target), root.join(rel)).unwrap();
+}
+
 fn fake_sysfs(root: &Path) {
     put(root, "devices/system/node/node0/cpulist", "0-15,32-47\n");
     put(
@@ -37,29 +42,29 @@ fn fake_sysfs(root: &Path) {
         "200 Gb/sec (4X HDR)\n",
     );
     put(root, "class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n");
-    std::os::unix::fs::symlink(
-        root.join("devices/pci0000:80/0000:81:00.0"),
-        root.join("class/infiniband/mlx5_0/device"),
-    )
-    .unwrap();
+    link(
+        root,
+        "devices/pci0000:80/0000:81:00.0",
+        "class/infiniband/mlx5_0/device",
+    );
     // Physical Ethernet on node 0 (25 Gb/s), virtual docker0 and lo without a device link.
     put(root, "devices/pci0000:00/0000:01:00.0/numa_node", "0\n");
     put(root, "class/net/eth0/speed", "25000\n");
-    std::os::unix::fs::symlink(
-        root.join("devices/pci0000:00/0000:01:00.0"),
-        root.join("class/net/eth0/device"),
-    )
-    .unwrap();
+    link(
+        root,
+        "devices/pci0000:00/0000:01:00.0",
+        "class/net/eth0/device",
+    );
     put(root, "class/net/docker0/speed", "10000\n");
     put(root, "class/net/lo/speed", "-1\n");
     // A down link reports -1 and no NUMA node (-1).
     put(root, "devices/pci0000:00/0000:02:00.0/numa_node", "-1\n");
     put(root, "class/net/eth1/speed", "-1\n");
-    std::os::unix::fs::symlink(
-        root.join("devices/pci0000:00/0000:02:00.0"),
-        root.join("class/net/eth1/device"),
-    )
-    .unwrap();
+    link(
+        root,
+        "devices/pci0000:00/0000:02:00.0",
+        "class/net/eth1/device",
+    );
 }
 
 #[test]

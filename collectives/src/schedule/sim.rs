@@ -699,6 +699,12 @@ fn run_copy(
     Ok(())
 }
 
+/// The peer of queue `queue` and the step at its front, if any.
+fn front(queues: &[(usize, VecDeque<StepId>)], queue: usize) -> Option<(usize, StepId)> {
+    let (peer, steps) = queues.get(queue)?;
+    steps.front().map(|&h| (*peer, h))
+}
+
 fn run_send(
     rank: usize,
     st: &mut RankState,
@@ -707,11 +713,7 @@ fn run_send(
     channels: &mut BTreeMap<(usize, usize), Channel>,
     cap: Option<usize>,
 ) -> Result<(), SimError> {
-    let Some((peer, h)) = st
-        .sendq
-        .get(queue)
-        .and_then(|(p, q)| q.front().map(|&h| (*p, h)))
-    else {
+    let Some((peer, h)) = front(&st.sendq, queue) else {
         return Ok(());
     };
     let Some(Op::Send { src, .. }) = st.steps.get(h).map(|s| s.op) else {
@@ -749,11 +751,7 @@ fn run_recv(
     dtype: DataType,
     comb: Combiner,
 ) -> Result<(), SimError> {
-    let Some((peer, h)) = st
-        .recvq
-        .get(queue)
-        .and_then(|(p, q)| q.front().map(|&h| (*p, h)))
-    else {
+    let Some((peer, h)) = front(&st.recvq, queue) else {
         return Ok(());
     };
     let Some(Op::Recv { dst, local, .. }) = st.steps.get(h).map(|s| s.op) else {
@@ -915,15 +913,10 @@ mod tests {
                 let inputs: Vec<Vec<u8>> =
                     mem.iter().map(|m| m.input().unwrap().to_vec()).collect();
                 let mut order = |k: usize| if first { 0 } else { k - 1 };
-                run(
-                    DataType::Int32,
-                    Combiner::Sum,
-                    &scheds,
-                    &mut mem,
-                    &mut order,
-                    cap,
-                )
-                .unwrap();
+                let mut sum = |dtype, scheds: &[Schedule], mem: &mut [RankMemory]| {
+                    run(dtype, Combiner::Sum, scheds, mem, &mut order, cap)
+                };
+                sum(DataType::Int32, &scheds, &mut mem).unwrap();
                 let mut want = vec![0u8; 400];
                 reduce::reduce_into(
                     DataType::Int32,
@@ -941,15 +934,7 @@ mod tests {
                 let mut mem = two_ranks(100);
                 let inputs: Vec<Vec<u8>> =
                     mem.iter().map(|m| m.input().unwrap().to_vec()).collect();
-                run(
-                    DataType::Uint8,
-                    Combiner::Sum,
-                    &scheds,
-                    &mut mem,
-                    &mut order,
-                    cap,
-                )
-                .unwrap();
+                sum(DataType::Uint8, &scheds, &mut mem).unwrap();
                 assert_eq!(mem[0].output().unwrap(), &inputs[1][..]);
                 assert_eq!(mem[1].output().unwrap(), &inputs[0][..]);
             }
