@@ -116,48 +116,40 @@ fn cpumasks() {
     assert_eq!(t.cpus[0].numa, 0);
 }
 
-fn xml_err(s: &str) -> String {
-    match xml::read(s) {
-        Err(e @ TopoError::Xml(_)) => e.to_string(),
-        other => panic!("expected an XML error for {s:?}, got {other:?}"),
+/// Reading `text` fails with an XML error whose message contains `want`.
+fn assert_xml_rejects(text: &str, want: &str) {
+    match xml::read(text) {
+        Err(e @ TopoError::Xml(_)) => assert!(e.to_string().contains(want), "{text:?}: {e}"),
+        other => panic!("expected an XML error about {want:?} for {text:?}, got {other:?}"),
     }
 }
 
 #[test]
 fn malformed_xml_gives_clear_errors() {
-    assert!(xml_err("").contains("no <system>"));
-    assert!(xml_err("<foo/>").contains("outside <system>"));
-    assert!(xml_err("<system><cpu numaid=\"0\">").contains("unclosed"));
-    assert!(xml_err("<system><cpu numaid=\"0\"></pci></system>").contains("byte"));
-    assert!(xml_err("<system><cpu></cpu></system>").contains("without numaid"));
-    assert!(xml_err("<system><cpu numaid=\"x\"></cpu></system>").contains("not a number"));
-    assert!(
-        xml_err("<system><cpu numaid=\"0\"/><cpu numaid=\"0\"/></system>").contains("two <cpu")
-    );
-    assert!(
-        xml_err("<system><cpu numaid=\"0\"><pci class=\"0x0\"/></cpu></system>")
-            .contains("without busid")
-    );
-    assert!(
-        xml_err("<system><cpu numaid=\"0\"><nvlink target=\"a\"/></cpu></system>")
-            .contains("outside <gpu>")
-    );
-    assert!(
-        xml_err("<system><cpu numaid=\"0\"><gpu dev=\"0\"/><gpu dev=\"0\"/></cpu></system>")
-            .contains("two GPUs")
-    );
-    assert!(xml_err("<system><cpu numaid=\"0\"><gpu dev=\"0\"><nvlink target=\"a\" count=\"0\"/></gpu></cpu></system>").contains("out of range"));
-    assert!(
-        xml_err("<system><cpu numaid=\"0\"><nic><net/></nic></cpu></system>")
-            .contains("without name")
-    );
-    assert!(xml_err("<system><system/></system>").contains("nested"));
-    assert!(xml_err("<system><cpu numaid=\"0\" a=\"1\" a=\"2\"/></system>").contains("byte"));
+    let cases = [
+        ("", "no <system>"),
+        ("<foo/>", "outside <system>"),
+        ("<system><cpu numaid=\"0\">", "unclosed"),
+        ("<system><cpu numaid=\"0\"></pci></system>", "byte"),
+        ("<system><cpu></cpu></system>", "without numaid"),
+        ("<system><cpu numaid=\"x\"></cpu></system>", "not a number"),
+        ("<system><cpu numaid=\"0\"/><cpu numaid=\"0\"/></system>", "two <cpu"),
+        ("<system><cpu numaid=\"0\"><pci class=\"0x0\"/></cpu></system>", "without busid"),
+        ("<system><cpu numaid=\"0\"><nvlink target=\"a\"/></cpu></system>", "outside <gpu>"),
+        ("<system><cpu numaid=\"0\"><gpu dev=\"0\"/><gpu dev=\"0\"/></cpu></system>", "two GPUs"),
+        ("<system><cpu numaid=\"0\"><gpu dev=\"0\"><nvlink target=\"a\" count=\"0\"/></gpu></cpu></system>", "out of range"),
+        ("<system><cpu numaid=\"0\"><nic><net/></nic></cpu></system>", "without name"),
+        ("<system><system/></system>", "nested"),
+        ("<system><cpu numaid=\"0\" a=\"1\" a=\"2\"/></system>", "byte"),
+    ];
+    for (text, want) in cases {
+        assert_xml_rejects(text, want);
+    }
     let deep = format!(
         "<system><cpu numaid=\"0\">{}",
         "<pci busid=\"1\">".repeat(100)
     );
-    assert!(xml_err(&deep).contains("deeper"));
+    assert_xml_rejects(&deep, "deeper");
     // Unknown elements and attributes are ignored.
     let t = xml::read("<system version=\"1\"><cpu numaid=\"0\"><pci busid=\"1\"><foo/><gpu dev=\"0\" extra=\"y\"/></pci></cpu><bar/></system>").unwrap();
     assert_eq!(t.gpus.len(), 1);

@@ -42,6 +42,13 @@ fn read_until_closed(s: &mut TcpStream) -> Vec<u8> {
     }
 }
 
+/// A new client, checked to work (`tag` set and read back).
+fn working_client(addr: &str, tag: &str) -> StoreClient {
+    let mut c = client(addr);
+    still_works(&mut c, tag);
+    c
+}
+
 fn still_works(c: &mut StoreClient, tag: &str) {
     c.set(tag, tag.as_bytes())
         .expect("set after hostile client");
@@ -161,15 +168,13 @@ fn ipv6_store() {
         return;
     };
     let addr = format!("[::1]:{}", s.local_addr().port());
-    let mut c = client(&addr);
-    still_works(&mut c, "v6");
+    working_client(&addr, "v6");
 }
 
 #[test]
 fn hostile_clients_are_refused_and_others_keep_working() {
     let (_s, addr) = server();
-    let mut good = client(&addr);
-    still_works(&mut good, "before");
+    let mut good = working_client(&addr, "before");
 
     // Wrong token through the real client: refused at once, not retried until the timeout.
     let t = Instant::now();
@@ -273,16 +278,14 @@ fn hostile_clients_are_refused_and_others_keep_working() {
     h.extend_from_slice(&100u32.to_le_bytes());
     h.extend_from_slice(&[1, 2, 3]);
     stalled.write_all(&h).unwrap();
-    let mut other = client(&addr);
-    still_works(&mut other, "while-stalled");
+    working_client(&addr, "while-stalled");
     still_works(&mut good, "end");
 }
 
 #[test]
 fn shutdown_answers_waiting_clients_with_store_closed() {
     let (s, addr) = server();
-    let mut idle = client(&addr);
-    still_works(&mut idle, "x");
+    let mut idle = working_client(&addr, "x");
     let t = Instant::now();
     std::thread::scope(|sc| {
         let h = sc.spawn(|| {

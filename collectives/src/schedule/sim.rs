@@ -1038,19 +1038,22 @@ mod tests {
                 scratch_elems: 8,
             },
         ];
-        let mut mem = two_ranks(8);
         // Send 4 bytes, receive them (the receive is now in progress), then run the copy.
-        let mut script = [0usize, 1, 1].into_iter();
-        let mut order = |_: usize| script.next().unwrap_or(0);
-        let err = run(
-            DataType::Uint8,
-            Combiner::Sum,
-            &scheds,
-            &mut mem,
-            &mut order,
-            Some(4),
-        )
-        .unwrap_err();
+        let scripted = |scheds: &[Schedule]| {
+            let mut mem = two_ranks(8);
+            let mut script = [0usize, 1, 1].into_iter();
+            let mut order = |_: usize| script.next().unwrap_or(0);
+            let sim = run(
+                DataType::Uint8,
+                Combiner::Sum,
+                scheds,
+                &mut mem,
+                &mut order,
+                Some(4),
+            );
+            sim.map(|()| mem)
+        };
+        let err = scripted(&scheds).unwrap_err();
         assert_eq!(
             err,
             SimError::Race {
@@ -1062,18 +1065,7 @@ mod tests {
         // With the dependency the copy waits for the receive.
         let mut scheds = scheds;
         scheds[1].steps[1].deps = vec![0];
-        let mut mem = two_ranks(8);
-        let mut script = [0usize, 1, 1].into_iter();
-        let mut order = |_: usize| script.next().unwrap_or(0);
-        run(
-            DataType::Uint8,
-            Combiner::Sum,
-            &scheds,
-            &mut mem,
-            &mut order,
-            Some(4),
-        )
-        .unwrap();
+        let mem = scripted(&scheds).unwrap();
         assert_eq!(mem[1].scratch, mem[0].input().unwrap());
     }
 
