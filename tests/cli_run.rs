@@ -667,3 +667,22 @@ fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_a_multiple_round_robi
     );
     assert_eq!(cpu_list(&by_rank(&out.stdout)[&0][0]), vec![allowed[0]]);
 }
+
+#[test]
+fn too_low_an_open_files_limit_is_a_clear_error() {
+    // `ulimit -n 40` lowers soft and hard limits: a rank cannot raise its way out.
+    let out = Command::new("sh")
+        .args([
+            "-c",
+            &format!("ulimit -n 40 && exec {WEFT} perf all-reduce --np 2 -b 8 -e 8"),
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run sh");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("open files but the limit is 40 (hard limit 40)"),
+        "{stderr}"
+    );
+}

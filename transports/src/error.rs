@@ -35,6 +35,13 @@ pub enum TransportError {
     /// Shared memory could not be set up (for example /dev/shm too small).
     #[error("shared memory: {0}")]
     SharedMemory(String),
+    /// The process may not open the files (sockets, segments) this rank needs, even after
+    /// raising its soft limit to the hard one.
+    #[error(
+        "needs {needed} open files but the limit is {soft} (hard limit {hard}): raise it \
+         (`ulimit -n`, or LimitNOFILE for a service), or run fewer ranks per process"
+    )]
+    FileLimit { needed: u64, soft: u64, hard: u64 },
     /// A configuration value (environment variable, address) is invalid.
     #[error("configuration: {0}")]
     Config(String),

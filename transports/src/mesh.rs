@@ -234,6 +234,9 @@ impl Mesh {
         let local: Vec<usize> = (0..n).filter(|&p| p != rank && use_shm(p)).collect();
         let remote: Vec<usize> = (0..n).filter(|&p| p != rank && !use_shm(p)).collect();
 
+        // A socket per remote peer and a pidfd per local one stay open for the mesh's lifetime.
+        crate::process::ensure_open_files((local.len() + remote.len()) as u64)?;
+
         let mut conns: Vec<Option<Box<dyn Connection>>> = (0..n).map(|_| None).collect();
         let mut kinds: Vec<Option<&'static str>> = vec![None; n];
         let mut shm_peers = vec![false; n];
