@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# How weftcc's set-up scales with the number of local ranks (issue 18's table): for each N,
+# `weft perf all-reduce --np N` is run three times and measured from outside.
+#
+#   benches/scale.sh [N...]            (default: 8 32 64)
+#
+# Columns: init (launch to the header, which rank 0 prints once every communicator exists and the
+# ranks have exchanged their host names), first (the first 8-byte all-reduce, -w 0 -n 1, µs),
+# steady (8-byte all-reduce, 2000 iterations after 200 of warm-up, µs), shm (peak /dev/shm used
+# by the job, MiB), rss (largest worker RSS, MiB), fds (most open files of one worker), conns
+# (connections per rank, from WEFT_DEBUG=INFO's "mesh connection" lines), wrong (values wrong in
+# an 8 B … 64 KiB sweep), left (weft segments left in /dev/shm afterwards).
+# Environment: WEFT (the binary, default target/release/weft), WIRE=tcp (WEFT_SHM_DISABLE=1).
+# Each rank maps a 1 MiB ring per local peer today, so /dev/shm grows as N²: check `df /dev/shm`
+# before asking for large N (N=128 needs about 16 GiB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+weft=${WEFT:-target/release/weft}
+[ -x "$weft" ] || cargo build --release --bin weft >/dev/null
+sizes=("$@")
+[ ${#sizes[@]} -gt 0 ] || sizes=(8 32 64)
+if [ "${WIRE:-shm}" = tcp ]; then export WEFT_SHM_DISABLE=1; fi
+
+shm_used() { df -B1 --output=used /dev/shm | tail -1; }
+segments() { find /dev/shm -maxdepth 1 -name 'weft-*' 2>/dev/null | wc -l; }
+
+# The column of `weft perf`'s first result row: 6 = out-of-place time.
+row_time() { awk '$1 ~ /^[0-9]+$/ { print $6; exit }'; }
+
+# Samples the job rooted at launcher pid $1 until it exits: peak /dev/shm (bytes above $2),
+# largest worker RSS (KiB) and most open files of a worker.
+sample() {
+  local launcher=$1 base=$2 peak=0 rss=0 fds=0
+  while kill -0 "$launcher" 2>/dev/null; do
+    local used=$(( $(shm_used) - base ))
+    (( used > peak )) && peak=$used
+    for w in $(pgrep -P "$launcher" 2>/dev/null); do
+      local r f
+      # A worker may exit between pgrep and these reads.
+      r=$(awk '/^VmRSS:/ { print $2 }' "/proc/$w/status" 2>/dev/null || true)
+      f=$(ls "/proc/$w/fd" 2>/dev/null | wc -l || true)
+      (( ${r:-0} > rss )) && rss=${r:-0}
+      (( ${f:-0} > fds )) && fds=${f:-0}
+    done
+    sleep 0.05
+  done
+  echo "$peak $rss $fds"
+}
+
+printf '%6s %8s %9s %9s %8s %8s %6s %6s %6s %5s\n' \
+  ranks init-s first-us steady-us shm-MiB rss-MiB fds conns wrong left
+for n in "${sizes[@]}"; do
+  before=$(segments)
+  # 1. Init and first call, with the connection log.
+  log=$(mktemp)
+  t0=$(date +%s.%N)
+  first=$(WEFT_DEBUG=INFO WEFT_DEBUG_SUBSYS=INIT "$weft" perf all-reduce --np "$n" -b 8 -e 8 \
+    -w 0 -n 1 -a 3 2>"$log" | while IFS= read -r line; do
+      case $line in "# weft perf"*) echo "header $(date +%s.%N)" ;; esac
+      echo "$line"
+    done)
+  header=$(echo "$first" | awk '$1 == "header" { print $2; exit }')
+  init=$(awk -v a="$t0" -v b="$header" 'BEGIN { printf "%.2f", b - a }')
+  first_us=$(echo "$first" | grep -v '^header' | row_time)
+  conns=$(grep -c 'mesh connection' "$log" || true)
+  conns=$(awk -v c="$conns" -v n="$n" 'BEGIN { printf "%.1f", c / n }')
+  rm -f "$log"
+  # 2. Steady state.
+  steady=$("$weft" perf all-reduce --np "$n" -b 8 -e 8 -w 200 -n 2000 -a 3 2>/dev/null | row_time)
+  # 3. A sweep, sampled from outside.
+  base=$(shm_used)
+  out=$(mktemp)
+  "$weft" perf all-reduce --np "$n" -b 8 -e 64K -w 5 -n 20 >"$out" 2>&1 &
+  launcher=$!
+  read -r peak rss fds < <(sample "$launcher" "$base")
+  wait "$launcher" || true
+  wrong=$(awk '/Out of bounds values/ { print $7; exit }' "$out")
+  rm -f "$out"
+  left=$(( $(segments) - before ))
+  printf '%6s %8s %9s %9s %8s %8s %6s %6s %6s %5s\n' "$n" "$init" "$first_us" "$steady" \
+    "$(( peak / 1048576 ))" "$(( rss / 1024 ))" "$fds" "$conns" "${wrong:-?}" "$left"
+done
