@@ -686,3 +686,29 @@ fn too_low_an_open_files_limit_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+#[test]
+fn segments_left_by_killed_workers_are_removed() {
+    // Each worker leaves a segment of its job that was never initialised (as a rank killed while
+    // making one would), then is killed by SIGKILL.
+    let out = shell_job(
+        2,
+        "f=/dev/shm/weft-$WEFT_JOB_TOKEN-test-$RANK; : > $f; touch -d '1 minute ago' $f; \
+         echo left $f; kill -9 $$",
+    );
+    assert_eq!(out.code, Some(128 + 9), "{}", out.stderr);
+    let left: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter_map(|l| l.split_once("left ").map(|(_, f)| f.trim()))
+        .collect();
+    assert!(!left.is_empty(), "{}", out.stdout);
+    for f in &left {
+        assert!(!std::path::Path::new(f).exists(), "{f} is still there");
+    }
+    assert!(
+        out.stderr.contains("shared-memory segment"),
+        "{}",
+        out.stderr
+    );
+}

@@ -248,6 +248,12 @@ pub fn buffsize_from_env() -> Result<usize> {
 /// The POSIX shared-memory name of `rank`'s segment: `/weft-<token>-<namespace hash>-<rank>`
 /// (the token is reduced to at most 48 characters of `[A-Za-z0-9_-]`).
 pub fn segment_name(token: &str, namespace: &str, rank: usize) -> String {
+    let hash = fnv1a64(namespace.as_bytes());
+    format!("/{}{hash:016x}-{rank}", job_prefix(token))
+}
+
+/// `weft-<token>-`: how every segment name of a job begins (the token cut to what a name may hold).
+fn job_prefix(token: &str) -> String {
     let mut tok: String = token
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
@@ -256,7 +262,45 @@ pub fn segment_name(token: &str, namespace: &str, rank: usize) -> String {
     if tok.is_empty() {
         tok.push_str("anon");
     }
-    format!("/weft-{tok}-{:016x}-{rank}", fnv1a64(namespace.as_bytes()))
+    format!("weft-{tok}-")
+}
+
+/// How old a segment whose header was never written must be before it counts as abandoned:
+/// making one takes microseconds, so an older one lost its creator while it was being made.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(5);
+
+/// Removes the segments of job `token` that no live process will unlink: those whose creator
+/// has exited, and those whose header was never written that are older than [`ORPHAN_GRACE`].
+/// Ranks unlink their names once every peer has mapped them, so only a rank killed in between
+/// leaves one; `weft run` calls this when a job ends. Returns the names removed.
+pub fn remove_orphan_segments(token: &str) -> Vec<String> {
+    let prefix = job_prefix(token);
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let Ok(file) = entry.file_name().into_string() else {
+            continue;
+        };
+        if !file.starts_with(&prefix) {
+            continue;
+        }
+        let name = format!("/{file}");
+        let abandoned = match Mapping::open(&name) {
+            Ok(map) => ProcessWatch::new(map.owner_pid() as i32).exited(),
+            Err(_) => entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > ORPHAN_GRACE),
+        };
+        if abandoned && nix::sys::mman::shm_unlink(name.as_str()).is_ok() {
+            removed.push(name);
+        }
+    }
+    removed
 }
 
 fn page_size() -> usize {
@@ -1456,6 +1500,7 @@ pub fn local_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn a_farewell_is_read_by_the_peer_after_the_close() {
@@ -1518,6 +1563,27 @@ mod tests {
         assert_eq!(fill(&mut a), 0);
         assert_eq!(b.try_recv(0, &mut |sl: &[u8]| sl.len()).unwrap(), 0);
         assert_eq!(fill(&mut a), 1000);
+    }
+
+    #[test]
+    fn segments_of_a_dead_creator_are_removed_and_live_ones_kept() {
+        let token = format!("orphans{}", std::process::id());
+        let live = ShmSegment::create_named(&segment_name(&token, "a", 0), 0, &[1], 1 << 16)
+            .expect("segment");
+        let dead = ShmSegment::create_named(&segment_name(&token, "a", 1), 1, &[0], 1 << 16)
+            .expect("segment");
+        // A process that has exited and been reaped stands in for a killed rank.
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let gone = child.id();
+        child.wait().expect("wait");
+        dead.map.u32_at(H_PID).store(gone, Ordering::Relaxed);
+        let removed = remove_orphan_segments(&token);
+        assert_eq!(removed, vec![segment_name(&token, "a", 1)]);
+        assert!(Path::new(&format!("/dev/shm{}", live.name())).exists());
+        drop((live, dead));
+        assert!(remove_orphan_segments(&token).is_empty());
     }
 
     #[test]

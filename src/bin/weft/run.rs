@@ -23,6 +23,7 @@ use nix::unistd::Pid;
 use weftcc_transports::process::{
     catch_termination_signals, launch_as_worker, take_pending_signal,
 };
+use weftcc_transports::shm::remove_orphan_segments;
 
 /// How long stopped workers get between SIGTERM and SIGKILL.
 const GRACE: Duration = Duration::from_secs(3);
@@ -526,6 +527,16 @@ impl Launch {
         drop(done_tx);
         let readers = if self.prefix { 2 * workers.len() } else { 0 };
         let outcome = self.watch(&mut workers);
+        // Every worker has exited: shared memory a killed rank could not unlink goes now.
+        let left = remove_orphan_segments(&token);
+        if !left.is_empty() {
+            eprintln!(
+                "{}: removed {} the workers left: {}",
+                self.label,
+                plural(left.len(), "shared-memory segment"),
+                left.join(" ")
+            );
+        }
         // Let the readers print what the workers wrote last; bounded, see the module comment.
         let deadline = Instant::now() + DRAIN_WAIT;
         for _ in 0..readers {
