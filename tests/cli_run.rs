@@ -712,3 +712,18 @@ fn segments_left_by_killed_workers_are_removed() {
         out.stderr
     );
 }
+
+#[test]
+fn a_host_too_small_for_every_ring_is_a_clear_error_not_the_oom_killer() {
+    // 16 ranks with 1 GiB rings need 240 GiB: refused on every rank before any segment exists.
+    let out = Command::new(WEFT)
+        .args(["perf", "all-reduce", "--np", "16", "-b", "8", "-e", "8"])
+        .env("WEFT_BUFFSIZE", "1G")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run weft perf");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("16 ranks on this host need"), "{stderr}");
+    assert!(stderr.contains("WEFT_SHM_DISABLE=1"), "{stderr}");
+}

@@ -226,6 +226,8 @@ impl Mesh {
             infos.push(info);
         }
 
+        store.add(&format!("{ns}/info-read"), 1)?;
+
         // 2. Choose.
         let use_shm = |p: usize| {
             let o = &infos[p];
@@ -247,6 +249,21 @@ impl Mesh {
         let segment = if local.is_empty() {
             None
         } else {
+            let (shm_size, memory) = shm::host_shm_limits();
+            let per_ring = shm::ring_bytes(cfg.buffsize);
+            if let Err(e) = shm::check_host_shm(local.len() + 1, per_ring, shm_size, memory) {
+                // Every rank of the host fails alike. Rank 0 serves the store: it leaves only
+                // once every rank has its peer records, so that none of them reports the
+                // store closing instead of this reason.
+                if rank == 0 {
+                    while store.add(&format!("{ns}/info-read"), 0)? < n as i64
+                        && !deadline.expired()
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                }
+                return Err(e);
+            }
             let seg = match ShmSegment::create_named(&me.segment, rank, &local, cfg.buffsize) {
                 Ok(s) => {
                     store.set(&format!("{ns}/shm/{rank}"), b"ok")?;

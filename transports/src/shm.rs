@@ -384,6 +384,57 @@ pub fn check_shm_space(free_bytes: u64, peers: usize, per_peer_bytes: u64) -> Re
     Ok(())
 }
 
+/// Checks that `ranks` ranks on one host, each with a segment of `ranks - 1` rings of
+/// `per_ring_bytes`, fit in what the host can hold at all: /dev/shm's size and nine tenths of its
+/// memory (tmpfs pages are memory; past that the kernel's OOM killer, not an error, would stop the
+/// job). Every rank computes the same answer, so all of them fail alike, before anything is made.
+pub fn check_host_shm(
+    ranks: usize,
+    per_ring_bytes: u64,
+    shm_size: Option<u64>,
+    memory: Option<u64>,
+) -> Result<()> {
+    let rings = (ranks as u64).saturating_mul(ranks.saturating_sub(1) as u64);
+    let needed = rings.saturating_mul(per_ring_bytes);
+    let limit = [shm_size, memory.map(|m| m / 10 * 9)]
+        .into_iter()
+        .flatten()
+        .min();
+    match limit {
+        Some(limit) if needed > limit => Err(TransportError::SharedMemory(format!(
+            "{ranks} ranks on this host need {} of shared memory ({rings} rings of {}), more \
+             than it can hold ({}{}); run fewer ranks per host, set a smaller WEFT_BUFFSIZE, or \
+             WEFT_SHM_DISABLE=1 to use TCP",
+            fmt_mib(needed),
+            fmt_mib(per_ring_bytes),
+            shm_size.map_or(String::new(), |s| format!("/dev/shm {}", fmt_mib(s))),
+            memory.map_or(String::new(), |m| format!(", memory {}", fmt_mib(m))),
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The size of /dev/shm and this host's memory (`MemTotal`), where they can be read.
+pub fn host_shm_limits() -> (Option<u64>, Option<u64>) {
+    let shm = nix::sys::statvfs::statvfs("/dev/shm")
+        .ok()
+        .map(|st| st.blocks().saturating_mul(st.fragment_size()));
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib.saturating_mul(1024))
+        });
+    (shm, memory)
+}
+
+/// The bytes of one incoming ring of `capacity` bytes, its control page included.
+pub fn ring_bytes(capacity: usize) -> u64 {
+    let capacity = ring_capacity(capacity);
+    Layout::new(1, capacity).map_or(u64::MAX, |l| (l.ctrl_size + l.capacity) as u64)
+}
+
 /// Free bytes in /dev/shm (as `statvfs` reports them to unprivileged users).
 pub fn shm_free_bytes() -> Result<u64> {
     let st = nix::sys::statvfs::statvfs("/dev/shm")
@@ -1584,6 +1635,25 @@ mod tests {
         assert!(Path::new(&format!("/dev/shm{}", live.name())).exists());
         drop((live, dead));
         assert!(remove_orphan_segments(&token).is_empty());
+    }
+
+    #[test]
+    fn a_host_that_cannot_hold_every_ring_is_refused_before_anything_is_made() {
+        let ring = ring_bytes(1 << 20);
+        let gib = 1u64 << 30;
+        // 256 ranks of 1 MiB rings need 64 GiB: refused on a 24 GiB host.
+        let e = check_host_shm(256, ring, Some(24 * gib), Some(24 * gib)).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("256 ranks on this host need"), "{text}");
+        assert!(
+            text.contains("65280 rings") && text.contains("WEFT_BUFFSIZE"),
+            "{text}"
+        );
+        // 128 ranks (16 GiB) fit; the same with a small /dev/shm does not.
+        assert!(check_host_shm(128, ring, Some(24 * gib), Some(24 * gib)).is_ok());
+        assert!(check_host_shm(128, ring, Some(gib), Some(24 * gib)).is_err());
+        // Nothing known: no refusal.
+        assert!(check_host_shm(4096, ring, None, None).is_ok());
     }
 
     #[test]
