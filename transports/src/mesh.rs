@@ -5,7 +5,7 @@
 //! 1. Listen for TCP on the selected interface ([`crate::tcp::select_interface`] with
 //!    `socket_ifname` and `WEFT_SOCKET_FAMILY`), publish `<namespace>/info/<rank>` (host id,
 //!    pid, TCP address, shared-memory segment name, whether shared memory is enabled) and read
-//!    every rank's.
+//!    every rank's in one request (`GET_ALL`: n requests to rank 0's store in all).
 //! 2. A pair uses shared memory when both ranks report the same host id and both have shared
 //!    memory enabled, TCP otherwise. Each choice is logged with `tracing::info!`.
 //! 3. Shared memory: create this rank's segment with one ring per local peer, publish
@@ -217,10 +217,15 @@ impl Mesh {
             shm_enabled: !cfg.shm_disable,
         };
         store.set(&format!("{ns}/info/{rank}"), &me.encode())?;
+        // Every rank's record in one request (n requests to rank 0 in all, not n²).
+        let keys: Vec<String> = (0..n).map(|r| format!("{ns}/info/{r}")).collect();
         let mut infos = Vec::with_capacity(n);
-        for r in 0..n {
-            let raw = store.get(&format!("{ns}/info/{r}"), deadline.remaining())?;
-            let info = PeerInfo::decode(&raw).ok_or_else(|| {
+        for (r, raw) in store
+            .get_all(&keys, deadline.remaining())?
+            .iter()
+            .enumerate()
+        {
+            let info = PeerInfo::decode(raw).ok_or_else(|| {
                 TransportError::Protocol(format!("malformed mesh info of rank {r}"))
             })?;
             infos.push(info);

@@ -14,6 +14,7 @@
 //!   4 ADD    delta i64 | key                      OK new value i64
 //!   5 CHECK  key                                  OK exists u8
 //!   6 DELETE key                                  OK existed u8
+//!   7 GET_ALL timeout_ms u64 | count u32 | keys   OK (length u32 | value) per key | TIMEOUT
 //!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message)
 //! ```
 //!
@@ -56,6 +57,7 @@ const OP_WAIT: u8 = 3;
 const OP_ADD: u8 = 4;
 const OP_CHECK: u8 = 5;
 const OP_DELETE: u8 = 6;
+const OP_GET_ALL: u8 = 7;
 
 const ST_OK: u8 = 0;
 const ST_TIMEOUT: u8 = 1;
@@ -466,7 +468,7 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
                 })
             })
         }
-        OP_WAIT => {
+        OP_WAIT | OP_GET_ALL => {
             let ms = c.u64().ok_or_else(bad)?;
             let count = c.u32().ok_or_else(bad)? as usize;
             let mut keys = Vec::new();
@@ -475,9 +477,15 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
             }
             c.end().ok_or_else(bad)?;
             wait_until(inner, ms, |st| {
-                keys.iter()
-                    .all(|k| st.map.contains_key(*k))
-                    .then(|| vec![ST_OK])
+                let values: Option<Vec<&Vec<u8>>> = keys.iter().map(|k| st.map.get(*k)).collect();
+                let values = values?;
+                let mut out = vec![ST_OK];
+                if op == OP_GET_ALL {
+                    for v in values {
+                        put_key(&mut out, v);
+                    }
+                }
+                Some(out)
             })
         }
         OP_ADD => {
@@ -757,6 +765,30 @@ impl StoreClient {
             },
             e => e,
         })
+    }
+
+    /// Waits up to `timeout` until every key in `keys` is set and returns their values, in
+    /// order, in one round trip (a rank's peer records: one request instead of one per peer).
+    pub fn get_all(&mut self, keys: &[String], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let mut v = vec![OP_GET_ALL];
+        v.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+        for k in keys {
+            put_key(&mut v, k.as_bytes());
+        }
+        let body = self.call(&v, timeout).map_err(|e| match e {
+            TransportError::Timeout { after, .. } => TransportError::Timeout {
+                what: format!("waiting for {} store keys", keys.len()),
+                after,
+            },
+            e => e,
+        })?;
+        let mut c = Cursor { buf: &body };
+        let values: Option<Vec<Vec<u8>>> =
+            keys.iter().map(|_| c.key().map(<[u8]>::to_vec)).collect();
+        values
+            .filter(|_| c.end().is_some())
+            .ok_or_else(|| TransportError::Protocol("bad GET_ALL response".into()))
     }
 
     /// Atomically adds `delta` to the counter `key` (missing counts as 0); returns the new value.

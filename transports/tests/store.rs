@@ -348,3 +348,62 @@ fn value_set_just_before_shutdown_reaches_a_waiting_client() {
         });
     }
 }
+
+#[test]
+fn get_all_answers_in_key_order_once_every_key_is_set() {
+    let (_s, addr) = server();
+    let mut c = client(&addr);
+    let keys: Vec<String> = ["b", "a", "c"].iter().map(|k| k.to_string()).collect();
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut setter = client(&addr);
+            for k in ["a", "b", "c"] {
+                std::thread::sleep(Duration::from_millis(20));
+                setter.set(k, k.repeat(3).as_bytes()).unwrap();
+            }
+        });
+        let values = c.get_all(&keys, T).expect("get_all");
+        assert_eq!(values, [b"bbb".to_vec(), b"aaa".to_vec(), b"ccc".to_vec()]);
+    });
+    let missing = vec!["never".to_string()];
+    assert!(matches!(
+        c.get_all(&missing, Duration::from_millis(100)),
+        Err(TransportError::Timeout { .. })
+    ));
+}
+
+/// 4,096 clients (a rank each) publish a record and fetch everyone's: what a 4,096-rank job's
+/// bootstrap asks of rank 0's store, with one request per rank for the records.
+#[test]
+fn four_thousand_clients_all_gather_their_records() {
+    const CLIENTS: usize = 4096;
+    // Each client's socket and the server's end of it, in this one process.
+    if let Err(e) = weftcc_transports::process::ensure_open_files(2 * CLIENTS as u64) {
+        eprintln!("skipping: {e}");
+        return;
+    }
+    let (_s, addr) = server();
+    let keys: Vec<String> = (0..CLIENTS).map(|r| format!("j/info/{r}")).collect();
+    let wrong = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        for r in 0..CLIENTS {
+            let (addr, keys, wrong) = (&addr, &keys, &wrong);
+            std::thread::Builder::new()
+                .stack_size(256 << 10)
+                .spawn_scoped(sc, move || {
+                    let mut c = client(addr);
+                    c.set(&keys[r], format!("record of rank {r}").as_bytes())
+                        .unwrap();
+                    let all = c.get_all(keys, Duration::from_secs(120)).unwrap();
+                    let bad = all
+                        .iter()
+                        .enumerate()
+                        .filter(|(p, v)| v.as_slice() != format!("record of rank {p}").as_bytes())
+                        .count();
+                    wrong.fetch_add(bad, std::sync::atomic::Ordering::Relaxed);
+                })
+                .expect("spawn a client thread");
+        }
+    });
+    assert_eq!(wrong.into_inner(), 0);
+}
