@@ -727,3 +727,83 @@ fn a_host_too_small_for_every_ring_is_a_clear_error_not_the_oom_killer() {
     assert!(stderr.contains("16 ranks on this host need"), "{stderr}");
     assert!(stderr.contains("WEFT_SHM_DISABLE=1"), "{stderr}");
 }
+
+/// The pids of `pid`'s children.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // The fields after the command name, which may hold spaces: state, ppid, ...
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        if rest.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            if let Ok(p) = entry.file_name().to_string_lossy().parse() {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// What /dev/shm holds of job `token`.
+fn shm_of_job(token: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .expect("/dev/shm")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("weft-{token}-")))
+        .collect()
+}
+
+#[test]
+fn every_rank_killed_mid_operation_leaves_nothing_in_dev_shm() {
+    // Four ranks run 4 MiB all-reduces over shared memory; every rank and the launcher are
+    // killed with SIGKILL at once, so nobody can clean up: what the ranks made must already be
+    // gone from /dev/shm (objects are unlinked as they are made).
+    let token = format!("sigkill{}", std::process::id());
+    let mut job = Command::new(WEFT)
+        .args(["run", "-n", "4", "--", WEFT, "perf", "all-reduce"])
+        .args(["-b", "4M", "-e", "4M", "-w", "0", "-n", "1000000"])
+        .env("WEFT_JOB_TOKEN", &token)
+        .env_remove("WEFT_CONNECT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the job");
+    // Mid-operation: rank 0 has printed the header of its results table.
+    let mut stdout = std::io::BufReader::new(job.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let start = Instant::now();
+    while !line.contains("#       size") && start.elapsed() < Duration::from_secs(60) {
+        line.clear();
+        if std::io::BufRead::read_line(&mut stdout, &mut line).unwrap_or(0) == 0 {
+            break;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let mut victims = children_of(job.id());
+    assert_eq!(victims.len(), 4, "four workers running");
+    victims.push(job.id());
+    let pids: Vec<String> = victims.iter().map(u32::to_string).collect();
+    let killed = Command::new("kill")
+        .arg("-9")
+        .args(&pids)
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let _ = job.wait();
+    // The workers' memory goes when they are gone (reparented zombies are reaped by init).
+    let gone = Instant::now();
+    while victims
+        .iter()
+        .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+        && gone.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(shm_of_job(&token).is_empty(), "{:?}", shm_of_job(&token));
+}

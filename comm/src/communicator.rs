@@ -168,6 +168,7 @@ impl Communicator {
             timeout: config.timeout,
             buffsize: config.buffsize,
             shm_ll_max: shm_low_latency_max(&config.proto),
+            connect: config.connect,
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).
@@ -729,6 +730,16 @@ impl Inner {
             poisoned: &poisoned,
             collective_seq,
         };
+        if !mesh.all_connected(prepared.peers()) {
+            let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
+            let mut store = lock(&self.store);
+            if let Err(e) = mesh.connect(prepared.peers(), &mut store, ctx.timeout, &cancel) {
+                if let Some(poison) = self.poisoned() {
+                    return Err(poison);
+                }
+                return Err(ctx.transport(e.peer, e.source));
+            }
+        }
         let (conns, waiter) = mesh.parts();
         engine::execute_prepared(
             &ctx, prepared, layout, areas, conns, waiter, headers, workspace,

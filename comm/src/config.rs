@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use std::time::Duration;
 use weftcc_collectives::{Algorithm, OpKind};
 use weftcc_topology::tuner::{Calibration, Protocol, Selection};
-pub use weftcc_transports::{parse_size, InvalidSize};
+pub use weftcc_transports::{parse_size, ConnectMode, InvalidSize};
 
 /// Default largest message (slice) of a pipelined transfer, in bytes (`WEFT_SLICE_BYTES`).
 pub const DEFAULT_SLICE_BYTES: usize = 256 * 1024;
@@ -22,8 +22,12 @@ pub struct CommConfig {
     pub socket_ifname: Option<String>,
     /// Host identity; ranks with equal ids use shared memory (`WEFT_HOST_ID`).
     pub host_id: String,
-    /// Shared-memory ring size per peer (`WEFT_BUFFSIZE`).
-    pub buffsize: usize,
+    /// Shared-memory ring size per connected peer (`WEFT_BUFFSIZE`); `None` sizes rings by the
+    /// ranks sharing the host ([`weftcc_transports::shm::auto_capacity`]: 1 MiB up to 32 ranks).
+    pub buffsize: Option<usize>,
+    /// When peers are connected (`WEFT_CONNECT=eager` connects all at init; the default connects
+    /// each when an operation first needs it).
+    pub connect: ConnectMode,
     /// Largest message of a pipelined transfer (`WEFT_SLICE_BYTES`).
     pub slice_bytes: usize,
     /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
@@ -84,7 +88,16 @@ impl CommConfig {
                 .ok()
                 .filter(|s| !s.is_empty()),
             host_id: weftcc_topology::host_id(),
-            buffsize: size("WEFT_BUFFSIZE", weftcc_transports::shm::DEFAULT_BUFFSIZE)?,
+            buffsize: match std::env::var("WEFT_BUFFSIZE") {
+                Ok(v) if !v.trim().is_empty() => Some(size("WEFT_BUFFSIZE", 0)?),
+                _ => None,
+            },
+            connect: match std::env::var("WEFT_CONNECT") {
+                Ok(v) if !v.trim().is_empty() => {
+                    ConnectMode::parse(&v).map_err(|e| Error::Config(e.to_string()))?
+                }
+                _ => ConnectMode::default(),
+            },
             slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
             algo: Selection::from_env("WEFT_ALGO").map_err(|e| Error::Config(e.to_string()))?,
             proto: Selection::from_env("WEFT_PROTO").map_err(|e| Error::Config(e.to_string()))?,

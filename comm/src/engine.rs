@@ -106,7 +106,7 @@ impl Context<'_> {
         }
     }
 
-    fn transport(&self, peer: usize, e: TransportError) -> Error {
+    pub(crate) fn transport(&self, peer: usize, e: TransportError) -> Error {
         match e {
             TransportError::PeerLost { detail, .. } => self.lost(peer, detail),
             TransportError::Aborted => self.aborted(),
@@ -141,6 +141,8 @@ pub struct Prepared {
     lanes: Vec<Lane>,
     /// Local copy steps, in schedule order.
     copies: Vec<usize>,
+    /// Every lane's peer.
+    peers: Vec<usize>,
 }
 
 /// The steps exchanged with one peer: `order[send]` go to it, `order[recv]` come from it.
@@ -209,7 +211,13 @@ impl Prepared {
             order,
             lanes,
             copies,
+            peers,
         }
+    }
+
+    /// The peers this schedule exchanges data with (each once): what must be connected first.
+    pub fn peers(&self) -> &[usize] {
+        &self.peers
     }
 
     /// The schedule this was prepared from.

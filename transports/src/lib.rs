@@ -22,6 +22,7 @@
 //! each block carries a `// SAFETY:` comment.
 
 pub mod conn;
+pub mod dial;
 pub mod error;
 pub mod mem;
 pub mod mesh;
@@ -35,7 +36,7 @@ mod util;
 
 pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
-pub use mesh::{Mesh, MeshConfig};
+pub use mesh::{ConnectError, ConnectMode, Mesh, MeshConfig};
 pub use store::{StoreClient, StoreServer};
 pub use util::{lock, parse_size, InvalidSize};
 

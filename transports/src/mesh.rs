@@ -1,32 +1,41 @@
-//! Connects every pair of ranks of a communicator, choosing the transport per pair.
+//! A rank's connections in a communicator: set up the means to connect at init, connect each
+//! peer when first needed.
 //!
 //! [`Mesh::establish`] runs these steps, all through the bootstrap store under the communicator's
 //! key prefix (`namespace`), which is single-use: a new communicator needs a new namespace.
 //! 1. Listen for TCP on the selected interface ([`crate::tcp::select_interface`] with
-//!    `socket_ifname` and `WEFT_SOCKET_FAMILY`), publish `<namespace>/info/<rank>` (host id,
-//!    pid, TCP address, shared-memory segment name, whether shared memory is enabled) and read
-//!    every rank's in one request (`GET_ALL`: n requests to rank 0's store in all).
-//! 2. A pair uses shared memory when both ranks report the same host id and both have shared
-//!    memory enabled, TCP otherwise. Each choice is logged with `tracing::info!`.
-//! 3. Shared memory: create this rank's segment with one ring per local peer, publish
-//!    `<namespace>/shm/<rank>` (`ok` or the error), map each local peer's segment.
-//! 4. TCP: accept from lower ranks while connecting to higher ranks.
-//! 5. A store barrier (`<namespace>/mesh/ready`); then the segment names are unlinked (the
-//!    mappings stay).
-//! 6. Departure: every rank counts itself out (`<namespace>/mesh/left`) and rank 0 returns only
+//!    `socket_ifname` and `WEFT_SOCKET_FAMILY`) and publish the address (`<namespace>/addr/<rank>`,
+//!    read only by the peers that connect to this rank over TCP).
+//! 2. Gather the host table, every rank's [`PeerHost`] (host id, network namespace, shared memory
+//!    allowed), as a two-level all-gather over the store: each rank publishes its entry, the first
+//!    rank of every block of [`HOST_BLOCK`] ranks folds its block into one record of distinct
+//!    entries and indices, and every rank reads the `n / HOST_BLOCK` block records in one request.
+//!    Rank 0's store serves about `2n + n / 32` requests and `O(n²/16)` bytes instead of `n²`
+//!    records.
+//! 3. Where this rank shares memory with others: check that the host can hold their rings
+//!    ([`shm::check_host_shm`], every rank of the host fails alike), create this rank's doorbell,
+//!    and listen on its abstract Unix socket.
+//! 4. Start the acceptor ([`Connector`]); with [`ConnectMode::Eager`], connect every peer now.
+//! 5. Departure: every rank counts itself out (`<namespace>/mesh/left`) and rank 0 returns only
 //!    once all have. The store usually lives in rank 0's process: a rank 0 that returned and
 //!    dropped its communicator straight away used to shut the store down while another rank's
 //!    last request was still on its way ("bootstrap store closed" during init).
+//!
+//! [`Mesh::connect`] then connects the peers an operation needs before it runs (see
+//! [`crate::dial`] for how both ends agree and why it cannot deadlock): over TCP to peers on
+//! other hosts, whose addresses it fetches in one store request, and through a pair of
+//! shared-memory rings (one per direction, made at that moment) to peers on this host.
 
 use crate::conn::{Connection, IdleWaiter, Interest};
+use crate::dial::{Connector, Kind, Made, PeerHost};
 use crate::error::{Result, TransportError};
 use crate::mem::{self, Doorbell, MemWaiter};
-use crate::shm::{self, ShmSegment, ShmWaiter};
+use crate::shm::{self, ShmEndpoint, ShmWaiter};
 use crate::store::StoreClient;
 use crate::tcp::{self, Family, TcpEndpoint, TcpWaiter};
 use crate::util::Deadline;
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// Default bootstrap timeout of [`MeshConfig::from_env`].
@@ -34,6 +43,32 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Longest slice the mesh waiter sleeps on the futex before looking at TCP sockets again when it
 /// waits for both kinds of peers.
 pub const MIXED_WAIT_SLICE: Duration = Duration::from_micros(200);
+/// Ranks per block of the host-table all-gather.
+pub const HOST_BLOCK: usize = 64;
+
+/// When a rank connects to its peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConnectMode {
+    /// When an operation first needs the peer (the default).
+    #[default]
+    OnDemand,
+    /// Every peer during set-up (`WEFT_CONNECT=eager`), e.g. to time first calls without
+    /// connection set-up.
+    Eager,
+}
+
+impl ConnectMode {
+    /// Parses `WEFT_CONNECT` (`eager`, `lazy` or `on-demand`).
+    pub fn parse(text: &str) -> Result<ConnectMode> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "eager" | "all" => Ok(ConnectMode::Eager),
+            "lazy" | "on-demand" | "ondemand" | "demand" => Ok(ConnectMode::OnDemand),
+            other => Err(TransportError::Config(format!(
+                "WEFT_CONNECT={other:?}: expected eager or on-demand"
+            ))),
+        }
+    }
+}
 
 /// How to connect one rank into a communicator.
 #[derive(Debug, Clone)]
@@ -55,67 +90,144 @@ pub struct MeshConfig {
     pub namespace: String,
     /// Limit for the whole establishment.
     pub timeout: Duration,
-    /// Shared-memory ring capacity in bytes (normalized by [`shm::ring_capacity`]).
-    pub buffsize: usize,
+    /// Shared-memory ring capacity in bytes (normalized by [`shm::ring_capacity`]); `None`
+    /// sizes rings by the ranks on this host ([`shm::auto_capacity`]).
+    pub buffsize: Option<usize>,
     /// Largest write sent over shared memory as a low-latency message (see [`shm`]); 0 sends
     /// every write through the ring.
     pub shm_ll_max: usize,
+    /// When to connect peers.
+    pub connect: ConnectMode,
 }
 
-/// What each rank publishes about itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct PeerInfo {
-    host_id: String,
-    pid: u32,
-    tcp_addr: String,
-    segment: String,
-    shm_enabled: bool,
+/// A peer [`Mesh::connect`] could not connect, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("connecting to rank {peer}: {source}")]
+pub struct ConnectError {
+    /// The peer.
+    pub peer: usize,
+    /// What went wrong.
+    #[source]
+    pub source: TransportError,
 }
 
-const INFO_VERSION: u8 = 1;
+fn encode_host(h: &PeerHost) -> String {
+    format!("{:x}/{}/{}", h.netns, u8::from(h.shm), h.host_id)
+}
 
-impl PeerInfo {
-    fn encode(&self) -> Vec<u8> {
-        let mut v = vec![INFO_VERSION, u8::from(self.shm_enabled)];
-        v.extend_from_slice(&self.pid.to_le_bytes());
-        for s in [&self.host_id, &self.tcp_addr, &self.segment] {
-            v.extend_from_slice(&(s.len() as u32).to_le_bytes());
-            v.extend_from_slice(s.as_bytes());
-        }
-        v
+fn decode_host(text: &str) -> Option<PeerHost> {
+    let mut it = text.splitn(3, '/');
+    let netns = u64::from_str_radix(it.next()?, 16).ok()?;
+    let shm = match it.next()? {
+        "0" => false,
+        "1" => true,
+        _ => return None,
+    };
+    Some(PeerHost {
+        host_id: it.next()?.to_string(),
+        netns,
+        shm,
+    })
+}
+
+/// One block of the host table: its distinct entries, then each rank's index among them.
+fn encode_block(entries: &[Vec<u8>]) -> Vec<u8> {
+    let mut distinct: Vec<&[u8]> = Vec::new();
+    let mut index = Vec::with_capacity(entries.len());
+    for e in entries {
+        let i = match distinct.iter().position(|d| *d == e.as_slice()) {
+            Some(i) => i,
+            None => {
+                distinct.push(e);
+                distinct.len() - 1
+            }
+        };
+        index.push(i as u32);
     }
+    let mut v = Vec::new();
+    v.extend_from_slice(&(distinct.len() as u32).to_le_bytes());
+    for d in &distinct {
+        v.extend_from_slice(&(d.len() as u32).to_le_bytes());
+        v.extend_from_slice(d);
+    }
+    v.extend_from_slice(&(index.len() as u32).to_le_bytes());
+    for i in index {
+        v.extend_from_slice(&i.to_le_bytes());
+    }
+    v
+}
 
-    fn decode(b: &[u8]) -> Option<PeerInfo> {
-        if b.len() < 6 || b[0] != INFO_VERSION {
+fn decode_block(b: &[u8]) -> Option<Vec<String>> {
+    let mut rest = b;
+    let u32_ = |rest: &mut &[u8]| -> Option<usize> {
+        let (h, t) = rest.split_first_chunk::<4>()?;
+        *rest = t;
+        Some(u32::from_le_bytes(*h) as usize)
+    };
+    let nd = u32_(&mut rest)?;
+    let mut distinct = Vec::with_capacity(nd.min(1024));
+    for _ in 0..nd {
+        let len = u32_(&mut rest)?;
+        if rest.len() < len {
             return None;
         }
-        let shm_enabled = b[1] != 0;
-        let pid = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let mut rest = &b[6..];
-        let mut fields = Vec::new();
-        for _ in 0..3 {
-            if rest.len() < 4 {
-                return None;
-            }
-            let n = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-            rest = &rest[4..];
-            if rest.len() < n {
-                return None;
-            }
-            fields.push(String::from_utf8(rest[..n].to_vec()).ok()?);
-            rest = &rest[n..];
-        }
-        let segment = fields.pop()?;
-        let tcp_addr = fields.pop()?;
-        let host_id = fields.pop()?;
-        Some(PeerInfo {
-            host_id,
-            pid,
-            tcp_addr,
-            segment,
-            shm_enabled,
-        })
+        distinct.push(String::from_utf8(rest[..len].to_vec()).ok()?);
+        rest = &rest[len..];
     }
+    let count = u32_(&mut rest)?;
+    let mut out = Vec::with_capacity(count.min(HOST_BLOCK));
+    for _ in 0..count {
+        out.push(distinct.get(u32_(&mut rest)?)?.clone());
+    }
+    rest.is_empty().then_some(out)
+}
+
+/// Peers a rank of `n` connects to for ring, tree and recursive-doubling collectives: at most
+/// two ring neighbours, two tree children and a parent, and one partner per doubling round, with
+/// room for the non-power-of-two fold-in (`2⌈log2 n⌉ + 4`).
+pub fn typical_peers(n: usize) -> usize {
+    2 * n.max(1).next_power_of_two().trailing_zeros() as usize + 4
+}
+
+/// The host table (see the module docs, step 2): every rank's entry, indexed by rank.
+fn gather_hosts(
+    store: &mut StoreClient,
+    ns: &str,
+    rank: usize,
+    n: usize,
+    me: &PeerHost,
+    deadline: &Deadline,
+) -> Result<Vec<PeerHost>> {
+    store.set(&format!("{ns}/host/{rank}"), encode_host(me).as_bytes())?;
+    let block = rank / HOST_BLOCK;
+    if rank.is_multiple_of(HOST_BLOCK) {
+        let keys: Vec<String> = (rank..n.min(rank + HOST_BLOCK))
+            .map(|r| format!("{ns}/host/{r}"))
+            .collect();
+        let entries = store.get_all(&keys, deadline.remaining())?;
+        store.set(&format!("{ns}/hosts/{block}"), &encode_block(&entries))?;
+    }
+    let keys: Vec<String> = (0..n.div_ceil(HOST_BLOCK))
+        .map(|b| format!("{ns}/hosts/{b}"))
+        .collect();
+    let mut hosts = Vec::with_capacity(n);
+    for (b, raw) in store
+        .get_all(&keys, deadline.remaining())?
+        .iter()
+        .enumerate()
+    {
+        let bad = || TransportError::Protocol(format!("malformed host table block {b}"));
+        for text in decode_block(raw).ok_or_else(bad)? {
+            hosts.push(decode_host(&text).ok_or_else(bad)?);
+        }
+    }
+    if hosts.len() != n {
+        return Err(TransportError::Protocol(format!(
+            "host table has {} entries for {n} ranks",
+            hosts.len()
+        )));
+    }
+    Ok(hosts)
 }
 
 /// The [`IdleWaiter`] of a [`Mesh`]: the futex doorbell for shared-memory peers, `poll()` for TCP
@@ -182,7 +294,8 @@ impl IdleWaiter for MeshWaiter {
     }
 }
 
-/// Connections from one rank to every other rank of a communicator, plus its waiter.
+/// Connections from one rank to the other ranks of a communicator, made on demand, plus its
+/// waiter.
 pub struct Mesh {
     rank: usize,
     nranks: usize,
@@ -191,10 +304,16 @@ pub struct Mesh {
     waiter: MeshWaiter,
     /// Host id of every rank, as each published it.
     host_ids: Vec<String>,
+    /// Makes connections; `None` for in-memory meshes (connected from the start).
+    connector: Option<Connector>,
+    namespace: String,
+    shm_ll_max: usize,
+    /// TCP addresses fetched so far.
+    addrs: HashMap<usize, SocketAddr>,
 }
 
 impl Mesh {
-    /// Connects this rank to all others (see the module docs for the steps).
+    /// Prepares this rank to connect to the others (see the module docs for the steps).
     pub fn establish(store: &mut StoreClient, cfg: &MeshConfig) -> Result<Mesh> {
         if cfg.nranks == 0 || cfg.rank >= cfg.nranks || cfg.nranks > u32::MAX as usize {
             return Err(TransportError::Config(format!(
@@ -205,171 +324,92 @@ impl Mesh {
         let deadline = Deadline::after(cfg.timeout);
         let (rank, n, ns) = (cfg.rank, cfg.nranks, cfg.namespace.as_str());
 
-        // 1. Listen, publish, learn.
+        // 1. Listen and publish.
         let family = Family::from_env()?;
         let ip = tcp::select_interface(cfg.socket_ifname.as_deref(), family)?;
         let endpoint = TcpEndpoint::bind(ip, rank, &cfg.token, ns)?;
-        let me = PeerInfo {
-            host_id: cfg.host_id.clone(),
-            pid: std::process::id(),
-            tcp_addr: endpoint.local_addr().to_string(),
-            segment: shm::segment_name(&cfg.token, ns, rank),
-            shm_enabled: !cfg.shm_disable,
-        };
-        store.set(&format!("{ns}/info/{rank}"), &me.encode())?;
-        // Every rank's record in one request (n requests to rank 0 in all, not n²).
-        let keys: Vec<String> = (0..n).map(|r| format!("{ns}/info/{r}")).collect();
-        let mut infos = Vec::with_capacity(n);
-        for (r, raw) in store
-            .get_all(&keys, deadline.remaining())?
-            .iter()
-            .enumerate()
-        {
-            let info = PeerInfo::decode(raw).ok_or_else(|| {
-                TransportError::Protocol(format!("malformed mesh info of rank {r}"))
-            })?;
-            infos.push(info);
-        }
-
-        store.add(&format!("{ns}/info-read"), 1)?;
-
-        // 2. Choose.
-        let use_shm = |p: usize| {
-            let o = &infos[p];
-            me.shm_enabled && o.shm_enabled && o.host_id == me.host_id
-        };
-        let local: Vec<usize> = (0..n).filter(|&p| p != rank && use_shm(p)).collect();
-        let remote: Vec<usize> = (0..n).filter(|&p| p != rank && !use_shm(p)).collect();
-
-        // A socket per remote peer and a pidfd per local one stay open for the mesh's lifetime.
-        crate::process::ensure_open_files((local.len() + remote.len()) as u64)?;
-
-        let mut conns: Vec<Option<Box<dyn Connection>>> = (0..n).map(|_| None).collect();
-        let mut kinds: Vec<Option<&'static str>> = vec![None; n];
-        let mut shm_peers = vec![false; n];
-        let mut shm_waiter = None;
-        let mut tcp_waiter = TcpWaiter::new();
-
-        // 3. Shared memory.
-        let segment = if local.is_empty() {
+        let unix = if cfg.shm_disable {
             None
         } else {
+            Some(crate::dial::listen_unix(&cfg.token, ns, rank)?)
+        };
+        store.set(
+            &format!("{ns}/addr/{rank}"),
+            endpoint.local_addr().to_string().as_bytes(),
+        )?;
+
+        // 2. The host table.
+        let me = PeerHost::this_process(&cfg.host_id, !cfg.shm_disable);
+        let hosts = gather_hosts(store, ns, rank, n, &me, &deadline)?;
+        store.add(&format!("{ns}/hosts-read"), 1)?;
+
+        // 3. Shared memory with the ranks of this host.
+        let local = hosts.iter().filter(|h| me.shares_memory_with(h)).count();
+        // Any peer may be connected in the end (send/recv, all-to-all).
+        let peers_at_most = n - 1;
+        let shm_endpoint = if local > 1 {
+            let capacity = cfg.buffsize.unwrap_or_else(|| shm::auto_capacity(local));
+            let rings = (local - 1).min(match cfg.connect {
+                ConnectMode::Eager => peers_at_most,
+                ConnectMode::OnDemand => typical_peers(n),
+            });
             let (shm_size, memory) = shm::host_shm_limits();
-            let per_ring = shm::ring_bytes(cfg.buffsize);
-            if let Err(e) = shm::check_host_shm(local.len() + 1, per_ring, shm_size, memory) {
-                // Every rank of the host fails alike. Rank 0 serves the store: it leaves only
-                // once every rank has its peer records, so that none of them reports the
-                // store closing instead of this reason.
-                if rank == 0 {
-                    while store.add(&format!("{ns}/info-read"), 0)? < n as i64
-                        && !deadline.expired()
-                    {
-                        std::thread::sleep(std::time::Duration::from_millis(5));
-                    }
-                }
-                return Err(e);
-            }
-            let seg = match ShmSegment::create_named(&me.segment, rank, &local, cfg.buffsize) {
-                Ok(s) => {
-                    store.set(&format!("{ns}/shm/{rank}"), b"ok")?;
-                    s
-                }
+            let checked =
+                shm::check_host_shm(local, rings, shm::ring_bytes(capacity), shm_size, memory)
+                    .and_then(|_| ShmEndpoint::create(&cfg.token, ns, rank, capacity));
+            match checked {
+                Ok(ep) => Some(ep),
                 Err(e) => {
-                    let _ = store.set(&format!("{ns}/shm/{rank}"), format!("err:{e}").as_bytes());
+                    // Every rank of the host fails alike. Rank 0 serves the store: it leaves
+                    // only once every rank has the host table, so that none of them reports
+                    // the store closing instead of this reason.
+                    if rank == 0 {
+                        while store.add(&format!("{ns}/hosts-read"), 0)? < n as i64
+                            && !deadline.expired()
+                        {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                    }
                     return Err(e);
                 }
-            };
-            for &p in &local {
-                let status = store.get(&format!("{ns}/shm/{p}"), deadline.remaining())?;
-                if status != b"ok" {
-                    let msg =
-                        String::from_utf8_lossy(status.strip_prefix(b"err:").unwrap_or(&status))
-                            .into_owned();
-                    return Err(TransportError::SharedMemory(format!(
-                        "rank {p} on this host could not set up shared memory: {msg}"
-                    )));
-                }
-                let mut c = seg.connect(p, &infos[p].segment)?;
-                c.set_low_latency_max(cfg.shm_ll_max);
-                tracing::info!(target: "weftcc::init", rank, peer = p, transport = "shm", "mesh connection");
-                conns[p] = Some(Box::new(c));
-                kinds[p] = Some("shm");
-                shm_peers[p] = true;
             }
-            shm_waiter = Some(seg.waiter());
-            Some(seg)
+        } else {
+            None
         };
+        // A socket per remote peer and a pidfd per local one may stay open for the mesh's
+        // lifetime, plus the doorbell and the listeners.
+        crate::process::ensure_open_files(peers_at_most as u64 + 4)?;
 
-        // 4. TCP: accept from lower ranks while connecting to higher ones.
-        let lower: Vec<usize> = remote.iter().copied().filter(|&p| p < rank).collect();
-        let higher: Vec<usize> = remote.iter().copied().filter(|&p| p > rank).collect();
-        let mut addrs: Vec<Option<SocketAddr>> = vec![None; n];
-        for &p in &higher {
-            let a: SocketAddr = infos[p].tcp_addr.parse().map_err(|_| {
-                TransportError::Protocol(format!(
-                    "rank {p} published a bad TCP address {:?}",
-                    infos[p].tcp_addr
-                ))
-            })?;
-            addrs[p] = Some(a);
-        }
-        let cancel = AtomicBool::new(false);
-        let (accepted, connected) = std::thread::scope(|s| {
-            let acceptor = if lower.is_empty() {
-                None
-            } else {
-                let ep = &endpoint;
-                let lower = &lower;
-                let left = deadline.remaining();
-                let cancel = &cancel;
-                Some(s.spawn(move || ep.accept_peers_until(lower, left, Some(cancel))))
-            };
-            let mut connected = Vec::new();
-            let mut err = None;
-            for &p in &higher {
-                let Some(a) = addrs[p] else { continue };
-                match endpoint.connect_peer(p, a, deadline.remaining()) {
-                    Ok(c) => connected.push(c),
-                    Err(e) => {
-                        // No point waiting for the lower ranks any longer.
-                        cancel.store(true, Ordering::Release);
-                        err = Some(e);
-                        break;
-                    }
-                }
-            }
-            let accepted = match acceptor {
-                None => Ok(Vec::new()),
-                Some(h) => h.join().unwrap_or_else(|_| {
-                    Err(TransportError::Io {
-                        what: "TCP accept thread".into(),
-                        message: "panicked".into(),
-                    })
-                }),
-            };
-            (
-                accepted,
-                match err {
-                    Some(e) => Err(e),
-                    None => Ok(connected),
-                },
-            )
-        });
-        // A connect error is the root cause; the acceptor then only reports being aborted.
-        let connected = connected?;
-        for c in connected.into_iter().chain(accepted?) {
-            let p = c.peer();
-            tracing::info!(target: "weftcc::init", rank, peer = p, transport = "tcp", "mesh connection");
-            tcp_waiter.add(c.poll_handle());
-            kinds[p] = Some("tcp");
-            conns[p] = Some(Box::new(c));
+        // 4. The acceptor.
+        let waiter = MeshWaiter {
+            shm: shm_endpoint.as_ref().map(ShmEndpoint::waiter),
+            tcp: TcpWaiter::new(),
+            mem: None,
+            shm_peers: vec![false; n],
+        };
+        let host_ids = hosts.iter().map(|h| h.host_id.clone()).collect();
+        let unix = unix.filter(|_| shm_endpoint.is_some());
+        let connector =
+            Connector::start(rank, hosts, &cfg.token, ns, endpoint, unix, shm_endpoint)?;
+        let mut mesh = Mesh {
+            rank,
+            nranks: n,
+            conns: (0..n).map(|_| None).collect(),
+            kinds: vec![None; n],
+            waiter,
+            host_ids,
+            connector: Some(connector),
+            namespace: ns.to_string(),
+            shm_ll_max: cfg.shm_ll_max,
+            addrs: HashMap::new(),
+        };
+        if cfg.connect == ConnectMode::Eager {
+            let all: Vec<usize> = (0..n).collect();
+            mesh.connect(&all, store, deadline.remaining(), &|| false)
+                .map_err(|e| e.source)?;
         }
 
-        // 5. Everyone has mapped every segment: barrier, then unlink.
-        store.barrier(&format!("{ns}/mesh/ready"), n, deadline.remaining())?;
-        drop(segment);
-
-        // 6. No store request of this communicator's set-up may be in flight when rank 0
+        // 5. No store request of this communicator's set-up may be in flight when rank 0
         // returns: the last to count itself out says so, and rank 0 waits for that.
         let all_left = format!("{ns}/mesh/all-left");
         if store.add(&format!("{ns}/mesh/left"), 1)? >= n as i64 {
@@ -378,20 +418,95 @@ impl Mesh {
         if rank == 0 {
             store.wait(&[&all_left], deadline.remaining())?;
         }
+        Ok(mesh)
+    }
 
-        Ok(Mesh {
-            host_ids: infos.iter().map(|i| i.host_id.clone()).collect(),
-            rank,
-            nranks: n,
-            conns,
-            kinds,
-            waiter: MeshWaiter {
-                shm: shm_waiter,
-                tcp: tcp_waiter,
-                mem: None,
-                shm_peers,
-            },
-        })
+    /// Connects every peer in `peers` not connected yet (this rank and repeats are skipped),
+    /// fetching the TCP addresses it lacks from `store` in one request. Waits at most `timeout`
+    /// and gives up once `cancel` returns true.
+    pub fn connect(
+        &mut self,
+        peers: &[usize],
+        store: &mut StoreClient,
+        timeout: Duration,
+        cancel: &dyn Fn() -> bool,
+    ) -> std::result::Result<(), ConnectError> {
+        let missing: Vec<usize> = peers
+            .iter()
+            .copied()
+            .filter(|&p| p != self.rank && self.conns.get(p).is_some_and(|c| c.is_none()))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let Some(connector) = &self.connector else {
+            return Err(ConnectError {
+                peer: missing[0],
+                source: TransportError::Config(
+                    "an in-memory mesh cannot connect more peers".into(),
+                ),
+            });
+        };
+        let deadline = Deadline::after(timeout);
+        let need_addr: Vec<usize> = missing
+            .iter()
+            .copied()
+            .filter(|&p| connector.kind(p) == Kind::Tcp && !self.addrs.contains_key(&p))
+            .collect();
+        if !need_addr.is_empty() {
+            let ns = &self.namespace;
+            let keys: Vec<String> = need_addr.iter().map(|p| format!("{ns}/addr/{p}")).collect();
+            let fail = |source| ConnectError {
+                peer: need_addr[0],
+                source,
+            };
+            let values = store.get_all(&keys, deadline.remaining()).map_err(fail)?;
+            for (&p, raw) in need_addr.iter().zip(values) {
+                let text = String::from_utf8_lossy(&raw);
+                let addr = text.parse().map_err(|_| ConnectError {
+                    peer: p,
+                    source: TransportError::Protocol(format!(
+                        "rank {p} published a bad TCP address {text:?}"
+                    )),
+                })?;
+                self.addrs.insert(p, addr);
+            }
+        }
+        for p in missing {
+            if self.conns[p].is_some() {
+                continue;
+            }
+            let made = connector
+                .connect(p, self.addrs.get(&p).copied(), &deadline, timeout, cancel)
+                .map_err(|source| ConnectError { peer: p, source })?;
+            let (conn, kind): (Box<dyn Connection>, &'static str) = match made {
+                Made::Shm(mut c) => {
+                    c.set_low_latency_max(self.shm_ll_max);
+                    self.waiter.shm_peers[p] = true;
+                    (c, "shm")
+                }
+                Made::Tcp(c) => {
+                    self.waiter.tcp.add(c.poll_handle());
+                    (Box::new(c), "tcp")
+                }
+            };
+            tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = kind, "connected");
+            self.conns[p] = Some(conn);
+            self.kinds[p] = Some(kind);
+        }
+        Ok(())
+    }
+
+    /// Whether every peer in `peers` other than this rank is connected.
+    pub fn all_connected(&self, peers: &[usize]) -> bool {
+        peers
+            .iter()
+            .all(|&p| p == self.rank || self.conns.get(p).is_some_and(|c| c.is_some()))
+    }
+
+    /// Peers connected so far.
+    pub fn connected_peers(&self) -> usize {
+        self.conns.iter().filter(|c| c.is_some()).count()
     }
 
     /// `nranks` meshes connected in memory, one per rank (hand each to its own thread); every
@@ -425,6 +540,10 @@ impl Mesh {
                     mem: Some(bells[r].waiter()),
                     shm_peers: vec![false; nranks],
                 },
+                connector: None,
+                namespace: String::new(),
+                shm_ll_max: 0,
+                addrs: HashMap::new(),
             })
             .collect()
     }
@@ -439,10 +558,18 @@ impl Mesh {
         self.nranks
     }
 
-    /// The transport used to reach `peer` (`"shm"`, `"tcp"`, `"mem"`); `None` for this rank or
-    /// an out-of-range peer.
+    /// The transport used to reach `peer` (`"shm"`, `"tcp"`, `"mem"`), or that will be used once
+    /// it is connected; `None` for this rank or an out-of-range peer.
     pub fn transport_name(&self, peer: usize) -> Option<&'static str> {
-        self.kinds.get(peer).copied().flatten()
+        if peer == self.rank || peer >= self.nranks {
+            return None;
+        }
+        self.kinds[peer].or_else(|| {
+            self.connector.as_ref().map(|c| match c.kind(peer) {
+                Kind::Shm => "shm",
+                Kind::Tcp => "tcp",
+            })
+        })
     }
 
     /// The host id every rank published (see [`host_id`]), indexed by rank: ranks with equal
@@ -480,18 +607,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn info_roundtrip() {
-        let i = PeerInfo {
-            host_id: "h:1".into(),
-            pid: 42,
-            tcp_addr: "[::1]:5".into(),
-            segment: "/weft-x".into(),
-            shm_enabled: true,
+    fn host_entries_and_blocks_round_trip() {
+        let h = PeerHost {
+            host_id: "node/7:boot".into(),
+            netns: 0xf00d,
+            shm: true,
         };
-        assert_eq!(PeerInfo::decode(&i.encode()), Some(i.clone()));
-        let e = i.encode();
-        for cut in 0..e.len() {
-            assert!(PeerInfo::decode(&e[..cut]).is_none());
+        assert_eq!(decode_host(&encode_host(&h)), Some(h));
+        let entries: Vec<Vec<u8>> = ["a", "b", "a", "a", "c"]
+            .iter()
+            .map(|s| s.as_bytes().to_vec())
+            .collect();
+        let enc = encode_block(&entries);
+        assert_eq!(
+            decode_block(&enc),
+            Some(
+                vec!["a", "b", "a", "a", "c"]
+                    .into_iter()
+                    .map(String::from)
+                    .collect()
+            )
+        );
+        // Three distinct entries stored once each.
+        assert_eq!(enc.len(), 4 + 3 * 5 + 4 + 5 * 4);
+        for cut in 0..enc.len() {
+            assert!(decode_block(&enc[..cut]).is_none());
         }
+        let mut bad_index = enc.clone();
+        let last = bad_index.len() - 4;
+        bad_index[last] = 9;
+        assert!(decode_block(&bad_index).is_none());
     }
 }

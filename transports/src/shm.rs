@@ -94,8 +94,9 @@ use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -245,13 +246,6 @@ pub fn buffsize_from_env() -> Result<usize> {
     }
 }
 
-/// The POSIX shared-memory name of `rank`'s segment: `/weft-<token>-<namespace hash>-<rank>`
-/// (the token is reduced to at most 48 characters of `[A-Za-z0-9_-]`).
-pub fn segment_name(token: &str, namespace: &str, rank: usize) -> String {
-    let hash = fnv1a64(namespace.as_bytes());
-    format!("/{}{hash:016x}-{rank}", job_prefix(token))
-}
-
 /// `weft-<token>-`: how every segment name of a job begins (the token cut to what a name may hold).
 fn job_prefix(token: &str) -> String {
     let mut tok: String = token
@@ -384,17 +378,18 @@ pub fn check_shm_space(free_bytes: u64, peers: usize, per_peer_bytes: u64) -> Re
     Ok(())
 }
 
-/// Checks that `ranks` ranks on one host, each with a segment of `ranks - 1` rings of
-/// `per_ring_bytes`, fit in what the host can hold at all: /dev/shm's size and nine tenths of its
-/// memory (tmpfs pages are memory; past that the kernel's OOM killer, not an error, would stop the
-/// job). Every rank computes the same answer, so all of them fail alike, before anything is made.
+/// Checks that `ranks` ranks on one host, each with `rings` incoming rings of `per_ring_bytes`,
+/// fit in what the host can hold at all: /dev/shm's size and nine tenths of its memory (tmpfs
+/// pages are memory; past that the kernel's OOM killer, not an error, would stop the job). Every
+/// rank computes the same answer, so all of them fail alike, before anything is made.
 pub fn check_host_shm(
     ranks: usize,
+    rings: usize,
     per_ring_bytes: u64,
     shm_size: Option<u64>,
     memory: Option<u64>,
 ) -> Result<()> {
-    let rings = (ranks as u64).saturating_mul(ranks.saturating_sub(1) as u64);
+    let rings = (ranks as u64).saturating_mul(rings as u64);
     let needed = rings.saturating_mul(per_ring_bytes);
     let limit = [shm_size, memory.map(|m| m / 10 * 9)]
         .into_iter()
@@ -412,6 +407,14 @@ pub fn check_host_shm(
         ))),
         _ => Ok(()),
     }
+}
+
+/// Default ring capacity for `local_ranks` ranks sharing memory on one host:
+/// [`DEFAULT_BUFFSIZE`] up to 32 ranks, then halved as the rank count doubles (256 ranks: 128 KiB),
+/// never under [`MIN_BUFFSIZE`], so that the rings of a full node stay a small share of memory.
+pub fn auto_capacity(local_ranks: usize) -> usize {
+    let budget = 32 * DEFAULT_BUFFSIZE / local_ranks.max(1).next_power_of_two();
+    budget.clamp(MIN_BUFFSIZE, DEFAULT_BUFFSIZE)
 }
 
 /// The size of /dev/shm and this host's memory (`MemTotal`), where they can be read.
@@ -486,10 +489,6 @@ impl Mapping {
         self.u32_at(H_SLOTS + 4 * slot).load(Ordering::Relaxed)
     }
 
-    fn find_slot(&self, rank: usize) -> Option<usize> {
-        (0..self.layout.nslots).find(|&s| self.slot_rank(s) as usize == rank)
-    }
-
     fn owner_pid(&self) -> u32 {
         self.u32_at(H_PID).load(Ordering::Relaxed)
     }
@@ -498,10 +497,15 @@ impl Mapping {
         self.u32_at(H_RANK).load(Ordering::Relaxed)
     }
 
-    /// Maps an existing segment and validates its header.
+    /// Maps the existing object `name` and validates its header.
     fn open(name: &str) -> Result<Mapping> {
         let fd = nix::sys::mman::shm_open(name, OFlag::O_RDWR, Mode::empty())
             .map_err(|e| TransportError::SharedMemory(format!("shm_open {name}: {e}")))?;
+        Mapping::from_fd(fd, name)
+    }
+
+    /// Maps the object behind `fd` (`name` names it in errors) and validates its header.
+    fn from_fd(fd: OwnedFd, name: &str) -> Result<Mapping> {
         let file = File::from(fd);
         let len = file
             .metadata()
@@ -573,238 +577,284 @@ impl Mapping {
     }
 }
 
-/// This rank's shared-memory segment: incoming rings from its local peers, plus its doorbell.
+/// This rank's shared memory: its doorbell (a header-only object every connected peer maps) and
+/// the factory of its incoming rings, one per connected peer.
 ///
-/// Dropping it (or calling [`ShmSegment::unlink`]) removes the name from /dev/shm; mappings made
-/// before that, including those of connections and waiters, stay valid.
-pub struct ShmSegment {
-    map: Arc<Mapping>,
-    name: String,
+/// Every object is created under a unique name in /dev/shm and unlinked at once: peers receive
+/// its file descriptor over a Unix socket ([`ShmEndpoint::connect_over`]) instead of opening a
+/// name, so the memory lives exactly as long as a process holds a descriptor or mapping of it,
+/// and a job killed with SIGKILL leaves nothing in /dev/shm. /dev/shm's size still bounds it (an
+/// unlinked tmpfs file keeps its pages until the last mapping goes).
+pub struct ShmEndpoint {
+    bell: Arc<Mapping>,
+    bell_fd: OwnedFd,
+    token: String,
+    namespace: String,
     rank: usize,
-    unlinked: AtomicBool,
+    capacity: usize,
 }
 
-impl ShmSegment {
-    /// Creates the segment [`segment_name`]`(token, namespace, rank)` with one incoming ring of
-    /// `capacity` bytes (normalized by [`ring_capacity`]) per rank in `peers`.
+/// A ring this rank made for one peer to write into, not yet connected.
+pub struct IncomingRing {
+    fd: OwnedFd,
+    map: Mapping,
+    peer: usize,
+}
+
+impl IncomingRing {
+    /// The descriptor the peer maps.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl ShmEndpoint {
+    /// Creates this rank's doorbell; rings made later hold `capacity` bytes (normalized by
+    /// [`ring_capacity`]).
     pub fn create(
         token: &str,
         namespace: &str,
         rank: usize,
-        peers: &[usize],
         capacity: usize,
-    ) -> Result<ShmSegment> {
-        Self::create_named(&segment_name(token, namespace, rank), rank, peers, capacity)
-    }
-
-    /// Creates a segment under an explicit POSIX shared-memory `name` (starting with `/`).
-    pub fn create_named(
-        name: &str,
-        rank: usize,
-        peers: &[usize],
-        capacity: usize,
-    ) -> Result<ShmSegment> {
-        let capacity = ring_capacity(capacity);
-        if peers.len() > MAX_SLOTS {
+    ) -> Result<ShmEndpoint> {
+        if rank > u32::MAX as usize {
             return Err(TransportError::Config(format!(
-                "too many local peers ({})",
-                peers.len()
+                "rank {rank} too large for shared memory"
             )));
         }
-        if rank > u32::MAX as usize || peers.iter().any(|&p| p > u32::MAX as usize || p == rank) {
-            return Err(TransportError::Config(
-                "invalid peer rank for shared memory".into(),
-            ));
-        }
-        let layout = Layout::new(peers.len(), capacity)
-            .ok_or_else(|| TransportError::Config("shared-memory segment size overflows".into()))?;
-        let per_peer = (layout.ctrl_size + layout.capacity) as u64;
-        let free = shm_free_bytes().ok();
-        if let Some(free) = free {
-            check_shm_space(free, peers.len(), per_peer)?;
-        }
-
-        let fd = create_exclusive(name)?;
-        let seg_result = (|| {
-            let file = File::from(fd);
-            file.set_len(layout.total as u64)
-                .map_err(|e| TransportError::io(format!("ftruncate {name}"), e))?;
-            // Reserve the pages now: on tmpfs a later page fault beyond the size limit would be
-            // SIGBUS, whereas fallocate reports ENOSPC cleanly.
-            match nix::fcntl::posix_fallocate(file.as_raw_fd(), 0, layout.total as libc::off_t) {
-                Ok(()) => {}
-                Err(Errno::ENOSPC) => {
-                    return Err(space_error(
-                        free.unwrap_or(0),
-                        per_peer * peers.len() as u64,
-                        peers.len(),
-                        per_peer,
-                    ))
-                }
-                Err(Errno::EOPNOTSUPP) | Err(Errno::EINVAL) | Err(Errno::ENOSYS) => {}
-                Err(e) => {
-                    return Err(TransportError::SharedMemory(format!(
-                        "fallocate {name}: {e}"
-                    )))
-                }
-            }
-            let raw = MmapOptions::new()
-                .len(layout.total)
-                .map_raw(&file)
-                .map_err(|e| TransportError::io(format!("mmap {name}"), e))?;
-            let map = Mapping { raw, layout };
-            map.u32_at(H_VERSION).store(VERSION, Ordering::Relaxed);
-            map.u32_at(H_NSLOTS)
-                .store(peers.len() as u32, Ordering::Relaxed);
-            map.u64_at(H_CAPACITY)
-                .store(capacity as u64, Ordering::Relaxed);
-            map.u64_at(H_HEADER_SIZE)
-                .store(layout.header_size as u64, Ordering::Relaxed);
-            map.u64_at(H_CTRL_SIZE)
-                .store(layout.ctrl_size as u64, Ordering::Relaxed);
-            map.u64_at(H_TOTAL)
-                .store(layout.total as u64, Ordering::Relaxed);
-            map.u32_at(H_PID)
-                .store(std::process::id(), Ordering::Relaxed);
-            map.u32_at(H_RANK).store(rank as u32, Ordering::Relaxed);
-            map.u64_at(H_CMA_PROBE)
-                .store(std::ptr::addr_of!(CMA_COOKIE) as u64, Ordering::Relaxed);
-            for (slot, &p) in peers.iter().enumerate() {
-                map.u32_at(H_SLOTS + 4 * slot)
-                    .store(p as u32, Ordering::Relaxed);
-            }
-            map.u64_at(H_MAGIC).store(MAGIC, Ordering::Release);
-            Ok(map)
-        })();
-        match seg_result {
-            Ok(map) => Ok(ShmSegment {
-                map: Arc::new(map),
-                name: name.to_string(),
-                rank,
-                unlinked: AtomicBool::new(false),
-            }),
-            Err(e) => {
-                let _ = nix::sys::mman::shm_unlink(name);
-                Err(e)
-            }
-        }
+        let capacity = ring_capacity(capacity);
+        let (bell_fd, bell) = create_object(token, namespace, rank, &[], capacity)?;
+        Ok(ShmEndpoint {
+            bell: Arc::new(bell),
+            bell_fd,
+            token: token.to_string(),
+            namespace: namespace.to_string(),
+            rank,
+            capacity,
+        })
     }
 
-    /// The segment's POSIX shared-memory name (publish it so peers can map it).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The rank that owns this segment.
+    /// The rank this endpoint belongs to.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
-    /// Removes the name from /dev/shm (idempotent). Call once every peer has mapped the segment.
-    pub fn unlink(&self) {
-        if !self.unlinked.swap(true, Ordering::AcqRel) {
-            if let Err(e) = nix::sys::mman::shm_unlink(self.name.as_str()) {
-                if e != Errno::ENOENT {
-                    tracing::warn!(target: "weftcc::shm", segment = %self.name, error = %e, "shm_unlink failed");
-                }
-            }
-        }
+    /// Ring capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
-    /// Connects to `peer`, whose segment is named `peer_segment`: maps it, finds this rank's ring
-    /// there (outgoing) and the peer's ring here (incoming).
-    pub fn connect(&self, peer: usize, peer_segment: &str) -> Result<ShmConnection> {
-        let rx_slot = self.map.find_slot(peer).ok_or_else(|| {
-            TransportError::SharedMemory(format!(
-                "segment {} has no ring for peer {peer}",
-                self.name
-            ))
-        })?;
-        let remote = Mapping::open(peer_segment)?;
-        if remote.owner_rank() as usize != peer {
-            return Err(TransportError::SharedMemory(format!(
-                "segment {peer_segment} belongs to rank {}, expected {peer}",
-                remote.owner_rank()
+    /// The doorbell's descriptor (peers map it to wake this rank).
+    pub fn bell_fd(&self) -> BorrowedFd<'_> {
+        self.bell_fd.as_fd()
+    }
+
+    /// Makes the ring `peer` will write into; /dev/shm's free space is checked first.
+    pub fn incoming_ring(&self, peer: usize) -> Result<IncomingRing> {
+        if peer == self.rank || peer > u32::MAX as usize {
+            return Err(TransportError::Config(format!(
+                "invalid peer rank {peer} for shared memory"
             )));
         }
-        let tx_slot = remote.find_slot(self.rank).ok_or_else(|| {
-            TransportError::SharedMemory(format!(
-                "segment {peer_segment} has no ring for rank {}",
-                self.rank
-            ))
-        })?;
-        let watch = ProcessWatch::new(remote.owner_pid() as i32);
-        let remote = Arc::new(remote);
-        let rx = self.map.layout.ring_offset(rx_slot);
-        let tx = remote.layout.ring_offset(tx_slot);
-        let rx_tail = self.map.u64_at(rx + R_TAIL).load(Ordering::Acquire);
-        let tx_head = remote.u64_at(tx + R_HEAD).load(Ordering::Acquire);
-        let tx_tail_seen = remote.u64_at(tx + R_TAIL).load(Ordering::Acquire);
-        // Like the head above: continue after what the receiver has consumed.
-        let tx_ll = remote.u64_at(tx + R_LL_DONE).load(Ordering::Acquire);
-        let cma_min = cma_min_bytes();
-        let peer_pid = remote.owner_pid() as i32;
-        if cma_min.is_some() {
-            // Enable references on the ring the peer writes to us only if we can read its memory.
-            let probe = remote.u64_at(H_CMA_PROBE).load(Ordering::Relaxed);
-            let mut cookie = [0u8; 8];
-            let ok = matches!(cma_read(peer_pid, probe, &mut cookie), Ok(8))
-                && u64::from_ne_bytes(cookie) == CMA_COOKIE;
-            if !ok {
-                tracing::debug!(target: "weftcc::shm", peer, "cross-memory attach unavailable; single copy disabled");
-            }
-            self.map
-                .u32_at(rx + R_CMA_OK)
-                .store(u32::from(ok), Ordering::Release);
-        }
-        Ok(ShmConnection {
-            peer,
-            own: self.map.clone(),
-            remote,
-            rx,
-            tx,
-            recv: RecvCursor::at(rx_tail),
-            send: SendCursor {
-                head: tx_head,
-                tail_seen: tx_tail_seen,
-            },
-            watch,
-            peer_dead: false,
-            peer_pid,
-            cma_min,
-            out_ref: None,
-            tx_ref_bytes: 0,
-            tx_refs: 0,
-            rx_refs_done: 0,
-            rx_front_copied: 0,
-            rx_copied_total: 0,
-            stage: Vec::new(),
-            stage_start: 0,
-            stage_end: 0,
-            ll_max: ll_max_bytes(),
-            tx_ll,
-            tx_ll_done_seen: tx_ll,
-            rx_ll: self.map.u64_at(rx + R_LL_DONE).load(Ordering::Acquire),
-            ll_stage: [0; LL_STAGE_WORDS],
-            ll_start: 0,
-            ll_end: 0,
-        })
+        let (fd, map) = create_object(
+            &self.token,
+            &self.namespace,
+            self.rank,
+            &[peer],
+            self.capacity,
+        )?;
+        Ok(IncomingRing { fd, map, peer })
     }
 
-    /// The idle waiter of this rank: sleeps on this segment's doorbell.
+    /// Connects to `peer` given this rank's ring for it and the peer's doorbell and ring for this
+    /// rank (descriptors it sent): maps them, checks they are what they claim, and attaches.
+    pub fn connect(
+        &self,
+        incoming: IncomingRing,
+        peer_bell: OwnedFd,
+        peer_ring: OwnedFd,
+    ) -> Result<ShmConnection> {
+        let peer = incoming.peer;
+        let bell = Mapping::from_fd(peer_bell, &format!("rank {peer}'s doorbell"))?;
+        let remote = Mapping::from_fd(peer_ring, &format!("rank {peer}'s ring"))?;
+        if bell.owner_rank() as usize != peer || bell.layout.nslots != 0 {
+            return Err(TransportError::SharedMemory(format!(
+                "rank {peer} sent a doorbell of rank {} with {} rings",
+                bell.owner_rank(),
+                bell.layout.nslots
+            )));
+        }
+        if remote.owner_rank() as usize != peer
+            || remote.layout.nslots != 1
+            || remote.slot_rank(0) as usize != self.rank
+        {
+            return Err(TransportError::SharedMemory(format!(
+                "rank {peer} sent a ring of rank {} for rank {}, expected its ring for rank {}",
+                remote.owner_rank(),
+                remote.slot_rank(0),
+                self.rank
+            )));
+        }
+        ShmConnection::attach(
+            peer,
+            Arc::new(incoming.map),
+            Arc::new(remote),
+            Arc::new(bell),
+        )
+    }
+
+    /// Connects to `peer` over a connected Unix stream whose other end runs this same call:
+    /// each side makes its incoming ring, sends its doorbell's and that ring's descriptors,
+    /// receives the peer's, and attaches. Waits at most `timeout` for the peer.
+    pub fn connect_over(
+        &self,
+        peer: usize,
+        stream: &UnixStream,
+        timeout: Duration,
+    ) -> Result<ShmConnection> {
+        let incoming = self.incoming_ring(peer)?;
+        let io = |e: std::io::Error| {
+            TransportError::io(format!("exchanging shared memory with rank {peer}"), e)
+        };
+        stream
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(io)?;
+        stream
+            .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(io)?;
+        let mut frame = [0u8; 8];
+        frame[..4].copy_from_slice(&FD_FRAME_MAGIC.to_le_bytes());
+        frame[4..].copy_from_slice(&(self.rank as u32).to_le_bytes());
+        crate::util::send_fds(stream, &frame, &[self.bell_fd.as_fd(), incoming.fd()])
+            .map_err(|e| TransportError::io(format!("sending shared memory to rank {peer}"), e))?;
+        let mut got = [0u8; 8];
+        let fds = crate::util::recv_fds(stream, &mut got, 2).map_err(|e| {
+            TransportError::io(format!("receiving shared memory from rank {peer}"), e)
+        })?;
+        let magic = u32::from_le_bytes([got[0], got[1], got[2], got[3]]);
+        let from = u32::from_le_bytes([got[4], got[5], got[6], got[7]]) as usize;
+        if magic != FD_FRAME_MAGIC || from != peer || fds.len() != 2 {
+            return Err(TransportError::Protocol(format!(
+                "rank {peer} sent a malformed shared-memory frame (rank {from}, {} descriptors)",
+                fds.len()
+            )));
+        }
+        let mut fds = fds.into_iter();
+        let (Some(bell), Some(ring)) = (fds.next(), fds.next()) else {
+            return Err(TransportError::Protocol(format!(
+                "rank {peer} sent too few descriptors"
+            )));
+        };
+        self.connect(incoming, bell, ring)
+    }
+
+    /// The idle waiter of this rank: sleeps on its doorbell.
     pub fn waiter(&self) -> ShmWaiter {
-        let last = self.map.doorbell().load(Ordering::SeqCst);
+        let last = self.bell.doorbell().load(Ordering::SeqCst);
         ShmWaiter {
-            map: self.map.clone(),
+            map: self.bell.clone(),
             last,
         }
     }
 }
 
-impl Drop for ShmSegment {
-    fn drop(&mut self) {
-        self.unlink();
+/// Tags the frame that carries a doorbell's and a ring's descriptors.
+const FD_FRAME_MAGIC: u32 = 0x5746_4453; // "WFDS"
+
+/// Names are unique per process and call: the object is unlinked right after it is made.
+static OBJECT_SERIAL: AtomicU64 = AtomicU64::new(0);
+
+/// Creates, sizes, reserves and initializes one shared-memory object owned by `rank`: a doorbell
+/// header when `slot_peers` is empty, else one incoming ring per listed peer. Its name is
+/// unlinked before it is sized, so the object is never left behind.
+fn create_object(
+    token: &str,
+    namespace: &str,
+    rank: usize,
+    slot_peers: &[usize],
+    capacity: usize,
+) -> Result<(OwnedFd, Mapping)> {
+    let layout = Layout::new(slot_peers.len(), capacity)
+        .ok_or_else(|| TransportError::Config("shared-memory object size overflows".into()))?;
+    let per_peer = (layout.ctrl_size + layout.capacity) as u64;
+    let free = shm_free_bytes().ok();
+    if let Some(free) = free {
+        check_shm_space(free, slot_peers.len(), per_peer)?;
     }
+    let serial = OBJECT_SERIAL.fetch_add(1, Ordering::Relaxed);
+    let name = format!(
+        "/{}{:016x}-{rank}-{}-{serial}",
+        job_prefix(token),
+        fnv1a64(namespace.as_bytes()),
+        std::process::id()
+    );
+    let fd = create_exclusive(&name)?;
+    if let Err(e) = nix::sys::mman::shm_unlink(name.as_str()) {
+        tracing::warn!(target: "weftcc::shm", segment = %name, error = %e, "shm_unlink failed");
+    }
+    init_object(fd, &name, layout, rank, slot_peers, free)
+}
+
+/// Sizes, reserves and writes the header of a new object (`free`: /dev/shm's free bytes, for
+/// the error when the reservation fails).
+fn init_object(
+    fd: OwnedFd,
+    name: &str,
+    layout: Layout,
+    rank: usize,
+    slot_peers: &[usize],
+    free: Option<u64>,
+) -> Result<(OwnedFd, Mapping)> {
+    let per_peer = (layout.ctrl_size + layout.capacity) as u64;
+    let file = File::from(fd);
+    file.set_len(layout.total as u64)
+        .map_err(|e| TransportError::io(format!("ftruncate {name}"), e))?;
+    // Reserve the pages now: on tmpfs a later page fault beyond the size limit would be SIGBUS,
+    // whereas fallocate reports ENOSPC cleanly.
+    match nix::fcntl::posix_fallocate(file.as_raw_fd(), 0, layout.total as libc::off_t) {
+        Ok(()) => {}
+        Err(Errno::ENOSPC) => {
+            return Err(space_error(
+                free.unwrap_or(0),
+                per_peer * slot_peers.len() as u64,
+                slot_peers.len(),
+                per_peer,
+            ))
+        }
+        Err(Errno::EOPNOTSUPP) | Err(Errno::EINVAL) | Err(Errno::ENOSYS) => {}
+        Err(e) => {
+            return Err(TransportError::SharedMemory(format!(
+                "fallocate {name}: {e}"
+            )))
+        }
+    }
+    let raw = MmapOptions::new()
+        .len(layout.total)
+        .map_raw(&file)
+        .map_err(|e| TransportError::io(format!("mmap {name}"), e))?;
+    let map = Mapping { raw, layout };
+    map.u32_at(H_VERSION).store(VERSION, Ordering::Relaxed);
+    map.u32_at(H_NSLOTS)
+        .store(slot_peers.len() as u32, Ordering::Relaxed);
+    map.u64_at(H_CAPACITY)
+        .store(layout.capacity as u64, Ordering::Relaxed);
+    map.u64_at(H_HEADER_SIZE)
+        .store(layout.header_size as u64, Ordering::Relaxed);
+    map.u64_at(H_CTRL_SIZE)
+        .store(layout.ctrl_size as u64, Ordering::Relaxed);
+    map.u64_at(H_TOTAL)
+        .store(layout.total as u64, Ordering::Relaxed);
+    map.u32_at(H_PID)
+        .store(std::process::id(), Ordering::Relaxed);
+    map.u32_at(H_RANK).store(rank as u32, Ordering::Relaxed);
+    map.u64_at(H_CMA_PROBE)
+        .store(std::ptr::addr_of!(CMA_COOKIE) as u64, Ordering::Relaxed);
+    for (slot, &p) in slot_peers.iter().enumerate() {
+        map.u32_at(H_SLOTS + 4 * slot)
+            .store(p as u32, Ordering::Relaxed);
+    }
+    map.u64_at(H_MAGIC).store(MAGIC, Ordering::Release);
+    Ok((OwnedFd::from(file), map))
 }
 
 fn create_exclusive(name: &str) -> Result<std::os::fd::OwnedFd> {
@@ -842,8 +892,11 @@ fn create_exclusive(name: &str) -> Result<std::os::fd::OwnedFd> {
 /// A connection to a peer on the same host through shared memory (see the module docs).
 pub struct ShmConnection {
     peer: usize,
+    /// The incoming ring (the peer writes it) and the outgoing one (in the peer's memory).
     own: Arc<Mapping>,
     remote: Arc<Mapping>,
+    /// The peer's doorbell, rung after writing or freeing space.
+    peer_bell: Arc<Mapping>,
     /// Offset of the incoming ring (in `own`) and the outgoing ring (in `remote`).
     rx: usize,
     tx: usize,
@@ -915,6 +968,72 @@ struct InRef {
 }
 
 impl ShmConnection {
+    /// Attaches to the peer: `own` is the ring it writes into (here), `remote` the ring this side
+    /// writes into (the peer's), `peer_bell` the peer's doorbell.
+    fn attach(
+        peer: usize,
+        own: Arc<Mapping>,
+        remote: Arc<Mapping>,
+        peer_bell: Arc<Mapping>,
+    ) -> Result<ShmConnection> {
+        let watch = ProcessWatch::new(remote.owner_pid() as i32);
+        let rx = own.layout.ring_offset(0);
+        let tx = remote.layout.ring_offset(0);
+        let rx_tail = own.u64_at(rx + R_TAIL).load(Ordering::Acquire);
+        let tx_head = remote.u64_at(tx + R_HEAD).load(Ordering::Acquire);
+        let tx_tail_seen = remote.u64_at(tx + R_TAIL).load(Ordering::Acquire);
+        // Like the head above: continue after what the receiver has consumed.
+        let tx_ll = remote.u64_at(tx + R_LL_DONE).load(Ordering::Acquire);
+        let cma_min = cma_min_bytes();
+        let peer_pid = remote.owner_pid() as i32;
+        if cma_min.is_some() {
+            // Enable references on the ring the peer writes to us only if we can read its memory.
+            let probe = peer_bell.u64_at(H_CMA_PROBE).load(Ordering::Relaxed);
+            let mut cookie = [0u8; 8];
+            let ok = matches!(cma_read(peer_pid, probe, &mut cookie), Ok(8))
+                && u64::from_ne_bytes(cookie) == CMA_COOKIE;
+            if !ok {
+                tracing::debug!(target: "weftcc::shm", peer, "cross-memory attach unavailable; single copy disabled");
+            }
+            own.u32_at(rx + R_CMA_OK)
+                .store(u32::from(ok), Ordering::Release);
+        }
+        let rx_ll = own.u64_at(rx + R_LL_DONE).load(Ordering::Acquire);
+        Ok(ShmConnection {
+            peer,
+            own,
+            remote,
+            peer_bell,
+            rx,
+            tx,
+            recv: RecvCursor::at(rx_tail),
+            send: SendCursor {
+                head: tx_head,
+                tail_seen: tx_tail_seen,
+            },
+            watch,
+            peer_dead: false,
+            peer_pid,
+            cma_min,
+            out_ref: None,
+            tx_ref_bytes: 0,
+            tx_refs: 0,
+            rx_refs_done: 0,
+            rx_front_copied: 0,
+            rx_copied_total: 0,
+            stage: Vec::new(),
+            stage_start: 0,
+            stage_end: 0,
+            ll_max: ll_max_bytes(),
+            tx_ll,
+            tx_ll_done_seen: tx_ll,
+            rx_ll,
+            ll_stage: [0; LL_STAGE_WORDS],
+            ll_start: 0,
+            ll_end: 0,
+        })
+    }
+
     /// Sets the largest write this side sends as a low-latency message (clamped to [`LL_MAX`];
     /// 0: every write goes through the ring). The receiving side always accepts them.
     pub fn set_low_latency_max(&mut self, bytes: usize) {
@@ -989,7 +1108,7 @@ impl ShmConnection {
             r.u64_at(at + LL_FLAG).store(flag, Ordering::Release);
         }
         self.tx_ll = flag;
-        r.ring_doorbell();
+        self.peer_bell.ring_doorbell();
         true
     }
 
@@ -1063,7 +1182,7 @@ impl ShmConnection {
             self.own
                 .u64_at(self.rx + R_TAIL)
                 .store(tail, Ordering::Release);
-            self.remote.ring_doorbell();
+            self.peer_bell.ring_doorbell();
         }
     }
 
@@ -1131,7 +1250,7 @@ impl ShmConnection {
         self.tx_refs += 1;
         r.u64_at(self.tx + R_REF_HEAD)
             .store(self.tx_refs, Ordering::Release);
-        r.ring_doorbell();
+        self.peer_bell.ring_doorbell();
         Some(Ok(0))
     }
 
@@ -1198,7 +1317,7 @@ impl ShmConnection {
             m.u64_at(self.rx + R_REF_TAIL)
                 .store(self.rx_refs_done, Ordering::Release);
         }
-        self.remote.ring_doorbell();
+        self.peer_bell.ring_doorbell();
         Ok(got)
     }
 
@@ -1310,7 +1429,7 @@ impl Connection for ShmConnection {
         }
         let head = self.send.wrote(n);
         r.u64_at(self.tx + R_HEAD).store(head, Ordering::Release);
-        r.ring_doorbell();
+        self.peer_bell.ring_doorbell();
         Ok(n)
     }
 
@@ -1488,7 +1607,7 @@ impl Drop for ShmConnection {
         self.own
             .u32_at(self.rx + R_RECEIVER_CLOSED)
             .store(1, Ordering::Release);
-        self.remote.ring_doorbell();
+        self.peer_bell.ring_doorbell();
     }
 }
 
@@ -1533,19 +1652,26 @@ impl IdleWaiter for ShmWaiter {
     }
 }
 
-/// Two connected shared-memory ends inside this process (for tests and benchmarks): creates two
-/// segments under a random token, connects them both ways, and unlinks the names.
+/// Two connected shared-memory ends inside this process (for tests and benchmarks): two
+/// endpoints under a random token, their rings exchanged as descriptors.
 pub fn local_pair(
     rank_a: usize,
     rank_b: usize,
     capacity: usize,
 ) -> Result<((ShmConnection, ShmWaiter), (ShmConnection, ShmWaiter))> {
     let token = crate::util::random_hex(8)?;
-    let sa = ShmSegment::create(&token, "local_pair", rank_a, &[rank_b], capacity)?;
-    let sb = ShmSegment::create(&token, "local_pair", rank_b, &[rank_a], capacity)?;
-    let a = sa.connect(rank_b, sb.name())?;
-    let b = sb.connect(rank_a, sa.name())?;
-    Ok(((a, sa.waiter()), (b, sb.waiter())))
+    let ea = ShmEndpoint::create(&token, "local_pair", rank_a, capacity)?;
+    let eb = ShmEndpoint::create(&token, "local_pair", rank_b, capacity)?;
+    let (ra, rb) = (ea.incoming_ring(rank_b)?, eb.incoming_ring(rank_a)?);
+    let dup = |fd: BorrowedFd<'_>| {
+        fd.try_clone_to_owned()
+            .map_err(|e| TransportError::io("duplicating a shared-memory descriptor", e))
+    };
+    let (bell_a, bell_b) = (dup(ea.bell_fd())?, dup(eb.bell_fd())?);
+    let (ring_a, ring_b) = (dup(ra.fd())?, dup(rb.fd())?);
+    let a = ea.connect(ra, bell_b, ring_b)?;
+    let b = eb.connect(rb, bell_a, ring_a)?;
+    Ok(((a, ea.waiter()), (b, eb.waiter())))
 }
 
 #[cfg(test)]
@@ -1616,25 +1742,47 @@ mod tests {
         assert_eq!(fill(&mut a), 1000);
     }
 
+    /// An object left under a name, as a rank killed between creating and unlinking it would.
+    fn leave_named(token: &str, rank: usize) -> (String, Mapping) {
+        let name = format!("/{}left-{rank}", job_prefix(token));
+        let fd = create_exclusive(&name).expect("create");
+        let layout = Layout::new(1, MIN_BUFFSIZE).unwrap();
+        let (_, map) = init_object(fd, &name, layout, rank, &[rank + 1], None).expect("init");
+        (name, map)
+    }
+
     #[test]
     fn segments_of_a_dead_creator_are_removed_and_live_ones_kept() {
         let token = format!("orphans{}", std::process::id());
-        let live = ShmSegment::create_named(&segment_name(&token, "a", 0), 0, &[1], 1 << 16)
-            .expect("segment");
-        let dead = ShmSegment::create_named(&segment_name(&token, "a", 1), 1, &[0], 1 << 16)
-            .expect("segment");
+        let (live, _live_map) = leave_named(&token, 0);
+        let (dead, dead_map) = leave_named(&token, 1);
         // A process that has exited and been reaped stands in for a killed rank.
         let mut child = std::process::Command::new("true")
             .spawn()
             .expect("spawn true");
         let gone = child.id();
         child.wait().expect("wait");
-        dead.map.u32_at(H_PID).store(gone, Ordering::Relaxed);
+        dead_map.u32_at(H_PID).store(gone, Ordering::Relaxed);
         let removed = remove_orphan_segments(&token);
-        assert_eq!(removed, vec![segment_name(&token, "a", 1)]);
-        assert!(Path::new(&format!("/dev/shm{}", live.name())).exists());
-        drop((live, dead));
+        assert_eq!(removed, vec![dead.clone()]);
+        assert!(Path::new(&format!("/dev/shm{live}")).exists());
+        nix::sys::mman::shm_unlink(live.as_str()).expect("unlink");
         assert!(remove_orphan_segments(&token).is_empty());
+    }
+
+    #[test]
+    fn objects_are_unlinked_as_soon_as_they_are_made() {
+        let token = format!("unlinked{}", std::process::id());
+        let ep = ShmEndpoint::create(&token, "a", 0, MIN_BUFFSIZE).unwrap();
+        let ring = ep.incoming_ring(1).unwrap();
+        let prefix = job_prefix(&token);
+        let left: Vec<_> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        drop((ep, ring));
     }
 
     #[test]
@@ -1642,7 +1790,7 @@ mod tests {
         let ring = ring_bytes(1 << 20);
         let gib = 1u64 << 30;
         // 256 ranks of 1 MiB rings need 64 GiB: refused on a 24 GiB host.
-        let e = check_host_shm(256, ring, Some(24 * gib), Some(24 * gib)).unwrap_err();
+        let e = check_host_shm(256, 255, ring, Some(24 * gib), Some(24 * gib)).unwrap_err();
         let text = e.to_string();
         assert!(text.contains("256 ranks on this host need"), "{text}");
         assert!(
@@ -1650,10 +1798,22 @@ mod tests {
             "{text}"
         );
         // 128 ranks (16 GiB) fit; the same with a small /dev/shm does not.
-        assert!(check_host_shm(128, ring, Some(24 * gib), Some(24 * gib)).is_ok());
-        assert!(check_host_shm(128, ring, Some(gib), Some(24 * gib)).is_err());
+        assert!(check_host_shm(128, 127, ring, Some(24 * gib), Some(24 * gib)).is_ok());
+        assert!(check_host_shm(128, 127, ring, Some(gib), Some(24 * gib)).is_err());
+        // Connected on demand (20 rings each) at the automatic ring size, 256 ranks fit in 1 GiB.
+        let small = ring_bytes(auto_capacity(256));
+        assert!(check_host_shm(256, 20, small, Some(gib), Some(24 * gib)).is_ok());
         // Nothing known: no refusal.
-        assert!(check_host_shm(4096, ring, None, None).is_ok());
+        assert!(check_host_shm(4096, 4095, ring, None, None).is_ok());
+    }
+
+    #[test]
+    fn automatic_ring_sizes_shrink_with_the_ranks_of_a_host() {
+        assert_eq!(auto_capacity(1), DEFAULT_BUFFSIZE);
+        assert_eq!(auto_capacity(32), DEFAULT_BUFFSIZE);
+        assert_eq!(auto_capacity(33), DEFAULT_BUFFSIZE / 2);
+        assert_eq!(auto_capacity(256), 128 << 10);
+        assert_eq!(auto_capacity(100_000), MIN_BUFFSIZE);
     }
 
     #[test]
@@ -1662,14 +1822,6 @@ mod tests {
         assert_eq!(ring_capacity(100_000), 128 << 10);
         assert_eq!(ring_capacity(4 << 20), 4 << 20);
         assert_eq!(ring_capacity(usize::MAX), MAX_BUFFSIZE);
-    }
-
-    #[test]
-    fn names() {
-        let n = segment_name("ab/c d", "world", 3);
-        assert!(n.starts_with("/weft-abcd-"));
-        assert!(n.ends_with("-3"));
-        assert_eq!(n.matches('/').count(), 1);
     }
 
     #[test]

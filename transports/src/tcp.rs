@@ -702,6 +702,11 @@ impl TcpEndpoint {
         self.local
     }
 
+    /// The listening socket (non-blocking).
+    pub(crate) fn listener(&self) -> &Socket {
+        &self.listener
+    }
+
     /// Accepts connections until one from each rank in `expected` completed its handshake.
     /// Connections with a wrong handshake, an unexpected or duplicate rank are logged and closed.
     pub fn accept_peers(
@@ -803,28 +808,7 @@ impl TcpEndpoint {
         timeout: Duration,
     ) -> Result<TcpConnection> {
         let deadline = Deadline::after(timeout);
-        let target = SockAddr::from(addr);
-        let sock = loop {
-            let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
-                .map_err(|e| TransportError::io("creating socket", e))?;
-            configure_stream(&sock);
-            let slice = deadline
-                .remaining()
-                .min(Duration::from_secs(2))
-                .max(Duration::from_millis(1));
-            match sock.connect_timeout(&target, slice) {
-                Ok(()) => break sock,
-                Err(e) => {
-                    if deadline.expired() {
-                        return Err(TransportError::Timeout {
-                            what: format!("connecting to rank {peer} at {addr} (last error: {e})"),
-                            after: timeout,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(20).min(deadline.remaining()));
-                }
-            }
-        };
+        let sock = dial_socket(peer, addr, &deadline, timeout)?;
         let hs = deadline
             .remaining()
             .min(HANDSHAKE_TIMEOUT)
@@ -854,6 +838,38 @@ impl TcpEndpoint {
         sock.set_write_timeout(None)
             .map_err(|e| TransportError::io("set_write_timeout", e))?;
         TcpConnection::from_socket(peer, sock)
+    }
+}
+
+/// A TCP stream connected to `peer` at `addr`, retrying while it is not listening yet, until
+/// `deadline` (`timeout` is its length, for the error).
+pub(crate) fn dial_socket(
+    peer: usize,
+    addr: SocketAddr,
+    deadline: &Deadline,
+    timeout: Duration,
+) -> Result<Socket> {
+    let target = SockAddr::from(addr);
+    loop {
+        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| TransportError::io("creating socket", e))?;
+        configure_stream(&sock);
+        let slice = deadline
+            .remaining()
+            .min(Duration::from_secs(2))
+            .max(Duration::from_millis(1));
+        match sock.connect_timeout(&target, slice) {
+            Ok(()) => return Ok(sock),
+            Err(e) => {
+                if deadline.expired() {
+                    return Err(TransportError::Timeout {
+                        what: format!("connecting to rank {peer} at {addr} (last error: {e})"),
+                        after: timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(20).min(deadline.remaining()));
+            }
+        }
     }
 }
 

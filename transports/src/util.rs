@@ -248,6 +248,81 @@ impl ProcessWatch {
     }
 }
 
+/// Sends `frame` with `fds` attached (SCM_RIGHTS) over a Unix stream; the whole frame goes in
+/// one message (frames are a few bytes, well under the socket buffer).
+pub(crate) fn send_fds(
+    stream: &std::os::unix::net::UnixStream,
+    frame: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let raw: Vec<std::os::fd::RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let iov = [std::io::IoSlice::new(frame)];
+    let cmsg = [ControlMessage::ScmRights(&raw)];
+    let sent = sendmsg::<()>(
+        stream.as_raw_fd(),
+        &iov,
+        &cmsg,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?;
+    if sent != frame.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::WriteZero,
+            "descriptor frame sent in part",
+        ));
+    }
+    Ok(())
+}
+
+/// Receives one frame of exactly `frame.len()` bytes sent by [`send_fds`], and its descriptors
+/// (at most `max_fds`; extra ones are closed). The stream's read timeout bounds the wait.
+pub(crate) fn recv_fds(
+    stream: &std::os::unix::net::UnixStream,
+    frame: &mut [u8],
+    max_fds: usize,
+) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+    let mut iov = [std::io::IoSliceMut::new(frame)];
+    let msg = recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let bytes = msg.bytes;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            for fd in raw {
+                // SAFETY: the kernel just installed `fd` in this process for this message
+                // (SCM_RIGHTS); nothing else owns it, so taking ownership closes it exactly once.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "descriptor frame truncated",
+        ));
+    }
+    if bytes != frame.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "descriptor frame of {bytes} bytes, expected {}",
+                frame.len()
+            ),
+        ));
+    }
+    fds.truncate(max_fds);
+    Ok(fds)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -691,20 +691,20 @@ suite!(tcp6_transport, make_tcp6);
 
 const CHILD_ENV: &str = "WEFT_TEST_SHM_CHILD_TOKEN";
 
+fn socket_name(token: &str) -> std::os::unix::net::SocketAddr {
+    use std::os::linux::net::SocketAddrExt;
+    std::os::unix::net::SocketAddr::from_abstract_name(format!("weft-test-{token}").as_bytes())
+        .expect("abstract name")
+}
+
 fn child_role(token: &str) {
     // Rank 1 in a child process: connect to rank 0, say hello, then wait to be killed.
-    let seg = shm::ShmSegment::create(token, "kill", 1, &[0], SMALL_RING).expect("child segment");
-    let parent = shm::segment_name(token, "kill", 0);
-    let t = Instant::now();
-    let mut conn = loop {
-        match seg.connect(0, &parent) {
-            Ok(c) => break c,
-            Err(_) if t.elapsed() < Duration::from_secs(10) => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            Err(e) => panic!("child connect: {e}"),
-        }
-    };
+    let ep = shm::ShmEndpoint::create(token, "kill", 1, SMALL_RING).expect("child endpoint");
+    let stream = std::os::unix::net::UnixStream::connect_addr(&socket_name(token))
+        .expect("child connects to the parent's socket");
+    let mut conn = ep
+        .connect_over(0, &stream, Duration::from_secs(10))
+        .expect("child connect");
     assert_eq!(conn.try_send(b"childok!").expect("child send"), 8);
     // Never exit on our own within the test's lifetime (the parent kills us); give up after 60 s
     // so an orphan cannot linger.
@@ -719,7 +719,9 @@ fn shm_child_killed_is_peer_lost() {
         return;
     }
     let token = format!("kill{}", std::process::id());
-    let seg = shm::ShmSegment::create(&token, "kill", 0, &[1], SMALL_RING).expect("segment");
+    let seg = shm::ShmEndpoint::create(&token, "kill", 0, SMALL_RING).expect("endpoint");
+    let listener =
+        std::os::unix::net::UnixListener::bind_addr(&socket_name(&token)).expect("listen");
     let mut child = std::process::Command::new(std::env::current_exe().expect("exe"))
         .args([
             "--exact",
@@ -732,19 +734,14 @@ fn shm_child_killed_is_peer_lost() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn child");
-    let child_seg = shm::segment_name(&token, "kill", 1);
     let t = Instant::now();
-    let mut conn = loop {
-        match seg.connect(1, &child_seg) {
-            Ok(c) => break c,
-            Err(e) => {
-                if t.elapsed() > Duration::from_secs(15) {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("parent connect: {e}");
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
+    let (stream, _) = listener.accept().expect("child dials");
+    let mut conn = match seg.connect_over(1, &stream, Duration::from_secs(15)) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("parent connect: {e}");
         }
     };
     let mut waiter = seg.waiter();
@@ -789,6 +786,12 @@ fn shm_child_killed_is_peer_lost() {
     ));
     let _ = child.wait();
     drop(seg);
-    // The child's segment name outlives it (it never reached an unlink); clean up.
-    let _ = nix::sys::mman::shm_unlink(child_seg.as_str());
+    // Nothing was ever left under a name, the killed child's memory included.
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("weft-{token}-")))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

@@ -1,7 +1,7 @@
 //! Establishing meshes over a store (shared memory, TCP, both) and exchanging data on every pair.
 
 use std::time::{Duration, Instant};
-use weftcc_transports::mesh::{Mesh, MeshConfig};
+use weftcc_transports::mesh::{ConnectMode, Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::{shm, Interest};
 
@@ -106,11 +106,31 @@ fn run_mesh(
                     token: token.clone(),
                     namespace: "world".into(),
                     timeout: Duration::from_secs(20),
-                    buffsize: 256 << 10,
+                    buffsize: Some(256 << 10),
                     shm_ll_max: shm::LL_MAX,
+                    connect: ConnectMode::OnDemand,
                 };
                 let mut mesh = Mesh::establish(&mut store, &cfg).expect("establish");
                 assert_eq!((mesh.rank(), mesh.nranks()), (rank, N));
+                assert_eq!(
+                    mesh.connected_peers(),
+                    0,
+                    "nothing connected before it is needed"
+                );
+                // Ring neighbours first, in opposite orders on even and odd ranks, so that pairs
+                // dial each other at once; then everyone.
+                let mut ring = vec![(rank + 1) % N, (rank + N - 1) % N];
+                if rank % 2 == 1 {
+                    ring.reverse();
+                }
+                let wait = Duration::from_secs(20);
+                mesh.connect(&ring, &mut store, wait, &|| false)
+                    .expect("connect ring neighbours");
+                assert_eq!(mesh.connected_peers(), 2);
+                let everyone: Vec<usize> = (0..N).rev().collect();
+                mesh.connect(&everyone, &mut store, wait, &|| false)
+                    .expect("connect everyone");
+                assert_eq!(mesh.connected_peers(), N - 1);
                 assert_eq!(mesh.transport_name(rank), None);
                 for p in (0..N).filter(|&p| p != rank) {
                     assert_eq!(
@@ -123,9 +143,11 @@ fn run_mesh(
                 // A second communicator (a "split") over the same store, in its own namespace.
                 let cfg2 = MeshConfig {
                     namespace: "world/split1".into(),
+                    connect: ConnectMode::Eager,
                     ..cfg
                 };
                 let mut mesh2 = Mesh::establish(&mut store, &cfg2).expect("establish split");
+                assert_eq!(mesh2.connected_peers(), N - 1, "eager connects everyone");
                 all_to_all(&mut mesh2, 100_000);
                 // Keep the meshes until every rank is done with its traffic.
                 store
@@ -144,16 +166,14 @@ fn same_host(_: usize) -> String {
 #[test]
 fn four_ranks_over_shared_memory() {
     let token = run_mesh(false, None, same_host, |_, _| "shm");
-    // Segment names were unlinked once everyone had mapped them.
-    for ns in ["world", "world/split1"] {
-        for r in 0..N {
-            let name = weftcc_transports::shm::segment_name(&token, ns, r);
-            assert!(
-                !std::path::Path::new(&format!("/dev/shm{name}")).exists(),
-                "{name} left behind"
-            );
-        }
-    }
+    // Objects are unlinked as they are made: nothing of the job in /dev/shm.
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("weft-{token}")))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]
@@ -209,8 +229,9 @@ fn establish_times_out_when_a_rank_is_missing() {
         token: token.clone(),
         namespace: "lonely".into(),
         timeout: Duration::from_millis(500),
-        buffsize: 64 << 10,
+        buffsize: Some(64 << 10),
         shm_ll_max: 0,
+        connect: ConnectMode::OnDemand,
     };
     let t = Instant::now();
     let e = Mesh::establish(&mut store, &cfg)
