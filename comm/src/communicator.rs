@@ -476,11 +476,11 @@ impl Communicator {
                 .set(&format!("{prefix}/{}", inner.rank), mine.as_bytes())
                 .map_err(boot)?;
             let mut members = Vec::new();
-            for r in 0..inner.size {
-                let v = store
-                    .get(&format!("{prefix}/{r}"), inner.timeout())
-                    .map_err(boot)?;
-                let v = String::from_utf8_lossy(&v).to_string();
+            // Every rank's choice in one request (n requests to rank 0 in all, not n²).
+            let keys: Vec<String> = (0..inner.size).map(|r| format!("{prefix}/{r}")).collect();
+            let choices = store.get_all(&keys, inner.timeout()).map_err(boot)?;
+            for (r, v) in choices.iter().enumerate() {
+                let v = String::from_utf8_lossy(v).to_string();
                 let mut it = v.split_whitespace();
                 if let (Some(c), Some(k)) = (it.next(), it.next()) {
                     if let (Ok(c), Ok(k)) = (c.parse::<u32>(), k.parse::<i64>()) {
