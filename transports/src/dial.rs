@@ -434,18 +434,9 @@ impl Shared {
         stream
             .write_all(&self.hello(kind as u8)?)
             .map_err(|e| io("sending the handshake", e))?;
-        let reply = stream.read_hello()?;
-        if reply.token != self.token.as_bytes() || reply.namespace_hash != self.namespace_hash {
-            return Err(TransportError::Protocol(format!(
-                "rank {peer} answered with a different job token or communicator"
-            )));
-        }
-        if reply.rank as usize != peer {
-            return Err(TransportError::Protocol(format!(
-                "dialed rank {peer}, rank {} answered",
-                reply.rank
-            )));
-        }
+        stream
+            .read_hello()?
+            .check_reply(&self.token, self.namespace_hash, peer)?;
         let ans = stream
             .read_byte()
             .map_err(|e| io("reading the answer", e))?;

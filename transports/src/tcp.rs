@@ -262,6 +262,25 @@ pub struct Hello {
     pub namespace_hash: u64,
 }
 
+impl Hello {
+    /// Checks that a reply to this rank's handshake comes from `peer` of the same job `token`
+    /// and communicator.
+    pub fn check_reply(&self, token: &str, namespace_hash: u64, peer: usize) -> Result<()> {
+        if self.token != token.as_bytes() || self.namespace_hash != namespace_hash {
+            return Err(TransportError::Protocol(format!(
+                "rank {peer} answered with a different job token or communicator"
+            )));
+        }
+        if self.rank as usize != peer {
+            return Err(TransportError::Protocol(format!(
+                "dialed rank {peer}, rank {} answered",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The communicator hash carried in handshakes for `namespace`.
 pub fn namespace_hash(namespace: &str) -> u64 {
     fnv1a64(namespace.as_bytes())
@@ -821,18 +840,7 @@ impl TcpEndpoint {
         (&sock)
             .write_all(&hello)
             .map_err(|e| TransportError::io(format!("sending handshake to rank {peer}"), e))?;
-        let reply = read_hello(&mut &sock)?;
-        if reply.token != self.token.as_bytes() || reply.namespace_hash != self.namespace_hash {
-            return Err(TransportError::Protocol(format!(
-                "rank {peer} at {addr} answered with a different job token or communicator"
-            )));
-        }
-        if reply.rank as usize != peer {
-            return Err(TransportError::Protocol(format!(
-                "{addr} answered as rank {}, expected rank {peer}",
-                reply.rank
-            )));
-        }
+        read_hello(&mut &sock)?.check_reply(&self.token, self.namespace_hash, peer)?;
         sock.set_read_timeout(None)
             .map_err(|e| TransportError::io("set_read_timeout", e))?;
         sock.set_write_timeout(None)
