@@ -26,7 +26,6 @@
 //! set-up ([`PeerHost`]): shared memory when both are on one host, in one network namespace
 //! (the Unix sockets are abstract names, which live in a network namespace) and both allow it.
 
-use crate::conn::Connection;
 use crate::error::{Result, TransportError};
 use crate::shm::{ShmConnection, ShmEndpoint};
 use crate::tcp::{self, TcpConnection, TcpEndpoint};
@@ -126,16 +125,6 @@ pub enum Made {
     Tcp(TcpConnection),
 }
 
-impl Made {
-    /// The connection, boxed.
-    pub fn into_connection(self) -> Box<dyn Connection> {
-        match self {
-            Made::Shm(c) => c,
-            Made::Tcp(c) => Box::new(c),
-        }
-    }
-}
-
 /// How long one side of a handshake waits for the other (both answer from an acceptor thread,
 /// so only a dead or foreign process takes long).
 const HANDSHAKE: Duration = Duration::from_secs(10);
@@ -215,11 +204,6 @@ impl Connector {
     /// The transport this rank uses with `peer`.
     pub fn kind(&self, peer: usize) -> Kind {
         self.shared.kind(peer)
-    }
-
-    /// The shared-memory endpoint, where this rank may use shared memory.
-    pub fn shm(&self) -> Option<&ShmEndpoint> {
-        self.shared.shm.as_ref()
     }
 
     /// Connects to `peer` (its TCP address `addr` where the transport is TCP): takes the

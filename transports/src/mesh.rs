@@ -4,7 +4,8 @@
 //! [`Mesh::establish`] runs these steps, all through the bootstrap store under the communicator's
 //! key prefix (`namespace`), which is single-use: a new communicator needs a new namespace.
 //! 1. Listen for TCP on the selected interface ([`crate::tcp::select_interface`] with
-//!    `socket_ifname` and `WEFT_SOCKET_FAMILY`) and publish the address (`<namespace>/addr/<rank>`,
+//!    `socket_ifname` and `WEFT_SOCKET_FAMILY`) and, unless shared memory is disabled, on this
+//!    rank's abstract Unix socket ([`crate::dial::listen_unix`]); publish the TCP address (`<namespace>/addr/<rank>`,
 //!    read only by the peers that connect to this rank over TCP).
 //! 2. Gather the host table, every rank's [`PeerHost`] (host id, network namespace, shared memory
 //!    allowed), as a two-level all-gather over the store: each rank publishes its entry, the first
@@ -13,8 +14,8 @@
 //!    Rank 0's store serves about `2n + n / 32` requests and `O(n²/16)` bytes instead of `n²`
 //!    records.
 //! 3. Where this rank shares memory with others: check that the host can hold their rings
-//!    ([`shm::check_host_shm`], every rank of the host fails alike), create this rank's doorbell,
-//!    and listen on its abstract Unix socket.
+//!    ([`shm::check_host_shm`], every rank of the host fails alike) and create this rank's
+//!    doorbell.
 //! 4. Start the acceptor ([`Connector`]); with [`ConnectMode::Eager`], connect every peer now.
 //! 5. Departure: every rank counts itself out (`<namespace>/mesh/left`) and rank 0 returns only
 //!    once all have. The store usually lives in rank 0's process: a rank 0 that returned and

@@ -1,9 +1,11 @@
 //! Same-host transport: byte rings in POSIX shared memory with futex doorbells.
 //!
-//! Each rank creates ONE segment (`/dev/shm/weft-<token>-<namespace hash>-<rank>`) that holds a
-//! header and one *incoming* ring per local peer. A sender maps the receiver's segment and writes
-//! into its ring there; the receiver reads from its own segment and lends the bytes in place (zero
-//! copy). Layout of a segment (all offsets are multiples of the page size, at least 4 KiB):
+//! Each rank has a doorbell object (a header only) and makes one *incoming* ring object per
+//! connected local peer ([`ShmEndpoint`]). Objects are created under a unique name in /dev/shm and
+//! unlinked at once; the peer maps them from descriptors passed over a Unix socket. A sender
+//! writes into the ring the receiver made; the receiver reads from its own ring and lends the
+//! bytes in place (zero copy). Layout of an object (doorbell: 0 slots; ring: 1 slot; all offsets
+//! are multiples of the page size, at least 4 KiB):
 //!
 //! ```text
 //! header (1+ pages): magic u64 | version u32 | nslots u32 | capacity u64 | header size u64 |
@@ -265,8 +267,8 @@ pub const ORPHAN_GRACE: Duration = Duration::from_secs(5);
 
 /// Removes the segments of job `token` that no live process will unlink: those whose creator
 /// has exited, and those whose header was never written that are older than [`ORPHAN_GRACE`].
-/// Ranks unlink their names once every peer has mapped them, so only a rank killed in between
-/// leaves one; `weft run` calls this when a job ends. Returns the names removed.
+/// Ranks unlink each name right after creating it, so only a rank killed in between leaves one;
+/// `weft run` calls this when a job ends. Returns the names removed.
 pub fn remove_orphan_segments(token: &str) -> Vec<String> {
     let prefix = job_prefix(token);
     let Ok(entries) = std::fs::read_dir("/dev/shm") else {
