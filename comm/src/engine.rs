@@ -288,6 +288,19 @@ impl Cursor {
     fn pending(&self) -> bool {
         !self.header_done || self.next < self.end
     }
+
+    /// Whether this direction waits on its connection (for the header, or for a step whose
+    /// dependencies are met) rather than on another step. Only those go into the waiter's
+    /// interest: a socket that is writable while its next send still waits for a receive
+    /// would otherwise end every `poll` at once, and a rank would spin in the kernel.
+    fn waits_on_transport(
+        &self,
+        steps: &[weftcc_collectives::schedule::Step],
+        order: &[usize],
+        done: &[bool],
+    ) -> bool {
+        !self.header_done || (self.next < self.end && deps_done(steps, done, order[self.next]))
+    }
 }
 
 /// The inputs that decide an operation's resolved places, for a fixed layout over at most three
@@ -524,10 +537,12 @@ pub fn execute_prepared(
                 .iter()
                 .zip(cursors.iter())
                 .filter_map(|(lane, [s, r])| {
-                    (s.pending() || r.pending()).then_some(Interest {
+                    let send = s.waits_on_transport(steps, order, done);
+                    let recv = r.waits_on_transport(steps, order, done);
+                    (send || recv).then_some(Interest {
                         peer: lane.peer,
-                        recv: r.pending(),
-                        send: s.pending(),
+                        recv,
+                        send,
                     })
                 }),
         );
