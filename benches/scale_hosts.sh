@@ -8,7 +8,7 @@
 #   benches/scale_hosts.sh [HOSTS] [RANKS_PER_HOST]     (default: 8 64, i.e. 512 ranks)
 #
 # Columns as benches/scale.sh: init (launch to rank 0's header), first (first 8-byte all-reduce,
-# µs), steady (8-byte all-reduce, -w 20 -n 300, µs), shm (peak /dev/shm, MiB), rss (largest
+# µs), steady (8-byte all-reduce, -w 5 -n 50, µs), shm (peak /dev/shm, MiB), rss (largest
 # worker RSS, MiB), fds (most open files of one worker), conns (connections per rank after the
 # sweep, and of them over TCP), wrong (values wrong in an 8 B … 64 KiB sweep), left (weft
 # segments left in /dev/shm).
@@ -36,6 +36,7 @@ cleanup() {
   ip netns del "$switch" 2>/dev/null || true
 }
 trap cleanup EXIT
+trap "exit 130" INT TERM
 
 # The switch: a bridge in its own namespace, one veth pair per host.
 ip netns add "$switch"
@@ -127,7 +128,7 @@ rm -f "$out" "$log"
 
 # 2. Steady state.
 out=$(mktemp); log=$(mktemp)
-launch "$out" "$log" -b 8 -e 8 -w 20 -n 300 -a 3
+launch "$out" "$log" -b 8 -e 8 -w 5 -n 50
 wait_all "${pids[@]}" || { echo "scale_hosts: the steady run failed"; tail -20 "$log"; exit 1; }
 steady=$(row_time <"$out")
 rm -f "$out" "$log"

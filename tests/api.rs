@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{with_ranks, Wire};
+use common::{with_ranks, with_ranks_config, Wire};
 use std::time::Duration;
 use weftcc::{ReduceOp, UniqueId};
 
@@ -87,6 +87,94 @@ fn split_groups_have_the_right_members() {
     assert_eq!(results[2], (0, 2, 2, 4));
     assert_eq!(results[1], (1, 2, 4, 4));
     assert_eq!(results[3], (0, 2, 4, 4));
+}
+
+/// With `split_share`, splits talk over their parent's connections: after the parent reached every peer, splits of
+/// every shape (all ranks reordered, two halves, a split of a split) connect nothing new, and
+/// each still computes its own sums while the parent keeps working between and after them.
+fn splits_reuse_connections(wire: Wire) {
+    let n = 4;
+    let mut cfg = common::config(wire);
+    cfg.split_share = true;
+    let results = with_ranks_config(n, cfg, |rank, comm| {
+        let mut a = vec![rank as u64 + 1; 1000];
+        let mut out = vec![0u64; 1000 * n];
+        comm.all_to_all(&vec![rank as u64; 1000 * n], &mut out)
+            .unwrap();
+        assert_eq!(comm.connected_peers(), n - 1, "all-to-all reaches everyone");
+        let before = comm.family_connections();
+        let all = comm.split(Some(0), -(rank as i64)).unwrap().unwrap();
+        let halves = comm.split(Some((rank % 2) as u32), 0).unwrap().unwrap();
+        let quarter = halves.split(Some(0), 0).unwrap().unwrap();
+        let mut sums = Vec::new();
+        for (c, want) in [(&all, 10u64), (&halves, if rank % 2 == 0 { 4 } else { 6 })] {
+            let mut v = vec![rank as u64 + 1; 70_001];
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+            assert!(v.iter().all(|&x| x == want), "rank {rank}: {}", v[0]);
+            comm.all_reduce_in_place(&mut a, ReduceOp::Max).unwrap();
+            sums.push(v[0]);
+        }
+        let mut q = vec![1u8; 9];
+        quarter.all_reduce_in_place(&mut q, ReduceOp::Sum).unwrap();
+        assert_eq!(q[0], 2);
+        let after = (comm.family_connections(), all.family_connections());
+        drop(all);
+        drop(quarter);
+        // The parent still works once splits are gone (their channels closed, not the links).
+        comm.all_reduce_in_place(&mut a, ReduceOp::Sum).unwrap();
+        drop(halves);
+        comm.all_gather(&a[..1], &mut out[..n]).unwrap();
+        (before, after, sums, out[..n].to_vec())
+    });
+    for (rank, (before, after, sums, last)) in results.into_iter().enumerate() {
+        assert_eq!(before, n - 1, "rank {rank}");
+        assert_eq!(
+            after,
+            (n - 1, n - 1),
+            "rank {rank}: a split made connections"
+        );
+        assert_eq!(sums[0], 10);
+        assert_eq!(last, vec![16u64; n], "rank {rank}");
+    }
+}
+
+#[test]
+fn splits_reuse_their_parents_connections_shm() {
+    splits_reuse_connections(Wire::Shm);
+}
+
+#[test]
+fn splits_reuse_their_parents_connections_tcp() {
+    splits_reuse_connections(Wire::Tcp);
+}
+
+/// A parent and its split run collectives at the same time from two threads of every rank, over
+/// the same connections: every result is right and nothing waits on the other communicator.
+#[test]
+fn a_parent_and_its_split_run_at_once_over_shared_connections() {
+    for wire in [Wire::Shm, Wire::Tcp] {
+        let mut cfg = common::config(wire);
+        cfg.split_share = true;
+        with_ranks_config(3, cfg, |rank, comm| {
+            let child = comm.split(Some(0), rank as i64).unwrap().unwrap();
+            let child = &child;
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    for i in 0..40u32 {
+                        let mut v = vec![i + rank as u32; 50_000 + i as usize];
+                        child.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+                        assert!(v.iter().all(|&x| x == 3 * i + 3), "child round {i}");
+                    }
+                });
+                for i in 0..40u32 {
+                    let mut v = vec![2 * i + rank as u32; 30_000 + 7 * i as usize];
+                    comm.all_reduce_in_place(&mut v, ReduceOp::Max).unwrap();
+                    assert!(v.iter().all(|&x| x == 2 * i + 2), "parent round {i}");
+                }
+            });
+            assert_eq!(comm.family_connections(), child.family_connections());
+        });
+    }
 }
 
 #[test]

@@ -28,7 +28,7 @@ use weftcc_collectives::header::{OpDesc, NO_ROOT};
 use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::{reduce, Algorithm, DataType, Element, OpKind, ReduceOp};
-use weftcc_transports::mesh::{Mesh, MeshConfig};
+use weftcc_transports::mesh::{count_out, Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
 
@@ -144,9 +144,21 @@ impl Communicator {
             None
         };
         let client = StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
-        Communicator::build(rank, nranks, "c".to_string(), config, client, id, server)
+        Communicator::build(
+            rank,
+            nranks,
+            "c".to_string(),
+            config,
+            client,
+            id,
+            server,
+            None,
+        )
     }
 
+    /// Makes the communicator: its mesh is `split_mesh` (a split's, sharing its parent's
+    /// connections) or set up here through the store.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn build(
         rank: usize,
         nranks: usize,
@@ -155,6 +167,7 @@ impl Communicator {
         mut client: StoreClient,
         id: &UniqueId,
         store_host: Option<Arc<StoreHost>>,
+        split_mesh: Option<Mesh>,
     ) -> Result<Communicator> {
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
         let mesh_config = MeshConfig {
@@ -169,13 +182,17 @@ impl Communicator {
             buffsize: config.buffsize,
             shm_ll_max: shm_low_latency_max(&config.proto),
             connect: config.connect,
+            share_splits: config.split_share,
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).
         let watch_client =
             StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
         let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
-        let mesh = Mesh::establish(&mut client, &mesh_config).map_err(boot)?;
+        let mesh = match split_mesh {
+            Some(m) => m,
+            None => Mesh::establish(&mut client, &mesh_config).map_err(boot)?,
+        };
         let mut config = config;
         let local_ranks = mesh
             .host_ids()
@@ -263,6 +280,18 @@ impl Communicator {
     /// Transport used to reach `peer` ("shm", "tcp"), `None` for this rank itself.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
         lock(&self.inner.state).mesh.transport_name(peer)
+    }
+
+    /// Peers this communicator has connected so far (connections are made when an operation
+    /// first needs a peer, or all at set-up with `WEFT_CONNECT=eager`).
+    pub fn connected_peers(&self) -> usize {
+        lock(&self.inner.state).mesh.connected_peers()
+    }
+
+    /// Connections this rank holds for this communicator's family: the communicator it was split
+    /// from (if any) and every split of them share one connection per peer process.
+    pub fn family_connections(&self) -> usize {
+        lock(&self.inner.state).mesh.family_connections()
     }
 
     /// Per-operation timeout.
@@ -462,7 +491,8 @@ impl Communicator {
         let inner = &self.inner;
         let index = inner.splits.fetch_add(1, Ordering::SeqCst);
         let prefix = format!("{}/split{}", inner.namespace, index);
-        let members = inner.run_blocking(OpKind::Barrier, |inner, _st| {
+        let child_ns = color.map(|c| format!("{prefix}/c{c}"));
+        let (members, mesh) = inner.run_blocking(OpKind::Barrier, |inner, st| {
             let mut store = lock(&inner.store);
             let boot = |source| Error::Bootstrap {
                 rank: inner.rank,
@@ -491,9 +521,49 @@ impl Communicator {
                 }
             }
             members.sort_unstable();
-            Ok(members)
+            // With split_share, the split's mesh shares this communicator's connections (no
+            // set-up of its own); otherwise it is set up through the store like any other.
+            let mesh = match &child_ns {
+                Some(ns) if inner.config.split_share => {
+                    let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
+                    Some(st.mesh.split(&ranks, ns).map_err(boot)?)
+                }
+                _ => None,
+            };
+            Ok((members, mesh))
         })?;
-        let Some(color) = color else { return Ok(None) };
+        let made = match child_ns {
+            Some(ns) => self.build_split(&members, mesh, ns).map(Some),
+            None => Ok(None),
+        };
+        // Every rank of this communicator counts itself out once its split holds its store
+        // connections; the process serving the store waits for all (it may hold no split and
+        // drop everything next).
+        let counted = count_out(
+            &mut lock(&inner.store),
+            &format!("{prefix}/joined"),
+            inner.size,
+            inner.store_host.is_some(),
+            inner.timeout(),
+        )
+        .map_err(|source| Error::Bootstrap {
+            rank: inner.rank,
+            source,
+        });
+        let made = made?;
+        counted?;
+        Ok(made)
+    }
+
+    /// The split communicator of this rank, of `members` (`(key, rank here)` in rank order),
+    /// over `mesh` (shared connections) or a mesh of its own.
+    fn build_split(
+        &self,
+        members: &[(i64, usize)],
+        mesh: Option<Mesh>,
+        ns: String,
+    ) -> Result<Communicator> {
+        let inner = &self.inner;
         let new_rank = members
             .iter()
             .position(|&(_, r)| r == inner.rank)
@@ -519,13 +589,13 @@ impl Communicator {
         Communicator::build(
             new_rank,
             members.len(),
-            format!("{prefix}/c{color}"),
+            ns,
             config,
             client,
             &id,
             inner.store_host.clone(),
+            mesh,
         )
-        .map(Some)
     }
 }
 

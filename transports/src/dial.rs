@@ -145,6 +145,8 @@ struct Shared {
     links: Mutex<Links>,
     changed: Condvar,
     stop: AtomicBool,
+    /// Connections carry frames (see [`Connector::framed`]): sent with the kind in every dial.
+    framed: AtomicBool,
 }
 
 struct Links {
@@ -189,6 +191,7 @@ impl Connector {
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
+            framed: AtomicBool::new(false),
         });
         let s = shared.clone();
         let acceptor = std::thread::Builder::new()
@@ -204,6 +207,18 @@ impl Connector {
     /// The transport this rank uses with `peer`.
     pub fn kind(&self, peer: usize) -> Kind {
         self.shared.kind(peer)
+    }
+
+    /// Marks this rank's connections as carrying frames ([`crate::mux`]); dials between ranks
+    /// that disagree are refused (`Answer::Mismatch`).
+    pub fn framed(self, framed: bool) -> Connector {
+        self.shared.framed.store(framed, Ordering::Relaxed);
+        self
+    }
+
+    /// A waiter on this rank's shared-memory doorbell, if it has one.
+    pub fn shm_waiter(&self) -> Option<crate::shm::ShmWaiter> {
+        self.shared.shm.as_ref().map(ShmEndpoint::waiter)
     }
 
     /// Connects to `peer` (its TCP address `addr` where the transport is TCP): takes the
@@ -361,6 +376,11 @@ impl Stream {
 }
 
 impl Shared {
+    /// The high bit of the dial's kind byte: set when connections carry frames.
+    fn framed_bit(&self) -> u8 {
+        u8::from(self.framed.load(Ordering::Relaxed)) << 7
+    }
+
     fn kind(&self, peer: usize) -> Kind {
         match (self.hosts.get(self.rank), self.hosts.get(peer)) {
             (Some(me), Some(p)) if me.shares_memory_with(p) && self.shm.is_some() => Kind::Shm,
@@ -416,7 +436,7 @@ impl Shared {
             .set_timeouts(Some(wait))
             .map_err(|e| io("handshake", e))?;
         stream
-            .write_all(&self.hello(kind as u8)?)
+            .write_all(&self.hello(kind as u8 | self.framed_bit())?)
             .map_err(|e| io("sending the handshake", e))?;
         stream
             .read_hello()?
@@ -428,7 +448,8 @@ impl Shared {
             Some(Answer::Accept) => self.finish(peer, stream, wait).map(Some),
             Some(Answer::Defer) => Ok(None),
             Some(Answer::Mismatch) => Err(TransportError::Protocol(format!(
-                "rank {peer} would not use {kind:?} with rank {} (different host records?)",
+                "rank {peer} would not use {kind:?} with rank {} (different host records, or \
+                 WEFT_SPLIT_SHARE differs between them?)",
                 self.rank
             ))),
             None => Err(TransportError::Protocol(format!(
@@ -536,7 +557,7 @@ impl Shared {
         let kind = stream
             .read_byte()
             .map_err(|e| TransportError::io("reading the dial", e))?;
-        if kind != came_by as u8 || came_by != self.kind(peer) {
+        if kind != came_by as u8 | self.framed_bit() || came_by != self.kind(peer) {
             return Ok((peer, Answer::Mismatch));
         }
         let mut links = lock(&self.links);

@@ -42,6 +42,19 @@ pub enum TransportError {
          (`ulimit -n`, or LimitNOFILE for a service), or run fewer ranks per process"
     )]
     FileLimit { needed: u64, soft: u64, hard: u64 },
+    /// A store answer would not fit one frame even for a single key.
+    #[error(
+        "the bootstrap store's answer for {keys} key(s) would be {bytes} bytes, over its \
+         {limit}-byte frame limit"
+    )]
+    StoreTooLarge {
+        /// Keys asked for.
+        keys: usize,
+        /// Size of the answer.
+        bytes: u64,
+        /// The frame limit.
+        limit: usize,
+    },
     /// A configuration value (environment variable, address) is invalid.
     #[error("configuration: {0}")]
     Config(String),

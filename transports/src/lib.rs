@@ -8,7 +8,9 @@
 //! * [`tcp`]: ranks on different hosts (or with `WEFT_SHM_DISABLE=1`), through socket2 streams.
 //! * [`mem`]: an in-process transport for tests (threads standing in for ranks).
 //! * [`store`]: the bootstrap key-value store served by rank 0, and its client.
-//! * [`mesh`]: connects every pair of ranks of a communicator, choosing the transport per pair.
+//! * [`mesh`]: connects the ranks of a communicator when they first need each other, choosing
+//!   the transport per pair; splits share their parent's connections.
+//! * [`mux`]: several communicators over one connection (frames per communicator).
 //!
 //! Environment variables read by this crate: `WEFT_BUFFSIZE` ([`shm::buffsize_from_env`]),
 //! `WEFT_SOCKET_FAMILY` ([`tcp::Family::from_env`], read by [`mesh::Mesh::establish`]) and the
@@ -27,6 +29,7 @@ pub mod error;
 pub mod mem;
 pub mod mesh;
 pub mod model;
+pub mod mux;
 pub mod process;
 pub mod ring;
 pub mod shm;

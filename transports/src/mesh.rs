@@ -26,17 +26,27 @@
 //! [`crate::dial`] for how both ends agree and why it cannot deadlock): over TCP to peers on
 //! other hosts, whose addresses it fetches in one store request, and through a pair of
 //! shared-memory rings (one per direction, made at that moment) to peers on this host.
+//!
+//! [`Mesh::split`] makes the mesh of a split communicator without any set-up of its own: the
+//! communicators of a family (the first one and every split made from it, at any depth) share
+//! this process's listeners, acceptor and doorbell, and one connection per pair of processes,
+//! each communicator talking through its own channel of it ([`crate::mux`]). A split that needs
+//! a peer its parent already reached uses that connection; one that needs a new peer connects
+//! it once for the whole family.
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::dial::{Connector, Kind, Made, PeerHost};
 use crate::error::{Result, TransportError};
 use crate::mem::{self, Doorbell, MemWaiter};
+use crate::mux::{self, ChannelId, Mux, Signal};
 use crate::shm::{self, ShmEndpoint, ShmWaiter};
 use crate::store::StoreClient;
-use crate::tcp::{self, Family, TcpEndpoint, TcpWaiter};
-use crate::util::Deadline;
+use crate::tcp::{self, Family, TcpEndpoint, TcpPollHandle, TcpWaiter};
+use crate::util::{lock, Deadline};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Default bootstrap timeout of [`MeshConfig::from_env`].
@@ -99,6 +109,9 @@ pub struct MeshConfig {
     pub shm_ll_max: usize,
     /// When to connect peers.
     pub connect: ConnectMode,
+    /// Splits share this communicator's connections ([`Mesh::split`]): every connection then
+    /// carries frames ([`crate::mux`]). Every rank must choose alike (dials check it).
+    pub share_splits: bool,
 }
 
 /// A peer [`Mesh::connect`] could not connect, and why.
@@ -190,6 +203,26 @@ pub fn typical_peers(n: usize) -> usize {
     2 * n.max(1).next_power_of_two().trailing_zeros() as usize + 4
 }
 
+/// Counts this rank out of a set-up step under store prefix `prefix` (`<prefix>/left`) and, if
+/// `wait`, returns only once all `n` ranks have (waiting at most `timeout`): the process serving
+/// the store must not close it while another rank's last request of the step is on its way.
+pub fn count_out(
+    store: &mut StoreClient,
+    prefix: &str,
+    n: usize,
+    wait: bool,
+    timeout: Duration,
+) -> Result<()> {
+    let all_left = format!("{prefix}/all-left");
+    if store.add(&format!("{prefix}/left"), 1)? >= n as i64 {
+        store.set(&all_left, b"1")?;
+    }
+    if wait {
+        store.wait(&[&all_left], timeout)?;
+    }
+    Ok(())
+}
+
 /// The host table (see the module docs, step 2): every rank's entry, indexed by rank.
 fn gather_hosts(
     store: &mut StoreClient,
@@ -239,6 +272,12 @@ pub struct MeshWaiter {
     tcp: TcpWaiter,
     mem: Option<MemWaiter>,
     shm_peers: Vec<bool>,
+    /// Raised when another communicator's reader moved bytes for this one off a shared
+    /// connection (a socket it may then wait on in vain), and the value last seen.
+    signal: Option<(Signal, u64)>,
+    /// Communicators alive in the family: with more than one, waits on sockets are sliced so
+    /// that the signal is seen.
+    family_live: Option<Arc<AtomicUsize>>,
 }
 
 impl MeshWaiter {
@@ -254,12 +293,52 @@ impl MeshWaiter {
     }
 }
 
+impl MeshWaiter {
+    /// Whether the signal was raised since the last look (and acknowledges it).
+    fn signalled(&mut self) -> bool {
+        match &mut self.signal {
+            Some((s, seen)) => {
+                let now = s.load(Ordering::Acquire);
+                let raised = now != *seen;
+                *seen = now;
+                raised
+            }
+            None => false,
+        }
+    }
+
+    fn shared(&self) -> bool {
+        self.family_live
+            .as_ref()
+            .is_some_and(|l| l.load(Ordering::Relaxed) > 1)
+    }
+}
+
 impl IdleWaiter for MeshWaiter {
     fn wait(&mut self, interest: &[Interest], max: Duration) -> Result<()> {
         if let Some(m) = &mut self.mem {
             return m.wait(interest, max);
         }
+        if self.signalled() {
+            return Ok(());
+        }
         let (want_shm, want_tcp) = self.wants(interest);
+        if want_tcp && self.shared() {
+            // Another communicator of this process may drain a socket this one waits on.
+            let deadline = Deadline::after(max);
+            loop {
+                let slice = deadline.remaining().min(MIXED_WAIT_SLICE);
+                let ready = match (&mut self.shm, want_shm) {
+                    (Some(s), true) => {
+                        self.tcp.poll_for(interest, Duration::ZERO)? || s.wait_doorbell(slice)
+                    }
+                    _ => self.tcp.poll_for(interest, slice)?,
+                };
+                if ready || self.signalled() || deadline.expired() {
+                    return Ok(());
+                }
+            }
+        }
         match (&mut self.shm, want_shm, want_tcp) {
             (Some(s), true, false) => {
                 s.wait_doorbell(max);
@@ -295,6 +374,34 @@ impl IdleWaiter for MeshWaiter {
     }
 }
 
+/// A connection of a family, and what its users need to wait on it.
+struct Linked {
+    mux: Arc<Mux>,
+    kind: &'static str,
+    poll: Option<TcpPollHandle>,
+}
+
+/// What the communicators of one family share in this process (see the module docs). Ranks
+/// here are ranks of the family's first communicator.
+struct Shared {
+    connector: Connector,
+    /// Connections are shared by channels (`MeshConfig::share_splits`); otherwise each is the
+    /// one communicator's own.
+    share: bool,
+    /// The first communicator's store namespace, where the TCP addresses are.
+    namespace: String,
+    shm_ll_max: usize,
+    links: Mutex<Links>,
+    /// Meshes alive.
+    live: Arc<AtomicUsize>,
+}
+
+struct Links {
+    by_rank: Vec<Option<Linked>>,
+    /// TCP addresses fetched so far.
+    addrs: HashMap<usize, SocketAddr>,
+}
+
 /// Connections from one rank to the other ranks of a communicator, made on demand, plus its
 /// waiter.
 pub struct Mesh {
@@ -305,12 +412,23 @@ pub struct Mesh {
     waiter: MeshWaiter,
     /// Host id of every rank, as each published it.
     host_ids: Vec<String>,
-    /// Makes connections; `None` for in-memory meshes (connected from the start).
-    connector: Option<Connector>,
-    namespace: String,
-    shm_ll_max: usize,
-    /// TCP addresses fetched so far.
-    addrs: HashMap<usize, SocketAddr>,
+    /// Each rank's rank in the family's first communicator.
+    members: Vec<usize>,
+    /// This communicator's channel on the family's connections.
+    channel: ChannelId,
+    signal: Signal,
+    /// Makes and keeps connections; `None` for in-memory meshes (connected from the start).
+    family: Option<Arc<Shared>>,
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        // Channels first (each tells its peer this communicator is gone), then the family.
+        self.conns.clear();
+        if let Some(f) = &self.family {
+            f.live.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Mesh {
@@ -382,16 +500,32 @@ impl Mesh {
         crate::process::ensure_open_files(peers_at_most as u64 + 4)?;
 
         // 4. The acceptor.
+        let signal: Signal = Arc::new(AtomicU64::new(0));
+        let live = Arc::new(AtomicUsize::new(1));
         let waiter = MeshWaiter {
             shm: shm_endpoint.as_ref().map(ShmEndpoint::waiter),
             tcp: TcpWaiter::new(),
             mem: None,
             shm_peers: vec![false; n],
+            signal: Some((Arc::clone(&signal), 0)),
+            family_live: Some(Arc::clone(&live)),
         };
         let host_ids = hosts.iter().map(|h| h.host_id.clone()).collect();
         let unix = unix.filter(|_| shm_endpoint.is_some());
         let connector =
-            Connector::start(rank, hosts, &cfg.token, ns, endpoint, unix, shm_endpoint)?;
+            Connector::start(rank, hosts, &cfg.token, ns, endpoint, unix, shm_endpoint)?
+                .framed(cfg.share_splits);
+        let family = Shared {
+            connector,
+            share: cfg.share_splits,
+            namespace: ns.to_string(),
+            shm_ll_max: cfg.shm_ll_max,
+            links: Mutex::new(Links {
+                by_rank: (0..n).map(|_| None).collect(),
+                addrs: HashMap::new(),
+            }),
+            live,
+        };
         let mut mesh = Mesh {
             rank,
             nranks: n,
@@ -399,10 +533,10 @@ impl Mesh {
             kinds: vec![None; n],
             waiter,
             host_ids,
-            connector: Some(connector),
-            namespace: ns.to_string(),
-            shm_ll_max: cfg.shm_ll_max,
-            addrs: HashMap::new(),
+            members: (0..n).collect(),
+            channel: mux::channel_id(ns),
+            signal,
+            family: Some(Arc::new(family)),
         };
         if cfg.connect == ConnectMode::Eager {
             let all: Vec<usize> = (0..n).collect();
@@ -411,20 +545,64 @@ impl Mesh {
         }
 
         // 5. No store request of this communicator's set-up may be in flight when rank 0
-        // returns: the last to count itself out says so, and rank 0 waits for that.
-        let all_left = format!("{ns}/mesh/all-left");
-        if store.add(&format!("{ns}/mesh/left"), 1)? >= n as i64 {
-            store.set(&all_left, b"1")?;
-        }
-        if rank == 0 {
-            store.wait(&[&all_left], deadline.remaining())?;
-        }
+        // returns.
+        count_out(
+            store,
+            &format!("{ns}/mesh"),
+            n,
+            rank == 0,
+            deadline.remaining(),
+        )?;
         Ok(mesh)
+    }
+
+    /// The mesh of a split of this communicator: `members` are the ranks (here) of the new
+    /// communicator in its rank order, this rank among them; `namespace` is the split's store
+    /// namespace. Makes no connection and asks the store nothing: the family's connections are
+    /// shared (see the module docs).
+    pub fn split(&self, members: &[usize], namespace: &str) -> Result<Mesh> {
+        let Some(family) = self.family.as_ref().filter(|f| f.share) else {
+            return Err(TransportError::Config(
+                "this communicator does not share its connections with splits \
+                 (MeshConfig::share_splits)"
+                    .into(),
+            ));
+        };
+        let rank = members.iter().position(|&m| m == self.rank);
+        let (Some(rank), true) = (rank, members.iter().all(|&m| m < self.nranks)) else {
+            return Err(TransportError::Config(format!(
+                "split members {members:?} must be ranks of {} and include rank {}",
+                self.nranks, self.rank
+            )));
+        };
+        let n = members.len();
+        let signal: Signal = Arc::new(AtomicU64::new(0));
+        family.live.fetch_add(1, Ordering::Relaxed);
+        Ok(Mesh {
+            rank,
+            nranks: n,
+            conns: (0..n).map(|_| None).collect(),
+            kinds: vec![None; n],
+            waiter: MeshWaiter {
+                shm: family.connector.shm_waiter(),
+                tcp: TcpWaiter::new(),
+                mem: None,
+                shm_peers: vec![false; n],
+                signal: Some((Arc::clone(&signal), 0)),
+                family_live: Some(Arc::clone(&family.live)),
+            },
+            host_ids: members.iter().map(|&m| self.host_ids[m].clone()).collect(),
+            members: members.iter().map(|&m| self.members[m]).collect(),
+            channel: mux::channel_id(namespace),
+            signal,
+            family: Some(Arc::clone(family)),
+        })
     }
 
     /// Connects every peer in `peers` not connected yet (this rank and repeats are skipped),
     /// fetching the TCP addresses it lacks from `store` in one request. Waits at most `timeout`
-    /// and gives up once `cancel` returns true.
+    /// and gives up once `cancel` returns true. A peer another communicator of the family has
+    /// connected already costs nothing but a channel.
     pub fn connect(
         &mut self,
         peers: &[usize],
@@ -440,7 +618,7 @@ impl Mesh {
         if missing.is_empty() {
             return Ok(());
         }
-        let Some(connector) = &self.connector else {
+        let Some(family) = self.family.clone() else {
             return Err(ConnectError {
                 peer: missing[0],
                 source: TransportError::Config(
@@ -449,14 +627,25 @@ impl Mesh {
             });
         };
         let deadline = Deadline::after(timeout);
+        // One communicator of the family connects at a time; the acceptor answers dials on its
+        // own thread, so holding this while a dial waits cannot stop the peer's dial.
+        let mut links = lock(&family.links);
         let need_addr: Vec<usize> = missing
             .iter()
             .copied()
-            .filter(|&p| connector.kind(p) == Kind::Tcp && !self.addrs.contains_key(&p))
+            .filter(|&p| {
+                let f = self.members[p];
+                links.by_rank[f].is_none()
+                    && family.connector.kind(f) == Kind::Tcp
+                    && !links.addrs.contains_key(&f)
+            })
             .collect();
         if !need_addr.is_empty() {
-            let ns = &self.namespace;
-            let keys: Vec<String> = need_addr.iter().map(|p| format!("{ns}/addr/{p}")).collect();
+            let ns = &family.namespace;
+            let keys: Vec<String> = need_addr
+                .iter()
+                .map(|&p| format!("{ns}/addr/{}", self.members[p]))
+                .collect();
             let fail = |source| ConnectError {
                 peer: need_addr[0],
                 source,
@@ -470,30 +659,68 @@ impl Mesh {
                         "rank {p} published a bad TCP address {text:?}"
                     )),
                 })?;
-                self.addrs.insert(p, addr);
+                links.addrs.insert(self.members[p], addr);
             }
         }
         for p in missing {
-            if self.conns[p].is_some() {
+            let f = self.members[p];
+            if !family.share {
+                let made = family
+                    .connector
+                    .connect(f, links.addrs.get(&f).copied(), &deadline, timeout, cancel)
+                    .map_err(|source| ConnectError { peer: p, source })?;
+                let (conn, kind): (Box<dyn Connection>, &'static str) = match made {
+                    Made::Shm(mut c) => {
+                        c.set_low_latency_max(family.shm_ll_max);
+                        self.waiter.shm_peers[p] = true;
+                        (c, "shm")
+                    }
+                    Made::Tcp(c) => {
+                        self.waiter.tcp.add(c.poll_handle().for_peer(p));
+                        (Box::new(c), "tcp")
+                    }
+                };
+                tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = kind, "connected");
+                self.conns[p] = Some(conn);
+                self.kinds[p] = Some(kind);
                 continue;
             }
-            let made = connector
-                .connect(p, self.addrs.get(&p).copied(), &deadline, timeout, cancel)
-                .map_err(|source| ConnectError { peer: p, source })?;
-            let (conn, kind): (Box<dyn Connection>, &'static str) = match made {
-                Made::Shm(mut c) => {
-                    c.set_low_latency_max(self.shm_ll_max);
-                    self.waiter.shm_peers[p] = true;
-                    (c, "shm")
-                }
-                Made::Tcp(c) => {
-                    self.waiter.tcp.add(c.poll_handle());
-                    (Box::new(c), "tcp")
-                }
+            if links.by_rank[f].is_none() {
+                let made = family
+                    .connector
+                    .connect(f, links.addrs.get(&f).copied(), &deadline, timeout, cancel)
+                    .map_err(|source| ConnectError { peer: p, source })?;
+                let linked = match made {
+                    Made::Shm(mut c) => {
+                        c.set_low_latency_max(family.shm_ll_max);
+                        Linked {
+                            mux: Mux::new(c),
+                            kind: "shm",
+                            poll: None,
+                        }
+                    }
+                    Made::Tcp(c) => Linked {
+                        poll: Some(c.poll_handle()),
+                        mux: Mux::new(Box::new(c)),
+                        kind: "tcp",
+                    },
+                };
+                tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = linked.kind, "connected");
+                links.by_rank[f] = Some(linked);
+            }
+            let Some(linked) = &links.by_rank[f] else {
+                continue;
             };
-            tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = kind, "connected");
-            self.conns[p] = Some(conn);
-            self.kinds[p] = Some(kind);
+            let channel = linked
+                .mux
+                .channel(self.channel, p, Some(Arc::clone(&self.signal)))
+                .map_err(|source| ConnectError { peer: p, source })?;
+            match &linked.poll {
+                Some(h) => self.waiter.tcp.add(h.for_peer(p)),
+                None => self.waiter.shm_peers[p] = true,
+            }
+            self.conns[p] = Some(Box::new(channel));
+            self.kinds[p] = Some(linked.kind);
         }
         Ok(())
     }
@@ -508,6 +735,16 @@ impl Mesh {
     /// Peers connected so far.
     pub fn connected_peers(&self) -> usize {
         self.conns.iter().filter(|c| c.is_some()).count()
+    }
+
+    /// Connections this rank holds for its family (this communicator, the one it was split
+    /// from and every split of either), which their channels share; for an in-memory mesh, its
+    /// connected peers.
+    pub fn family_connections(&self) -> usize {
+        match &self.family {
+            Some(f) if f.share => lock(&f.links).by_rank.iter().flatten().count(),
+            _ => self.connected_peers(),
+        }
     }
 
     /// `nranks` meshes connected in memory, one per rank (hand each to its own thread); every
@@ -540,11 +777,13 @@ impl Mesh {
                     tcp: TcpWaiter::new(),
                     mem: Some(bells[r].waiter()),
                     shm_peers: vec![false; nranks],
+                    signal: None,
+                    family_live: None,
                 },
-                connector: None,
-                namespace: String::new(),
-                shm_ll_max: 0,
-                addrs: HashMap::new(),
+                members: (0..nranks).collect(),
+                channel: 0,
+                signal: Arc::new(AtomicU64::new(0)),
+                family: None,
             })
             .collect()
     }
@@ -566,10 +805,12 @@ impl Mesh {
             return None;
         }
         self.kinds[peer].or_else(|| {
-            self.connector.as_ref().map(|c| match c.kind(peer) {
-                Kind::Shm => "shm",
-                Kind::Tcp => "tcp",
-            })
+            self.family
+                .as_ref()
+                .map(|f| match f.connector.kind(self.members[peer]) {
+                    Kind::Shm => "shm",
+                    Kind::Tcp => "tcp",
+                })
         })
     }
 

@@ -15,8 +15,13 @@
 //!   5 CHECK  key                                  OK exists u8
 //!   6 DELETE key                                  OK existed u8
 //!   7 GET_ALL timeout_ms u64 | count u32 | keys   OK (length u32 | value) per key | TIMEOUT
-//!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message)
+//!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message),
+//!   5 TOO_LARGE (body = bytes u64: a GET_ALL answer would exceed MAX_FRAME)
 //! ```
+//!
+//! [`StoreClient::get_all`] answers any number of keys: a request or an answer that would not
+//! fit one frame is split in halves and asked again, so only a single value larger than a frame
+//! (which SET cannot store) could fail, with [`TransportError::StoreTooLarge`].
 //!
 //! Waits block in the server on a condition variable. An oversized length, a truncated frame, an
 //! unknown opcode or garbage closes that one connection (logged with `tracing::warn!`) without
@@ -63,6 +68,7 @@ const ST_OK: u8 = 0;
 const ST_TIMEOUT: u8 = 1;
 const ST_CLOSED: u8 = 2;
 const ST_ERROR: u8 = 3;
+const ST_TOO_LARGE: u8 = 5;
 const ST_REFUSED: u8 = 4;
 
 /// Extra time a client waits beyond a server-side timeout before it gives up on the server.
@@ -480,6 +486,12 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
                 let values: Option<Vec<&Vec<u8>>> = keys.iter().map(|k| st.map.get(*k)).collect();
                 let values = values?;
                 let mut out = vec![ST_OK];
+                let answer: u64 = values.iter().map(|v| 4 + v.len() as u64).sum::<u64>() + 1;
+                if op == OP_GET_ALL && answer > MAX_FRAME as u64 {
+                    let mut out = vec![ST_TOO_LARGE];
+                    out.extend_from_slice(&answer.to_le_bytes());
+                    return Some(out);
+                }
                 if op == OP_GET_ALL {
                     for v in values {
                         put_key(&mut out, v);
@@ -683,10 +695,12 @@ impl StoreClient {
         if let Err(e) = write_frame(&self.sock, payload) {
             return Err(self.fail(format!("sending request: {e}")));
         }
-        // The margin covers the network and a busy server; it scales with the wait so a client
-        // made for quick calls (a short default timeout) also gives up quickly.
+        // The margin covers the network and a busy server; it scales with the client's timeout
+        // (not this call's wait) so that a short poll (the failure watcher asks every 100 ms)
+        // tolerates a server slowed by hundreds of ranks on a few cores, while a client made
+        // for quick calls (a short default timeout) still gives up quickly.
         let margin = CLIENT_MARGIN
-            .min(wait)
+            .min(self.timeout)
             .saturating_add(Duration::from_millis(500));
         let deadline = Deadline::after(wait.saturating_add(margin));
         let _ = self.sock.set_read_timeout(Some(Duration::from_millis(200)));
@@ -719,6 +733,14 @@ impl StoreClient {
                 "store error: {}",
                 String::from_utf8_lossy(&resp[1..])
             ))),
+            ST_TOO_LARGE => match resp[1..].first_chunk::<8>() {
+                Some(b) => Err(TransportError::StoreTooLarge {
+                    keys: 0,
+                    bytes: u64::from_le_bytes(*b),
+                    limit: MAX_FRAME,
+                }),
+                None => Err(self.fail("truncated TOO_LARGE answer".into())),
+            },
             other => Err(self.fail(format!("unknown response status {other}"))),
         }
     }
@@ -769,26 +791,69 @@ impl StoreClient {
 
     /// Waits up to `timeout` until every key in `keys` is set and returns their values, in
     /// order, in one round trip (a rank's peer records: one request instead of one per peer).
+    /// A request or answer too large for one frame is asked for in halves (more round trips,
+    /// same result).
     pub fn get_all(&mut self, keys: &[String], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let deadline = Deadline::after(timeout);
+        let mut values = Vec::with_capacity(keys.len());
+        self.get_all_into(keys, &deadline, timeout, &mut values)?;
+        Ok(values)
+    }
+
+    fn get_all_into(
+        &mut self,
+        keys: &[String],
+        deadline: &Deadline,
+        timeout: Duration,
+        values: &mut Vec<Vec<u8>>,
+    ) -> Result<()> {
         let mut v = vec![OP_GET_ALL];
-        v.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        let wait = deadline.remaining();
+        v.extend_from_slice(&(wait.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
         v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
         for k in keys {
             put_key(&mut v, k.as_bytes());
         }
-        let body = self.call(&v, timeout).map_err(|e| match e {
-            TransportError::Timeout { after, .. } => TransportError::Timeout {
-                what: format!("waiting for {} store keys", keys.len()),
-                after,
-            },
-            e => e,
-        })?;
+        let halve = |this: &mut Self, values: &mut Vec<Vec<u8>>| {
+            let (a, b) = keys.split_at(keys.len() / 2);
+            this.get_all_into(a, deadline, timeout, values)?;
+            this.get_all_into(b, deadline, timeout, values)
+        };
+        if v.len() > MAX_FRAME && keys.len() > 1 {
+            return halve(self, values);
+        }
+        let body = match self.call(&v, wait) {
+            Ok(body) => body,
+            Err(TransportError::StoreTooLarge { .. }) if keys.len() > 1 => {
+                return halve(self, values)
+            }
+            Err(TransportError::StoreTooLarge { bytes, limit, .. }) => {
+                return Err(TransportError::StoreTooLarge {
+                    keys: keys.len(),
+                    bytes,
+                    limit,
+                })
+            }
+            Err(TransportError::Timeout { .. }) => {
+                return Err(TransportError::Timeout {
+                    what: format!("waiting for {} store keys", keys.len()),
+                    after: timeout,
+                })
+            }
+            Err(e) => return Err(e),
+        };
         let mut c = Cursor { buf: &body };
-        let values: Option<Vec<Vec<u8>>> =
-            keys.iter().map(|_| c.key().map(<[u8]>::to_vec)).collect();
-        values
-            .filter(|_| c.end().is_some())
-            .ok_or_else(|| TransportError::Protocol("bad GET_ALL response".into()))
+        let start = values.len();
+        for _ in keys {
+            match c.key() {
+                Some(k) => values.push(k.to_vec()),
+                None => break,
+            }
+        }
+        if values.len() - start != keys.len() || c.end().is_none() {
+            return Err(TransportError::Protocol("bad GET_ALL response".into()));
+        }
+        Ok(())
     }
 
     /// Atomically adds `delta` to the counter `key` (missing counts as 0); returns the new value.

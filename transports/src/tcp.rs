@@ -380,6 +380,16 @@ pub struct TcpPollHandle {
     sock: Arc<Socket>,
 }
 
+impl TcpPollHandle {
+    /// The same socket, for a communicator that numbers the peer `peer`.
+    pub fn for_peer(&self, peer: usize) -> TcpPollHandle {
+        TcpPollHandle {
+            peer,
+            sock: Arc::clone(&self.sock),
+        }
+    }
+}
+
 impl TcpConnection {
     /// Wraps an already handshaken stream to `peer`; makes it non-blocking.
     pub fn from_socket(peer: usize, sock: Socket) -> Result<TcpConnection> {

@@ -4,6 +4,7 @@
 //! scenario that would hang fails with a deadline message instead.
 
 use std::time::{Duration, Instant};
+use weftcc_transports::mux::{channel_id, Mux};
 use weftcc_transports::{mem, shm, tcp, Connection, IdleWaiter, Interest, TransportError};
 
 type End = (Box<dyn Connection>, Box<dyn IdleWaiter>);
@@ -43,6 +44,31 @@ fn make_tcp4() -> Option<(End, End)> {
 
 fn make_tcp6() -> Option<(End, End)> {
     make_tcp(tcp::Family::Inet6)
+}
+
+/// A transport's pair seen through one channel of a [`Mux`] on each side (how every
+/// communicator of a family talks), so the frames must keep every promise of the trait.
+fn over_mux(pair: Option<(End, End)>) -> Option<(End, End)> {
+    let ((a, wa), (b, wb)) = pair?;
+    let ca = Mux::new(a)
+        .channel(channel_id("c"), 1, None)
+        .expect("channel");
+    let cb = Mux::new(b)
+        .channel(channel_id("c"), 0, None)
+        .expect("channel");
+    Some(((Box::new(ca), wa), (Box::new(cb), wb)))
+}
+
+fn make_mux_mem() -> Option<(End, End)> {
+    over_mux(make_mem())
+}
+
+fn make_mux_shm() -> Option<(End, End)> {
+    over_mux(make_shm())
+}
+
+fn make_mux_tcp4() -> Option<(End, End)> {
+    over_mux(make_tcp4())
 }
 
 /// xorshift64*: deterministic randomness without a dependency.
@@ -684,6 +710,9 @@ suite!(mem_transport, make_mem);
 suite!(shm_transport, make_shm);
 suite!(tcp4_transport, make_tcp4);
 suite!(tcp6_transport, make_tcp6);
+suite!(mux_over_mem, make_mux_mem);
+suite!(mux_over_shm, make_mux_shm);
+suite!(mux_over_tcp4, make_mux_tcp4);
 
 // ---------------------------------------------------------------------------------------------
 // A peer process killed with SIGKILL.

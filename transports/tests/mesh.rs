@@ -80,8 +80,10 @@ fn all_to_all(mesh: &mut Mesh, bytes: usize) {
     }
 }
 
-/// Runs `N` ranks in threads; `host` gives each rank's host id.
+/// Runs `N` ranks in threads; `host` gives each rank's host id; `share` frames every connection
+/// for channels of splits ([`MeshConfig::share_splits`]).
 fn run_mesh(
+    share: bool,
     shm_disable: bool,
     ifname: Option<&str>,
     host: fn(usize) -> String,
@@ -109,6 +111,7 @@ fn run_mesh(
                     buffsize: Some(256 << 10),
                     shm_ll_max: shm::LL_MAX,
                     connect: ConnectMode::OnDemand,
+                    share_splits: share,
                 };
                 let mut mesh = Mesh::establish(&mut store, &cfg).expect("establish");
                 assert_eq!((mesh.rank(), mesh.nranks()), (rank, N));
@@ -165,7 +168,7 @@ fn same_host(_: usize) -> String {
 
 #[test]
 fn four_ranks_over_shared_memory() {
-    let token = run_mesh(false, None, same_host, |_, _| "shm");
+    let token = run_mesh(false, false, None, same_host, |_, _| "shm");
     // Objects are unlinked as they are made: nothing of the job in /dev/shm.
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
         .unwrap()
@@ -178,13 +181,20 @@ fn four_ranks_over_shared_memory() {
 
 #[test]
 fn four_ranks_over_tcp() {
-    let _ = run_mesh(true, Some("=lo"), same_host, |_, _| "tcp");
+    let _ = run_mesh(false, true, Some("=lo"), same_host, |_, _| "tcp");
+}
+
+#[test]
+fn four_ranks_over_framed_connections() {
+    let _ = run_mesh(true, false, None, same_host, |_, _| "shm");
+    let _ = run_mesh(true, true, Some("=lo"), same_host, |_, _| "tcp");
 }
 
 #[test]
 fn four_ranks_mixed_shm_and_tcp() {
     // Ranks 0,1 on "host A", ranks 2,3 on "host B".
     let _ = run_mesh(
+        true,
         false,
         Some("=lo"),
         |r| if r < 2 { "A".into() } else { "B".into() },
@@ -232,6 +242,7 @@ fn establish_times_out_when_a_rank_is_missing() {
         buffsize: Some(64 << 10),
         shm_ll_max: 0,
         connect: ConnectMode::OnDemand,
+        share_splits: false,
     };
     let t = Instant::now();
     let e = Mesh::establish(&mut store, &cfg)

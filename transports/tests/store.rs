@@ -372,6 +372,34 @@ fn get_all_answers_in_key_order_once_every_key_is_set() {
     ));
 }
 
+/// An answer larger than one frame: the server refuses to build it (TOO_LARGE) and the client asks
+/// again in halves, so the caller still gets every value, in order. Without the server's check
+/// the client would reject an oversized frame; without the halving it would get StoreTooLarge.
+#[test]
+fn get_all_larger_than_a_frame_is_answered_in_parts() {
+    let (_s, addr) = server();
+    let mut c = client(&addr);
+    let big = MAX_FRAME / 3 + 1024;
+    let keys: Vec<String> = (0..4).map(|i| format!("big/{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        c.set(k, &vec![i as u8 + 1; big]).expect("set");
+    }
+    let values = c.get_all(&keys, T).expect("get_all over the frame limit");
+    assert_eq!(values.len(), 4);
+    for (i, v) in values.iter().enumerate() {
+        assert!(
+            v.len() == big && v.iter().all(|&b| b == i as u8 + 1),
+            "value {i}"
+        );
+    }
+    // The connection is still usable afterwards.
+    c.set("small", b"x").unwrap();
+    assert_eq!(
+        c.get_all(&["small".to_string()], T).unwrap(),
+        [b"x".to_vec()]
+    );
+}
+
 /// 4,096 clients (a rank each) publish a record and fetch everyone's: what a 4,096-rank job's
 /// bootstrap asks of rank 0's store, with one request per rank for the records.
 #[test]
