@@ -412,3 +412,175 @@ fn two_hosts_two_ranks_each() {
         "no TUNING log on rank 0:\n{tuning}"
     );
 }
+
+/// `n` namespaces on a bridge (itself in a namespace of its own); deleted on drop.
+struct Cluster {
+    switch: String,
+    ns: Vec<String>,
+    dev: Vec<String>,
+    ip: Vec<String>,
+}
+
+impl Cluster {
+    fn create(n: usize) -> Result<Cluster, String> {
+        let id = std::process::id();
+        let tag = format!("{:x}", id % 0xfffff);
+        let subnet = 16 + id % 200;
+        let c = Cluster {
+            switch: format!("weftcl-{tag}-sw"),
+            ns: (0..n).map(|k| format!("weftcl-{tag}-{k}")).collect(),
+            dev: (0..n).map(|k| format!("wcl{tag}h{k}")).collect(),
+            ip: (0..n)
+                .map(|k| format!("10.233.{subnet}.{}", k + 1))
+                .collect(),
+        };
+        let sw = c.switch.as_str();
+        let mut ok = sh(&["ip", "netns", "add", sw])
+            && sh(&["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
+            && sh(&["ip", "-n", sw, "link", "set", "br0", "up"]);
+        for k in 0..n {
+            let (ns, dev) = (&c.ns[k], &c.dev[k]);
+            let port = format!("wcl{tag}s{k}");
+            ok = ok
+                && sh(&["ip", "netns", "add", ns])
+                && sh(&[
+                    "ip", "link", "add", dev, "type", "veth", "peer", "name", &port,
+                ])
+                && sh(&["ip", "link", "set", dev, "netns", ns])
+                && sh(&["ip", "link", "set", &port, "netns", sw])
+                && sh(&["ip", "-n", sw, "link", "set", &port, "master", "br0"])
+                && sh(&["ip", "-n", sw, "link", "set", &port, "up"])
+                && sh(&[
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    &format!("{}/24", c.ip[k]),
+                    "dev",
+                    dev,
+                ])
+                && sh(&["ip", "-n", ns, "link", "set", dev, "up"])
+                && sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        if ok {
+            Ok(c)
+        } else {
+            Err("cannot set up the namespaces and their bridge".into())
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for ns in self.ns.iter().chain([&self.switch]) {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// Issue 18's CI case: 64 ranks as 8 "hosts" of 8, each host a network namespace started by its
+/// own `weft run --nnodes 8 --node-rank k`, shared memory inside a host and TCP between hosts,
+/// run `weft perf all-reduce` from 8 B to 64 KiB with every value checked. (benches/scale_hosts.sh
+/// measures the same set-up, up to 512 ranks.)
+#[test]
+fn eight_hosts_of_eight_ranks_through_weft_run() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    if !is_root() {
+        println!("eight hosts: SKIPPED (needs root to create network namespaces)");
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        println!("eight hosts: SKIPPED (`ip` missing: install iproute2)");
+        return;
+    }
+    const HOSTS: usize = 8;
+    const PER_HOST: usize = 8;
+    let cluster = match Cluster::create(HOSTS) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("eight hosts: SKIPPED ({e})");
+            return;
+        }
+    };
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let token = format!("eight{}", std::process::id());
+    let nodes: Vec<Child> = (0..HOSTS)
+        .map(|k| {
+            Command::new("ip")
+                .args(["netns", "exec", &cluster.ns[k], weft, "run"])
+                .args([
+                    "--nnodes",
+                    &HOSTS.to_string(),
+                    "--node-rank",
+                    &k.to_string(),
+                ])
+                .args(["--master-addr", &cluster.ip[0], "--master-port", "29477"])
+                .args(["-n", &PER_HOST.to_string(), "--no-prefix", "--", weft])
+                .args([
+                    "perf",
+                    "all-reduce",
+                    "-b",
+                    "8",
+                    "-e",
+                    "64K",
+                    "-w",
+                    "2",
+                    "-n",
+                    "5",
+                ])
+                .env("WEFT_JOB_TOKEN", &token)
+                .env("WEFT_HOST_ID", format!("eight-host-{k}"))
+                .env("WEFT_SOCKET_IFNAME", format!("={}", cluster.dev[k]))
+                .env("WEFT_TIMEOUT", "120")
+                .env("WEFT_DEBUG", "INFO")
+                .env("WEFT_DEBUG_SUBSYS", "INIT")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn weft run")
+        })
+        .collect();
+    let _dog = watchdog(
+        nodes.iter().map(Child::id).collect(),
+        Duration::from_secs(400),
+    );
+    let outputs: Vec<Output> = nodes
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait for weft run"))
+        .collect();
+    drop(cluster);
+    let mut connections = 0usize;
+    let mut over_tcp = 0usize;
+    for (k, o) in outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        for line in err.lines().filter(|l| l.contains(" connected")) {
+            connections += 1;
+            over_tcp += usize::from(line.contains("tcp"));
+        }
+        assert!(
+            o.status.success(),
+            "node {k} ({}):\n{}",
+            o.status,
+            err.lines().rev().take(20).collect::<Vec<_>>().join("\n")
+        );
+    }
+    let out = String::from_utf8_lossy(&outputs[0].stdout);
+    println!("{out}");
+    assert!(out.contains("64 ranks"), "{out}");
+    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    let n = HOSTS * PER_HOST;
+    println!(
+        "eight hosts: {:.1} connections per rank, {:.1} of them over TCP",
+        connections as f64 / n as f64,
+        over_tcp as f64 / n as f64
+    );
+    // Ring, tree and doubling peers only: at most 2⌈log2 64⌉ + 4 = 16 per rank.
+    assert!(
+        connections <= n * 16,
+        "{connections} connections for {n} ranks"
+    );
+    assert!(over_tcp > 0, "no connection between hosts used TCP");
+}
