@@ -20,31 +20,7 @@ sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(8 32 64)
 if [ "${WIRE:-shm}" = tcp ]; then export WEFT_SHM_DISABLE=1; fi
 
-shm_used() { df -B1 --output=used /dev/shm | tail -1; }
-segments() { find /dev/shm -maxdepth 1 -name 'weft-*' 2>/dev/null | wc -l; }
-
-# The column of `weft perf`'s first result row: 6 = out-of-place time.
-row_time() { awk '$1 ~ /^[0-9]+$/ { print $6; exit }'; }
-
-# Samples the job rooted at launcher pid $1 until it exits: peak /dev/shm (bytes above $2),
-# largest worker RSS (KiB) and most open files of a worker.
-sample() {
-  local launcher=$1 base=$2 peak=0 rss=0 fds=0
-  while kill -0 "$launcher" 2>/dev/null; do
-    local used=$(( $(shm_used) - base ))
-    (( used > peak )) && peak=$used
-    for w in $(pgrep -P "$launcher" 2>/dev/null); do
-      local r f
-      # A worker may exit between pgrep and these reads.
-      r=$(awk '/^VmRSS:/ { print $2 }' "/proc/$w/status" 2>/dev/null || true)
-      f=$(ls "/proc/$w/fd" 2>/dev/null | wc -l || true)
-      (( ${r:-0} > rss )) && rss=${r:-0}
-      (( ${f:-0} > fds )) && fds=${f:-0}
-    done
-    sleep 0.05
-  done
-  echo "$peak $rss $fds"
-}
+. benches/scale_common.sh
 
 printf '%6s %8s %9s %9s %8s %8s %6s %6s %6s %5s\n' \
   ranks init-s first-us steady-us shm-MiB rss-MiB fds conns wrong left
@@ -71,7 +47,7 @@ for n in "${sizes[@]}"; do
   WEFT_DEBUG=INFO WEFT_DEBUG_SUBSYS=INIT "$weft" perf all-reduce --np "$n" -b 8 -e 64K -w 5 \
     -n 20 >"$out" 2>"$log" &
   launcher=$!
-  read -r peak rss fds < <(sample "$launcher" "$base")
+  read -r peak rss fds < <(sample "$base" "$launcher")
   wait "$launcher" || true
   wrong=$(awk '/Out of bounds values/ { print $7; exit }' "$out")
   rm -f "$out"

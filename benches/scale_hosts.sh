@@ -55,9 +55,7 @@ for k in $(seq 0 $(( hosts - 1 ))); do
   ip -n "$h" link set lo up
 done
 
-shm_used() { df -B1 --output=used /dev/shm | tail -1; }
-segments() { find /dev/shm -maxdepth 1 -name 'weft-*' 2>/dev/null | wc -l; }
-row_time() { awk '$1 ~ /^[0-9]+$/ { print $6; exit }'; }
+. benches/scale_common.sh
 
 # Starts the job: one `weft run` per namespace, in the background; node 0's stdout to $1, every
 # node's stderr to $2. The launchers' pids go to the array `pids`.
@@ -76,31 +74,6 @@ launch() {
       >"$dst" 2>>"$log" &
     pids+=($!)
   done
-}
-
-# Samples every worker of the launchers given until all exit: peak /dev/shm above $1, largest
-# worker RSS (KiB), most open files of a worker.
-sample() {
-  local base=$1 peak=0 rss=0 fds=0
-  shift
-  while :; do
-    local alive=0
-    for l in "$@"; do kill -0 "$l" 2>/dev/null && alive=1; done
-    [ "$alive" = 1 ] || break
-    local used=$(( $(shm_used) - base ))
-    (( used > peak )) && peak=$used
-    for l in "$@"; do
-      for w in $(pgrep -P "$l" 2>/dev/null); do
-        local r f
-        r=$(awk '/^VmRSS:/ { print $2 }' "/proc/$w/status" 2>/dev/null || true)
-        f=$(ls "/proc/$w/fd" 2>/dev/null | wc -l || true)
-        (( ${r:-0} > rss )) && rss=${r:-0}
-        (( ${f:-0} > fds )) && fds=${f:-0}
-      done
-    done
-    sleep 0.2
-  done
-  echo "$peak $rss $fds"
 }
 
 wait_all() { local rc=0; for p in "$@"; do wait "$p" || rc=$?; done; return $rc; }

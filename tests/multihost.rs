@@ -204,6 +204,21 @@ fn sh(args: &[&str]) -> bool {
     }
 }
 
+/// Gives `dev` (already in namespace `ns`) address `ip`/24 and brings it and `lo` up.
+fn bring_up(ns: &str, dev: &str, ip: &str) -> bool {
+    sh(&[
+        "ip",
+        "-n",
+        ns,
+        "addr",
+        "add",
+        &format!("{ip}/24"),
+        "dev",
+        dev,
+    ]) && sh(&["ip", "-n", ns, "link", "set", dev, "up"])
+        && sh(&["ip", "-n", ns, "link", "set", "lo", "up"])
+}
+
 /// Two namespaces and a veth pair; deleted on drop.
 struct Hosts {
     ns: [String; 2],
@@ -231,18 +246,7 @@ impl Hosts {
         ]) && (0..2).all(|i| {
             let (ns, dev) = (&h.ns[i], &h.dev[i]);
             sh(&["ip", "link", "set", dev, "netns", ns])
-                && sh(&[
-                    "ip",
-                    "-n",
-                    ns,
-                    "addr",
-                    "add",
-                    &format!("{}/24", h.ip[i]),
-                    "dev",
-                    dev,
-                ])
-                && sh(&["ip", "-n", ns, "link", "set", dev, "up"])
-                && sh(&["ip", "-n", ns, "link", "set", "lo", "up"])
+                && bring_up(ns, dev, &h.ip[i])
                 && sh(&[
                     "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                     "rate", "1gbit", "burst", "128kb", "latency", "50ms",
@@ -450,18 +454,7 @@ impl Cluster {
                 && sh(&["ip", "link", "set", &port, "netns", sw])
                 && sh(&["ip", "-n", sw, "link", "set", &port, "master", "br0"])
                 && sh(&["ip", "-n", sw, "link", "set", &port, "up"])
-                && sh(&[
-                    "ip",
-                    "-n",
-                    ns,
-                    "addr",
-                    "add",
-                    &format!("{}/24", c.ip[k]),
-                    "dev",
-                    dev,
-                ])
-                && sh(&["ip", "-n", ns, "link", "set", dev, "up"])
-                && sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+                && bring_up(ns, dev, &c.ip[k]);
         }
         if ok {
             Ok(c)

@@ -492,7 +492,7 @@ impl Communicator {
         let index = inner.splits.fetch_add(1, Ordering::SeqCst);
         let prefix = format!("{}/split{}", inner.namespace, index);
         let child_ns = color.map(|c| format!("{prefix}/c{c}"));
-        let (members, mesh) = inner.run_blocking(OpKind::Barrier, |inner, st| {
+        let chosen = inner.run_blocking(OpKind::Barrier, |inner, st| {
             let mut store = lock(&inner.store);
             let boot = |source| Error::Bootstrap {
                 rank: inner.rank,
@@ -531,10 +531,11 @@ impl Communicator {
                 _ => None,
             };
             Ok((members, mesh))
-        })?;
-        let made = match child_ns {
-            Some(ns) => self.build_split(&members, mesh, ns).map(Some),
-            None => Ok(None),
+        });
+        let made = match (chosen, child_ns) {
+            (Ok((members, mesh)), Some(ns)) => self.build_split(&members, mesh, ns).map(Some),
+            (Ok(_), None) => Ok(None),
+            (Err(e), _) => Err(e),
         };
         // Every rank of this communicator counts itself out once its split holds its store
         // connections; the process serving the store waits for all (it may hold no split and

@@ -145,7 +145,7 @@ struct Shared {
     links: Mutex<Links>,
     changed: Condvar,
     stop: AtomicBool,
-    /// Connections carry frames (see [`Connector::framed`]): sent with the kind in every dial.
+    /// Connections carry frames (see [`Connector::start`]): sent with the kind in every dial.
     framed: AtomicBool,
 }
 
@@ -164,6 +164,9 @@ pub struct Connector {
 impl Connector {
     /// Starts the acceptor of `rank` (of `hosts.len()` ranks) listening on `tcp` and, where this
     /// rank may use shared memory, on `unix` (from [`listen_unix`]); `shm` makes the rings.
+    /// `framed`: this rank's connections carry frames ([`crate::mux`]); dials between ranks that
+    /// disagree are refused (`Answer::Mismatch`).
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         rank: usize,
         hosts: Vec<PeerHost>,
@@ -172,6 +175,7 @@ impl Connector {
         tcp: TcpEndpoint,
         unix: Option<UnixListener>,
         shm: Option<ShmEndpoint>,
+        framed: bool,
     ) -> Result<Connector> {
         let nranks = hosts.len();
         let unix_prefix = unix_prefix(token, namespace);
@@ -191,7 +195,7 @@ impl Connector {
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
-            framed: AtomicBool::new(false),
+            framed: AtomicBool::new(framed),
         });
         let s = shared.clone();
         let acceptor = std::thread::Builder::new()
@@ -207,13 +211,6 @@ impl Connector {
     /// The transport this rank uses with `peer`.
     pub fn kind(&self, peer: usize) -> Kind {
         self.shared.kind(peer)
-    }
-
-    /// Marks this rank's connections as carrying frames ([`crate::mux`]); dials between ranks
-    /// that disagree are refused (`Answer::Mismatch`).
-    pub fn framed(self, framed: bool) -> Connector {
-        self.shared.framed.store(framed, Ordering::Relaxed);
-        self
     }
 
     /// A waiter on this rank's shared-memory doorbell, if it has one.

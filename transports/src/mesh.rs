@@ -426,6 +426,12 @@ impl Drop for Mesh {
         // Channels first (each tells its peer this communicator is gone), then the family.
         self.conns.clear();
         if let Some(f) = &self.family {
+            if f.share {
+                // Peers this communicator never reached must learn it is gone too.
+                for linked in lock(&f.links).by_rank.iter().flatten() {
+                    linked.mux.forget(self.channel);
+                }
+            }
             f.live.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -512,9 +518,16 @@ impl Mesh {
         };
         let host_ids = hosts.iter().map(|h| h.host_id.clone()).collect();
         let unix = unix.filter(|_| shm_endpoint.is_some());
-        let connector =
-            Connector::start(rank, hosts, &cfg.token, ns, endpoint, unix, shm_endpoint)?
-                .framed(cfg.share_splits);
+        let connector = Connector::start(
+            rank,
+            hosts,
+            &cfg.token,
+            ns,
+            endpoint,
+            unix,
+            shm_endpoint,
+            cfg.share_splits,
+        )?;
         let family = Shared {
             connector,
             share: cfg.share_splits,
@@ -628,8 +641,28 @@ impl Mesh {
         };
         let deadline = Deadline::after(timeout);
         // One communicator of the family connects at a time; the acceptor answers dials on its
-        // own thread, so holding this while a dial waits cannot stop the peer's dial.
-        let mut links = lock(&family.links);
+        // own thread, so holding this while a dial waits cannot stop the peer's dial. A
+        // communicator waiting for a sibling's dial still honours its own deadline and cancel.
+        let mut links = loop {
+            match family.links.try_lock() {
+                Ok(g) => break g,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+            let fail = |source| ConnectError {
+                peer: missing[0],
+                source,
+            };
+            if cancel() {
+                return Err(fail(TransportError::Aborted));
+            }
+            if deadline.expired() {
+                return Err(fail(deadline.timeout_error(
+                    "waiting for another communicator of this rank to finish connecting",
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
         let need_addr: Vec<usize> = missing
             .iter()
             .copied()

@@ -27,6 +27,11 @@
 //! ever waits for another to read. The cost is memory: bytes for a communicator that is not
 //! reading wait in the heap, as much as its peers send before they need an answer.
 //!
+//! Waking: a reader raises the [`Signal`] of every other open channel when it read from the
+//! connection (a socket read may take their bytes into the connection's own buffer, where their
+//! waiter's `poll` cannot see them), and a write refused behind another channel's frame is woken
+//! when that frame ends.
+//!
 //! Frame boundaries fall on multiples of 8 bytes of a stream whose writes are multiples of 8
 //! bytes, so the alignment promise of [`Connection::try_recv`] holds through a channel.
 //!
@@ -35,7 +40,10 @@
 //! that is dropped sends CLOSED: the peer's channel then reports `PeerLost` once its inbox is
 //! empty. A channel dropped in the middle of its own pinned frame cannot complete it, so the
 //! whole connection is closed (with the channel's farewell note, if it left one): the peer's
-//! other channels fail too rather than read a stream that stopped mid-frame.
+//! other channels fail too rather than read a stream that stopped mid-frame, and the family does
+//! not connect that peer again. Notes (kind NOTE, padded to whole words) travel per channel; the
+//! connection's own farewell place is left alone, since the connection may outlive the
+//! communicator that left the note.
 
 use crate::conn::{Connection, FAREWELL_MAX};
 use crate::error::{Result, TransportError};
@@ -96,6 +104,10 @@ struct Inbox {
     buf: Option<AlignedBuf>,
     start: usize,
     end: usize,
+    /// Bytes of this channel's stream read off the connection so far (into here or straight
+    /// to a reader): an empty inbox restarts at this position's offset within a word, so that
+    /// lent slices keep the stream's alignment.
+    stream: u64,
     note: Option<String>,
     closed: bool,
     signal: Option<Signal>,
@@ -111,8 +123,8 @@ impl Inbox {
 
     fn push(&mut self, data: &[u8]) {
         if self.start == self.end {
-            // Empty: start over at the same offset within a word.
-            self.start = self.end % 8;
+            // Empty: start over at the stream's offset within a word.
+            self.start = (self.stream % 8) as usize;
             self.end = self.start;
         }
         let cap = self.buf.as_ref().map_or(0, AlignedBuf::len);
@@ -130,6 +142,11 @@ impl Inbox {
             b.as_mut_slice()[self.end..self.end + data.len()].copy_from_slice(data);
         }
         self.end += data.len();
+        self.stream += data.len() as u64;
+        self.raise();
+    }
+
+    fn raise(&self) {
         if let Some(s) = &self.signal {
             s.fetch_add(1, Ordering::Release);
         }
@@ -140,8 +157,6 @@ impl Inbox {
         if self.start == self.end && self.buf.as_ref().is_some_and(|b| b.len() > KEEP_MAX) {
             // A burst for an idle communicator should not pin its memory for ever.
             self.buf = None;
-            self.start %= 8;
-            self.end = self.start;
         }
     }
 }
@@ -164,8 +179,11 @@ struct State {
     backlog_sent: usize,
     /// Complete control frames that wait for the open pinned frame to end.
     deferred: Vec<u8>,
-    /// The open pinned frame: its channel and the bytes it still owes.
+    /// The open frame: its channel and the bytes it still owes.
     open: Option<(ChannelId, usize)>,
+    /// Channels whose writes were refused while another channel's frame was open: woken (their
+    /// signals raised) when it ends.
+    refused: HashSet<ChannelId>,
     scratch: Vec<u8>,
     rx_header: [u8; FRAME_HEADER],
     rx_header_got: usize,
@@ -193,6 +211,7 @@ impl Mux {
                 backlog_sent: 0,
                 deferred: Vec::new(),
                 open: None,
+                refused: HashSet::new(),
                 scratch: Vec::new(),
                 rx_header: [0; FRAME_HEADER],
                 rx_header_got: 0,
@@ -213,23 +232,33 @@ impl Mux {
         signal: Option<Signal>,
     ) -> Result<Channel> {
         let mut st = lock(&self.state);
-        if !st.open_channels.insert(id) || st.gone.contains(&id) {
+        if st.gone.contains(&id) || !st.open_channels.insert(id) {
             return Err(TransportError::Config(format!(
                 "channel {id:016x} is already in use on this connection"
             )));
         }
         let inbox = st.inboxes.entry(id).or_default();
-        if let Some(s) = &signal {
-            if inbox.start != inbox.end {
-                s.fetch_add(1, Ordering::Release);
-            }
-        }
         inbox.signal = signal;
+        if inbox.start != inbox.end {
+            inbox.raise();
+        }
         Ok(Channel {
             mux: Arc::clone(self),
             id,
             peer,
         })
+    }
+
+    /// Tells the peer that communicator `id` is gone here, if it never opened a channel on this
+    /// connection (a channel that was open says so when it is dropped): the peer's channel then
+    /// fails instead of waiting, and bytes it sends are dropped rather than kept.
+    pub fn forget(&self, id: ChannelId) {
+        let mut st = lock(&self.state);
+        if st.open_channels.contains(&id) || !st.gone.insert(id) {
+            return;
+        }
+        st.inboxes.remove(&id);
+        st.control(id, KIND_CLOSED, &[], 0);
     }
 
     /// Channels open on this side.
@@ -291,7 +320,9 @@ impl State {
 
     /// Queues a complete control frame (sent after any open pinned frame) and tries to send it.
     fn control(&mut self, id: ChannelId, kind: u8, body: &[u8], peer: usize) {
-        let h = header(id, kind, body.len());
+        // Padded to whole words, so that the connection's later bytes keep their alignment.
+        let padded = body.len().next_multiple_of(8);
+        let h = header(id, kind, padded);
         let to = if self.open.is_some() {
             &mut self.deferred
         } else {
@@ -299,6 +330,7 @@ impl State {
         };
         to.extend_from_slice(&h);
         to.extend_from_slice(body);
+        to.resize(to.len() + padded - body.len(), 0);
         let _ = self.flush(peer);
     }
 
@@ -326,21 +358,10 @@ impl State {
         }
         if let Some((owner, left)) = self.open {
             if owner != id {
+                self.refused.insert(id);
                 return Ok(0);
             }
-            let take = left.min(data.len());
-            let conn = self.conn(peer)?;
-            let n = if pinned {
-                conn.try_send_pinned(&data[..take])
-            } else {
-                conn.try_send(&data[..take])
-            }
-            .map_err(|e| relabel(e, peer))?;
-            self.open = (n < left).then_some((owner, left - n));
-            if self.open.is_none() {
-                let _ = self.flush(peer);
-            }
-            return Ok(n);
+            return self.write_payload(id, peer, &data[..left.min(data.len())], pinned, left);
         }
         let len = data.len().min(FRAME_MAX);
         // The header goes first, with the data in the same write when it is small.
@@ -367,18 +388,72 @@ impl State {
             self.open = Some((id, len));
             return Ok(0);
         }
-        let mut moved = first - FRAME_HEADER;
         if len > INLINE_MAX {
-            let conn = self.conn(peer)?;
-            moved = if pinned {
-                conn.try_send_pinned(&data[..len])
-            } else {
-                conn.try_send(&data[..len])
-            }
-            .map_err(|e| relabel(e, peer))?;
+            return self.write_payload(id, peer, &data[..len], pinned, len);
         }
+        let moved = first - FRAME_HEADER;
         self.open = (moved < len).then_some((id, len - moved));
+        if self.open.is_none() {
+            self.frame_sent(peer);
+        }
         Ok(moved)
+    }
+
+    /// Writes `part`, the next bytes of `id`'s frame that still owes `left`, straight from the
+    /// caller's memory; keeps the frame open until it is complete.
+    fn write_payload(
+        &mut self,
+        id: ChannelId,
+        peer: usize,
+        part: &[u8],
+        pinned: bool,
+        left: usize,
+    ) -> Result<usize> {
+        let conn = self.conn(peer)?;
+        let n = if pinned {
+            conn.try_send_pinned(part)
+        } else {
+            conn.try_send(part)
+        }
+        .map_err(|e| relabel(e, peer))?;
+        self.open = (n < left).then_some((id, left - n));
+        if self.open.is_none() {
+            self.frame_sent(peer);
+        }
+        Ok(n)
+    }
+
+    /// The open frame was sent in full: control frames waiting for it go, and the channels
+    /// refused meanwhile are woken.
+    fn frame_sent(&mut self, peer: usize) {
+        if !self.deferred.is_empty() {
+            let _ = self.flush(peer);
+        }
+        for id in std::mem::take(&mut self.refused) {
+            if let Some(i) = self.inboxes.get(&id) {
+                i.raise();
+            }
+        }
+    }
+
+    /// Another channel's reader may have left bytes for the open channels in the connection's
+    /// own buffer (a socket read takes what is there): wake them all, so none sleeps on a socket
+    /// that was drained for it. Only with several channels open.
+    fn wake_others(&self, id: ChannelId) {
+        if self.open_channels.len() > 1 {
+            for (c, i) in &self.inboxes {
+                if *c != id {
+                    i.raise();
+                }
+            }
+        }
+    }
+
+    /// Counts `n` bytes of `id`'s stream as read straight to its reader.
+    fn delivered(&mut self, id: ChannelId, n: usize) {
+        if let Some(i) = self.inboxes.get_mut(&id) {
+            i.stream += n as u64;
+        }
     }
 
     /// Reads the next frame header, if all of it is there; whether one is now being read.
@@ -441,6 +516,7 @@ impl State {
         }
         self.take_header(peer)?;
         if taken > 0 {
+            self.delivered(id, taken);
             if let Some(f) = &mut self.rx {
                 f.left -= taken;
                 if f.left == 0 {
@@ -459,7 +535,7 @@ impl State {
         let valid = h[13..].iter().all(|&b| b == 0)
             && match kind {
                 KIND_DATA => len > 0,
-                KIND_NOTE => len <= FAREWELL_MAX,
+                KIND_NOTE => len <= FAREWELL_MAX.next_multiple_of(8),
                 KIND_CLOSED => len == 0,
                 _ => false,
             };
@@ -488,20 +564,22 @@ impl State {
         }
         let inbox = self.inboxes.entry(f.channel).or_default();
         match f.kind {
-            KIND_NOTE => inbox.note = Some(String::from_utf8_lossy(&f.note).into_owned()),
+            KIND_NOTE => {
+                // Without the padding.
+                let end = f.note.iter().rposition(|&b| b != 0).map_or(0, |p| p + 1);
+                inbox.note = Some(String::from_utf8_lossy(&f.note[..end]).into_owned());
+            }
             KIND_CLOSED => inbox.closed = true,
             _ => {}
         }
         if f.kind != KIND_DATA {
-            if let Some(s) = &inbox.signal {
-                s.fetch_add(1, Ordering::Release);
-            }
+            inbox.raise();
         }
     }
 
-    /// Moves what has arrived of the current frame, which is not `reader`'s data, to where it
-    /// belongs; returns how many bytes moved.
-    fn drain_other(&mut self, peer: usize) -> Result<usize> {
+    /// Moves what has arrived of the current frame to where it belongs (its channel's inbox, or
+    /// the note being read); returns how many bytes moved.
+    fn drain_frame(&mut self, peer: usize) -> Result<usize> {
         let Some(mut f) = self.rx.take() else {
             return Ok(0);
         };
@@ -539,6 +617,45 @@ impl State {
         Ok(n)
     }
 
+    /// Moves frames of other channels out of the way until `id`'s next bytes are at hand: in
+    /// its inbox, in the frame being read, or behind the next header.
+    fn next_for(&mut self, id: ChannelId, peer: usize) -> Result<Next> {
+        loop {
+            if self.inboxes.get(&id).is_some_and(|i| i.start < i.end) {
+                // The inbox may end in part of a word whose rest is in this channel's frame:
+                // bring that in too, so a reader of whole elements is never stuck.
+                if matches!(&self.rx, Some(f) if f.kind == KIND_DATA && f.channel == id) {
+                    self.drain_frame(peer)?;
+                }
+                return Ok(Next::Inbox);
+            }
+            match &self.rx {
+                Some(f) if f.kind == KIND_DATA && f.channel == id => {
+                    return Ok(Next::Frame(f.left))
+                }
+                Some(_) => {
+                    if self.drain_frame(peer)? == 0 && self.rx.is_some() {
+                        return Ok(Next::Nothing);
+                    }
+                }
+                None => return Ok(Next::Header),
+            }
+        }
+    }
+
+    /// Counts `n` bytes of `id`'s frame being read (of `left`) as read by its reader.
+    fn advance(&mut self, id: ChannelId, n: usize, left: usize) {
+        self.delivered(id, n);
+        if n > 0 {
+            self.wake_others(id);
+        }
+        if n == left {
+            self.rx = None;
+        } else if let Some(f) = &mut self.rx {
+            f.left -= n;
+        }
+    }
+
     fn recv(
         &mut self,
         id: ChannelId,
@@ -551,39 +668,34 @@ impl State {
         }
         self.flush_pending(peer);
         loop {
-            if let Some(inbox) = self.inboxes.get_mut(&id) {
-                if inbox.start < inbox.end {
+            match self.next_for(id, peer)? {
+                Next::Inbox => {
+                    let inbox = self.inboxes.get_mut(&id).expect("next_for saw it");
                     let avail = inbox.bytes();
-                    let n = consume(&avail[..avail.len().min(max)]).min(max);
+                    let n = consume(&avail[..avail.len().min(max)])
+                        .min(max)
+                        .min(avail.len());
                     inbox.consume(n);
                     return Ok(n);
                 }
-            }
-            match &self.rx {
-                Some(f) if f.kind == KIND_DATA && f.channel == id => {
-                    let left = f.left;
+                Next::Frame(left) => {
                     let n = self
                         .conn(peer)?
                         .try_recv(max.min(left), consume)
                         .map_err(|e| relabel(e, peer))?;
-                    if n == left {
-                        self.rx = None;
-                    } else if let Some(f) = &mut self.rx {
-                        f.left -= n;
-                    }
+                    self.advance(id, n, left);
                     return Ok(n);
                 }
-                Some(_) => {
-                    if self.drain_other(peer)? == 0 && self.rx.is_some() {
-                        return Ok(0);
-                    }
-                }
-                None => {
+                Next::Header => {
                     let (header, n) = self.read_header_with(id, peer, max, consume)?;
+                    if header {
+                        self.wake_others(id);
+                    }
                     if n > 0 || !header {
                         return Ok(n);
                     }
                 }
+                Next::Nothing => return Ok(0),
             }
         }
     }
@@ -592,50 +704,51 @@ impl State {
         if dst.is_empty() {
             return Ok(0);
         }
+        // Small reads: lending is one read of the connection for header and payload together.
+        if dst.len() <= INLINE_MAX {
+            return self.recv(id, peer, dst.len(), &mut |s: &[u8]| {
+                dst[..s.len()].copy_from_slice(s);
+                s.len()
+            });
+        }
         self.flush_pending(peer);
         loop {
-            if let Some(inbox) = self.inboxes.get_mut(&id) {
-                if inbox.start < inbox.end {
+            match self.next_for(id, peer)? {
+                Next::Inbox => {
+                    let inbox = self.inboxes.get_mut(&id).expect("next_for saw it");
                     let avail = inbox.bytes();
                     let n = avail.len().min(dst.len());
                     dst[..n].copy_from_slice(&avail[..n]);
                     inbox.consume(n);
                     return Ok(n);
                 }
-            }
-            match &self.rx {
-                Some(f) if f.kind == KIND_DATA && f.channel == id => {
-                    let left = f.left;
+                // Large reads go straight into `dst` (sockets read without staging).
+                Next::Frame(left) => {
                     let take = left.min(dst.len());
                     let n = self
                         .conn(peer)?
                         .try_recv_into(&mut dst[..take])
                         .map_err(|e| relabel(e, peer))?;
-                    if n == left {
-                        self.rx = None;
-                    } else if let Some(f) = &mut self.rx {
-                        f.left -= n;
-                    }
+                    self.advance(id, n, left);
                     return Ok(n);
                 }
-                Some(_) => {
-                    if self.drain_other(peer)? == 0 && self.rx.is_some() {
+                Next::Header => {
+                    if !self.read_header(peer)? {
                         return Ok(0);
                     }
                 }
-                None => {
-                    let max = dst.len();
-                    let (header, n) = self.read_header_with(id, peer, max, &mut |s: &[u8]| {
-                        dst[..s.len()].copy_from_slice(s);
-                        s.len()
-                    })?;
-                    if n > 0 || !header {
-                        return Ok(n);
-                    }
-                }
+                Next::Nothing => return Ok(0),
             }
         }
     }
+}
+
+/// Where a channel's next bytes are (see [`State::next_for`]).
+enum Next {
+    Inbox,
+    Frame(usize),
+    Header,
+    Nothing,
 }
 
 /// Gives a transport error the peer's rank as the channel's communicator numbers it.
@@ -700,7 +813,7 @@ impl Connection for Channel {
         while st.rx.is_some()
             && !matches!(&st.rx, Some(f) if f.kind == KIND_DATA && f.channel == self.id)
         {
-            if st.drain_other(self.peer)? == 0 {
+            if st.drain_frame(self.peer)? == 0 {
                 break;
             }
         }
@@ -719,14 +832,9 @@ impl Connection for Channel {
                     Some(&text),
                 );
             }
-            _ if st.open_channels.len() <= 1 => {
-                // The connection closes with this channel: leave the note on it too, where the
-                // peer reads it even after this process died.
-                if let Some(c) = st.conn.as_mut() {
-                    c.leave_farewell(&text);
-                }
-                st.control(self.id, KIND_NOTE, note, self.peer);
-            }
+            // A NOTE frame, not the connection's own farewell place: the connection outlives
+            // this communicator when its family goes on, and a stale note there would be taken
+            // for the cause of a later loss.
             _ => st.control(self.id, KIND_NOTE, note, self.peer),
         }
     }
@@ -873,6 +981,84 @@ mod tests {
             b1.try_recv(8, &mut |s: &[u8]| s.len()),
             Err(TransportError::Protocol(_))
         ));
+    }
+
+    /// A connection that takes at most `budget` more bytes (`usize::MAX`: whatever `inner`
+    /// takes), as a socket may: it cuts a frame in the middle of a word.
+    struct Capped {
+        inner: mem::MemConnection,
+        budget: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Connection for Capped {
+        fn peer(&self) -> usize {
+            self.inner.peer()
+        }
+        fn try_send(&mut self, data: &[u8]) -> Result<usize> {
+            let take = self.budget.load(Ordering::Relaxed).min(data.len());
+            let n = self.inner.try_send(&data[..take])?;
+            let _ = self
+                .budget
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| b.checked_sub(n));
+            Ok(n)
+        }
+        fn try_recv(
+            &mut self,
+            max: usize,
+            consume: &mut dyn FnMut(&[u8]) -> usize,
+        ) -> Result<usize> {
+            self.inner.try_recv(max, consume)
+        }
+        fn check_peer(&mut self) -> Result<()> {
+            self.inner.check_peer()
+        }
+    }
+
+    /// A sibling's reader leaves part of this channel's frame in its inbox, ending in half a
+    /// word: a reader that takes whole 8-byte elements only still reads everything, and every
+    /// slice it is lent starts 8-byte aligned.
+    #[test]
+    fn a_partial_word_in_the_inbox_joins_the_rest_of_its_frame() {
+        let (a, b) = mem::pair(0, 1, 1 << 16);
+        let budget = Arc::new(std::sync::atomic::AtomicUsize::new(FRAME_HEADER + 4084));
+        let capped = Capped {
+            inner: a,
+            budget: Arc::clone(&budget),
+        };
+        let (a, b) = (Mux::new(Box::new(capped)), Mux::new(Box::new(b)));
+        let mut x_tx = a.channel(1, 1, None).unwrap();
+        let _y_tx = a.channel(2, 1, None).unwrap();
+        let mut x_rx = b.channel(1, 0, None).unwrap();
+        let mut y_rx = b.channel(2, 0, None).unwrap();
+        let data: Vec<u8> = (0..8000u32).map(|i| (i % 251) as u8).collect();
+        let mut sent = x_tx.try_send(&data).unwrap();
+        assert_eq!(sent, 4084);
+        budget.store(usize::MAX, Ordering::Relaxed);
+        // Y's reader moves what arrived of X's frame (not a whole number of words) aside.
+        assert_eq!(y_rx.try_recv(64, &mut |s: &[u8]| s.len()).unwrap(), 0);
+        let mut got = Vec::new();
+        let mut spins = 0;
+        while got.len() < data.len() {
+            let n = x_rx
+                .try_recv(1 << 20, &mut |s: &[u8]| {
+                    assert_eq!(s.as_ptr() as usize % 8, 0, "lent slice misaligned");
+                    let whole = s.len() / 8 * 8;
+                    got.extend_from_slice(&s[..whole]);
+                    whole
+                })
+                .unwrap();
+            if sent < data.len() {
+                sent += x_tx.try_send(&data[sent..]).unwrap();
+            }
+            spins = if n == 0 { spins + 1 } else { 0 };
+            assert!(
+                spins < 1000,
+                "stuck after {} of {} bytes",
+                got.len(),
+                data.len()
+            );
+        }
+        assert_eq!(got, data);
     }
 
     /// What one channel of the property test sends: messages, each plain or pinned.
