@@ -16,8 +16,9 @@ pub struct ReportOptions {
     pub nhosts: usize,
     /// Ranks per host (default: the GPUs, or 2 on a host without GPUs).
     pub ranks_per_host: Option<usize>,
-    /// Shared-memory ring per peer, bytes (`WEFT_BUFFSIZE`).
-    pub buffsize: u64,
+    /// Shared-memory ring per connected peer, bytes (`WEFT_BUFFSIZE`); `None` sizes rings as the
+    /// runtime does for the ranks of one host ([`weftcc_transports::shm::auto_capacity`]).
+    pub buffsize: Option<u64>,
     /// Measured link figures.
     pub calibration: Option<Calibration>,
     /// `WEFT_ALGO`.
@@ -34,7 +35,7 @@ impl Default for ReportOptions {
             speeds: LinkSpeeds::default(),
             nhosts: 1,
             ranks_per_host: None,
-            buffsize: 4 << 20,
+            buffsize: None,
             calibration: None,
             algos: Selection::default(),
             protos: Selection::default(),
@@ -198,23 +199,28 @@ pub fn warnings(topo: &Topology, opts: &ReportOptions, ranks_per_host: usize) ->
             ),
         });
     }
-    // /dev/shm too small for the rings between local ranks.
+    // /dev/shm too small for the rings between local ranks: the runtime's own budget (a ring
+    // per connected local peer, peers connected on demand).
     if let Some(shm) = topo.shm_bytes {
-        let r = ranks_per_host as u64;
-        let need = r
-            .saturating_mul(r.saturating_sub(1))
-            .saturating_mul(opts.buffsize);
+        use weftcc_transports::{mesh::typical_peers, shm as rings};
+        let r = ranks_per_host;
+        let n = r * opts.nhosts.max(1);
+        let capacity = opts
+            .buffsize
+            .map_or_else(|| rings::auto_capacity(r), |b| b as usize);
+        let per_ring = rings::ring_bytes(capacity);
+        let per_rank = r.saturating_sub(1).min(typical_peers(n)) as u64;
+        let need = (r as u64).saturating_mul(per_rank).saturating_mul(per_ring);
         if r > 1 && shm < need {
             out.push(Warning {
                 code: "shm_small".into(),
                 message: format!(
-                    "/dev/shm has {} but {r} local ranks need {} ({r}×{}×WEFT_BUFFSIZE {}): \
-                     enlarge it (docker run --shm-size={}, or mount -o remount,size=... \
-                     /dev/shm) or lower WEFT_BUFFSIZE",
+                    "/dev/shm has {} but {r} local ranks need {} ({r}×{per_rank} rings of {}: \
+                     one per connected local peer): enlarge it (docker run --shm-size={}, or \
+                     mount -o remount,size=... /dev/shm) or lower WEFT_BUFFSIZE",
                     human_bytes(shm),
                     human_bytes(need),
-                    r - 1,
-                    human_bytes(opts.buffsize),
+                    human_bytes(per_ring),
                     human_bytes(need.next_power_of_two()),
                 ),
             });

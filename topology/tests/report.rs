@@ -47,14 +47,23 @@ fn warnings_users_can_act_on() {
         w.message
     );
 
-    t.shm_bytes = Some(64 << 20);
+    // 8 local ranks: 7 rings each of the runtime's 1 MiB (plus a control page), 56+ MiB in all.
+    t.shm_bytes = Some(48 << 20);
     let r = build(&t, &o);
     let w = r.warnings.iter().find(|w| w.code == "shm_small").unwrap();
     assert!(
-        w.message.contains("64 MiB") && w.message.contains("224 MiB"),
+        w.message.contains("48 MiB") && w.message.contains("8×7 rings"),
         "{}",
         w.message
     );
+    t.shm_bytes = Some(64 << 20);
+    assert!(!codes(&t, &o).contains(&"shm_small".to_string()));
+    // WEFT_BUFFSIZE=4M: 8×7 rings of 4 MiB no longer fit in 64 MiB.
+    let big = ReportOptions {
+        buffsize: Some(4 << 20),
+        ..o.clone()
+    };
+    assert!(codes(&t, &big).contains(&"shm_small".to_string()));
     t.shm_bytes = Some(1 << 30);
     assert!(!codes(&t, &o).contains(&"shm_small".to_string()));
 

@@ -256,8 +256,9 @@ fn run(args: TopoArgs) -> Result<(), String> {
         ..ReportOptions::default()
     };
     if let Ok(v) = std::env::var("WEFT_BUFFSIZE") {
-        opts.buffsize =
-            weftcc_transports::parse_size(&v).map_err(|e| format!("WEFT_BUFFSIZE: {e}"))? as u64;
+        opts.buffsize = Some(
+            weftcc_transports::parse_size(&v).map_err(|e| format!("WEFT_BUFFSIZE: {e}"))? as u64,
+        );
     }
     if let Some(p) = &args.calibration {
         opts.calibration = Some(
