@@ -807,3 +807,75 @@ fn every_rank_killed_mid_operation_leaves_nothing_in_dev_shm() {
     }
     assert!(shm_of_job(&token).is_empty(), "{:?}", shm_of_job(&token));
 }
+
+/// Runs `script` as root in a private mount namespace whose /dev/shm is a tmpfs of `size`
+/// (the host's /dev/shm is untouched); `None` (and a note) where that cannot be done here.
+fn in_small_dev_shm(size: &str, script: &str) -> Option<std::process::Output> {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false);
+    if !root {
+        println!("small /dev/shm: SKIPPED (needs root for a mount namespace)");
+        return None;
+    }
+    let full = format!("mount -t tmpfs -o size={size} weft-test-shm /dev/shm && {script}");
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &full])
+        .env("WEFT", WEFT)
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    if err.contains("unshare failed") || err.contains("mount:") {
+        println!("small /dev/shm: SKIPPED ({})", err.trim());
+        return None;
+    }
+    Some(out)
+}
+
+/// A /dev/shm too small for the job's rings is a clear error on every rank (what is needed, what
+/// there is, what to change), not a crash or the OOM killer, and the job leaves nothing in it.
+#[test]
+fn a_dev_shm_too_small_for_the_rings_is_a_clear_error() {
+    // 4 MiB cannot hold 4 ranks x 3 rings of 1 MiB (checked before anything is made).
+    let script = "\"$WEFT\" perf all-reduce --np 4 -b 8 -e 1M; echo \"rc=$?\"; \
+                  echo \"left=$(ls /dev/shm | wc -l)\"";
+    let Some(out) = in_small_dev_shm("4m", script) else {
+        return;
+    };
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("left=0"), "{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("need") && stderr.contains("WEFT_BUFFSIZE"),
+        "{stderr}"
+    );
+    // Room for the host's budget, but another tenant filled it: the ring that does not fit is
+    // refused with the free and needed sizes when it is made.
+    let script = "dd if=/dev/zero of=/dev/shm/filler bs=1M count=62 2>/dev/null; \
+                  \"$WEFT\" perf all-reduce --np 4 -b 8 -e 1M; echo \"rc=$?\"; \
+                  echo \"left=$(ls /dev/shm | grep -c weft)\"";
+    let Some(out) = in_small_dev_shm("64m", script) else {
+        return;
+    };
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("left=0"), "{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("free but this communicator needs"),
+        "{stderr}"
+    );
+}
