@@ -2,6 +2,8 @@
 //! Every run is bounded by a deadline, so a launcher that hangs fails the test instead of
 //! hanging it.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
@@ -811,15 +813,7 @@ fn every_rank_killed_mid_operation_leaves_nothing_in_dev_shm() {
 /// Runs `script` as root in a private mount namespace whose /dev/shm is a tmpfs of `size`
 /// (the host's /dev/shm is untouched); `None` (and a note) where that cannot be done here.
 fn in_small_dev_shm(size: &str, script: &str) -> Option<std::process::Output> {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false);
-    if !root {
+    if !common::is_root() {
         println!("small /dev/shm: SKIPPED (needs root for a mount namespace)");
         return None;
     }
@@ -838,6 +832,21 @@ fn in_small_dev_shm(size: &str, script: &str) -> Option<std::process::Output> {
     Some(out)
 }
 
+/// Checks that the job in `out` failed cleanly (exit 1, no panic, nothing of it left in /dev/shm
+/// as its script's `left=` line says) with an error containing every one of `says`.
+fn failed_cleanly(out: &std::process::Output, says: &[&str]) {
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("left=0"), "{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for s in says {
+        assert!(stderr.contains(s), "{s:?} missing from:\n{stderr}");
+    }
+}
+
 /// A /dev/shm too small for the job's rings is a clear error on every rank (what is needed, what
 /// there is, what to change), not a crash or the OOM killer, and the job leaves nothing in it.
 #[test]
@@ -848,17 +857,7 @@ fn a_dev_shm_too_small_for_the_rings_is_a_clear_error() {
     let Some(out) = in_small_dev_shm("4m", script) else {
         return;
     };
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
-    assert!(stdout.contains("left=0"), "{stdout}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(
-        stderr.contains("need") && stderr.contains("WEFT_BUFFSIZE"),
-        "{stderr}"
-    );
+    failed_cleanly(&out, &["need", "WEFT_BUFFSIZE"]);
     // Room for the host's budget, but another tenant filled it: the ring that does not fit is
     // refused with the free and needed sizes when it is made.
     let script = "dd if=/dev/zero of=/dev/shm/filler bs=1M count=62 2>/dev/null; \
@@ -867,15 +866,5 @@ fn a_dev_shm_too_small_for_the_rings_is_a_clear_error() {
     let Some(out) = in_small_dev_shm("64m", script) else {
         return;
     };
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
-    assert!(stdout.contains("left=0"), "{stdout}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(
-        stderr.contains("free but this communicator needs"),
-        "{stderr}"
-    );
+    failed_cleanly(&out, &["free but this communicator needs"]);
 }

@@ -9,6 +9,9 @@
 //! Needs root and `ip`/`tc` (iproute2); otherwise the test prints why and passes without running.
 //! The namespaces carry this process's id and are deleted when the test ends, failed or not.
 
+mod common;
+
+use common::is_root;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -300,18 +303,6 @@ fn watchdog(pids: Vec<u32>, limit: Duration) -> Watchdog {
         }
     });
     Watchdog { done }
-}
-
-/// Whether this process's effective user id is 0 (from /proc, without unsafe code).
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(2).map(|e| e == "0"))
-        })
-        .unwrap_or(false)
 }
 
 #[test]

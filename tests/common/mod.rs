@@ -47,3 +47,15 @@ pub fn with_ranks_configs<R: Send>(
     weftcc::comm::run_ranks(n, cfg, |rank, comm| body(rank, &comm))
         .unwrap_or_else(|e| panic!("ranks: {e}"))
 }
+
+/// Whether this process's effective user id is 0 (from /proc, without unsafe code).
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|e| e == "0"))
+        })
+        .unwrap_or(false)
+}

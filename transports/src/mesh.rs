@@ -697,65 +697,67 @@ impl Mesh {
         }
         for p in missing {
             let f = self.members[p];
-            if !family.share {
-                let made = family
-                    .connector
-                    .connect(f, links.addrs.get(&f).copied(), &deadline, timeout, cancel)
-                    .map_err(|source| ConnectError { peer: p, source })?;
-                let (conn, kind): (Box<dyn Connection>, &'static str) = match made {
-                    Made::Shm(mut c) => {
-                        c.set_low_latency_max(family.shm_ll_max);
-                        self.waiter.shm_peers[p] = true;
-                        (c, "shm")
-                    }
-                    Made::Tcp(c) => {
-                        self.waiter.tcp.add(c.poll_handle().for_peer(p));
-                        (Box::new(c), "tcp")
-                    }
+            let addr = links.addrs.get(&f).copied();
+            let (conn, kind, poll) = if family.share {
+                if links.by_rank[f].is_none() {
+                    let (conn, kind, poll) = self
+                        .open(&family, p, addr, &deadline, timeout, cancel)
+                        .map_err(|source| ConnectError { peer: p, source })?;
+                    links.by_rank[f] = Some(Linked {
+                        mux: Mux::new(conn),
+                        kind,
+                        poll,
+                    });
+                }
+                let Some(linked) = &links.by_rank[f] else {
+                    continue;
                 };
-                tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = kind, "connected");
-                self.conns[p] = Some(conn);
-                self.kinds[p] = Some(kind);
-                continue;
-            }
-            if links.by_rank[f].is_none() {
-                let made = family
-                    .connector
-                    .connect(f, links.addrs.get(&f).copied(), &deadline, timeout, cancel)
+                let channel = linked
+                    .mux
+                    .channel(self.channel, p, Some(Arc::clone(&self.signal)))
                     .map_err(|source| ConnectError { peer: p, source })?;
-                let linked = match made {
-                    Made::Shm(mut c) => {
-                        c.set_low_latency_max(family.shm_ll_max);
-                        Linked {
-                            mux: Mux::new(c),
-                            kind: "shm",
-                            poll: None,
-                        }
-                    }
-                    Made::Tcp(c) => Linked {
-                        poll: Some(c.poll_handle()),
-                        mux: Mux::new(Box::new(c)),
-                        kind: "tcp",
-                    },
-                };
-                tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = linked.kind, "connected");
-                links.by_rank[f] = Some(linked);
-            }
-            let Some(linked) = &links.by_rank[f] else {
-                continue;
+                let conn: Box<dyn Connection> = Box::new(channel);
+                (conn, linked.kind, linked.poll.clone())
+            } else {
+                self.open(&family, p, addr, &deadline, timeout, cancel)
+                    .map_err(|source| ConnectError { peer: p, source })?
             };
-            let channel = linked
-                .mux
-                .channel(self.channel, p, Some(Arc::clone(&self.signal)))
-                .map_err(|source| ConnectError { peer: p, source })?;
-            match &linked.poll {
+            match &poll {
                 Some(h) => self.waiter.tcp.add(h.for_peer(p)),
                 None => self.waiter.shm_peers[p] = true,
             }
-            self.conns[p] = Some(Box::new(channel));
-            self.kinds[p] = Some(linked.kind);
+            self.conns[p] = Some(conn);
+            self.kinds[p] = Some(kind);
         }
         Ok(())
+    }
+
+    /// A new connection to peer `p` (TCP address `addr`), its transport's name and, over TCP,
+    /// the socket its waiter polls.
+    fn open(
+        &self,
+        family: &Shared,
+        p: usize,
+        addr: Option<SocketAddr>,
+        deadline: &Deadline,
+        timeout: Duration,
+        cancel: &dyn Fn() -> bool,
+    ) -> Result<(Box<dyn Connection>, &'static str, Option<TcpPollHandle>)> {
+        let made = family
+            .connector
+            .connect(self.members[p], addr, deadline, timeout, cancel)?;
+        let opened: (Box<dyn Connection>, &'static str, Option<TcpPollHandle>) = match made {
+            Made::Shm(mut c) => {
+                c.set_low_latency_max(family.shm_ll_max);
+                (c, "shm", None)
+            }
+            Made::Tcp(c) => {
+                let poll = Some(c.poll_handle());
+                (Box::new(c), "tcp", poll)
+            }
+        };
+        tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = opened.1, "connected");
+        Ok(opened)
     }
 
     /// Whether every peer in `peers` other than this rank is connected.

@@ -260,11 +260,6 @@ impl Mux {
         st.inboxes.remove(&id);
         st.control(id, KIND_CLOSED, &[], 0);
     }
-
-    /// Channels open on this side.
-    pub fn channels(&self) -> usize {
-        lock(&self.state).open_channels.len()
-    }
 }
 
 impl State {
@@ -643,6 +638,23 @@ impl State {
         }
     }
 
+    /// Lends up to `max` bytes of `id`'s inbox to `consume`; returns how many it took.
+    fn lend_inbox(
+        &mut self,
+        id: ChannelId,
+        max: usize,
+        consume: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> usize {
+        let Some(inbox) = self.inboxes.get_mut(&id) else {
+            return 0;
+        };
+        let avail = inbox.bytes();
+        let avail = &avail[..avail.len().min(max)];
+        let n = consume(avail).min(avail.len());
+        inbox.consume(n);
+        n
+    }
+
     /// Counts `n` bytes of `id`'s frame being read (of `left`) as read by its reader.
     fn advance(&mut self, id: ChannelId, n: usize, left: usize) {
         self.delivered(id, n);
@@ -669,15 +681,7 @@ impl State {
         self.flush_pending(peer);
         loop {
             match self.next_for(id, peer)? {
-                Next::Inbox => {
-                    let inbox = self.inboxes.get_mut(&id).expect("next_for saw it");
-                    let avail = inbox.bytes();
-                    let n = consume(&avail[..avail.len().min(max)])
-                        .min(max)
-                        .min(avail.len());
-                    inbox.consume(n);
-                    return Ok(n);
-                }
+                Next::Inbox => return Ok(self.lend_inbox(id, max, consume)),
                 Next::Frame(left) => {
                     let n = self
                         .conn(peer)?
@@ -715,12 +719,10 @@ impl State {
         loop {
             match self.next_for(id, peer)? {
                 Next::Inbox => {
-                    let inbox = self.inboxes.get_mut(&id).expect("next_for saw it");
-                    let avail = inbox.bytes();
-                    let n = avail.len().min(dst.len());
-                    dst[..n].copy_from_slice(&avail[..n]);
-                    inbox.consume(n);
-                    return Ok(n);
+                    return Ok(self.lend_inbox(id, dst.len(), &mut |s: &[u8]| {
+                        dst[..s.len()].copy_from_slice(s);
+                        s.len()
+                    }))
                 }
                 // Large reads go straight into `dst` (sockets read without staging).
                 Next::Frame(left) => {
@@ -764,13 +766,6 @@ pub struct Channel {
     mux: Arc<Mux>,
     id: ChannelId,
     peer: usize,
-}
-
-impl Channel {
-    /// The shared connection under this channel.
-    pub fn mux(&self) -> &Arc<Mux> {
-        &self.mux
-    }
 }
 
 impl Connection for Channel {
