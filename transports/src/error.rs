@@ -61,6 +61,14 @@ pub enum TransportError {
     /// The bootstrap store was shut down cleanly by its owner (not a failure of the peer).
     #[error("bootstrap store closed")]
     StoreClosed,
+    /// A network provider (RDMA, libfabric) failed; `peer` where one connection was concerned.
+    #[error("network{}: {source}", peer.map(|p| format!(" (rank {p})")).unwrap_or_default())]
+    Net {
+        /// The peer of the connection, if the failure concerned one.
+        peer: Option<usize>,
+        /// What the provider reported.
+        source: crate::net::NetError,
+    },
     /// The operation was aborted locally.
     #[error("aborted")]
     Aborted,

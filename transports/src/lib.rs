@@ -30,6 +30,7 @@ pub mod mem;
 pub mod mesh;
 pub mod model;
 pub mod mux;
+pub mod net;
 pub mod process;
 pub mod ring;
 pub mod shm;

@@ -3,9 +3,10 @@
 //! Every scenario uses two threads standing in for two ranks, and every wait is bounded: a
 //! scenario that would hang fails with a deadline message instead.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weftcc_transports::mux::{channel_id, Mux};
-use weftcc_transports::{mem, shm, tcp, Connection, IdleWaiter, Interest, TransportError};
+use weftcc_transports::{mem, net, shm, tcp, Connection, IdleWaiter, Interest, TransportError};
 
 type End = (Box<dyn Connection>, Box<dyn IdleWaiter>);
 
@@ -57,6 +58,33 @@ fn over_mux(pair: Option<(End, End)>) -> Option<(End, End)> {
         .channel(channel_id("c"), 0, None)
         .expect("channel");
     Some(((Box::new(ca), wa), (Box::new(cb), wb)))
+}
+
+/// Rings written with one-sided writes ([`net::NetConnection`]) over `provider`.
+fn make_net(provider: Option<Arc<dyn net::Provider>>) -> Option<(End, End)> {
+    let provider = provider?;
+    let (a, b) = net::stream::local_pair(provider, SMALL_RING).expect("network pair");
+    Some((
+        (Box::new(a), Box::new(net::NetWaiter)),
+        (Box::new(b), Box::new(net::NetWaiter)),
+    ))
+}
+
+fn make_net_loopback() -> Option<(End, End)> {
+    make_net(Some(Arc::new(net::loopback::LoopbackProvider(
+        net::loopback::Loopback::new(),
+    ))))
+}
+
+/// libfabric's `tcp;ofi_rxm` provider: real RMA writes through libfabric on any machine.
+fn make_net_ofi_tcp() -> Option<(End, End)> {
+    match net::ofi::OfiProvider::open(Some("tcp"), false) {
+        Ok(p) => make_net(Some(Arc::new(p))),
+        Err(e) => {
+            eprintln!("skipping: libfabric's tcp provider is not usable here: {e}");
+            None
+        }
+    }
 }
 
 fn make_mux_mem() -> Option<(End, End)> {
@@ -713,6 +741,8 @@ suite!(tcp6_transport, make_tcp6);
 suite!(mux_over_mem, make_mux_mem);
 suite!(mux_over_shm, make_mux_shm);
 suite!(mux_over_tcp4, make_mux_tcp4);
+suite!(net_over_loopback, make_net_loopback);
+suite!(net_over_ofi_tcp, make_net_ofi_tcp);
 
 // ---------------------------------------------------------------------------------------------
 // A peer process killed with SIGKILL.

@@ -1,0 +1,331 @@
+//! An in-memory provider: endpoints of one [`Loopback`] fabric (threads standing in for ranks)
+//! write into each other's registered memory when they poll, in the order posted, as a reliable
+//! connection would. Faults can be injected: a write that fails, completions delivered out of
+//! order, a peer that vanishes between two writes.
+
+use super::{
+    Completion, Endpoint, Memory, NetError, NetResult, Posted, Provider, Region, Registration,
+    RemoteRegion,
+};
+use crate::util::lock;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+const PROVIDER: &str = "loopback";
+
+/// Faults a [`Loopback`] fabric injects.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    /// The write posted as this one (counting from 0 across the fabric) completes with an error
+    /// and is not placed.
+    pub fail_write: Option<u64>,
+    /// Completions of one poll are reported in reverse order.
+    pub reverse_completions: bool,
+    /// After this many writes have been placed (across the fabric), every endpoint vanishes:
+    /// later writes fail as if the peer had died.
+    pub vanish_after: Option<u64>,
+    /// Most work requests an endpoint holds (posting more answers [`Posted::Full`]).
+    pub queue_depth: Option<usize>,
+}
+
+/// An in-memory fabric: registered regions and live endpoints, shared by the endpoints made
+/// from it.
+#[derive(Default)]
+pub struct Loopback {
+    regions: Mutex<HashMap<u64, Arc<Memory>>>,
+    endpoints: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    next_id: AtomicU64,
+    posted: AtomicU64,
+    placed: AtomicU64,
+    faults: Faults,
+}
+
+impl Loopback {
+    /// A fabric without faults.
+    pub fn new() -> Arc<Loopback> {
+        Self::with_faults(Faults::default())
+    }
+
+    /// A fabric that injects `faults`.
+    pub fn with_faults(faults: Faults) -> Arc<Loopback> {
+        Arc::new(Loopback {
+            faults,
+            next_id: AtomicU64::new(1),
+            ..Default::default()
+        })
+    }
+
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+struct LoopRegistration {
+    fabric: Arc<Loopback>,
+    key: u64,
+    len: u64,
+}
+
+impl Registration for LoopRegistration {
+    fn local_descriptor(&self) -> u64 {
+        self.key
+    }
+    fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            base: 0,
+            key: self.key,
+            len: self.len,
+        }
+    }
+}
+
+impl Drop for LoopRegistration {
+    fn drop(&mut self) {
+        lock(&self.fabric.regions).remove(&self.key);
+    }
+}
+
+/// [`Provider`] over a shared [`Loopback`] fabric.
+#[derive(Clone)]
+pub struct LoopbackProvider(pub Arc<Loopback>);
+
+impl Provider for LoopbackProvider {
+    fn name(&self) -> String {
+        PROVIDER.into()
+    }
+    fn id(&self) -> String {
+        PROVIDER.into()
+    }
+    fn register(&self, memory: Arc<Memory>) -> NetResult<Region> {
+        let key = self.0.id();
+        let len = memory.len() as u64;
+        lock(&self.0.regions).insert(key, Arc::clone(&memory));
+        Ok(Region {
+            memory,
+            registration: Box::new(LoopRegistration {
+                fabric: Arc::clone(&self.0),
+                key,
+                len,
+            }),
+        })
+    }
+    fn endpoint(&self) -> NetResult<Box<dyn Endpoint>> {
+        let id = self.0.id();
+        let alive = Arc::new(AtomicBool::new(true));
+        lock(&self.0.endpoints).insert(id, Arc::clone(&alive));
+        Ok(Box::new(LoopEndpoint {
+            fabric: Arc::clone(&self.0),
+            id,
+            alive,
+            peer: None,
+            queue: VecDeque::new(),
+            broken: false,
+        }))
+    }
+}
+
+/// A posted write: the bytes (copied at post time, which is allowed: the source only has to
+/// stay unchanged until completion) and where they go.
+struct Pending {
+    wr_id: u64,
+    data: Vec<u8>,
+    dst: RemoteRegion,
+    offset: u64,
+    fail: bool,
+}
+
+struct LoopEndpoint {
+    fabric: Arc<Loopback>,
+    id: u64,
+    alive: Arc<AtomicBool>,
+    peer: Option<Arc<AtomicBool>>,
+    queue: VecDeque<Pending>,
+    /// A write failed: like a reliable connection in the error state, every later one fails.
+    broken: bool,
+}
+
+impl Drop for LoopEndpoint {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::Release);
+        lock(&self.fabric.endpoints).remove(&self.id);
+    }
+}
+
+impl LoopEndpoint {
+    fn post(
+        &mut self,
+        data: Vec<u8>,
+        dst: &RemoteRegion,
+        offset: u64,
+        wr_id: u64,
+    ) -> NetResult<Posted> {
+        if self.peer.is_none() {
+            return Err(NetError::NotConnected { provider: PROVIDER });
+        }
+        if self.queue.len() >= self.max_outstanding() {
+            return Ok(Posted::Full);
+        }
+        let n = self.fabric.posted.fetch_add(1, Ordering::Relaxed);
+        self.queue.push_back(Pending {
+            wr_id,
+            data,
+            dst: *dst,
+            offset,
+            fail: self.fabric.faults.fail_write == Some(n),
+        });
+        Ok(Posted::Yes)
+    }
+
+    /// Places one write in the peer's memory, as its device would.
+    fn place(&self, w: &Pending) -> std::result::Result<(), NetError> {
+        let failed = |status: i64, detail: &str| NetError::WorkFailed {
+            provider: PROVIDER,
+            wr_id: w.wr_id,
+            status,
+            detail: detail.into(),
+        };
+        if w.fail {
+            return Err(failed(-5, "injected failure"));
+        }
+        let vanished = self
+            .fabric
+            .faults
+            .vanish_after
+            .is_some_and(|n| self.fabric.placed.load(Ordering::Relaxed) >= n);
+        if vanished
+            || !self
+                .peer
+                .as_ref()
+                .is_some_and(|p| p.load(Ordering::Acquire))
+        {
+            return Err(failed(-107, "remote endpoint gone"));
+        }
+        let Some(mem) = lock(&self.fabric.regions).get(&w.dst.key).cloned() else {
+            return Err(failed(-13, "remote access error: no region with this key"));
+        };
+        let end = w.offset.checked_add(w.data.len() as u64);
+        if end.is_none_or(|e| e > mem.len() as u64) {
+            return Err(failed(
+                -13,
+                "remote access error: out of the region's bounds",
+            ));
+        }
+        let off = w.offset as usize;
+        if w.data.len() == 8 && off.is_multiple_of(8) {
+            // Words the reader polls are stored atomically, as a device writes an aligned word.
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&w.data);
+            mem.word(off)
+                .store(u64::from_le_bytes(v), Ordering::Release);
+        } else {
+            // SAFETY: in bounds (checked above); the stream protocol gives the writer this
+            // range exclusively until it publishes it with a later word store (Release).
+            unsafe { mem.write(off, &w.data) };
+            std::sync::atomic::fence(Ordering::Release);
+        }
+        self.fabric.placed.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Endpoint for LoopEndpoint {
+    fn address(&self) -> NetResult<Vec<u8>> {
+        Ok(self.id.to_le_bytes().to_vec())
+    }
+
+    fn connect(&mut self, peer: &[u8]) -> NetResult<()> {
+        let id = <[u8; 8]>::try_from(peer)
+            .map(u64::from_le_bytes)
+            .map_err(|_| NetError::Call {
+                provider: PROVIDER,
+                call: "connect",
+                code: -22,
+                detail: format!("bad address of {} bytes", peer.len()),
+            })?;
+        let alive = lock(&self.fabric.endpoints).get(&id).cloned();
+        self.peer = Some(alive.ok_or_else(|| NetError::Call {
+            provider: PROVIDER,
+            call: "connect",
+            code: -111,
+            detail: format!("no endpoint {id}"),
+        })?);
+        Ok(())
+    }
+
+    fn max_outstanding(&self) -> usize {
+        self.fabric.faults.queue_depth.unwrap_or(64)
+    }
+
+    fn inline_max(&self) -> usize {
+        64
+    }
+
+    fn write(
+        &mut self,
+        src: &Region,
+        src_offset: usize,
+        len: usize,
+        dst: &RemoteRegion,
+        dst_offset: u64,
+        wr_id: u64,
+    ) -> NetResult<Posted> {
+        if src_offset
+            .checked_add(len)
+            .is_none_or(|e| e > src.memory.len())
+        {
+            return Err(NetError::OutOfBounds {
+                provider: PROVIDER,
+                offset: src_offset as u64,
+                len,
+                region: src.memory.len(),
+            });
+        }
+        // SAFETY: in bounds; the caller keeps the source unchanged until completion.
+        let data = unsafe { src.memory.read(src_offset, len, <[u8]>::to_vec) };
+        self.post(data, dst, dst_offset, wr_id)
+    }
+
+    fn write_inline(
+        &mut self,
+        data: &[u8],
+        dst: &RemoteRegion,
+        dst_offset: u64,
+        wr_id: u64,
+    ) -> NetResult<Posted> {
+        if data.len() > self.inline_max() {
+            return Err(NetError::OutOfBounds {
+                provider: PROVIDER,
+                offset: 0,
+                len: data.len(),
+                region: self.inline_max(),
+            });
+        }
+        self.post(data.to_vec(), dst, dst_offset, wr_id)
+    }
+
+    fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()> {
+        let first = done.len();
+        while let Some(w) = self.queue.pop_front() {
+            let result = if self.broken {
+                Err(NetError::WorkFailed {
+                    provider: PROVIDER,
+                    wr_id: w.wr_id,
+                    status: -125,
+                    detail: "flushed: an earlier write failed".into(),
+                })
+            } else {
+                self.place(&w)
+            };
+            self.broken |= result.is_err();
+            done.push(Completion {
+                wr_id: w.wr_id,
+                result,
+            });
+        }
+        if self.fabric.faults.reverse_completions {
+            done[first..].reverse();
+        }
+        Ok(())
+    }
+}

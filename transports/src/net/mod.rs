@@ -1,0 +1,199 @@
+//! Networks with one-sided writes (RDMA): the provider trait, its providers, and the
+//! [`Connection`](crate::Connection) the engine drives over them.
+//!
+//! The layers, bottom up:
+//! * [`Provider`]: one opened network device (an InfiniBand HCA port, a libfabric domain). It
+//!   registers memory ([`Provider::register`] gives a [`Region`] with the keys a peer needs to
+//!   write into it) and makes [`Endpoint`]s. An endpoint is connected to one peer's endpoint by
+//!   exchanging [`Endpoint::address`]es out of band, posts one-sided writes (from a registered
+//!   region, or a few bytes inline) and reports their completions when polled. Progress is
+//!   manual: nothing moves unless someone polls (libfabric's tcp provider needs it, and it costs
+//!   hardware nothing).
+//! * Providers: [`loopback`] (in memory, with fault injection, for tests), [`ofi`] (libfabric:
+//!   its `tcp;ofi_rxm` provider runs on any machine, `verbs`, `efa` and `cxi` on clusters).
+//! * [`stream`]: [`stream::NetConnection`], the byte stream of the [`Connection`](crate::Connection)
+//!   trait as a ring in the receiver's registered memory that the sender fills with RDMA writes
+//!   (the data, then the new head), and whose tail the receiver writes back the same way. The
+//!   receiver reduces straight out of its ring. The TCP connection that carried the handshake
+//!   stays open beside it: it tells a peer that died from one that is merely quiet.
+//! * [`select`]: which network a rank uses (`WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER`)
+//!   and the process-wide cache of opened providers.
+//!
+//! `unsafe` here is confined to registered memory ([`memory`]: an allocation a device or a peer
+//! writes into behind the compiler's back) and libfabric's C interface ([`ofi`]).
+
+pub mod loopback;
+pub mod memory;
+pub mod ofi;
+pub mod select;
+pub mod stream;
+
+pub use memory::Memory;
+pub use select::{NetChoice, NetKind};
+pub use stream::{NetConnection, NetWaiter};
+
+use std::sync::Arc;
+
+/// A failure of a network provider: opening it, registering memory, posting or completing work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NetError {
+    /// The provider cannot be used on this machine (no device, no library, not compiled in).
+    #[error("{provider}: not available: {detail}")]
+    Unavailable {
+        /// The provider ("OFI", "IB", "loopback").
+        provider: &'static str,
+        /// Why.
+        detail: String,
+    },
+    /// A call into the provider's library failed.
+    #[error("{provider}: {call} failed: {detail} (code {code})")]
+    Call {
+        /// The provider.
+        provider: &'static str,
+        /// The library call.
+        call: &'static str,
+        /// Its return code (negative errno-style for libfabric).
+        code: i64,
+        /// The library's description of the code.
+        detail: String,
+    },
+    /// A posted write completed with an error (the peer is gone, or the remote key is bad).
+    #[error("{provider}: write {wr_id} failed: {detail} (status {status})")]
+    WorkFailed {
+        /// The provider.
+        provider: &'static str,
+        /// The work request's id.
+        wr_id: u64,
+        /// The provider's status code.
+        status: i64,
+        /// Its description.
+        detail: String,
+    },
+    /// A write was asked of memory outside the regions the endpoint may use.
+    #[error("{provider}: write of {len} bytes at offset {offset} outside a {region}-byte region")]
+    OutOfBounds {
+        /// The provider.
+        provider: &'static str,
+        /// Offset of the write in the region.
+        offset: u64,
+        /// Bytes.
+        len: usize,
+        /// The region's length.
+        region: usize,
+    },
+    /// The endpoint was asked to write before it was connected to a peer.
+    #[error("{provider}: endpoint not connected")]
+    NotConnected {
+        /// The provider.
+        provider: &'static str,
+    },
+}
+
+/// Result alias for provider calls.
+pub type NetResult<T> = std::result::Result<T, NetError>;
+
+/// What a peer needs to write into a region: the address its offset 0 has in the writer's
+/// requests (a virtual address, or 0 where the provider addresses regions by offset) and the
+/// remote key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RemoteRegion {
+    /// Address of the region's first byte in write requests.
+    pub base: u64,
+    /// The key that grants remote writes.
+    pub key: u64,
+    /// The region's length in bytes.
+    pub len: u64,
+}
+
+/// What a provider keeps for a registration until it is dropped (deregisters on drop).
+pub trait Registration: Send + Sync {
+    /// The descriptor local writes name their source by (libfabric's `fi_mr_desc`, a verbs
+    /// lkey), as an opaque integer.
+    fn local_descriptor(&self) -> u64;
+    /// What a peer needs to write into the region.
+    fn remote(&self) -> RemoteRegion;
+}
+
+/// Registered memory: the allocation, kept alive as long as the registration.
+pub struct Region {
+    /// The memory (shared with the provider, which may copy into it on a peer's behalf).
+    pub memory: Arc<Memory>,
+    /// The registration (dropped before the memory, which the `Arc` outlives).
+    pub registration: Box<dyn Registration>,
+}
+
+impl Region {
+    /// What a peer needs to write into this region.
+    pub fn remote(&self) -> RemoteRegion {
+        self.registration.remote()
+    }
+}
+
+/// The result of posting a work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Posted {
+    /// Posted: exactly one [`Completion`] with its id will follow.
+    Yes,
+    /// The provider's queue is full: poll completions and post again.
+    Full,
+}
+
+/// A finished work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The id it was posted with.
+    pub wr_id: u64,
+    /// Success, or why it failed.
+    pub result: std::result::Result<(), NetError>,
+}
+
+/// One opened network device: registers memory and makes endpoints.
+pub trait Provider: Send + Sync {
+    /// For logs: `OFI/tcp;ofi_rxm`, `IB/mlx5_0:1`, `loopback`.
+    fn name(&self) -> String;
+    /// Ranks whose providers have equal ids can connect through them (a different id, or none,
+    /// means TCP): `ofi:<provider>`, `ib:<link layer>`. Never contains `/`.
+    fn id(&self) -> String;
+    /// Registers `memory` for local writes out of it and remote writes into it.
+    fn register(&self, memory: Arc<Memory>) -> NetResult<Region>;
+    /// A new endpoint, not connected yet.
+    fn endpoint(&self) -> NetResult<Box<dyn Endpoint>>;
+}
+
+/// One end of a reliable, ordered connection to one peer's endpoint.
+///
+/// Writes posted on one endpoint are placed at the peer in the order they were posted (RDMA
+/// write-after-write ordering on a reliable connection): the stream protocol writes the data
+/// and then the head, and relies on it.
+pub trait Endpoint: Send {
+    /// This endpoint's address, for the peer's [`Endpoint::connect`].
+    fn address(&self) -> NetResult<Vec<u8>>;
+    /// Connects to the peer endpoint whose address is `peer`.
+    fn connect(&mut self, peer: &[u8]) -> NetResult<()>;
+    /// Most work requests this endpoint takes before their completions are polled.
+    fn max_outstanding(&self) -> usize;
+    /// Largest payload [`Endpoint::write_inline`] takes.
+    fn inline_max(&self) -> usize;
+    /// Posts a write of `len` bytes at `src_offset` of the registered `src` to `dst_offset` of
+    /// the peer's region `dst`. The source must stay unchanged until the write completes.
+    fn write(
+        &mut self,
+        src: &Region,
+        src_offset: usize,
+        len: usize,
+        dst: &RemoteRegion,
+        dst_offset: u64,
+        wr_id: u64,
+    ) -> NetResult<Posted>;
+    /// Posts a write of `data` (at most [`Endpoint::inline_max`] bytes), copied before this
+    /// returns, to `dst_offset` of the peer's region `dst`.
+    fn write_inline(
+        &mut self,
+        data: &[u8],
+        dst: &RemoteRegion,
+        dst_offset: u64,
+        wr_id: u64,
+    ) -> NetResult<Posted>;
+    /// Makes progress and appends the completions that are ready to `done`.
+    fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()>;
+}

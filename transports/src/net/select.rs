@@ -1,0 +1,226 @@
+//! Which network a rank uses across hosts, from the environment, and the process-wide cache of
+//! opened providers.
+//!
+//! * `WEFT_NET=ib|ofi|socket` forces one (NCCL's `NCCL_NET`); unset, a rank uses an RDMA device
+//!   where one is usable and TCP otherwise. A forced network that cannot be opened is an error,
+//!   not a silent fall-back.
+//! * `WEFT_IB_DISABLE=1` rules InfiniBand out of the automatic choice (NCCL's `NCCL_IB_DISABLE`).
+//! * `WEFT_OFI_PROVIDER=name` picks libfabric's provider (`verbs`, `efa`, `cxi`, `tcp`); without
+//!   it the automatic choice takes the first provider with RDMA hardware behind it, and
+//!   `WEFT_NET=ofi` the first provider of any kind (here: `tcp;ofi_rxm`).
+//! * `WEFT_NET_BUFFSIZE` sets the receive ring of each network connection (a power of two,
+//!   default [`DEFAULT_RING`]).
+//!
+//! Both ends of a pair must have opened providers with the same [`Provider::id`] for the pair to
+//! use it; otherwise (one host without the device) the pair uses TCP.
+
+use super::{ofi, NetError, Provider};
+use crate::error::{Result, TransportError};
+use crate::util::{lock, parse_size};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Default receive ring of a network connection.
+pub const DEFAULT_RING: usize = 2 << 20;
+
+/// The network asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum NetKind {
+    /// RDMA where usable (InfiniBand verbs, then libfabric with RDMA hardware), else TCP.
+    #[default]
+    Auto,
+    /// InfiniBand / RoCE verbs.
+    Ib,
+    /// libfabric.
+    Ofi,
+    /// TCP sockets only.
+    Socket,
+}
+
+/// The network configuration of a rank.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct NetChoice {
+    /// `WEFT_NET`.
+    pub kind: NetKind,
+    /// `WEFT_IB_DISABLE`.
+    pub ib_disable: bool,
+    /// `WEFT_OFI_PROVIDER`.
+    pub ofi_provider: Option<String>,
+    /// Receive ring bytes of each network connection (`WEFT_NET_BUFFSIZE`).
+    pub ring: usize,
+}
+
+impl Default for NetChoice {
+    fn default() -> Self {
+        NetChoice {
+            kind: NetKind::Auto,
+            ib_disable: false,
+            ofi_provider: None,
+            ring: DEFAULT_RING,
+        }
+    }
+}
+
+impl NetChoice {
+    /// TCP only.
+    pub fn socket() -> NetChoice {
+        NetChoice {
+            kind: NetKind::Socket,
+            ..NetChoice::default()
+        }
+    }
+
+    /// From `WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER` and `WEFT_NET_BUFFSIZE`.
+    pub fn from_env() -> Result<NetChoice> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        NetChoice::parse(
+            var("WEFT_NET").as_deref(),
+            var("WEFT_IB_DISABLE").as_deref(),
+            var("WEFT_OFI_PROVIDER").as_deref(),
+            var("WEFT_NET_BUFFSIZE").as_deref(),
+        )
+    }
+
+    /// From the variables' values (`None` where unset).
+    pub fn parse(
+        net: Option<&str>,
+        ib_disable: Option<&str>,
+        ofi_provider: Option<&str>,
+        buffsize: Option<&str>,
+    ) -> Result<NetChoice> {
+        let kind = match net.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
+            None | Some("auto") => NetKind::Auto,
+            Some("ib") | Some("verbs") | Some("rdma") => NetKind::Ib,
+            Some("ofi") | Some("libfabric") => NetKind::Ofi,
+            Some("socket") | Some("tcp") => NetKind::Socket,
+            Some(other) => {
+                return Err(TransportError::Config(format!(
+                    "WEFT_NET={other:?}: expected ib, ofi, socket or auto"
+                )))
+            }
+        };
+        let ib_disable = match ib_disable.map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => {
+                return Err(TransportError::Config(format!(
+                    "WEFT_IB_DISABLE={other:?}: expected 0 or 1"
+                )))
+            }
+        };
+        let ring = match buffsize {
+            None => DEFAULT_RING,
+            Some(text) => {
+                let n = parse_size(text)
+                    .map_err(|e| TransportError::Config(format!("WEFT_NET_BUFFSIZE: {}", e.0)))?;
+                if !(4096..=1 << 30).contains(&n) {
+                    return Err(TransportError::Config(format!(
+                        "WEFT_NET_BUFFSIZE={text}: expected 4K to 1G"
+                    )));
+                }
+                n.next_power_of_two()
+            }
+        };
+        Ok(NetChoice {
+            kind,
+            ib_disable,
+            ofi_provider: ofi_provider.map(|s| s.trim().to_string()),
+            ring,
+        })
+    }
+}
+
+type Cache = Mutex<HashMap<NetChoice, Option<Arc<dyn Provider>>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The provider `choice` selects on this machine, opened once per process; `None` for TCP.
+/// A forced network (`WEFT_NET=ib|ofi`) that cannot be opened is an error naming why.
+pub fn open(choice: &NetChoice) -> Result<Option<Arc<dyn Provider>>> {
+    let mut cache = lock(cache());
+    if let Some(p) = cache.get(choice) {
+        return Ok(p.clone());
+    }
+    let forced = |e: NetError| TransportError::Net {
+        peer: None,
+        source: e,
+    };
+    let opened: Option<Arc<dyn Provider>> = match choice.kind {
+        NetKind::Socket => None,
+        NetKind::Ib => return Err(forced(ib_unavailable())),
+        NetKind::Ofi => {
+            let p =
+                ofi::OfiProvider::open(choice.ofi_provider.as_deref(), false).map_err(forced)?;
+            Some(Arc::new(p))
+        }
+        NetKind::Auto => {
+            if !choice.ib_disable {
+                tracing::debug!(target: "weftcc::init", "NET/IB: {}", ib_unavailable());
+            }
+            match ofi::OfiProvider::open(choice.ofi_provider.as_deref(), true) {
+                Ok(p) => Some(Arc::new(p)),
+                Err(e) => {
+                    tracing::debug!(target: "weftcc::init", "NET/OFI: {e}; using TCP sockets");
+                    None
+                }
+            }
+        }
+    };
+    cache.insert(choice.clone(), opened.clone());
+    Ok(opened)
+}
+
+/// Why the verbs provider cannot be used: it is not part of this build yet (libfabric's verbs
+/// provider reaches the same devices: `WEFT_NET=ofi WEFT_OFI_PROVIDER=verbs`).
+fn ib_unavailable() -> NetError {
+    NetError::Unavailable {
+        provider: "IB",
+        detail: "the native verbs provider is not in this build; use libfabric's verbs \
+                 provider (WEFT_NET=ofi WEFT_OFI_PROVIDER=verbs)"
+            .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_variables() {
+        let c = NetChoice::parse(Some("OFI"), Some("1"), Some("tcp"), Some("1M")).unwrap();
+        assert_eq!(c.kind, NetKind::Ofi);
+        assert!(c.ib_disable);
+        assert_eq!(c.ofi_provider.as_deref(), Some("tcp"));
+        assert_eq!(c.ring, 1 << 20);
+        let d = NetChoice::parse(None, None, None, Some("3000000")).unwrap();
+        assert_eq!((d.kind, d.ring), (NetKind::Auto, 4 << 20));
+        assert_eq!(
+            NetChoice::parse(Some("socket"), None, None, None)
+                .unwrap()
+                .kind,
+            NetKind::Socket
+        );
+        for bad in [
+            NetChoice::parse(Some("infiniband"), None, None, None),
+            NetChoice::parse(None, Some("yes"), None, None),
+            NetChoice::parse(None, None, None, Some("1k")),
+            NetChoice::parse(None, None, None, Some("lots")),
+        ] {
+            assert!(matches!(bad, Err(TransportError::Config(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn socket_opens_nothing_and_ib_is_a_clear_error() {
+        assert!(open(&NetChoice::socket()).unwrap().is_none());
+        let ib = NetChoice {
+            kind: NetKind::Ib,
+            ..NetChoice::default()
+        };
+        let err = open(&ib).err().expect("no verbs provider in this build");
+        assert!(err.to_string().contains("WEFT_OFI_PROVIDER=verbs"), "{err}");
+    }
+}

@@ -1,0 +1,813 @@
+//! The byte stream of the [`Connection`] trait over a provider's one-sided writes.
+//!
+//! Each side registers a *landing* region: its receive ring (a power of two of bytes) followed
+//! by three control words that only the peer writes:
+//!
+//! ```text
+//! [ ring: cap bytes | head_in | tail_in | closed_in ]
+//! ```
+//!
+//! * Sending `n` bytes copies them into the sender's registered *staging* mirror of the peer's
+//!   ring (same offsets), writes them to the peer's ring, then writes the new head into the
+//!   peer's `head_in` (an inline write). Writes on one endpoint are placed in order, so a reader
+//!   that sees a head sees the bytes before it.
+//! * The receiver reads its own memory: `head_in` (atomic), then the bytes, lending them to the
+//!   reader in place. The tail goes back to the sender's `tail_in` by an inline write, when it
+//!   matters ([`RecvCursor::consumed`]'s rule: all known bytes used, a reader that stopped short,
+//!   or an eighth of the ring waiting).
+//! * Closing writes `closed_in` = 1 after everything else and waits (briefly) for the writes to
+//!   leave. The TCP connection of the handshake stays open beside the rings: a peer whose socket
+//!   closed without a close mark, and whose bytes stopped coming, is lost.
+//!
+//! The ring counters follow [`crate::ring`]'s rules, checked against every interleaving there.
+
+use super::{Completion, Endpoint, Memory, NetError, Posted, Provider, Region, RemoteRegion};
+use crate::conn::{Connection, IdleWaiter, Interest};
+use crate::error::{Result, TransportError};
+use crate::ring::{RecvCursor, RingCorrupt, SendCursor};
+use crate::util::{lock, Deadline};
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// Bytes of control words after the ring.
+const CONTROL: usize = 64;
+const HEAD_IN: usize = 0;
+const TAIL_IN: usize = 8;
+const CLOSED_IN: usize = 16;
+/// Smallest and largest ring a peer may announce.
+const RING_MIN: u64 = 4096;
+const RING_MAX: u64 = 1 << 30;
+/// How long a closing side waits for its last writes to leave.
+const CLOSE_FLUSH: Duration = Duration::from_millis(500);
+/// How long bytes may keep arriving after the side connection closed without a close mark.
+const LINGER: Duration = Duration::from_secs(1);
+/// How long a [`NetWaiter`] sleeps between polls when nothing moved.
+pub const NET_POLL_SLICE: Duration = Duration::from_micros(50);
+const MAGIC: &[u8; 8] = b"WEFTNET1";
+/// Bytes of the hello before the endpoint address.
+const HELLO_FIXED: usize = 8 + 4 * 8 + 4;
+const READY: u8 = 0xA5;
+
+/// A [`Connection`] over a network provider's one-sided writes (see the module docs).
+pub struct NetConnection {
+    peer: usize,
+    provider: String,
+    /// The endpoint and what its completions tell, shared with [`progress_all`].
+    io: Arc<Mutex<EndpointState>>,
+    /// The handshake's TCP connection, kept for liveness and farewell notes; closed when this
+    /// side fails, so that the peer learns it even if this rank lingers.
+    side: Option<Box<dyn Connection>>,
+    landing: Region,
+    staging: Region,
+    /// This side's ring capacity (the front of `landing`).
+    cap: usize,
+    /// The peer's landing region and its ring capacity.
+    remote: RemoteRegion,
+    remote_cap: usize,
+    send: SendCursor,
+    recv: RecvCursor,
+    /// The head the peer was last sent (`send.head` once written).
+    head_sent: u64,
+    max_outstanding: usize,
+    /// The pinned message being sent: stream position of its first unaccepted byte and how
+    /// many bytes from there are posted but not yet known to have left.
+    pin: Option<(u64, usize)>,
+    lost: Option<TransportError>,
+    side_lost_at: Option<Instant>,
+    closed_sent: bool,
+}
+
+/// An endpoint and the facts its completions established; locked by its connection's calls
+/// and, when free, by [`progress_all`].
+struct EndpointState {
+    ep: Box<dyn Endpoint>,
+    outstanding: usize,
+    next_wr: u64,
+    /// Head writes posted and not completed: (work request, head value), in posting order.
+    heads: VecDeque<(u64, u64)>,
+    /// The largest head whose write completed: every byte before it has left this process.
+    head_done: u64,
+    failed: Option<NetError>,
+    done: Vec<Completion>,
+}
+
+impl EndpointState {
+    /// Polls completions into the counters; the first failure is kept.
+    fn poll(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        self.done.clear();
+        if let Err(e) = self.ep.poll(&mut self.done) {
+            self.failed = Some(e);
+            return;
+        }
+        self.outstanding = self.outstanding.saturating_sub(self.done.len());
+        for c in &self.done {
+            if let Err(e) = &c.result {
+                self.failed.get_or_insert_with(|| e.clone());
+            }
+            if let Some(i) = self.heads.iter().position(|&(id, _)| id == c.wr_id) {
+                let (_, head) = self.heads.remove(i).unwrap_or_default();
+                self.head_done = self.head_done.max(head);
+            }
+        }
+    }
+
+    /// Posts with a fresh work-request id; whether it was taken.
+    fn post(
+        &mut self,
+        max: usize,
+        post: impl FnOnce(&mut dyn Endpoint, u64) -> std::result::Result<Posted, NetError>,
+    ) -> std::result::Result<Option<u64>, NetError> {
+        if self.outstanding >= max {
+            return Ok(None);
+        }
+        let id = self.next_wr;
+        match post(self.ep.as_mut(), id)? {
+            Posted::Yes => {
+                self.next_wr += 1;
+                self.outstanding += 1;
+                Ok(Some(id))
+            }
+            Posted::Full => Ok(None),
+        }
+    }
+}
+
+/// Every live network connection's endpoint in this process, so that any of them waiting
+/// makes all of them progress (libfabric's tcp provider moves bytes only when polled: a
+/// tail written by a rank that then left the connection alone must still leave).
+fn registry() -> &'static Mutex<Vec<Weak<Mutex<EndpointState>>>> {
+    static LIVE: OnceLock<Mutex<Vec<Weak<Mutex<EndpointState>>>>> = OnceLock::new();
+    LIVE.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// Polls every network endpoint of this process that nobody else is polling right now.
+pub fn progress_all() {
+    let live: Vec<Arc<Mutex<EndpointState>>> = {
+        let mut reg = lock(registry());
+        reg.retain(|w| w.strong_count() > 0);
+        reg.iter().filter_map(Weak::upgrade).collect()
+    };
+    for st in live {
+        if let Ok(mut st) = st.try_lock() {
+            st.poll();
+        }
+    }
+}
+
+impl NetConnection {
+    /// Makes the connection to `peer` over `provider`, with a receive ring of `cap` bytes (a
+    /// power of two), by a handshake over `side` (a connected stream to the same peer, kept
+    /// open afterwards). Both sides call this at about the same time.
+    pub(crate) fn establish(
+        peer: usize,
+        mut side: Box<dyn Connection>,
+        provider: &dyn Provider,
+        cap: usize,
+        deadline: &Deadline,
+    ) -> Result<NetConnection> {
+        let name = provider.name();
+        let net = |e: NetError| TransportError::Net {
+            peer: Some(peer),
+            source: e,
+        };
+        if !cap.is_power_of_two() || (cap as u64) < RING_MIN || cap as u64 > RING_MAX {
+            return Err(TransportError::Config(format!(
+                "network ring of {cap} bytes: expected a power of two from {RING_MIN} to \
+                 {RING_MAX}"
+            )));
+        }
+        let alloc = |len: usize| {
+            Memory::new(len).map(Arc::new).ok_or_else(|| {
+                TransportError::Config(format!(
+                    "cannot allocate {len} bytes of registered memory for rank {peer}"
+                ))
+            })
+        };
+        let landing = provider.register(alloc(cap + CONTROL)?).map_err(net)?;
+        let mut ep = provider.endpoint().map_err(net)?;
+        let address = ep.address().map_err(net)?;
+
+        let mut hello = Vec::with_capacity(HELLO_FIXED + address.len());
+        let r = landing.remote();
+        hello.extend_from_slice(MAGIC);
+        for v in [cap as u64, r.base, r.key, r.len] {
+            hello.extend_from_slice(&v.to_le_bytes());
+        }
+        hello.extend_from_slice(&(address.len() as u32).to_le_bytes());
+        hello.extend_from_slice(&address);
+        send_all(side.as_mut(), &hello, deadline, "sending the network hello")?;
+
+        let mut fixed = [0u8; HELLO_FIXED];
+        recv_exact(
+            side.as_mut(),
+            &mut fixed,
+            deadline,
+            "reading the network hello",
+        )?;
+        let bad =
+            |what: String| TransportError::Protocol(format!("rank {peer}'s network hello: {what}"));
+        if &fixed[..8] != MAGIC {
+            return Err(bad("bad magic".into()));
+        }
+        let word = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&fixed[8 + 8 * i..16 + 8 * i]);
+            u64::from_le_bytes(b)
+        };
+        let (remote_cap, base, key, len) = (word(0), word(1), word(2), word(3));
+        if !remote_cap.is_power_of_two()
+            || !(RING_MIN..=RING_MAX).contains(&remote_cap)
+            || len < remote_cap + CONTROL as u64
+        {
+            return Err(bad(format!(
+                "ring of {remote_cap} bytes in a {len}-byte region"
+            )));
+        }
+        let mut alen = [0u8; 4];
+        alen.copy_from_slice(&fixed[HELLO_FIXED - 4..]);
+        let alen = u32::from_le_bytes(alen) as usize;
+        if alen > 4096 {
+            return Err(bad(format!("address of {alen} bytes")));
+        }
+        let mut peer_address = vec![0u8; alen];
+        recv_exact(
+            side.as_mut(),
+            &mut peer_address,
+            deadline,
+            "reading the network address",
+        )?;
+        ep.connect(&peer_address).map_err(net)?;
+        let staging = provider
+            .register(alloc(remote_cap as usize)?)
+            .map_err(net)?;
+
+        // Neither side writes data before the other's endpoint is connected (a reliable
+        // connection must be ready to receive). Each side first writes a zero into the peer's
+        // close word and waits for it to complete, polling all the while so that the peer's
+        // connection set-up progresses too (libfabric's rxm connects on the first write).
+        let peer_region = RemoteRegion { base, key, len };
+        let close_word = remote_cap + CLOSED_IN as u64;
+        let mut warmed = false;
+        let mut posted = false;
+        let mut sent_ready = false;
+        let mut ready = [0u8; 1];
+        let mut got_ready = false;
+        let mut done = Vec::new();
+        while !(warmed && got_ready) {
+            if !posted {
+                posted = ep
+                    .write_inline(&0u64.to_le_bytes(), &peer_region, close_word, u64::MAX)
+                    .map_err(net)?
+                    == Posted::Yes;
+            }
+            done.clear();
+            ep.poll(&mut done).map_err(net)?;
+            for c in &done {
+                c.result.clone().map_err(net)?;
+                warmed |= c.wr_id == u64::MAX;
+            }
+            if warmed && !sent_ready {
+                send_all(side.as_mut(), &[READY], deadline, "sending network ready")?;
+                sent_ready = true;
+            }
+            if !got_ready && side.try_recv_into(&mut ready)? == 1 {
+                if ready[0] != READY {
+                    return Err(bad("bad ready byte".into()));
+                }
+                got_ready = true;
+            }
+            if deadline.expired() {
+                return Err(deadline
+                    .timeout_error(format!("connecting the network endpoint to rank {peer}")));
+            }
+            if !(warmed && got_ready) {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        let max_outstanding = ep.max_outstanding().max(4);
+        let io = Arc::new(Mutex::new(EndpointState {
+            ep,
+            outstanding: 0,
+            next_wr: 0,
+            heads: VecDeque::new(),
+            head_done: 0,
+            failed: None,
+            done: Vec::new(),
+        }));
+        lock(registry()).push(Arc::downgrade(&io));
+        Ok(NetConnection {
+            peer,
+            provider: name,
+            io,
+            side: Some(side),
+            landing,
+            staging,
+            cap,
+            remote: peer_region,
+            remote_cap: remote_cap as usize,
+            send: SendCursor::default(),
+            recv: RecvCursor::at(0),
+            head_sent: 0,
+            max_outstanding,
+            pin: None,
+            lost: None,
+            side_lost_at: None,
+            closed_sent: false,
+        })
+    }
+
+    /// The provider's name, for logs (`OFI/tcp;ofi_rxm`).
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+
+    fn word(&self, at: usize) -> u64 {
+        self.landing
+            .memory
+            .word(self.cap + at)
+            .load(Ordering::Acquire)
+    }
+
+    fn lost_error(&self, e: &NetError) -> TransportError {
+        match e {
+            NetError::WorkFailed { .. } => TransportError::PeerLost {
+                peer: self.peer,
+                detail: e.to_string(),
+            },
+            _ => TransportError::Net {
+                peer: Some(self.peer),
+                source: e.clone(),
+            },
+        }
+    }
+
+    fn fail(&mut self, e: TransportError) -> TransportError {
+        if self.lost.is_none() {
+            self.lost = Some(e.clone());
+            // The peer may be waiting for a tail or head that will never come: closing the
+            // side connection tells it.
+            self.side = None;
+        }
+        e
+    }
+
+    /// Polls completions, and sends the head and tail the peer has not been told yet.
+    fn progress(&mut self) -> Result<()> {
+        if let Some(e) = &self.lost {
+            return Err(e.clone());
+        }
+        let failed = {
+            let mut io = lock(&self.io);
+            io.poll();
+            io.failed.clone()
+        };
+        if let Some(e) = failed {
+            let err = self.lost_error(&e);
+            return Err(self.fail(err));
+        }
+        if self.head_sent != self.send.head {
+            self.post_word(HEAD_IN, self.send.head)?;
+        }
+        if self.recv.tail_published != self.recv.tail {
+            self.post_word(TAIL_IN, self.recv.tail)?;
+        }
+        Ok(())
+    }
+
+    /// Writes control word `at` of the peer's landing region; whether it was posted.
+    fn post_word(&mut self, at: usize, value: u64) -> Result<bool> {
+        let remote = self.remote;
+        let offset = (self.remote_cap + at) as u64;
+        let posted = {
+            let mut io = lock(&self.io);
+            let r = io.post(self.max_outstanding, |ep, id| {
+                ep.write_inline(&value.to_le_bytes(), &remote, offset, id)
+            });
+            if let (Ok(Some(id)), HEAD_IN) = (&r, at) {
+                io.heads.push_back((*id, value));
+            }
+            r
+        };
+        match posted {
+            Ok(Some(_)) => {
+                match at {
+                    HEAD_IN => self.head_sent = value,
+                    TAIL_IN => self.recv.tail_published = value,
+                    _ => {}
+                }
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => {
+                let err = self.lost_error(&e);
+                Err(self.fail(err))
+            }
+        }
+    }
+
+    /// Posts as much of `data` as the peer's ring and the queue take (at most two writes: to
+    /// the ring's end, then from its start), then the new head; returns the bytes posted.
+    fn post_data(&mut self, data: &[u8]) -> Result<usize> {
+        let mut sent = 0usize;
+        for _ in 0..2 {
+            if sent == data.len() {
+                break;
+            }
+            self.send.tail_seen = self.word(TAIL_IN);
+            let (n, at) = self
+                .send
+                .writable(data.len() - sent, self.remote_cap)
+                .map_err(|c| self.corrupt(c))?;
+            let n = n.min(self.remote_cap - at);
+            if n == 0 {
+                break;
+            }
+            let posted = {
+                let mut io = lock(&self.io);
+                // Room for this write and the head after it.
+                if io.outstanding + 2 > self.max_outstanding {
+                    Ok(None)
+                } else {
+                    // SAFETY: [at, at+n) of the staging mirror is free: the peer consumed
+                    // what was there (its tail passed it), so the write that read it out has
+                    // been placed.
+                    unsafe { self.staging.memory.write(at, &data[sent..sent + n]) };
+                    let (staging, remote) = (&self.staging, &self.remote);
+                    io.post(self.max_outstanding, |ep, id| {
+                        ep.write(staging, at, n, remote, at as u64, id)
+                    })
+                }
+            };
+            match posted {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => {
+                    let err = self.lost_error(&e);
+                    return Err(self.fail(err));
+                }
+            }
+            self.send.wrote(n);
+            sent += n;
+        }
+        if self.head_sent != self.send.head {
+            self.post_word(HEAD_IN, self.send.head)?;
+        }
+        Ok(sent)
+    }
+
+    fn closed(&self) -> TransportError {
+        TransportError::PeerLost {
+            peer: self.peer,
+            detail: format!("closed its end ({})", self.provider),
+        }
+    }
+
+    fn ring_empty(&self) -> bool {
+        self.word(HEAD_IN) == self.recv.tail
+    }
+
+    fn corrupt(&self, c: RingCorrupt) -> TransportError {
+        TransportError::Protocol(format!(
+            "rank {}'s ring counters are inconsistent ({c:?})",
+            self.peer
+        ))
+    }
+}
+
+impl Connection for NetConnection {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn try_send(&mut self, data: &[u8]) -> Result<usize> {
+        self.progress()?;
+        if self.pin.is_some() {
+            return Err(TransportError::Protocol(format!(
+                "a plain write to rank {} while a pinned one is unfinished",
+                self.peer
+            )));
+        }
+        // The bytes are in the staging mirror: accepted now. They leave when this process
+        // next polls any network connection ([`progress_all`]) or drops this one.
+        self.post_data(data)
+    }
+
+    /// Accepts bytes only once the writes that carry them (and the head after them) have
+    /// completed, so that a sender whose operation ends needs no further polling for its last
+    /// bytes to leave.
+    fn try_send_pinned(&mut self, data: &[u8]) -> Result<usize> {
+        self.progress()?;
+        let (base, ahead) = self.pin.unwrap_or((self.send.head, 0));
+        let ahead = ahead.min(data.len());
+        let posted = self.post_data(&data[ahead..])?;
+        let ahead = ahead + posted;
+        let head_done = lock(&self.io).head_done;
+        let accepted = (head_done.saturating_sub(base) as usize).min(ahead);
+        let ahead = ahead - accepted;
+        self.pin = (ahead > 0).then_some((base + accepted as u64, ahead));
+        Ok(accepted)
+    }
+
+    fn try_recv(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
+        // Bytes already here are read even when the peer is gone (its tail writes then fail).
+        if let Err(e) = self.progress() {
+            if self.ring_empty() {
+                return Err(e);
+            }
+        }
+        let head = self.word(HEAD_IN);
+        self.recv.head_seen = head;
+        let (avail, at) = self
+            .recv
+            .readable(head, self.cap)
+            .map_err(|c| self.corrupt(c))?;
+        let len = (avail as usize).min(max).min(self.cap - at);
+        if avail == 0 && self.word(CLOSED_IN) != 0 {
+            return Err(self.closed());
+        }
+        if len == 0 {
+            return Ok(0);
+        }
+        // SAFETY: [at, at+len) lies between the tail and the head the peer published: it
+        // writes only past the head, until this side's tail (sent later) frees the range.
+        let used = unsafe { self.landing.memory.read(at, len, |s| consume(s)) }.min(len);
+        let publish = self
+            .recv
+            .consumed(used, len, RecvCursor::release_every(self.cap));
+        if publish && self.lost.is_none() {
+            // Not posted now (queue full): `progress` sends it later.
+            self.post_word(TAIL_IN, self.recv.tail)?;
+        }
+        Ok(used)
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        let progressed = self.progress();
+        let empty = self.ring_empty();
+        if let Err(e) = progressed {
+            return if empty { Err(e) } else { Ok(()) };
+        }
+        if !empty {
+            return Ok(());
+        }
+        if self.word(CLOSED_IN) != 0 {
+            return Err(self.closed());
+        }
+        let side = match self.side.as_mut() {
+            Some(side) => side.check_peer(),
+            None => Err(self.lost.clone().unwrap_or(TransportError::PeerLost {
+                peer: self.peer,
+                detail: "connection failed".into(),
+            })),
+        };
+        match side {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let since = *self.side_lost_at.get_or_insert_with(Instant::now);
+                if since.elapsed() >= LINGER {
+                    Err(self.fail(e))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    fn leave_farewell(&mut self, note: &str) {
+        if let Some(side) = self.side.as_mut() {
+            side.leave_farewell(note);
+        }
+    }
+
+    fn farewell(&self) -> Option<String> {
+        self.side.as_ref().and_then(|s| s.farewell())
+    }
+}
+
+impl Drop for NetConnection {
+    fn drop(&mut self) {
+        if self.lost.is_some() || self.closed_sent {
+            return;
+        }
+        // Everything posted, then the close mark, must leave before the endpoint goes: with
+        // manual progress nothing is sent unless polled.
+        let deadline = Instant::now() + CLOSE_FLUSH;
+        while Instant::now() < deadline {
+            if self.progress().is_err() {
+                return;
+            }
+            if !self.closed_sent && self.head_sent == self.send.head {
+                match self.post_word(CLOSED_IN, 1) {
+                    Ok(true) => self.closed_sent = true,
+                    Ok(false) => {}
+                    Err(_) => return,
+                }
+            }
+            if self.closed_sent && lock(&self.io).outstanding == 0 {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+fn send_all(
+    c: &mut dyn Connection,
+    mut data: &[u8],
+    deadline: &Deadline,
+    what: &str,
+) -> Result<()> {
+    while !data.is_empty() {
+        let n = c.try_send(data)?;
+        data = &data[n..];
+        if n == 0 {
+            if deadline.expired() {
+                return Err(deadline.timeout_error(what.to_string()));
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+    Ok(())
+}
+
+fn recv_exact(
+    c: &mut dyn Connection,
+    buf: &mut [u8],
+    deadline: &Deadline,
+    what: &str,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = c.try_recv_into(&mut buf[got..])?;
+        got += n;
+        if n == 0 {
+            c.check_peer()?;
+            if deadline.expired() {
+                return Err(deadline.timeout_error(what.to_string()));
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+    Ok(())
+}
+
+/// Sleeps in short slices: a network connection moves only when polled, and the caller polls
+/// again after every return (spurious returns are allowed by [`IdleWaiter`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NetWaiter;
+
+impl IdleWaiter for NetWaiter {
+    fn wait(&mut self, _interest: &[Interest], max: Duration) -> Result<()> {
+        progress_all();
+        std::thread::sleep(max.min(NET_POLL_SLICE));
+        Ok(())
+    }
+}
+
+/// Two connected ends over `provider` for tests and benchmarks (ranks 0 and 1 in this process),
+/// each with a `cap`-byte ring, their handshakes over a loopback TCP pair.
+pub fn local_pair(
+    provider: Arc<dyn Provider>,
+    cap: usize,
+) -> Result<(NetConnection, NetConnection)> {
+    let (a, b) = crate::tcp::local_pair(0, 1, crate::tcp::loopback(crate::tcp::Family::Inet))?;
+    let deadline = Deadline::after(Duration::from_secs(30));
+    let p = Arc::clone(&provider);
+    let d = deadline;
+    let other =
+        std::thread::spawn(move || NetConnection::establish(0, Box::new(b), p.as_ref(), cap, &d));
+    let mine = NetConnection::establish(1, Box::new(a), provider.as_ref(), cap, &deadline);
+    let theirs = other
+        .join()
+        .map_err(|_| TransportError::Protocol("network handshake thread panicked".into()))?;
+    Ok((mine?, theirs?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::loopback::{Faults, Loopback, LoopbackProvider};
+
+    fn pair(faults: Faults) -> (NetConnection, NetConnection) {
+        let p: Arc<dyn Provider> = Arc::new(LoopbackProvider(Loopback::with_faults(faults)));
+        local_pair(p, 4096).expect("pair")
+    }
+
+    /// Sends `total` patterned bytes from `a` to `b` (pinned or plain, in uneven pieces) on two
+    /// threads; returns what `b` read, or the first error either side saw.
+    fn transfer(a: NetConnection, b: NetConnection, total: usize, pinned: bool) -> Result<Vec<u8>> {
+        let data: Vec<u8> = (0..total).map(|i| (i * 7 + i / 251) as u8).collect();
+        let expect = data.clone();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let sender = std::thread::spawn(move || -> Result<NetConnection> {
+            let mut a = a;
+            let mut off = 0;
+            let mut piece = 1;
+            while off < data.len() {
+                let end = (off + piece).min(data.len());
+                let n = if pinned {
+                    a.try_send_pinned(&data[off..end])?
+                } else {
+                    a.try_send(&data[off..end])?
+                };
+                off += n;
+                if n == end - off + n {
+                    piece = piece * 3 % 5000 + 1;
+                }
+                if n == 0 {
+                    a.check_peer()?;
+                    assert!(Instant::now() < deadline, "send stuck at {off}");
+                    NetWaiter.wait(&[], Duration::from_millis(1))?;
+                }
+            }
+            Ok(a)
+        });
+        let mut b = b;
+        let mut got = Vec::new();
+        let result = loop {
+            if got.len() == total {
+                break Ok(());
+            }
+            let mut buf = [0u8; 777];
+            match b.try_recv_into(&mut buf) {
+                Ok(0) => {
+                    if let Err(e) = b.check_peer() {
+                        break Err(e);
+                    }
+                    assert!(Instant::now() < deadline, "receive stuck at {}", got.len());
+                    NetWaiter.wait(&[], Duration::from_millis(1))?;
+                }
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => break Err(e),
+            }
+        };
+        let sent = sender.join().expect("sender thread");
+        result?;
+        drop(sent?);
+        assert_eq!(got, expect);
+        Ok(got)
+    }
+
+    #[test]
+    fn completions_out_of_order_and_a_shallow_queue_keep_the_stream() {
+        for pinned in [false, true] {
+            let faults = Faults {
+                reverse_completions: true,
+                queue_depth: Some(4),
+                ..Faults::default()
+            };
+            let (a, b) = pair(faults);
+            transfer(a, b, 300_000, pinned).expect("transfer");
+        }
+    }
+
+    #[test]
+    fn a_failed_write_is_peer_lost_on_both_ends_not_a_hang() {
+        // Write 40 is a data write well into the stream (the handshake wrote 2).
+        let (a, b) = pair(Faults {
+            fail_write: Some(40),
+            ..Faults::default()
+        });
+        let err = transfer(a, b, 1 << 20, true).expect_err("a write failed");
+        assert!(
+            matches!(&err, TransportError::PeerLost { detail, .. } if detail.contains("injected") || detail.contains("closed") || detail.contains("gone")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn a_peer_that_vanishes_between_data_and_head_is_lost() {
+        // The fabric dies after 31 placed writes: some data without its head, at the latest.
+        let (a, b) = pair(Faults {
+            vanish_after: Some(31),
+            ..Faults::default()
+        });
+        let err = transfer(a, b, 1 << 20, false).expect_err("the peer vanished");
+        assert!(matches!(err, TransportError::PeerLost { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn pinned_bytes_are_accepted_only_once_written() {
+        let (mut a, mut b) = pair(Faults::default());
+        let data = [9u8; 1000];
+        // Posted, but the loopback places writes only when polled: nothing is accepted before
+        // the completions are seen.
+        let first = a.try_send_pinned(&data).unwrap();
+        assert_eq!(first, 0, "accepted before the write completed");
+        let mut accepted = first;
+        while accepted < data.len() {
+            accepted += a.try_send_pinned(&data[accepted..]).unwrap();
+        }
+        let mut got = [0u8; 1000];
+        let mut n = 0;
+        while n < got.len() {
+            n += b.try_recv_into(&mut got[n..]).unwrap();
+        }
+        assert_eq!(got, data);
+    }
+}
