@@ -133,12 +133,15 @@ fn multihost_child() {
         };
         let mut cfg = CommConfig::from_env().expect("config");
         cfg.algo = Selection::parse(spec).expect("spec");
+        let net_kind = cfg.net.kind;
         let comm = Communicator::init_with(info.rank, info.world_size, &id, cfg)
             .unwrap_or_else(|e| panic!("init {spec:?}: {e}"));
         for p in 1..info.world_size {
             let (a, b) = (info.rank, (info.rank + p) % info.world_size);
             let want = if layout.host_of(a) == layout.host_of(b) {
                 "shm"
+            } else if net_kind == weftcc::transports::net::NetKind::Ofi {
+                "net"
             } else {
                 "tcp"
             };
@@ -327,6 +330,16 @@ fn two_hosts_two_ranks_each() {
             return;
         }
     };
+    run_two_hosts(&hosts, false);
+    // The same over the RDMA code path: libfabric's tcp provider between the namespaces.
+    match weftcc::transports::net::ofi::OfiProvider::open(Some("tcp"), false) {
+        Ok(_) => run_two_hosts(&hosts, true),
+        Err(e) => println!("multihost over libfabric: SKIPPED ({e})"),
+    }
+}
+
+/// Four ranks on the two hosts: TCP across them, or (`ofi`) libfabric's tcp provider.
+fn run_two_hosts(hosts: &Hosts, ofi: bool) {
     // The shaped link's figures for the tuner: 1 Gbit/s, TCP latency.
     let cal_path = std::env::temp_dir().join(format!("weft-mh-cal-{}.json", std::process::id()));
     std::fs::write(
@@ -360,8 +373,10 @@ fn two_hosts_two_ranks_each() {
             .env("WEFT_SOCKET_IFNAME", format!("={}", hosts.dev[h]))
             .env("WEFT_TIMEOUT", "90")
             .env("WEFT_DEBUG", "INFO")
-            .env("WEFT_DEBUG_SUBSYS", "TUNING")
+            .env("WEFT_DEBUG_SUBSYS", "TUNING,NET")
             .env("WEFT_CALIBRATION", &cal_path)
+            .env("WEFT_NET", if ofi { "ofi" } else { "socket" })
+            .env("WEFT_OFI_PROVIDER", "tcp")
             .env_remove("WEFT_ALGO")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -378,6 +393,8 @@ fn two_hosts_two_ranks_each() {
         .map(|c| c.wait_with_output().expect("wait for a rank"))
         .collect();
     let _ = std::fs::remove_file(&cal_path);
+    let label = if ofi { "NET/OFI/tcp" } else { "TCP" };
+    println!("multihost over {label}:");
     let mut failures = Vec::new();
     for (rank, o) in outputs.iter().enumerate() {
         let out = String::from_utf8_lossy(&o.stdout);
@@ -399,8 +416,14 @@ fn two_hosts_two_ranks_each() {
             ));
         }
     }
-    drop(hosts);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    if ofi {
+        let log = String::from_utf8_lossy(&outputs[0].stderr);
+        assert!(
+            log.contains("via NET/OFI/tcp"),
+            "rank 0 did not log its network connections:\n{log}"
+        );
+    }
     let tuning = String::from_utf8_lossy(&outputs[0].stderr);
     assert!(
         tuning.contains("algorithm chosen"),

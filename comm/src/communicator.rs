@@ -183,6 +183,7 @@ impl Communicator {
             shm_ll_max: shm_low_latency_max(&config.proto),
             connect: config.connect,
             share_splits: config.split_share,
+            net: config.net.clone(),
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).
@@ -277,7 +278,7 @@ impl Communicator {
         self.inner.size
     }
 
-    /// Transport used to reach `peer` ("shm", "tcp"), `None` for this rank itself.
+    /// Transport used to reach `peer` ("shm", "tcp", "net"), `None` for this rank itself.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
         lock(&self.inner.state).mesh.transport_name(peer)
     }

@@ -33,6 +33,9 @@ pub struct CommConfig {
     /// default: every message then carries a 16-byte frame header (measured: about 0.2 µs more
     /// per small message over shared memory). Every rank must choose alike.
     pub split_share: bool,
+    /// The network across hosts (`WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER`,
+    /// `WEFT_NET_BUFFSIZE`): RDMA where usable, else TCP.
+    pub net: weftcc_transports::net::NetChoice,
     /// Largest message of a pipelined transfer (`WEFT_SLICE_BYTES`).
     pub slice_bytes: usize,
     /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
@@ -98,6 +101,8 @@ impl CommConfig {
                 _ => None,
             },
             split_share: env::flag("WEFT_SPLIT_SHARE"),
+            net: weftcc_transports::net::NetChoice::from_env()
+                .map_err(|e| Error::Config(e.to_string()))?,
             connect: match std::env::var("WEFT_CONNECT") {
                 Ok(v) if !v.trim().is_empty() => {
                     ConnectMode::parse(&v).map_err(|e| Error::Config(e.to_string()))?

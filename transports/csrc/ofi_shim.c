@@ -106,6 +106,9 @@ int weft_ofi_open(const char *prov, int hardware_only, struct weft_ofi_domain **
     hints->mode = 0;
     hints->ep_attr->type = FI_EP_RDM;
     hints->tx_attr->msg_order = WEFT_ORDER_WAW;
+    /* A write completes once placed at the target, not when handed to a socket: a sender that
+     * closes after its last completion then loses nothing in flight. */
+    hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     hints->rx_attr->msg_order = WEFT_ORDER_WAW;
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->domain_attr->threading = FI_THREAD_SAFE;

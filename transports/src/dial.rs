@@ -91,6 +91,9 @@ pub struct PeerHost {
     pub netns: u64,
     /// The rank allows shared memory.
     pub shm: bool,
+    /// The [`Provider::id`](crate::net::Provider::id) of the network provider the rank opened
+    /// (empty for TCP only): two ranks on different hosts with equal ids use it.
+    pub net: String,
 }
 
 impl PeerHost {
@@ -101,7 +104,13 @@ impl PeerHost {
             host_id: host_id.to_string(),
             netns: std::fs::metadata("/proc/self/ns/net").map_or(0, |m| m.ino()),
             shm,
+            net: String::new(),
         }
+    }
+
+    /// Whether two ranks that do not share memory connect through their network provider.
+    pub fn shares_network_with(&self, other: &PeerHost) -> bool {
+        !self.net.is_empty() && self.net == other.net && !self.shares_memory_with(other)
     }
 
     /// Whether two ranks connect through shared memory (else TCP).
@@ -211,6 +220,16 @@ impl Connector {
     /// The transport this rank uses with `peer`.
     pub fn kind(&self, peer: usize) -> Kind {
         self.shared.kind(peer)
+    }
+
+    /// What the host table says of `peer` (`None` out of range).
+    pub fn host(&self, peer: usize) -> Option<&PeerHost> {
+        self.shared.hosts.get(peer)
+    }
+
+    /// This rank's own entry of the host table.
+    pub fn me(&self) -> &PeerHost {
+        &self.shared.hosts[self.shared.rank]
     }
 
     /// A waiter on this rank's shared-memory doorbell, if it has one.

@@ -39,6 +39,7 @@ use crate::dial::{Connector, Kind, Made, PeerHost};
 use crate::error::{Result, TransportError};
 use crate::mem::{self, Doorbell, MemWaiter};
 use crate::mux::{self, ChannelId, Mux, Signal};
+use crate::net::{self, NetChoice, NetConnection, Provider};
 use crate::shm::{self, ShmEndpoint, ShmWaiter};
 use crate::store::StoreClient;
 use crate::tcp::{self, Family, TcpEndpoint, TcpPollHandle, TcpWaiter};
@@ -112,6 +113,9 @@ pub struct MeshConfig {
     /// Splits share this communicator's connections ([`Mesh::split`]): every connection then
     /// carries frames ([`crate::mux`]). Every rank must choose alike (dials check it).
     pub share_splits: bool,
+    /// The network to ranks on other hosts ([`net::select`]): a pair whose ranks opened the
+    /// same provider uses it, other pairs TCP.
+    pub net: NetChoice,
 }
 
 /// A peer [`Mesh::connect`] could not connect, and why.
@@ -126,21 +130,23 @@ pub struct ConnectError {
 }
 
 fn encode_host(h: &PeerHost) -> String {
-    format!("{:x}/{}/{}", h.netns, u8::from(h.shm), h.host_id)
+    format!("{:x}/{}/{}/{}", h.netns, u8::from(h.shm), h.net, h.host_id)
 }
 
 fn decode_host(text: &str) -> Option<PeerHost> {
-    let mut it = text.splitn(3, '/');
+    let mut it = text.splitn(4, '/');
     let netns = u64::from_str_radix(it.next()?, 16).ok()?;
     let shm = match it.next()? {
         "0" => false,
         "1" => true,
         _ => return None,
     };
+    let net = it.next()?.to_string();
     Some(PeerHost {
         host_id: it.next()?.to_string(),
         netns,
         shm,
+        net,
     })
 }
 
@@ -272,6 +278,9 @@ pub struct MeshWaiter {
     tcp: TcpWaiter,
     mem: Option<MemWaiter>,
     shm_peers: Vec<bool>,
+    /// Peers reached over a network provider: they move only when polled, so waits on them
+    /// are short slices that poll every network connection of the process.
+    net_peers: Vec<bool>,
     /// Raised when another communicator's reader moved bytes for this one off a shared
     /// connection (a socket it may then wait on in vain), and the value last seen.
     signal: Option<(Signal, u64)>,
@@ -322,6 +331,19 @@ impl IdleWaiter for MeshWaiter {
         if self.signalled() {
             return Ok(());
         }
+        let want_net = if interest.is_empty() {
+            self.net_peers.iter().any(|&b| b)
+        } else {
+            interest
+                .iter()
+                .any(|i| self.net_peers.get(i.peer).copied().unwrap_or(false))
+        };
+        let max = if want_net {
+            net::stream::progress_all();
+            max.min(net::stream::NET_POLL_SLICE)
+        } else {
+            max
+        };
         let (want_shm, want_tcp) = self.wants(interest);
         if want_tcp && self.shared() {
             // Another communicator of this process may drain a socket this one waits on.
@@ -391,9 +413,23 @@ struct Shared {
     /// The first communicator's store namespace, where the TCP addresses are.
     namespace: String,
     shm_ll_max: usize,
+    /// The network provider this rank opened (see [`MeshConfig::net`]) and its ring size.
+    net: Option<Arc<dyn Provider>>,
+    net_ring: usize,
     links: Mutex<Links>,
     /// Meshes alive.
     live: Arc<AtomicUsize>,
+}
+
+impl Shared {
+    /// Whether this rank reaches `member` (a family rank) through its network provider.
+    fn uses_network(&self, member: usize) -> bool {
+        self.net.is_some()
+            && self
+                .connector
+                .host(member)
+                .is_some_and(|h| self.connector.me().shares_network_with(h))
+    }
 }
 
 struct Links {
@@ -464,7 +500,12 @@ impl Mesh {
         )?;
 
         // 2. The host table.
-        let me = PeerHost::this_process(&cfg.host_id, !cfg.shm_disable);
+        let provider = net::select::open(&cfg.net)?;
+        let mut me = PeerHost::this_process(&cfg.host_id, !cfg.shm_disable);
+        if let Some(p) = &provider {
+            me.net = p.id();
+            tracing::info!(target: "weftcc::net", rank, "NET/{} opened", p.name());
+        }
         let hosts = gather_hosts(store, ns, rank, n, &me, &deadline)?;
         store.add(&format!("{ns}/hosts-read"), 1)?;
 
@@ -513,6 +554,7 @@ impl Mesh {
             tcp: TcpWaiter::new(),
             mem: None,
             shm_peers: vec![false; n],
+            net_peers: vec![false; n],
             signal: Some((Arc::clone(&signal), 0)),
             family_live: Some(Arc::clone(&live)),
         };
@@ -533,6 +575,8 @@ impl Mesh {
             share: cfg.share_splits,
             namespace: ns.to_string(),
             shm_ll_max: cfg.shm_ll_max,
+            net: provider,
+            net_ring: cfg.net.ring,
             links: Mutex::new(Links {
                 by_rank: (0..n).map(|_| None).collect(),
                 addrs: HashMap::new(),
@@ -601,6 +645,7 @@ impl Mesh {
                 tcp: TcpWaiter::new(),
                 mem: None,
                 shm_peers: vec![false; n],
+                net_peers: vec![false; n],
                 signal: Some((Arc::clone(&signal), 0)),
                 family_live: Some(Arc::clone(&family.live)),
             },
@@ -695,6 +740,10 @@ impl Mesh {
                 links.addrs.insert(self.members[p], addr);
             }
         }
+        // In the family's rank order: a network connection's handshake waits for the peer to
+        // reach it, and with every rank going in one order no cycle of waits can form.
+        let mut missing = missing;
+        missing.sort_by_key(|&p| self.members[p]);
         for p in missing {
             let f = self.members[p];
             let addr = links.addrs.get(&f).copied();
@@ -722,9 +771,10 @@ impl Mesh {
                 self.open(&family, p, addr, &deadline, timeout, cancel)
                     .map_err(|source| ConnectError { peer: p, source })?
             };
-            match &poll {
-                Some(h) => self.waiter.tcp.add(h.for_peer(p)),
-                None => self.waiter.shm_peers[p] = true,
+            match (&poll, kind) {
+                (Some(h), _) => self.waiter.tcp.add(h.for_peer(p)),
+                (None, "net") => self.waiter.net_peers[p] = true,
+                (None, _) => self.waiter.shm_peers[p] = true,
             }
             self.conns[p] = Some(conn);
             self.kinds[p] = Some(kind);
@@ -752,8 +802,24 @@ impl Mesh {
                 (c, "shm", None)
             }
             Made::Tcp(c) => {
-                let poll = Some(c.poll_handle());
-                (Box::new(c), "tcp", poll)
+                let f = self.members[p];
+                match &family.net {
+                    Some(provider) if family.uses_network(f) => {
+                        let conn = NetConnection::establish(
+                            p,
+                            Box::new(c),
+                            provider.as_ref(),
+                            family.net_ring,
+                            deadline,
+                        )?;
+                        tracing::info!(target: "weftcc::net", rank = self.rank, peer = p, "via NET/{}", provider.name());
+                        (Box::new(conn), "net", None)
+                    }
+                    _ => {
+                        let poll = Some(c.poll_handle());
+                        (Box::new(c), "tcp", poll)
+                    }
+                }
             }
         };
         tracing::info!(target: "weftcc::init", rank = self.rank, peer = p, transport = opened.1, "connected");
@@ -812,6 +878,7 @@ impl Mesh {
                     tcp: TcpWaiter::new(),
                     mem: Some(bells[r].waiter()),
                     shm_peers: vec![false; nranks],
+                    net_peers: vec![false; nranks],
                     signal: None,
                     family_live: None,
                 },
@@ -833,19 +900,21 @@ impl Mesh {
         self.nranks
     }
 
-    /// The transport used to reach `peer` (`"shm"`, `"tcp"`, `"mem"`), or that will be used once
+    /// The transport used to reach `peer` (`"shm"`, `"tcp"`, `"net"`, `"mem"`), or that will be used once
     /// it is connected; `None` for this rank or an out-of-range peer.
     pub fn transport_name(&self, peer: usize) -> Option<&'static str> {
         if peer == self.rank || peer >= self.nranks {
             return None;
         }
         self.kinds[peer].or_else(|| {
-            self.family
-                .as_ref()
-                .map(|f| match f.connector.kind(self.members[peer]) {
+            self.family.as_ref().map(|f| {
+                let member = self.members[peer];
+                match f.connector.kind(member) {
                     Kind::Shm => "shm",
+                    Kind::Tcp if f.uses_network(member) => "net",
                     Kind::Tcp => "tcp",
-                })
+                }
+            })
         })
     }
 
@@ -889,6 +958,7 @@ mod tests {
             host_id: "node/7:boot".into(),
             netns: 0xf00d,
             shm: true,
+            net: "ofi:tcp;ofi_rxm".into(),
         };
         assert_eq!(decode_host(&encode_host(&h)), Some(h));
         let entries: Vec<Vec<u8>> = ["a", "b", "a", "a", "c"]

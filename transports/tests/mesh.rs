@@ -112,6 +112,7 @@ fn run_mesh(
                     shm_ll_max: shm::LL_MAX,
                     connect: ConnectMode::OnDemand,
                     share_splits: share,
+                    net: weftcc_transports::net::NetChoice::socket(),
                 };
                 let mut mesh = Mesh::establish(&mut store, &cfg).expect("establish");
                 assert_eq!((mesh.rank(), mesh.nranks()), (rank, N));
@@ -243,6 +244,7 @@ fn establish_times_out_when_a_rank_is_missing() {
         shm_ll_max: 0,
         connect: ConnectMode::OnDemand,
         share_splits: false,
+        net: weftcc_transports::net::NetChoice::socket(),
     };
     let t = Instant::now();
     let e = Mesh::establish(&mut store, &cfg)

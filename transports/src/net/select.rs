@@ -158,12 +158,12 @@ pub fn open(choice: &NetChoice) -> Result<Option<Arc<dyn Provider>>> {
         }
         NetKind::Auto => {
             if !choice.ib_disable {
-                tracing::debug!(target: "weftcc::init", "NET/IB: {}", ib_unavailable());
+                tracing::debug!(target: "weftcc::net", "NET/IB: {}", ib_unavailable());
             }
             match ofi::OfiProvider::open(choice.ofi_provider.as_deref(), true) {
                 Ok(p) => Some(Arc::new(p)),
                 Err(e) => {
-                    tracing::debug!(target: "weftcc::init", "NET/OFI: {e}; using TCP sockets");
+                    tracing::debug!(target: "weftcc::net", "NET/OFI: {e}; using TCP sockets");
                     None
                 }
             }
