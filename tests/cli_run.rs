@@ -468,7 +468,7 @@ fn perf_under_weft_run_prints_on_rank_0_only() {
     let out = perf(
         "all-gather -b 1K -e 4K -d half -n 2 -w 1 -c 0",
         &[],
-        Some(&["-n", "2"]),
+        Some(&["-n", "2", "--master-port", "0"]),
     );
     assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
     assert!(
@@ -500,11 +500,14 @@ fn perf_rejects_bad_arguments() {
 
 #[test]
 fn topo_job_gathers_every_rank_on_rank_0() {
-    // Two "hosts" by host id: ranks 0 and 2 on one, 1 on the other (TCP between them).
+    // Two "hosts" by host id: ranks 0 and 2 on one, 1 on the other (TCP between them). A free
+    // port: other tests' jobs run at the same time.
     let o = weft_env(
         &[
             "-n",
             "3",
+            "--master-port",
+            "0",
             "--",
             "sh",
             "-c",
@@ -767,7 +770,17 @@ fn every_rank_killed_mid_operation_leaves_nothing_in_dev_shm() {
     // gone from /dev/shm (objects are unlinked as they are made).
     let token = format!("sigkill{}", std::process::id());
     let mut job = Command::new(WEFT)
-        .args(["run", "-n", "4", "--", WEFT, "perf", "all-reduce"])
+        .args([
+            "run",
+            "-n",
+            "4",
+            "--master-port",
+            "0",
+            "--",
+            WEFT,
+            "perf",
+            "all-reduce",
+        ])
         .args(["-b", "4M", "-e", "4M", "-w", "0", "-n", "1000000"])
         .env("WEFT_JOB_TOKEN", &token)
         .env_remove("WEFT_CONNECT")

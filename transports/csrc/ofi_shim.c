@@ -277,7 +277,8 @@ ssize_t weft_ofi_write_inline(struct weft_ofi_ep *e, const void *buf, size_t len
     msg.rma_iov = &rma;
     msg.rma_iov_count = 1;
     msg.context = (void *)(uintptr_t)ctx;
-    return fi_writemsg(e->ep, &msg, FI_INJECT | FI_COMPLETION);
+    /* Explicit flags replace the endpoint's defaults: ask for delivery again. */
+    return fi_writemsg(e->ep, &msg, FI_INJECT | FI_COMPLETION | FI_DELIVERY_COMPLETE);
 }
 
 /*

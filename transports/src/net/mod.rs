@@ -116,10 +116,11 @@ pub trait Registration: Send + Sync {
 
 /// Registered memory: the allocation, kept alive as long as the registration.
 pub struct Region {
+    /// The registration. Declared first: fields drop in order, so it is deregistered before
+    /// this `Region`'s reference to the memory goes.
+    pub registration: Box<dyn Registration>,
     /// The memory (shared with the provider, which may copy into it on a peer's behalf).
     pub memory: Arc<Memory>,
-    /// The registration (dropped before the memory, which the `Arc` outlives).
-    pub registration: Box<dyn Registration>,
 }
 
 impl Region {

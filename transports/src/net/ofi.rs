@@ -273,8 +273,9 @@ mod sys {
 
     impl Drop for OfiRegistration {
         fn drop(&mut self) {
-            // SAFETY: registered by `weft_ofi_mr_reg`, closed once, before the memory (which
-            // the `Region` holding this registration frees after it).
+            // SAFETY: registered by `weft_ofi_mr_reg`, closed once, before the memory: the
+            // `Region` declares its registration before its memory, and endpoints that may
+            // still use the region close first (`EndpointState` in `stream.rs`).
             unsafe { weft_ofi_mr_close(self.mr) }
         }
     }
@@ -377,7 +378,9 @@ mod sys {
         }
 
         fn connect(&mut self, peer: &[u8]) -> NetResult<()> {
-            if peer.is_empty() {
+            // fi_av_insert reads an address of the provider's own length: a peer's address
+            // of another length would be read out of bounds.
+            if peer.len() != self.address()?.len() {
                 return Err(call_error("fi_av_insert", -22));
             }
             // SAFETY: `peer` is an address as the peer's `fi_getname` produced it (the
@@ -431,7 +434,7 @@ mod sys {
                     src.memory.as_ptr().add(src_offset).cast(),
                     len,
                     src.registration.local_descriptor(),
-                    dst.base + dst_offset,
+                    dst.base.wrapping_add(dst_offset),
                     dst.key,
                     wr_id,
                 )
@@ -465,7 +468,7 @@ mod sys {
                     self.ep,
                     data.as_ptr().cast(),
                     data.len(),
-                    dst.base + dst_offset,
+                    dst.base.wrapping_add(dst_offset),
                     dst.key,
                     wr_id,
                 )

@@ -59,8 +59,8 @@ pub struct NetConnection {
     /// The handshake's TCP connection, kept for liveness and farewell notes; closed when this
     /// side fails, so that the peer learns it even if this rank lingers.
     side: Option<Box<dyn Connection>>,
-    landing: Region,
-    staging: Region,
+    landing: Arc<Region>,
+    staging: Arc<Region>,
     /// This side's ring capacity (the front of `landing`).
     cap: usize,
     /// The peer's landing region and its ring capacity.
@@ -82,7 +82,11 @@ pub struct NetConnection {
 /// An endpoint and the facts its completions established; locked by its connection's calls
 /// and, when free, by [`progress_all`].
 struct EndpointState {
+    /// Declared first so that it closes before the regions below are deregistered: a
+    /// provider may still read the staging mirror or place bytes in the landing ring until
+    /// then, and [`progress_all`] may hold this state after the connection is gone.
     ep: Box<dyn Endpoint>,
+    _regions: [Arc<Region>; 2],
     outstanding: usize,
     next_wr: u64,
     /// Head writes posted and not completed: (work request, head value), in posting order.
@@ -91,6 +95,17 @@ struct EndpointState {
     head_done: u64,
     failed: Option<NetError>,
     done: Vec<Completion>,
+    /// The peer's landing region and ring size, and the queue bound, for the control words.
+    remote: RemoteRegion,
+    remote_cap: usize,
+    max_outstanding: usize,
+    /// Head and tail the connection wants the peer to know, and the values last posted:
+    /// whoever polls this state posts what is pending ([`progress_all`] too), so bytes a
+    /// plain `try_send` accepted leave even if their connection is never called again.
+    head_want: u64,
+    head_posted: u64,
+    tail_want: u64,
+    tail_posted: u64,
 }
 
 impl EndpointState {
@@ -112,6 +127,38 @@ impl EndpointState {
             if let Some(i) = self.heads.iter().position(|&(id, _)| id == c.wr_id) {
                 let (_, head) = self.heads.remove(i).unwrap_or_default();
                 self.head_done = self.head_done.max(head);
+            }
+        }
+    }
+
+    /// Posts the head and tail the peer has not been sent yet (a full queue leaves them for
+    /// the next call).
+    fn flush_words(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        for at in [HEAD_IN, TAIL_IN] {
+            let (want, posted) = match at {
+                HEAD_IN => (self.head_want, self.head_posted),
+                _ => (self.tail_want, self.tail_posted),
+            };
+            if want == posted {
+                continue;
+            }
+            let (remote, offset) = (self.remote, (self.remote_cap + at) as u64);
+            match self.post(self.max_outstanding, |ep, id| {
+                ep.write_inline(&want.to_le_bytes(), &remote, offset, id)
+            }) {
+                Ok(Some(id)) => {
+                    if at == HEAD_IN {
+                        self.heads.push_back((id, want));
+                        self.head_posted = want;
+                    } else {
+                        self.tail_posted = want;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => self.failed = Some(e),
             }
         }
     }
@@ -155,6 +202,7 @@ pub fn progress_all() {
     for st in live {
         if let Ok(mut st) = st.try_lock() {
             st.poll();
+            st.flush_words();
         }
     }
 }
@@ -290,14 +338,23 @@ impl NetConnection {
             }
         }
         let max_outstanding = ep.max_outstanding().max(4);
+        let (landing, staging) = (Arc::new(landing), Arc::new(staging));
         let io = Arc::new(Mutex::new(EndpointState {
             ep,
+            _regions: [Arc::clone(&landing), Arc::clone(&staging)],
             outstanding: 0,
             next_wr: 0,
             heads: VecDeque::new(),
             head_done: 0,
             failed: None,
             done: Vec::new(),
+            remote: peer_region,
+            remote_cap: remote_cap as usize,
+            max_outstanding,
+            head_want: 0,
+            head_posted: 0,
+            tail_want: 0,
+            tail_posted: 0,
         }));
         lock(registry()).push(Arc::downgrade(&io));
         Ok(NetConnection {
@@ -361,53 +418,41 @@ impl NetConnection {
         if let Some(e) = &self.lost {
             return Err(e.clone());
         }
+        self.sync_words(|_| {})
+    }
+
+    /// Polls, lets `update` set the words the peer should know, posts what is pending, and
+    /// records what was posted.
+    fn sync_words(&mut self, update: impl FnOnce(&mut EndpointState)) -> Result<()> {
         let failed = {
             let mut io = lock(&self.io);
             io.poll();
+            update(&mut io);
+            io.flush_words();
+            self.head_sent = io.head_posted;
+            self.recv.tail_published = io.tail_posted;
             io.failed.clone()
         };
-        if let Some(e) = failed {
-            let err = self.lost_error(&e);
-            return Err(self.fail(err));
-        }
-        if self.head_sent != self.send.head {
-            self.post_word(HEAD_IN, self.send.head)?;
-        }
-        if self.recv.tail_published != self.recv.tail {
-            self.post_word(TAIL_IN, self.recv.tail)?;
-        }
-        Ok(())
-    }
-
-    /// Writes control word `at` of the peer's landing region; whether it was posted.
-    fn post_word(&mut self, at: usize, value: u64) -> Result<bool> {
-        let remote = self.remote;
-        let offset = (self.remote_cap + at) as u64;
-        let posted = {
-            let mut io = lock(&self.io);
-            let r = io.post(self.max_outstanding, |ep, id| {
-                ep.write_inline(&value.to_le_bytes(), &remote, offset, id)
-            });
-            if let (Ok(Some(id)), HEAD_IN) = (&r, at) {
-                io.heads.push_back((*id, value));
-            }
-            r
-        };
-        match posted {
-            Ok(Some(_)) => {
-                match at {
-                    HEAD_IN => self.head_sent = value,
-                    TAIL_IN => self.recv.tail_published = value,
-                    _ => {}
-                }
-                Ok(true)
-            }
-            Ok(None) => Ok(false),
-            Err(e) => {
+        match failed {
+            Some(e) => {
                 let err = self.lost_error(&e);
                 Err(self.fail(err))
             }
+            None => Ok(()),
         }
+    }
+
+    /// Writes the peer's close word; whether it was posted.
+    fn post_close(&mut self) -> Result<bool> {
+        let remote = self.remote;
+        let offset = (self.remote_cap + CLOSED_IN) as u64;
+        let posted = lock(&self.io).post(self.max_outstanding, |ep, id| {
+            ep.write_inline(&1u64.to_le_bytes(), &remote, offset, id)
+        });
+        posted.map(|p| p.is_some()).map_err(|e| {
+            let err = self.lost_error(&e);
+            self.fail(err)
+        })
     }
 
     /// Posts as much of `data` as the peer's ring and the queue take (at most two writes: to
@@ -455,7 +500,8 @@ impl NetConnection {
             sent += n;
         }
         if self.head_sent != self.send.head {
-            self.post_word(HEAD_IN, self.send.head)?;
+            let head = self.send.head;
+            self.sync_words(|io| io.head_want = head)?;
         }
         Ok(sent)
     }
@@ -520,6 +566,9 @@ impl Connection for NetConnection {
                 return Err(e);
             }
         }
+        // The close mark lands after the last head: read it first, so that "closed and
+        // empty" is judged on a head read after it.
+        let closed = self.word(CLOSED_IN) != 0;
         let head = self.word(HEAD_IN);
         self.recv.head_seen = head;
         let (avail, at) = self
@@ -527,7 +576,7 @@ impl Connection for NetConnection {
             .readable(head, self.cap)
             .map_err(|c| self.corrupt(c))?;
         let len = (avail as usize).min(max).min(self.cap - at);
-        if avail == 0 && self.word(CLOSED_IN) != 0 {
+        if avail == 0 && closed {
             return Err(self.closed());
         }
         if len == 0 {
@@ -541,13 +590,15 @@ impl Connection for NetConnection {
             .consumed(used, len, RecvCursor::release_every(self.cap));
         if publish && self.lost.is_none() {
             // Not posted now (queue full): `progress` sends it later.
-            self.post_word(TAIL_IN, self.recv.tail)?;
+            let tail = self.recv.tail;
+            self.sync_words(|io| io.tail_want = tail)?;
         }
         Ok(used)
     }
 
     fn check_peer(&mut self) -> Result<()> {
         let progressed = self.progress();
+        let closed = self.word(CLOSED_IN) != 0;
         let empty = self.ring_empty();
         if let Err(e) = progressed {
             return if empty { Err(e) } else { Ok(()) };
@@ -555,7 +606,7 @@ impl Connection for NetConnection {
         if !empty {
             return Ok(());
         }
-        if self.word(CLOSED_IN) != 0 {
+        if closed {
             return Err(self.closed());
         }
         let side = match self.side.as_mut() {
@@ -602,7 +653,7 @@ impl Drop for NetConnection {
                 return;
             }
             if !self.closed_sent && self.head_sent == self.send.head {
-                match self.post_word(CLOSED_IN, 1) {
+                match self.post_close() {
                     Ok(true) => self.closed_sent = true,
                     Ok(false) => {}
                     Err(_) => return,
