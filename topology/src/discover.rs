@@ -12,7 +12,7 @@
 //! Discovery never fails: what cannot be read is left out (and listed in the notes).
 
 use crate::error::{Result, TopoError};
-use crate::model::{CpuNode, HostInfo, Nic, NicKind, PathClass, Topology};
+use crate::model::{CpuNode, HostInfo, Nic, NicKind, PathClass, RdmaPort, Topology};
 use crate::nvml;
 use crate::nvsmi::{self, count_cpus};
 use std::io::Read;
@@ -72,7 +72,40 @@ fn sysfs_nic(name: String, dev: &Path, speed_gbit: Option<f64>, kind: NicKind) -
         numa: read_numa(dev),
         bus_id: bus_of(dev),
         kind,
+        ports: Vec::new(),
     }
+}
+
+/// The ports of the RDMA device at `<sysfs>/class/infiniband/<dev>`.
+fn rdma_ports(dev: &Path) -> Vec<RdmaPort> {
+    let zero = "0000:0000:0000:0000:0000:0000:0000:0000";
+    sorted_dir(&dev.join("ports"))
+        .into_iter()
+        .filter_map(|(name, port)| {
+            let number = name.parse::<u32>().ok()?;
+            let gids = sorted_dir(&port.join("gids"))
+                .into_iter()
+                .filter_map(|(i, p)| {
+                    let gid = read_trim(&p)?;
+                    (gid != zero && !gid.is_empty()).then(|| Some((i.parse().ok()?, gid)))?
+                })
+                .collect();
+            Some(RdmaPort {
+                port: number,
+                // "4: ACTIVE"
+                state: read_trim(&port.join("state"))
+                    .map(|s| s.rsplit(':').next().unwrap_or("").trim().to_string())
+                    .unwrap_or_default(),
+                rate_gbit: read_trim(&port.join("rate")).and_then(|r| {
+                    r.split_whitespace()
+                        .next()
+                        .and_then(|n| n.parse::<f64>().ok())
+                }),
+                link_layer: read_trim(&port.join("link_layer")).unwrap_or_default(),
+                gids,
+            })
+        })
+        .collect()
 }
 
 fn read_numa(dev: &Path) -> Option<u32> {
@@ -164,20 +197,16 @@ pub fn nics_from_sysfs(sysfs: &Path) -> Vec<Nic> {
     let mut out = Vec::new();
     for (name, path) in sorted_dir(&sysfs.join("class/infiniband")) {
         let dev = path.join("device");
-        let mut speed = None;
-        for (_, port) in sorted_dir(&path.join("ports")) {
-            // "100 Gb/sec (4X EDR)"
-            let rate = read_trim(&port.join("rate")).and_then(|r| {
-                r.split_whitespace()
-                    .next()
-                    .and_then(|n| n.parse::<f64>().ok())
-            });
-            let active = read_trim(&port.join("state")).is_none_or(|s| s.contains("ACTIVE"));
-            if let (Some(r), true) = (rate, active) {
-                speed = Some(speed.map_or(r, |s: f64| s.max(r)));
-            }
-        }
-        out.push(sysfs_nic(name, &dev, speed, NicKind::Ib));
+        let ports = rdma_ports(&path);
+        // The fastest active port (a port of unknown state counts).
+        let speed = ports
+            .iter()
+            .filter(|p| p.state.is_empty() || p.state == "ACTIVE")
+            .filter_map(|p| p.rate_gbit)
+            .reduce(f64::max);
+        let mut nic = sysfs_nic(name, &dev, speed, NicKind::Ib);
+        nic.ports = ports;
+        out.push(nic);
     }
     for (name, path) in sorted_dir(&sysfs.join("class/net")) {
         let dev = path.join("device");
@@ -399,6 +428,9 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
             n.speed_gbit = nic.speed_gbit.or(n.speed_gbit);
             n.numa = nic.numa.or(n.numa);
             n.bus_id = nic.bus_id.or(n.bus_id.take());
+            if !nic.ports.is_empty() {
+                n.ports = nic.ports;
+            }
             continue;
         }
         // A new device: its paths from NUMA nodes (NODE on the same node, SYS across).

@@ -31,5 +31,5 @@ pub use discover::host_id;
 pub use error::{Result, TopoError};
 pub use model::{
     class_rank, CpuNode, Gpu, Graph, GraphLink, GraphNode, HostInfo, LinkKind, LinkSpeeds, Nic,
-    NicKind, NodeKind, PathClass, Topology,
+    NicKind, NodeKind, PathClass, RdmaPort, Topology,
 };

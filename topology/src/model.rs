@@ -235,6 +235,25 @@ pub struct Nic {
     pub bus_id: Option<String>,
     /// Kind.
     pub kind: NicKind,
+    /// Ports of an RDMA device (`/sys/class/infiniband/<dev>/ports`); empty for others.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<RdmaPort>,
+}
+
+/// One port of an RDMA device, as sysfs describes it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RdmaPort {
+    /// Port number (`mlx5_0:1` is port 1).
+    pub port: u32,
+    /// `ACTIVE`, `DOWN`, `INIT`, … (sysfs `state` without its number).
+    pub state: String,
+    /// Rate in Gbit/s when known (sysfs `rate`, "100 Gb/sec (4X EDR)").
+    pub rate_gbit: Option<f64>,
+    /// `InfiniBand` or `Ethernet` (RoCE).
+    pub link_layer: String,
+    /// The GID table's non-zero entries as (index, GID): RoCE v2 needs one of them
+    /// (`WEFT_IB_GID_INDEX`).
+    pub gids: Vec<(u32, String)>,
 }
 
 /// A CPU socket / NUMA node.

@@ -351,6 +351,30 @@ pub fn render_text(r: &Report) -> String {
                 .map_or(String::new(), |s| format!("  {s} Gbit/s")),
             n.numa.map_or(String::new(), |x| format!("  NUMA {x}"))
         );
+        for p in &n.ports {
+            let _ = writeln!(
+                o,
+                "  port {}:{}  {}  {}{}  {} GID{}{}",
+                n.name,
+                p.port,
+                if p.state.is_empty() { "?" } else { &p.state },
+                if p.link_layer.is_empty() {
+                    "?"
+                } else {
+                    &p.link_layer
+                },
+                p.rate_gbit
+                    .map_or(String::new(), |r| format!("  {r} Gbit/s")),
+                p.gids.len(),
+                if p.gids.len() == 1 { "" } else { "s" },
+                n.bus_id
+                    .as_deref()
+                    .map_or(String::new(), |b| format!("  PCI {b}"))
+            );
+            for (i, gid) in &p.gids {
+                let _ = writeln!(o, "    gid {i}: {gid}");
+            }
+        }
     }
     if let Some(shm) = t.shm_bytes {
         let _ = writeln!(o, "/dev/shm: {}", human_bytes(shm));

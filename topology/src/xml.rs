@@ -277,6 +277,7 @@ pub fn read(text: &str) -> Result<Topology> {
                             numa: cur_cpu.and_then(|c| cpus.get(c)).map(|c| c.numa),
                             bus_id: cur_pci.map(|p| pcis[p].busid.clone()),
                             kind,
+                            ports: Vec::new(),
                         },
                         Placed {
                             cpu: cur_cpu,

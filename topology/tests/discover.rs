@@ -42,6 +42,35 @@ fn fake_sysfs(root: &Path) {
         "200 Gb/sec (4X HDR)\n",
     );
     put(root, "class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n");
+    put(
+        root,
+        "class/infiniband/mlx5_0/ports/1/link_layer",
+        "Ethernet\n",
+    );
+    let zero = "0000:0000:0000:0000:0000:0000:0000:0000\n";
+    put(
+        root,
+        "class/infiniband/mlx5_0/ports/1/gids/0",
+        "fe80:0000:0000:0000:0a0b:0cff:fe0d:0e0f\n",
+    );
+    put(root, "class/infiniband/mlx5_0/ports/1/gids/1", zero);
+    put(
+        root,
+        "class/infiniband/mlx5_0/ports/1/gids/3",
+        "0000:0000:0000:0000:0000:ffff:0a00:0001\n",
+    );
+    // A second port, down, faster: it must not set the device's speed.
+    put(
+        root,
+        "class/infiniband/mlx5_0/ports/2/rate",
+        "400 Gb/sec (4X NDR)\n",
+    );
+    put(root, "class/infiniband/mlx5_0/ports/2/state", "1: DOWN\n");
+    put(
+        root,
+        "class/infiniband/mlx5_0/ports/2/link_layer",
+        "InfiniBand\n",
+    );
     link(
         root,
         "devices/pci0000:80/0000:81:00.0",
@@ -94,6 +123,41 @@ fn cpu_only_host_from_sysfs() {
     assert_eq!(t.nics[0].speed_gbit, Some(200.0));
     assert_eq!(t.nics[0].numa, Some(1));
     assert_eq!(t.nics[0].bus_id.as_deref(), Some("0000:81:00.0"));
+    let ports = &t.nics[0].ports;
+    assert_eq!(ports.len(), 2);
+    assert_eq!(
+        (
+            ports[0].port,
+            ports[0].state.as_str(),
+            ports[0].link_layer.as_str()
+        ),
+        (1, "ACTIVE", "Ethernet")
+    );
+    assert_eq!(ports[0].rate_gbit, Some(200.0));
+    assert_eq!(
+        ports[0].gids,
+        vec![
+            (0, "fe80:0000:0000:0000:0a0b:0cff:fe0d:0e0f".to_string()),
+            (3, "0000:0000:0000:0000:0000:ffff:0a00:0001".to_string())
+        ]
+    );
+    assert_eq!(
+        (ports[1].state.as_str(), ports[1].rate_gbit),
+        ("DOWN", Some(400.0))
+    );
+    let report = weftcc_topology::report::render_text(&weftcc_topology::report::build(
+        t,
+        &weftcc_topology::report::ReportOptions::default(),
+    ));
+    assert!(
+        report.contains("port mlx5_0:1  ACTIVE  Ethernet  200 Gbit/s  2 GIDs  PCI 0000:81:00.0"),
+        "{report}"
+    );
+    assert!(
+        report.contains("gid 3: 0000:0000:0000:0000:0000:ffff:0a00:0001"),
+        "{report}"
+    );
+    assert!(t.nics[1].ports.is_empty());
     assert_eq!(t.nics[1].speed_gbit, Some(25.0));
     assert_eq!(t.nics[2].speed_gbit, None);
     assert_eq!(t.nics[2].numa, None);

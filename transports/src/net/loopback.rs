@@ -27,6 +27,10 @@ pub struct Faults {
     pub vanish_after: Option<u64>,
     /// Most work requests an endpoint holds (posting more answers [`Posted::Full`]).
     pub queue_depth: Option<usize>,
+    /// Every write of more than two bytes lands in two pieces, its first two bytes in one poll
+    /// and the rest in the next (as a provider copying from a socket may), so a reader can see
+    /// a counter half written.
+    pub split_writes: bool,
 }
 
 /// An in-memory fabric: registered regions and live endpoints, shared by the endpoints made
@@ -133,6 +137,8 @@ struct Pending {
     dst: RemoteRegion,
     offset: u64,
     fail: bool,
+    /// Bytes already placed (see [`Faults::split_writes`]).
+    landed: usize,
 }
 
 struct LoopEndpoint {
@@ -173,12 +179,13 @@ impl LoopEndpoint {
             dst: *dst,
             offset,
             fail: self.fabric.faults.fail_write == Some(n),
+            landed: 0,
         });
         Ok(Posted::Yes)
     }
 
-    /// Places one write in the peer's memory, as its device would.
-    fn place(&self, w: &Pending) -> std::result::Result<(), NetError> {
+    /// Places bytes `from..to` of one write in the peer's memory, as its device would.
+    fn place(&self, w: &Pending, from: usize, to: usize) -> std::result::Result<(), NetError> {
         let failed = |status: i64, detail: &str| NetError::WorkFailed {
             provider: PROVIDER,
             wr_id: w.wr_id,
@@ -212,19 +219,29 @@ impl LoopEndpoint {
             ));
         }
         let off = w.offset as usize;
-        if w.data.len() == 8 && off.is_multiple_of(8) {
-            // Words the reader polls are stored atomically, as a device writes an aligned word.
-            let mut v = [0u8; 8];
-            v.copy_from_slice(&w.data);
-            mem.word(off)
-                .store(u64::from_le_bytes(v), Ordering::Release);
+        if w.data.len() <= 64 && w.data.len().is_multiple_of(8) && off.is_multiple_of(8) {
+            // Control words the reader polls are stored atomically, a word at a time in
+            // ascending order, as a device lands an aligned write; a word only partly in
+            // `from..to` gets just those bytes.
+            for k in from / 8..to.div_ceil(8) {
+                let word = mem.word(off + 8 * k);
+                let mut v = word.load(Ordering::Relaxed).to_le_bytes();
+                for (b, byte) in v.iter_mut().enumerate() {
+                    if (from..to).contains(&(8 * k + b)) {
+                        *byte = w.data[8 * k + b];
+                    }
+                }
+                word.store(u64::from_le_bytes(v), Ordering::Release);
+            }
         } else {
             // SAFETY: in bounds (checked above); the stream protocol gives the writer this
             // range exclusively until it publishes it with a later word store (Release).
-            unsafe { mem.write(off, &w.data) };
+            unsafe { mem.write(off + from, &w.data[from..to]) };
             std::sync::atomic::fence(Ordering::Release);
         }
-        self.fabric.placed.fetch_add(1, Ordering::Relaxed);
+        if to == w.data.len() {
+            self.fabric.placed.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 }
@@ -306,7 +323,18 @@ impl Endpoint for LoopEndpoint {
 
     fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()> {
         let first = done.len();
-        while let Some(w) = self.queue.pop_front() {
+        while let Some(mut w) = self.queue.pop_front() {
+            if self.fabric.faults.split_writes
+                && !self.broken
+                && w.landed == 0
+                && w.data.len() > 2
+                && self.place(&w, 0, 2).is_ok()
+            {
+                // The rest lands on the next poll; nothing after it lands before.
+                w.landed = 2;
+                self.queue.push_front(w);
+                break;
+            }
             let result = if self.broken {
                 Err(NetError::WorkFailed {
                     provider: PROVIDER,
@@ -315,7 +343,7 @@ impl Endpoint for LoopEndpoint {
                     detail: "flushed: an earlier write failed".into(),
                 })
             } else {
-                self.place(&w)
+                self.place(&w, w.landed, w.data.len())
             };
             self.broken |= result.is_err();
             done.push(Completion {

@@ -4,8 +4,12 @@
 //! by three control words that only the peer writes:
 //!
 //! ```text
-//! [ ring: cap bytes | head_in | tail_in | closed_in ]
+//! [ ring: cap bytes | head_in, !head_in | tail_in, !tail_in | closed_in ]
 //! ```
+//!
+//! A counter travels with its complement in one 16-byte write: a provider may land a write in
+//! pieces (libfabric's tcp provider copies from a socket), and a reader that finds the pair
+//! inconsistent keeps the value it had, which only under-states data or space.
 //!
 //! * Sending `n` bytes copies them into the sender's registered *staging* mirror of the peer's
 //!   ring (same offsets), writes them to the peer's ring, then writes the new head into the
@@ -34,8 +38,8 @@ use std::time::{Duration, Instant};
 /// Bytes of control words after the ring.
 const CONTROL: usize = 64;
 const HEAD_IN: usize = 0;
-const TAIL_IN: usize = 8;
-const CLOSED_IN: usize = 16;
+const TAIL_IN: usize = 16;
+const CLOSED_IN: usize = 32;
 /// Smallest and largest ring a peer may announce.
 const RING_MIN: u64 = 4096;
 const RING_MAX: u64 = 1 << 30;
@@ -93,6 +97,13 @@ struct EndpointState {
     heads: VecDeque<(u64, u64)>,
     /// The largest head whose write completed: every byte before it has left this process.
     head_done: u64,
+    /// Data writes posted: (work request, stream position after it, completed), in posting
+    /// order; completed ones leave from the front.
+    data: VecDeque<(u64, u64, bool)>,
+    /// Every data byte before this stream position was written out of the staging mirror
+    /// (its write completed): the mirror may be refilled up to here (a device may re-read a
+    /// source until its write completes, so the peer's tail alone is not enough).
+    data_done: u64,
     failed: Option<NetError>,
     done: Vec<Completion>,
     /// The peer's landing region and ring size, and the queue bound, for the control words.
@@ -127,7 +138,13 @@ impl EndpointState {
             if let Some(i) = self.heads.iter().position(|&(id, _)| id == c.wr_id) {
                 let (_, head) = self.heads.remove(i).unwrap_or_default();
                 self.head_done = self.head_done.max(head);
+            } else if let Some(w) = self.data.iter_mut().find(|w| w.0 == c.wr_id) {
+                w.2 = true;
             }
+        }
+        while let Some(&(_, end, true)) = self.data.front() {
+            self.data_done = end;
+            self.data.pop_front();
         }
     }
 
@@ -146,8 +163,9 @@ impl EndpointState {
                 continue;
             }
             let (remote, offset) = (self.remote, (self.remote_cap + at) as u64);
+            let pair = counter_pair(want);
             match self.post(self.max_outstanding, |ep, id| {
-                ep.write_inline(&want.to_le_bytes(), &remote, offset, id)
+                ep.write_inline(&pair, &remote, offset, id)
             }) {
                 Ok(Some(id)) => {
                     if at == HEAD_IN {
@@ -236,7 +254,12 @@ impl NetConnection {
                 ))
             })
         };
-        let landing = provider.register(alloc(cap + CONTROL)?).map_err(net)?;
+        let memory = alloc(cap + CONTROL)?;
+        // Both counters start at 0, with their complements.
+        for at in [HEAD_IN, TAIL_IN] {
+            memory.word(cap + at + 8).store(!0, Ordering::Relaxed);
+        }
+        let landing = provider.register(memory).map_err(net)?;
         let mut ep = provider.endpoint().map_err(net)?;
         let address = ep.address().map_err(net)?;
 
@@ -346,6 +369,8 @@ impl NetConnection {
             next_wr: 0,
             heads: VecDeque::new(),
             head_done: 0,
+            data: VecDeque::new(),
+            data_done: 0,
             failed: None,
             done: Vec::new(),
             remote: peer_region,
@@ -388,6 +413,21 @@ impl NetConnection {
             .memory
             .word(self.cap + at)
             .load(Ordering::Acquire)
+    }
+
+    /// The counter at `at` if its pair is consistent, else `last` (a write landing in pieces).
+    fn counter(&self, at: usize, last: u64) -> u64 {
+        let value = self.word(at);
+        let check = self.word(at + 8);
+        if check == !value {
+            value
+        } else {
+            last
+        }
+    }
+
+    fn head_in(&self) -> u64 {
+        self.counter(HEAD_IN, self.recv.head_seen)
     }
 
     fn lost_error(&self, e: &NetError) -> TransportError {
@@ -463,7 +503,13 @@ impl NetConnection {
             if sent == data.len() {
                 break;
             }
-            self.send.tail_seen = self.word(TAIL_IN);
+            let (tail, data_done) = (
+                self.counter(TAIL_IN, self.send.tail_seen),
+                lock(&self.io).data_done,
+            );
+            // The mirror's bytes may be refilled once the peer consumed them and their write
+            // completed.
+            self.send.tail_seen = tail.min(data_done);
             let (n, at) = self
                 .send
                 .writable(data.len() - sent, self.remote_cap)
@@ -479,13 +525,18 @@ impl NetConnection {
                     Ok(None)
                 } else {
                     // SAFETY: [at, at+n) of the staging mirror is free: the peer consumed
-                    // what was there (its tail passed it), so the write that read it out has
-                    // been placed.
+                    // what was there and the write that read it out completed (`tail_seen`
+                    // is the lower of the two).
                     unsafe { self.staging.memory.write(at, &data[sent..sent + n]) };
                     let (staging, remote) = (&self.staging, &self.remote);
-                    io.post(self.max_outstanding, |ep, id| {
+                    let end = self.send.head + n as u64;
+                    let r = io.post(self.max_outstanding, |ep, id| {
                         ep.write(staging, at, n, remote, at as u64, id)
-                    })
+                    });
+                    if let Ok(Some(id)) = r {
+                        io.data.push_back((id, end, false));
+                    }
+                    r
                 }
             };
             match posted {
@@ -514,7 +565,7 @@ impl NetConnection {
     }
 
     fn ring_empty(&self) -> bool {
-        self.word(HEAD_IN) == self.recv.tail
+        self.head_in() == self.recv.tail
     }
 
     fn corrupt(&self, c: RingCorrupt) -> TransportError {
@@ -552,7 +603,10 @@ impl Connection for NetConnection {
         let ahead = ahead.min(data.len());
         let posted = self.post_data(&data[ahead..])?;
         let ahead = ahead + posted;
-        let head_done = lock(&self.io).head_done;
+        let head_done = {
+            let io = lock(&self.io);
+            io.head_done.min(io.data_done)
+        };
         let accepted = (head_done.saturating_sub(base) as usize).min(ahead);
         let ahead = ahead - accepted;
         self.pin = (ahead > 0).then_some((base + accepted as u64, ahead));
@@ -569,7 +623,7 @@ impl Connection for NetConnection {
         // The close mark lands after the last head: read it first, so that "closed and
         // empty" is judged on a head read after it.
         let closed = self.word(CLOSED_IN) != 0;
-        let head = self.word(HEAD_IN);
+        let head = self.head_in();
         self.recv.head_seen = head;
         let (avail, at) = self
             .recv
@@ -707,6 +761,14 @@ fn recv_exact(
     Ok(())
 }
 
+/// A counter and its complement, as one 16-byte write.
+fn counter_pair(value: u64) -> [u8; 16] {
+    let mut pair = [0u8; 16];
+    pair[..8].copy_from_slice(&value.to_le_bytes());
+    pair[8..].copy_from_slice(&(!value).to_le_bytes());
+    pair
+}
+
 /// Sleeps in short slices: a network connection moves only when polled, and the caller polls
 /// again after every return (spurious returns are allowed by [`IdleWaiter`]).
 #[derive(Debug, Default, Clone, Copy)]
@@ -814,6 +876,19 @@ mod tests {
             };
             let (a, b) = pair(faults);
             transfer(a, b, 300_000, pinned).expect("transfer");
+        }
+    }
+
+    #[test]
+    fn writes_landing_in_pieces_never_expose_a_half_written_counter() {
+        // Counters cross 64 KiB boundaries many times: a head or tail read with only its low
+        // two bytes new would be far off (and caught as corrupt, or read as bytes not there).
+        for pinned in [false, true] {
+            let (a, b) = pair(Faults {
+                split_writes: true,
+                ..Faults::default()
+            });
+            transfer(a, b, 3 << 20, pinned).expect("transfer");
         }
     }
 
