@@ -1,20 +1,22 @@
-//! Compiles the libfabric bridge (`csrc/ofi_shim.c`) where libfabric's headers are installed
-//! (Debian: `libfabric-dev`) and sets `cfg(weft_ofi)`; elsewhere the OFI provider reports that
-//! it was not compiled in. The library itself is loaded at run time (dlopen), not linked.
+//! Compiles the bridges to the RDMA libraries where their headers are installed, each setting a
+//! cfg: `csrc/ofi_shim.c` (libfabric, Debian `libfabric-dev`: `cfg(weft_ofi)`) and
+//! `csrc/ibv_shim.c` (rdma-core's verbs, Debian `libibverbs-dev`: `cfg(weft_ibv)`). Elsewhere the
+//! provider reports that it was not compiled in. The libraries themselves are loaded at run time
+//! (dlopen), not linked, so binaries start on machines without them.
 
-fn main() {
-    println!("cargo:rustc-check-cfg=cfg(weft_ofi)");
-    println!("cargo:rerun-if-changed=csrc/ofi_shim.c");
-    println!("cargo:rerun-if-env-changed=WEFT_OFI_INCLUDE");
+fn shim(name: &str, source: &str, cfg: &str, pkg: &str, include_env: &str, package: &str) {
+    println!("cargo:rustc-check-cfg=cfg({cfg})");
+    println!("cargo:rerun-if-changed={source}");
+    println!("cargo:rerun-if-env-changed={include_env}");
     let mut build = cc::Build::new();
     build
-        .file("csrc/ofi_shim.c")
+        .file(source)
         .warnings(true)
         .flag_if_supported("-std=gnu11");
-    if let Ok(dir) = std::env::var("WEFT_OFI_INCLUDE") {
+    if let Ok(dir) = std::env::var(include_env) {
         build.include(dir);
     } else if let Ok(out) = std::process::Command::new("pkg-config")
-        .args(["--cflags-only-I", "libfabric"])
+        .args(["--cflags-only-I", pkg])
         .output()
     {
         for flag in String::from_utf8_lossy(&out.stdout).split_whitespace() {
@@ -23,14 +25,33 @@ fn main() {
             }
         }
     }
-    match build.try_compile("weft_ofi_shim") {
+    match build.try_compile(name) {
         Ok(()) => {
-            println!("cargo:rustc-cfg=weft_ofi");
+            println!("cargo:rustc-cfg={cfg}");
             println!("cargo:rustc-link-lib=dl");
         }
         Err(e) => println!(
-            "cargo:warning=libfabric headers not found (install libfabric-dev): the OFI \
-             network provider is not compiled in ({e})"
+            "cargo:warning=headers for {pkg} not found (install {package}): its network provider \
+             is not compiled in ({e})"
         ),
     }
+}
+
+fn main() {
+    shim(
+        "weft_ofi_shim",
+        "csrc/ofi_shim.c",
+        "weft_ofi",
+        "libfabric",
+        "WEFT_OFI_INCLUDE",
+        "libfabric-dev",
+    );
+    shim(
+        "weft_ibv_shim",
+        "csrc/ibv_shim.c",
+        "weft_ibv",
+        "libibverbs",
+        "WEFT_IBV_INCLUDE",
+        "libibverbs-dev",
+    );
 }

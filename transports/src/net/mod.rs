@@ -9,8 +9,9 @@
 //!   region, or a few bytes inline) and reports their completions when polled. Progress is
 //!   manual: nothing moves unless someone polls (libfabric's tcp provider needs it, and it costs
 //!   hardware nothing).
-//! * Providers: [`loopback`] (in memory, with fault injection, for tests), [`ofi`] (libfabric:
-//!   its `tcp;ofi_rxm` provider runs on any machine, `verbs`, `efa` and `cxi` on clusters).
+//! * Providers: [`verbs`] (InfiniBand and RoCE through rdma-core: reliable-connection queue
+//!   pairs), [`ofi`] (libfabric: its `tcp;ofi_rxm` provider runs on any machine, `verbs`, `efa`
+//!   and `cxi` on clusters), [`loopback`] (in memory, with fault injection, for tests).
 //! * [`stream`]: [`stream::NetConnection`], the byte stream of the [`Connection`](crate::Connection)
 //!   trait as a ring in the receiver's registered memory that the sender fills with RDMA writes
 //!   (the data, then the new head), and whose tail the receiver writes back the same way. The
@@ -20,13 +21,15 @@
 //!   and the process-wide cache of opened providers.
 //!
 //! `unsafe` here is confined to registered memory ([`memory`]: an allocation a device or a peer
-//! writes into behind the compiler's back) and libfabric's C interface ([`ofi`]).
+//! writes into behind the compiler's back) and the C interfaces of libfabric ([`ofi`]) and
+//! libibverbs ([`verbs`]).
 
 pub mod loopback;
 pub mod memory;
 pub mod ofi;
 pub mod select;
 pub mod stream;
+pub mod verbs;
 
 pub use memory::Memory;
 pub use select::{NetChoice, NetKind};

@@ -2,7 +2,9 @@
 //! opened providers.
 //!
 //! * `WEFT_NET=ib|ofi|socket` forces one (NCCL's `NCCL_NET`); unset, a rank uses an RDMA device
-//!   where one is usable and TCP otherwise. A forced network that cannot be opened is an error,
+//!   where one is usable (verbs first, then libfabric with RDMA hardware) and TCP otherwise.
+//! * `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`: the verbs
+//!   provider's device, GID and retry policy ([`VerbsConfig`]). A forced network that cannot be opened is an error,
 //!   not a silent fall-back.
 //! * `WEFT_IB_DISABLE=1` rules InfiniBand out of the automatic choice (NCCL's `NCCL_IB_DISABLE`).
 //! * `WEFT_OFI_PROVIDER=name` picks libfabric's provider (`verbs`, `efa`, `cxi`, `tcp`); without
@@ -14,6 +16,7 @@
 //! Both ends of a pair must have opened providers with the same [`Provider::id`] for the pair to
 //! use it; otherwise (one host without the device) the pair uses TCP.
 
+use super::verbs::{VerbsConfig, VerbsProvider};
 use super::{ofi, NetError, Provider};
 use crate::error::{Result, TransportError};
 use crate::util::{lock, parse_size};
@@ -48,6 +51,8 @@ pub struct NetChoice {
     pub ofi_provider: Option<String>,
     /// Receive ring bytes of each network connection (`WEFT_NET_BUFFSIZE`).
     pub ring: usize,
+    /// The verbs provider's configuration (`WEFT_IB_*`).
+    pub verbs: VerbsConfig,
 }
 
 impl Default for NetChoice {
@@ -57,6 +62,7 @@ impl Default for NetChoice {
             ib_disable: false,
             ofi_provider: None,
             ring: DEFAULT_RING,
+            verbs: VerbsConfig::default(),
         }
     }
 }
@@ -73,12 +79,15 @@ impl NetChoice {
     /// From `WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER` and `WEFT_NET_BUFFSIZE`.
     pub fn from_env() -> Result<NetChoice> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        NetChoice::parse(
-            var("WEFT_NET").as_deref(),
-            var("WEFT_IB_DISABLE").as_deref(),
-            var("WEFT_OFI_PROVIDER").as_deref(),
-            var("WEFT_NET_BUFFSIZE").as_deref(),
-        )
+        Ok(NetChoice {
+            verbs: VerbsConfig::from_env()?,
+            ..NetChoice::parse(
+                var("WEFT_NET").as_deref(),
+                var("WEFT_IB_DISABLE").as_deref(),
+                var("WEFT_OFI_PROVIDER").as_deref(),
+                var("WEFT_NET_BUFFSIZE").as_deref(),
+            )?
+        })
     }
 
     /// From the variables' values (`None` where unset).
@@ -126,6 +135,7 @@ impl NetChoice {
             ib_disable,
             ofi_provider: ofi_provider.map(|s| s.trim().to_string()),
             ring,
+            verbs: VerbsConfig::default(),
         })
     }
 }
@@ -150,38 +160,39 @@ pub fn open(choice: &NetChoice) -> Result<Option<Arc<dyn Provider>>> {
     };
     let opened: Option<Arc<dyn Provider>> = match choice.kind {
         NetKind::Socket => None,
-        NetKind::Ib => return Err(forced(ib_unavailable())),
+        NetKind::Ib => Some(Arc::new(
+            VerbsProvider::open(&choice.verbs).map_err(forced)?,
+        )),
         NetKind::Ofi => {
             let p =
                 ofi::OfiProvider::open(choice.ofi_provider.as_deref(), false).map_err(forced)?;
             Some(Arc::new(p))
         }
         NetKind::Auto => {
-            if !choice.ib_disable {
-                tracing::debug!(target: "weftcc::net", "NET/IB: {}", ib_unavailable());
-            }
-            match ofi::OfiProvider::open(choice.ofi_provider.as_deref(), true) {
-                Ok(p) => Some(Arc::new(p)),
-                Err(e) => {
-                    tracing::debug!(target: "weftcc::net", "NET/OFI: {e}; using TCP sockets");
-                    None
+            let verbs = if choice.ib_disable {
+                None
+            } else {
+                match VerbsProvider::open(&choice.verbs) {
+                    Ok(p) => Some(Arc::new(p) as Arc<dyn Provider>),
+                    Err(e) => {
+                        tracing::debug!(target: "weftcc::net", "NET/IB: {e}");
+                        None
+                    }
                 }
-            }
+            };
+            verbs.or_else(
+                || match ofi::OfiProvider::open(choice.ofi_provider.as_deref(), true) {
+                    Ok(p) => Some(Arc::new(p) as Arc<dyn Provider>),
+                    Err(e) => {
+                        tracing::debug!(target: "weftcc::net", "NET/OFI: {e}; using TCP sockets");
+                        None
+                    }
+                },
+            )
         }
     };
     cache.insert(choice.clone(), opened.clone());
     Ok(opened)
-}
-
-/// Why the verbs provider cannot be used: it is not part of this build yet (libfabric's verbs
-/// provider reaches the same devices: `WEFT_NET=ofi WEFT_OFI_PROVIDER=verbs`).
-fn ib_unavailable() -> NetError {
-    NetError::Unavailable {
-        provider: "IB",
-        detail: "the native verbs provider is not in this build; use libfabric's verbs \
-                 provider (WEFT_NET=ofi WEFT_OFI_PROVIDER=verbs)"
-            .into(),
-    }
 }
 
 #[cfg(test)]
@@ -214,13 +225,23 @@ mod tests {
     }
 
     #[test]
-    fn socket_opens_nothing_and_ib_is_a_clear_error() {
+    fn socket_opens_nothing_and_a_forced_network_without_a_device_is_a_clear_error() {
         assert!(open(&NetChoice::socket()).unwrap().is_none());
         let ib = NetChoice {
             kind: NetKind::Ib,
             ..NetChoice::default()
         };
-        let err = open(&ib).err().expect("no verbs provider in this build");
-        assert!(err.to_string().contains("WEFT_OFI_PROVIDER=verbs"), "{err}");
+        match open(&ib) {
+            Err(TransportError::Net {
+                source:
+                    NetError::Unavailable {
+                        provider: "IB",
+                        detail,
+                    },
+                ..
+            }) => eprintln!("WEFT_NET=ib here: {detail}"),
+            Err(other) => panic!("expected an unavailable IB provider: {other}"),
+            Ok(_) => eprintln!("an RDMA device is present: WEFT_NET=ib opened it"),
+        }
     }
 }
