@@ -9,7 +9,9 @@
 # loopback with 2 cores the ranks and the kernel's TCP work share the cores that iperf3 has to
 # itself (docs/performance.md), a shaped link is what two real hosts look like.
 # Needs root, iproute2 and iperf3 (installed when missing). Environment: SIZES="-b 1M -e 128M"
-# (weft perf's size options), ITERS=20, SECONDS_IPERF=5.
+# (weft perf's size options), ITERS=20, SECONDS_IPERF=5, NETS="socket" (the networks weft runs
+# over, each in turn: `socket` is weft's own TCP, `ofi` the RDMA code path over libfabric's tcp
+# provider, WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rates=("$@")
@@ -17,6 +19,7 @@ rates=("$@")
 read -r -a sizes <<<"${SIZES:--b 1M -e 128M}"
 iters=${ITERS:-20}
 secs=${SECONDS_IPERF:-5}
+read -r -a nets <<<"${NETS:-socket}"
 [ "$(id -u)" = 0 ] || { echo "tcp_link: needs root (network namespaces)" >&2; exit 2; }
 need=()
 command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
@@ -62,23 +65,26 @@ for rate in "${rates[@]}"; do
     awk '/receiver/ { printf "%.3f", $(NF-2) / 8000 }')
   wait || true
   echo "iperf3: ${iperf:-?} GB/s"
-  echo "== $rate: weft perf all-reduce, 2 ranks, one per namespace (TCP over the veth)"
+  for net in "${nets[@]}"; do
+  echo "== $rate: weft perf all-reduce over $net, 2 ranks, one per namespace (over the veth)"
   pids=()
   for rank in 0 1; do
     ip netns exec "${ns[rank]}" env WEFT_RANK=$rank WEFT_WORLD_SIZE=2 WEFT_LOCAL_RANK=0 \
       WEFT_LOCAL_WORLD_SIZE=1 WEFT_MASTER_ADDR="${ip[0]}" WEFT_MASTER_PORT=29471 \
       WEFT_JOB_TOKEN="link$tag" WEFT_HOST_ID="link-host-$rank" WEFT_SOCKET_IFNAME="=${dev[rank]}" \
+      WEFT_NET="$net" WEFT_OFI_PROVIDER=tcp \
       WEFT_TIMEOUT=120 "$weft" perf all-reduce -a 3 "${sizes[@]}" -n "$iters" -w 3 \
-      >"$out/weft-$rate-$rank.txt" 2>"$out/weft-$rate-$rank.err" &
+      >"$out/weft-$rate-$net-$rank.txt" 2>"$out/weft-$rate-$net-$rank.err" &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do wait "$p" || { cat "$out"/weft-"$rate"-*.err >&2; exit 1; }; done
-  grep -E '^ +[0-9]+ |#       size|Out of bounds' "$out/weft-$rate-0.txt"
-  summary+=("$(awk -v rate="$rate" -v iperf="${iperf:-0}" '
+  for p in "${pids[@]}"; do wait "$p" || { cat "$out"/weft-"$rate"-"$net"-*.err >&2; exit 1; }; done
+  grep -E '^ +[0-9]+ |#       size|Out of bounds' "$out/weft-$rate-$net-0.txt"
+  summary+=("$(awk -v rate="$rate" -v net="$net" -v iperf="${iperf:-0}" '
     NF >= 13 && $1 ~ /^[0-9]+$/ { s = $1; o = $8; p = $12 }
-    END { if (iperf > 0) printf "%-9s %14s %10.3f %10.2f %10.2f %7.0f%% %7.0f%%", rate, s, iperf, o, p, 100 * o / iperf, 100 * p / iperf }' \
-    "$out/weft-$rate-0.txt")")
+    END { if (iperf > 0) printf "%-9s %-7s %14s %10.3f %10.2f %10.2f %7.0f%% %7.0f%%", rate, net, s, iperf, o, p, 100 * o / iperf, 100 * p / iperf }' \
+    "$out/weft-$rate-$net-0.txt")")
+  done
 done
 echo "== weft all-reduce busbw at the largest size against iperf3's one stream over the same link (GB/s)"
-printf "%-9s %14s %10s %10s %10s %8s %8s\n" link size iperf3 oop-bus ip-bus oop ip
+printf "%-9s %-7s %14s %10s %10s %10s %8s %8s\n" link net size iperf3 oop-bus ip-bus oop ip
 printf '%s\n' "${summary[@]}"
