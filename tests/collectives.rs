@@ -324,6 +324,9 @@ fn run_colls<T: Val>(comm: &Communicator, colls: &[Coll], large: bool, errors: &
 }
 
 fn matrix(n: usize, wire: Wire) {
+    if wire == Wire::Net && !common::net_available() {
+        return;
+    }
     // Every type, reduction and count (small ones and 4 Mi + 3 elements) for every collective;
     // at the large count every reduction for i8 and f32 (element sizes 1 and 4) and Sum for the
     // other types (the pipelined path depends on the element size, not on the reduction).
@@ -359,6 +362,9 @@ fn assert_all_right(per_rank: Vec<Vec<String>>) {
 /// is covered at every size, not only where the tuner would pick it). `hosts` gives each rank's
 /// host: ranks of one host use `wire`, ranks of different hosts TCP.
 fn forced(n: usize, wire: Wire, spec: &str, colls: &[Coll], hosts: Option<&[usize]>) {
+    if wire == Wire::Net && !common::net_available() {
+        return;
+    }
     let mut cfg = common::config(wire);
     cfg.algo = Selection::parse(spec).expect("algorithm spec");
     let errors = common::with_ranks_configs(
@@ -367,6 +373,8 @@ fn forced(n: usize, wire: Wire, spec: &str, colls: &[Coll], hosts: Option<&[usiz
             let mut c = cfg.clone();
             if let Some(h) = hosts {
                 c.host_id = format!("test-host-{}", h[rank]);
+            } else if wire == Wire::Net {
+                c.host_id = common::rank_config(wire, rank).host_id;
             }
             c
         },
@@ -392,6 +400,7 @@ fn ring_all_reduce_at_every_size() {
         (3, Wire::Tcp),
         (5, Wire::Shm),
         (8, Wire::Shm),
+        (4, Wire::Net),
     ] {
         forced(n, wire, "ring", &[Coll::AllReduce], None);
     }
@@ -446,6 +455,7 @@ fn tree_algorithms_at_every_size() {
         (3, Wire::Tcp),
         (5, Wire::Shm),
         (8, Wire::Shm),
+        (4, Wire::Net),
     ] {
         forced(n, wire, "tree", &colls, None);
     }
@@ -486,4 +496,6 @@ matrix_tests! {
     tcp_4_ranks: 4, Wire::Tcp;
     tcp_5_ranks: 5, Wire::Tcp;
     tcp_8_ranks: 8, Wire::Tcp;
+    net_2_ranks: 2, Wire::Net;
+    net_3_ranks: 3, Wire::Net;
 }

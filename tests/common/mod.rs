@@ -9,6 +9,20 @@ use weftcc::{CommConfig, Communicator};
 pub enum Wire {
     Shm,
     Tcp,
+    /// Every rank a "host" of its own, connected through the network provider path
+    /// (`NetConnection`) over libfabric's tcp provider (`WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp`).
+    Net,
+}
+
+/// Whether libfabric's tcp provider opens here (else `Wire::Net` tests skip, saying so).
+pub fn net_available() -> bool {
+    match weftcc::transports::net::ofi::OfiProvider::open(Some("tcp"), false) {
+        Ok(_) => true,
+        Err(e) => {
+            println!("SKIPPED: libfabric's tcp provider is not usable here: {e}");
+            false
+        }
+    }
 }
 
 pub fn config(wire: Wire) -> CommConfig {
@@ -16,6 +30,22 @@ pub fn config(wire: Wire) -> CommConfig {
     c.shm_disable = wire == Wire::Tcp;
     c.timeout = Duration::from_secs(120);
     c.host_id = "test-host".into();
+    if wire == Wire::Net {
+        c.net = weftcc::transports::net::NetChoice {
+            kind: weftcc::transports::net::NetKind::Ofi,
+            ofi_provider: Some("tcp".into()),
+            ..weftcc::transports::net::NetChoice::default()
+        };
+    }
+    c
+}
+
+/// [`config`] for `rank`: over `Wire::Net` every rank is a host of its own.
+pub fn rank_config(wire: Wire, rank: usize) -> CommConfig {
+    let mut c = config(wire);
+    if wire == Wire::Net {
+        c.host_id = format!("net-host-{rank}");
+    }
     c
 }
 
@@ -26,7 +56,7 @@ pub fn with_ranks<R: Send>(
     wire: Wire,
     body: impl Fn(usize, &Communicator) -> R + Sync,
 ) -> Vec<R> {
-    with_ranks_config(n, config(wire), body)
+    with_ranks_configs(n, |rank| rank_config(wire, rank), body)
 }
 
 pub fn with_ranks_config<R: Send>(
