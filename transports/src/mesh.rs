@@ -416,6 +416,7 @@ struct Shared {
     /// The network provider this rank opened (see [`MeshConfig::net`]) and its ring size.
     net: Option<Arc<dyn Provider>>,
     net_ring: usize,
+    net_streams: usize,
     links: Mutex<Links>,
     /// Meshes alive.
     live: Arc<AtomicUsize>,
@@ -577,6 +578,7 @@ impl Mesh {
             shm_ll_max: cfg.shm_ll_max,
             net: provider,
             net_ring: cfg.net.ring,
+            net_streams: cfg.net.streams,
             links: Mutex::new(Links {
                 by_rank: (0..n).map(|_| None).collect(),
                 addrs: HashMap::new(),
@@ -810,6 +812,7 @@ impl Mesh {
                             Box::new(c),
                             provider.as_ref(),
                             family.net_ring,
+                            family.net_streams,
                             deadline,
                         )?;
                         tracing::info!(target: "weftcc::net", rank = self.rank, peer = p, "via NET/{}", provider.name());

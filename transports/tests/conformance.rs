@@ -76,6 +76,22 @@ fn make_net_loopback() -> Option<(End, End)> {
     ))))
 }
 
+/// libfabric's `tcp;ofi_rxm` provider with three endpoints per connection, writes striped.
+fn make_net_ofi_tcp_striped() -> Option<(End, End)> {
+    let provider: Arc<dyn net::Provider> = match net::ofi::OfiProvider::open(Some("tcp"), false) {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            eprintln!("skipping: libfabric's tcp provider is not usable here: {e}");
+            return None;
+        }
+    };
+    let (a, b) = net::stream::local_pair_striped(provider, SMALL_RING, 3).expect("network pair");
+    Some((
+        (Box::new(a), Box::new(net::NetWaiter)),
+        (Box::new(b), Box::new(net::NetWaiter)),
+    ))
+}
+
 /// libfabric's `tcp;ofi_rxm` provider: real RMA writes through libfabric on any machine.
 fn make_net_ofi_tcp() -> Option<(End, End)> {
     match net::ofi::OfiProvider::open(Some("tcp"), false) {
@@ -743,6 +759,7 @@ suite!(mux_over_shm, make_mux_shm);
 suite!(mux_over_tcp4, make_mux_tcp4);
 suite!(net_over_loopback, make_net_loopback);
 suite!(net_over_ofi_tcp, make_net_ofi_tcp);
+suite!(net_over_ofi_tcp_striped, make_net_ofi_tcp_striped);
 
 // ---------------------------------------------------------------------------------------------
 // A peer process killed with SIGKILL.

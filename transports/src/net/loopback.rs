@@ -31,6 +31,10 @@ pub struct Faults {
     /// and the rest in the next (as a provider copying from a socket may), so a reader can see
     /// a counter half written.
     pub split_writes: bool,
+    /// Writes of more than 64 bytes (data, not control words) land two polls later than they
+    /// would, while each endpoint still lands its writes in order: across endpoints, a later
+    /// small write can land well before an earlier large one.
+    pub slow_data: bool,
 }
 
 /// An in-memory fabric: registered regions and live endpoints, shared by the endpoints made
@@ -139,6 +143,8 @@ struct Pending {
     fail: bool,
     /// Bytes already placed (see [`Faults::split_writes`]).
     landed: usize,
+    /// Polls it was held back for (see [`Faults::slow_data`]).
+    held: u8,
 }
 
 struct LoopEndpoint {
@@ -180,6 +186,7 @@ impl LoopEndpoint {
             offset,
             fail: self.fabric.faults.fail_write == Some(n),
             landed: 0,
+            held: 0,
         });
         Ok(Posted::Yes)
     }
@@ -324,6 +331,11 @@ impl Endpoint for LoopEndpoint {
     fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()> {
         let first = done.len();
         while let Some(mut w) = self.queue.pop_front() {
+            if self.fabric.faults.slow_data && !self.broken && w.held < 2 && w.data.len() > 64 {
+                w.held += 1;
+                self.queue.push_front(w);
+                break;
+            }
             if self.fabric.faults.split_writes
                 && !self.broken
                 && w.landed == 0

@@ -12,6 +12,8 @@
 //!   `WEFT_NET=ofi` the first provider of any kind (here: `tcp;ofi_rxm`).
 //! * `WEFT_NET_BUFFSIZE` sets the receive ring of each network connection (a power of two,
 //!   default [`DEFAULT_RING`]).
+//! * `WEFT_IB_QPS_PER_CONNECTION` (NCCL's name; any provider): endpoints (queue pairs) per
+//!   connection, data writes striped over them (1 to 16, default 1).
 //!
 //! Both ends of a pair must have opened providers with the same [`Provider::id`] for the pair to
 //! use it; otherwise (one host without the device) the pair uses TCP.
@@ -53,6 +55,8 @@ pub struct NetChoice {
     pub ring: usize,
     /// The verbs provider's configuration (`WEFT_IB_*`).
     pub verbs: VerbsConfig,
+    /// Endpoints per connection (`WEFT_IB_QPS_PER_CONNECTION`).
+    pub streams: usize,
 }
 
 impl Default for NetChoice {
@@ -63,6 +67,7 @@ impl Default for NetChoice {
             ofi_provider: None,
             ring: DEFAULT_RING,
             verbs: VerbsConfig::default(),
+            streams: 1,
         }
     }
 }
@@ -79,8 +84,23 @@ impl NetChoice {
     /// From `WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER` and `WEFT_NET_BUFFSIZE`.
     pub fn from_env() -> Result<NetChoice> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let streams = match var("WEFT_IB_QPS_PER_CONNECTION") {
+            None => 1,
+            Some(v) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=super::stream::MAX_STREAMS).contains(n))
+                .ok_or_else(|| {
+                    TransportError::Config(format!(
+                        "WEFT_IB_QPS_PER_CONNECTION={v:?}: expected 1 to {}",
+                        super::stream::MAX_STREAMS
+                    ))
+                })?,
+        };
         Ok(NetChoice {
             verbs: VerbsConfig::from_env()?,
+            streams,
             ..NetChoice::parse(
                 var("WEFT_NET").as_deref(),
                 var("WEFT_IB_DISABLE").as_deref(),
@@ -136,6 +156,7 @@ impl NetChoice {
             ofi_provider: ofi_provider.map(|s| s.trim().to_string()),
             ring,
             verbs: VerbsConfig::default(),
+            streams: 1,
         })
     }
 }

@@ -47,6 +47,11 @@ const RING_MAX: u64 = 1 << 30;
 const CLOSE_FLUSH: Duration = Duration::from_millis(500);
 /// How long bytes may keep arriving after the side connection closed without a close mark.
 const LINGER: Duration = Duration::from_secs(1);
+/// Largest data write when a connection has several endpoints, so that a large send is spread
+/// over all of them.
+const STRIPE: usize = 256 << 10;
+/// Most endpoints (queue pairs) per connection.
+pub const MAX_STREAMS: usize = 16;
 /// How long a [`NetWaiter`] sleeps between polls when nothing moved.
 pub const NET_POLL_SLICE: Duration = Duration::from_micros(50);
 const MAGIC: &[u8; 8] = b"WEFTNET1";
@@ -89,9 +94,12 @@ struct EndpointState {
     /// Declared first so that it closes before the regions below are deregistered: a
     /// provider may still read the staging mirror or place bytes in the landing ring until
     /// then, and [`progress_all`] may hold this state after the connection is gone.
-    ep: Box<dyn Endpoint>,
+    eps: Vec<Box<dyn Endpoint>>,
     _regions: [Arc<Region>; 2],
-    outstanding: usize,
+    /// Work requests posted and not completed, per endpoint.
+    outstanding: Vec<usize>,
+    /// The endpoint the next data write goes to (round robin).
+    rr: usize,
     next_wr: u64,
     /// Head writes posted and not completed: (work request, head value), in posting order.
     heads: VecDeque<(u64, u64)>,
@@ -126,11 +134,14 @@ impl EndpointState {
             return;
         }
         self.done.clear();
-        if let Err(e) = self.ep.poll(&mut self.done) {
-            self.failed = Some(e);
-            return;
+        for (ep, outstanding) in self.eps.iter_mut().zip(self.outstanding.iter_mut()) {
+            let before = self.done.len();
+            if let Err(e) = ep.poll(&mut self.done) {
+                self.failed = Some(e);
+                return;
+            }
+            *outstanding = outstanding.saturating_sub(self.done.len() - before);
         }
-        self.outstanding = self.outstanding.saturating_sub(self.done.len());
         for c in &self.done {
             if let Err(e) = &c.result {
                 self.failed.get_or_insert_with(|| e.clone());
@@ -146,6 +157,15 @@ impl EndpointState {
             self.data_done = end;
             self.data.pop_front();
         }
+        if self.eps.len() > 1 {
+            // Writes on different endpoints land in no particular order: the head covers
+            // only bytes whose writes completed.
+            self.head_want = self.head_want.max(self.data_done);
+        }
+    }
+
+    fn total_outstanding(&self) -> usize {
+        self.outstanding.iter().sum()
     }
 
     /// Posts the head and tail the peer has not been sent yet (a full queue leaves them for
@@ -164,9 +184,7 @@ impl EndpointState {
             }
             let (remote, offset) = (self.remote, (self.remote_cap + at) as u64);
             let pair = counter_pair(want);
-            match self.post(self.max_outstanding, |ep, id| {
-                ep.write_inline(&pair, &remote, offset, id)
-            }) {
+            match self.post(0, |ep, id| ep.write_inline(&pair, &remote, offset, id)) {
                 Ok(Some(id)) => {
                     if at == HEAD_IN {
                         self.heads.push_back((id, want));
@@ -181,20 +199,20 @@ impl EndpointState {
         }
     }
 
-    /// Posts with a fresh work-request id; whether it was taken.
+    /// Posts on endpoint `e` with a fresh work-request id; the id if it was taken.
     fn post(
         &mut self,
-        max: usize,
+        e: usize,
         post: impl FnOnce(&mut dyn Endpoint, u64) -> std::result::Result<Posted, NetError>,
     ) -> std::result::Result<Option<u64>, NetError> {
-        if self.outstanding >= max {
+        if self.outstanding[e] >= self.max_outstanding {
             return Ok(None);
         }
         let id = self.next_wr;
-        match post(self.ep.as_mut(), id)? {
+        match post(self.eps[e].as_mut(), id)? {
             Posted::Yes => {
                 self.next_wr += 1;
-                self.outstanding += 1;
+                self.outstanding[e] += 1;
                 Ok(Some(id))
             }
             Posted::Full => Ok(None),
@@ -227,13 +245,15 @@ pub fn progress_all() {
 
 impl NetConnection {
     /// Makes the connection to `peer` over `provider`, with a receive ring of `cap` bytes (a
-    /// power of two), by a handshake over `side` (a connected stream to the same peer, kept
+    /// power of two) and `streams` endpoints (queue pairs; both sides use the smaller count),
+    /// by a handshake over `side` (a connected stream to the same peer, kept
     /// open afterwards). Both sides call this at about the same time.
     pub(crate) fn establish(
         peer: usize,
         mut side: Box<dyn Connection>,
         provider: &dyn Provider,
         cap: usize,
+        streams: usize,
         deadline: &Deadline,
     ) -> Result<NetConnection> {
         let name = provider.name();
@@ -260,17 +280,30 @@ impl NetConnection {
             memory.word(cap + at + 8).store(!0, Ordering::Relaxed);
         }
         let landing = provider.register(memory).map_err(net)?;
-        let mut ep = provider.endpoint().map_err(net)?;
-        let address = ep.address().map_err(net)?;
+        if !(1..=MAX_STREAMS).contains(&streams) {
+            return Err(TransportError::Config(format!(
+                "{streams} endpoints per network connection: expected 1 to {MAX_STREAMS}"
+            )));
+        }
+        let mut eps = Vec::with_capacity(streams);
+        let mut addresses = Vec::new();
+        addresses.extend_from_slice(&(streams as u32).to_le_bytes());
+        for _ in 0..streams {
+            let ep = provider.endpoint().map_err(net)?;
+            let address = ep.address().map_err(net)?;
+            addresses.extend_from_slice(&(address.len() as u32).to_le_bytes());
+            addresses.extend_from_slice(&address);
+            eps.push(ep);
+        }
 
-        let mut hello = Vec::with_capacity(HELLO_FIXED + address.len());
+        let mut hello = Vec::with_capacity(HELLO_FIXED + addresses.len());
         let r = landing.remote();
         hello.extend_from_slice(MAGIC);
         for v in [cap as u64, r.base, r.key, r.len] {
             hello.extend_from_slice(&v.to_le_bytes());
         }
-        hello.extend_from_slice(&(address.len() as u32).to_le_bytes());
-        hello.extend_from_slice(&address);
+        hello.extend_from_slice(&(addresses.len() as u32).to_le_bytes());
+        hello.extend_from_slice(&addresses);
         send_all(side.as_mut(), &hello, deadline, "sending the network hello")?;
 
         let mut fixed = [0u8; HELLO_FIXED];
@@ -302,47 +335,57 @@ impl NetConnection {
         let mut alen = [0u8; 4];
         alen.copy_from_slice(&fixed[HELLO_FIXED - 4..]);
         let alen = u32::from_le_bytes(alen) as usize;
-        if alen > 4096 {
-            return Err(bad(format!("address of {alen} bytes")));
+        if alen > 4096 * (MAX_STREAMS + 1) {
+            return Err(bad(format!("addresses of {alen} bytes")));
         }
-        let mut peer_address = vec![0u8; alen];
+        let mut block = vec![0u8; alen];
         recv_exact(
             side.as_mut(),
-            &mut peer_address,
+            &mut block,
             deadline,
-            "reading the network address",
+            "reading the network addresses",
         )?;
-        ep.connect(&peer_address).map_err(net)?;
+        let peer_addresses =
+            parse_addresses(&block).ok_or_else(|| bad("bad address list".into()))?;
+        // Both sides use as many endpoints as the one with fewer has.
+        eps.truncate(peer_addresses.len().min(streams));
+        for (ep, address) in eps.iter_mut().zip(&peer_addresses) {
+            ep.connect(address).map_err(net)?;
+        }
         let staging = provider
             .register(alloc(remote_cap as usize)?)
             .map_err(net)?;
 
-        // Neither side writes data before the other's endpoint is connected (a reliable
+        // Neither side writes data before the other's endpoints are connected (a reliable
         // connection must be ready to receive). Each side first writes a zero into the peer's
-        // close word and waits for it to complete, polling all the while so that the peer's
-        // connection set-up progresses too (libfabric's rxm connects on the first write).
+        // close word on every endpoint and waits for the writes to complete, polling all the
+        // while so that the peer's connection set-up progresses too (libfabric's rxm connects
+        // on the first write).
         let peer_region = RemoteRegion { base, key, len };
         let close_word = remote_cap + CLOSED_IN as u64;
-        let mut warmed = false;
-        let mut posted = false;
+        let mut posted = vec![false; eps.len()];
+        let mut warmed = vec![false; eps.len()];
         let mut sent_ready = false;
         let mut ready = [0u8; 1];
         let mut got_ready = false;
         let mut done = Vec::new();
-        while !(warmed && got_ready) {
-            if !posted {
-                posted = ep
-                    .write_inline(&0u64.to_le_bytes(), &peer_region, close_word, u64::MAX)
-                    .map_err(net)?
-                    == Posted::Yes;
+        let warm_id = |k: usize| u64::MAX - k as u64;
+        while !(warmed.iter().all(|&w| w) && got_ready) {
+            for (k, ep) in eps.iter_mut().enumerate() {
+                if !posted[k] {
+                    posted[k] = ep
+                        .write_inline(&0u64.to_le_bytes(), &peer_region, close_word, warm_id(k))
+                        .map_err(net)?
+                        == Posted::Yes;
+                }
+                done.clear();
+                ep.poll(&mut done).map_err(net)?;
+                for c in &done {
+                    c.result.clone().map_err(net)?;
+                    warmed[k] |= c.wr_id == warm_id(k);
+                }
             }
-            done.clear();
-            ep.poll(&mut done).map_err(net)?;
-            for c in &done {
-                c.result.clone().map_err(net)?;
-                warmed |= c.wr_id == u64::MAX;
-            }
-            if warmed && !sent_ready {
+            if warmed.iter().all(|&w| w) && !sent_ready {
                 send_all(side.as_mut(), &[READY], deadline, "sending network ready")?;
                 sent_ready = true;
             }
@@ -354,18 +397,25 @@ impl NetConnection {
             }
             if deadline.expired() {
                 return Err(deadline
-                    .timeout_error(format!("connecting the network endpoint to rank {peer}")));
+                    .timeout_error(format!("connecting the network endpoints to rank {peer}")));
             }
-            if !(warmed && got_ready) {
+            if !(warmed.iter().all(|&w| w) && got_ready) {
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
-        let max_outstanding = ep.max_outstanding().max(4);
+        let max_outstanding = eps
+            .iter()
+            .map(|e| e.max_outstanding())
+            .min()
+            .unwrap_or(4)
+            .max(4);
+        let n_eps = eps.len();
         let (landing, staging) = (Arc::new(landing), Arc::new(staging));
         let io = Arc::new(Mutex::new(EndpointState {
-            ep,
+            eps,
             _regions: [Arc::clone(&landing), Arc::clone(&staging)],
-            outstanding: 0,
+            outstanding: vec![0; n_eps],
+            rr: 0,
             next_wr: 0,
             heads: VecDeque::new(),
             head_done: 0,
@@ -486,7 +536,7 @@ impl NetConnection {
     fn post_close(&mut self) -> Result<bool> {
         let remote = self.remote;
         let offset = (self.remote_cap + CLOSED_IN) as u64;
-        let posted = lock(&self.io).post(self.max_outstanding, |ep, id| {
+        let posted = lock(&self.io).post(0, |ep, id| {
             ep.write_inline(&1u64.to_le_bytes(), &remote, offset, id)
         });
         posted.map(|p| p.is_some()).map_err(|e| {
@@ -495,14 +545,13 @@ impl NetConnection {
         })
     }
 
-    /// Posts as much of `data` as the peer's ring and the queue take (at most two writes: to
-    /// the ring's end, then from its start), then the new head; returns the bytes posted.
+    /// Posts as much of `data` as the peer's ring and the queues take (data writes of at most
+    /// [`STRIPE`] bytes, round robin over the endpoints, none across the ring's end), then the
+    /// new head; returns the bytes posted.
     fn post_data(&mut self, data: &[u8]) -> Result<usize> {
         let mut sent = 0usize;
-        for _ in 0..2 {
-            if sent == data.len() {
-                break;
-            }
+        let streams = lock(&self.io).eps.len();
+        while sent < data.len() {
             let (tail, data_done) = (
                 self.counter(TAIL_IN, self.send.tail_seen),
                 lock(&self.io).data_done,
@@ -514,14 +563,21 @@ impl NetConnection {
                 .send
                 .writable(data.len() - sent, self.remote_cap)
                 .map_err(|c| self.corrupt(c))?;
-            let n = n.min(self.remote_cap - at);
+            let mut n = n.min(self.remote_cap - at);
+            if streams > 1 {
+                n = n.min(STRIPE);
+            }
             if n == 0 {
                 break;
             }
             let posted = {
                 let mut io = lock(&self.io);
-                // Room for this write and the head after it.
-                if io.outstanding + 2 > self.max_outstanding {
+                let e = io.rr;
+                // Room for this write, and for the head on endpoint 0.
+                let head_room = if e == 0 { 2 } else { 1 };
+                if io.outstanding[e] + 1 > self.max_outstanding
+                    || io.outstanding[0] + head_room > self.max_outstanding
+                {
                     Ok(None)
                 } else {
                     // SAFETY: [at, at+n) of the staging mirror is free: the peer consumed
@@ -530,11 +586,10 @@ impl NetConnection {
                     unsafe { self.staging.memory.write(at, &data[sent..sent + n]) };
                     let (staging, remote) = (&self.staging, &self.remote);
                     let end = self.send.head + n as u64;
-                    let r = io.post(self.max_outstanding, |ep, id| {
-                        ep.write(staging, at, n, remote, at as u64, id)
-                    });
+                    let r = io.post(e, |ep, id| ep.write(staging, at, n, remote, at as u64, id));
                     if let Ok(Some(id)) = r {
                         io.data.push_back((id, end, false));
+                        io.rr = (e + 1) % streams;
                     }
                     r
                 }
@@ -552,7 +607,13 @@ impl NetConnection {
         }
         if self.head_sent != self.send.head {
             let head = self.send.head;
-            self.sync_words(|io| io.head_want = head)?;
+            // One endpoint keeps its writes in order: the head may follow the data at once.
+            // Over several, `EndpointState::poll` moves it as data writes complete.
+            self.sync_words(|io| {
+                if streams == 1 {
+                    io.head_want = head;
+                }
+            })?;
         }
         Ok(sent)
     }
@@ -713,7 +774,7 @@ impl Drop for NetConnection {
                     Err(_) => return,
                 }
             }
-            if self.closed_sent && lock(&self.io).outstanding == 0 {
+            if self.closed_sent && lock(&self.io).total_outstanding() == 0 {
                 return;
             }
             std::thread::sleep(Duration::from_micros(20));
@@ -761,6 +822,26 @@ fn recv_exact(
     Ok(())
 }
 
+/// The endpoint addresses of a hello: a count, then each address with its length.
+fn parse_addresses(block: &[u8]) -> Option<Vec<Vec<u8>>> {
+    let take = |at: &mut usize, n: usize| -> Option<&[u8]> {
+        let s = block.get(*at..at.checked_add(n)?)?;
+        *at += n;
+        Some(s)
+    };
+    let mut at = 0;
+    let count = u32::from_le_bytes(take(&mut at, 4)?.try_into().ok()?) as usize;
+    if count == 0 || count > MAX_STREAMS {
+        return None;
+    }
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let len = u32::from_le_bytes(take(&mut at, 4)?.try_into().ok()?) as usize;
+        out.push(take(&mut at, len)?.to_vec());
+    }
+    (at == block.len()).then_some(out)
+}
+
 /// A counter and its complement, as one 16-byte write.
 fn counter_pair(value: u64) -> [u8; 16] {
     let mut pair = [0u8; 16];
@@ -788,13 +869,23 @@ pub fn local_pair(
     provider: Arc<dyn Provider>,
     cap: usize,
 ) -> Result<(NetConnection, NetConnection)> {
+    local_pair_striped(provider, cap, 1)
+}
+
+/// [`local_pair`] with `streams` endpoints per connection.
+pub fn local_pair_striped(
+    provider: Arc<dyn Provider>,
+    cap: usize,
+    streams: usize,
+) -> Result<(NetConnection, NetConnection)> {
     let (a, b) = crate::tcp::local_pair(0, 1, crate::tcp::loopback(crate::tcp::Family::Inet))?;
     let deadline = Deadline::after(Duration::from_secs(30));
     let p = Arc::clone(&provider);
     let d = deadline;
-    let other =
-        std::thread::spawn(move || NetConnection::establish(0, Box::new(b), p.as_ref(), cap, &d));
-    let mine = NetConnection::establish(1, Box::new(a), provider.as_ref(), cap, &deadline);
+    let other = std::thread::spawn(move || {
+        NetConnection::establish(0, Box::new(b), p.as_ref(), cap, streams, &d)
+    });
+    let mine = NetConnection::establish(1, Box::new(a), provider.as_ref(), cap, streams, &deadline);
     let theirs = other
         .join()
         .map_err(|_| TransportError::Protocol("network handshake thread panicked".into()))?;
@@ -807,8 +898,12 @@ mod tests {
     use crate::net::loopback::{Faults, Loopback, LoopbackProvider};
 
     fn pair(faults: Faults) -> (NetConnection, NetConnection) {
+        striped(faults, 1)
+    }
+
+    fn striped(faults: Faults, streams: usize) -> (NetConnection, NetConnection) {
         let p: Arc<dyn Provider> = Arc::new(LoopbackProvider(Loopback::with_faults(faults)));
-        local_pair(p, 4096).expect("pair")
+        local_pair_striped(p, 4096, streams).expect("pair")
     }
 
     /// Sends `total` patterned bytes from `a` to `b` (pinned or plain, in uneven pieces) on two
@@ -862,7 +957,12 @@ mod tests {
         let sent = sender.join().expect("sender thread");
         result?;
         drop(sent?);
-        assert_eq!(got, expect);
+        if let Some(i) = got.iter().zip(&expect).position(|(g, e)| g != e) {
+            panic!(
+                "byte {i} of {total} is wrong: {} instead of {}",
+                got[i], expect[i]
+            );
+        }
         Ok(got)
     }
 
@@ -890,6 +990,43 @@ mod tests {
             });
             transfer(a, b, 3 << 20, pinned).expect("transfer");
         }
+    }
+
+    #[test]
+    fn several_endpoints_keep_the_stream_whatever_order_writes_land_in() {
+        // Completions reversed, writes landing in pieces, shallow queues, three endpoints: the
+        // head never covers a byte whose write is still on its way.
+        for pinned in [false, true] {
+            let faults = Faults {
+                reverse_completions: true,
+                split_writes: true,
+                slow_data: true,
+                queue_depth: Some(6),
+                ..Faults::default()
+            };
+            let (a, b) = striped(faults, 3);
+            transfer(a, b, 1 << 20, pinned).expect("transfer");
+        }
+    }
+
+    #[test]
+    fn hello_address_lists_are_checked() {
+        let mut block = Vec::new();
+        block.extend_from_slice(&2u32.to_le_bytes());
+        for a in [&b"abc"[..], &b"de"[..]] {
+            block.extend_from_slice(&(a.len() as u32).to_le_bytes());
+            block.extend_from_slice(a);
+        }
+        assert_eq!(
+            parse_addresses(&block),
+            Some(vec![b"abc".to_vec(), b"de".to_vec()])
+        );
+        assert_eq!(parse_addresses(&block[..block.len() - 1]), None, "short");
+        let mut long = block.clone();
+        long.push(0);
+        assert_eq!(parse_addresses(&long), None, "trailing bytes");
+        assert_eq!(parse_addresses(&0u32.to_le_bytes()), None, "no endpoint");
+        assert_eq!(parse_addresses(&99u32.to_le_bytes()), None, "too many");
     }
 
     #[test]
