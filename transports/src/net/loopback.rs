@@ -35,6 +35,9 @@ pub struct Faults {
     /// would, while each endpoint still lands its writes in order: across endpoints, a later
     /// small write can land well before an earlier large one.
     pub slow_data: bool,
+    /// Endpoints take no inline writes (as some providers), so control words go from
+    /// registered memory.
+    pub no_inline: bool,
 }
 
 /// An in-memory fabric: registered regions and live endpoints, shared by the endpoints made
@@ -282,7 +285,11 @@ impl Endpoint for LoopEndpoint {
     }
 
     fn inline_max(&self) -> usize {
-        64
+        if self.fabric.faults.no_inline {
+            0
+        } else {
+            64
+        }
     }
 
     fn write(

@@ -50,6 +50,9 @@ const LINGER: Duration = Duration::from_secs(1);
 /// Largest data write when a connection has several endpoints, so that a large send is spread
 /// over all of them.
 const STRIPE: usize = 256 << 10;
+/// Registered slots for control words written without inline support, and their size.
+const WORD_SLOTS: usize = 32;
+const WORD_SLOT: usize = 16;
 /// Most endpoints (queue pairs) per connection.
 pub const MAX_STREAMS: usize = 16;
 /// How long a [`NetWaiter`] sleeps between polls when nothing moved.
@@ -96,6 +99,11 @@ struct EndpointState {
     /// then, and [`progress_all`] may hold this state after the connection is gone.
     eps: Vec<Box<dyn Endpoint>>,
     _regions: [Arc<Region>; 2],
+    /// Registered sources for control words on endpoints whose inline writes are too small
+    /// (some providers have none): [`WORD_SLOTS`] slots of 16 bytes, each with the work
+    /// request reading it while one does.
+    words: Arc<Region>,
+    slots: [Option<u64>; WORD_SLOTS],
     /// Work requests posted and not completed, per endpoint.
     outstanding: Vec<usize>,
     /// The endpoint the next data write goes to (round robin).
@@ -143,6 +151,9 @@ impl EndpointState {
             *outstanding = outstanding.saturating_sub(self.done.len() - before);
         }
         for c in &self.done {
+            if let Some(slot) = self.slots.iter_mut().find(|s| **s == Some(c.wr_id)) {
+                *slot = None;
+            }
             if let Err(e) = &c.result {
                 self.failed.get_or_insert_with(|| e.clone());
             }
@@ -182,9 +193,9 @@ impl EndpointState {
             if want == posted {
                 continue;
             }
-            let (remote, offset) = (self.remote, (self.remote_cap + at) as u64);
+            let offset = (self.remote_cap + at) as u64;
             let pair = counter_pair(want);
-            match self.post(0, |ep, id| ep.write_inline(&pair, &remote, offset, id)) {
+            match self.post_small(0, &pair, offset) {
                 Ok(Some(id)) => {
                     if at == HEAD_IN {
                         self.heads.push_back((id, want));
@@ -197,6 +208,34 @@ impl EndpointState {
                 Err(e) => self.failed = Some(e),
             }
         }
+    }
+
+    /// Writes `bytes` (a control word, at most 16) to `offset` of the peer's landing region on
+    /// endpoint `e`: inline where the endpoint takes that many bytes inline, else from a free
+    /// registered slot. The id if it was posted.
+    fn post_small(
+        &mut self,
+        e: usize,
+        bytes: &[u8],
+        offset: u64,
+    ) -> std::result::Result<Option<u64>, NetError> {
+        let remote = self.remote;
+        if bytes.len() <= self.eps[e].inline_max() {
+            return self.post(e, |ep, id| ep.write_inline(bytes, &remote, offset, id));
+        }
+        let Some(slot) = self.slots.iter().position(Option::is_none) else {
+            return Ok(None);
+        };
+        // SAFETY: no posted write reads this slot (its last one completed: the slot is free).
+        unsafe { self.words.memory.write(slot * WORD_SLOT, bytes) };
+        let words = Arc::clone(&self.words);
+        let posted = self.post(e, |ep, id| {
+            ep.write(&words, slot * WORD_SLOT, bytes.len(), &remote, offset, id)
+        })?;
+        if let Some(id) = posted {
+            self.slots[slot] = Some(id);
+        }
+        Ok(posted)
     }
 
     /// Posts on endpoint `e` with a fresh work-request id; the id if it was taken.
@@ -370,13 +409,30 @@ impl NetConnection {
         let mut got_ready = false;
         let mut done = Vec::new();
         let warm_id = |k: usize| u64::MAX - k as u64;
+        // Sources of the warm-up writes for endpoints without inline writes: one zeroed slot
+        // each, untouched until the write completes.
+        let words = Arc::new(
+            provider
+                .register(alloc(WORD_SLOTS * WORD_SLOT)?)
+                .map_err(net)?,
+        );
         while !(warmed.iter().all(|&w| w) && got_ready) {
             for (k, ep) in eps.iter_mut().enumerate() {
                 if !posted[k] {
-                    posted[k] = ep
-                        .write_inline(&0u64.to_le_bytes(), &peer_region, close_word, warm_id(k))
-                        .map_err(net)?
-                        == Posted::Yes;
+                    let zero = 0u64.to_le_bytes();
+                    let r = if zero.len() <= ep.inline_max() {
+                        ep.write_inline(&zero, &peer_region, close_word, warm_id(k))
+                    } else {
+                        ep.write(
+                            &words,
+                            k * WORD_SLOT,
+                            8,
+                            &peer_region,
+                            close_word,
+                            warm_id(k),
+                        )
+                    };
+                    posted[k] = r.map_err(net)? == Posted::Yes;
                 }
                 done.clear();
                 ep.poll(&mut done).map_err(net)?;
@@ -414,6 +470,8 @@ impl NetConnection {
         let io = Arc::new(Mutex::new(EndpointState {
             eps,
             _regions: [Arc::clone(&landing), Arc::clone(&staging)],
+            words,
+            slots: [None; WORD_SLOTS],
             outstanding: vec![0; n_eps],
             rr: 0,
             next_wr: 0,
@@ -534,11 +592,8 @@ impl NetConnection {
 
     /// Writes the peer's close word; whether it was posted.
     fn post_close(&mut self) -> Result<bool> {
-        let remote = self.remote;
         let offset = (self.remote_cap + CLOSED_IN) as u64;
-        let posted = lock(&self.io).post(0, |ep, id| {
-            ep.write_inline(&1u64.to_le_bytes(), &remote, offset, id)
-        });
+        let posted = lock(&self.io).post_small(0, &1u64.to_le_bytes(), offset);
         posted.map(|p| p.is_some()).map_err(|e| {
             let err = self.lost_error(&e);
             self.fail(err)
@@ -761,12 +816,15 @@ impl Drop for NetConnection {
             return;
         }
         // Everything posted, then the close mark, must leave before the endpoint goes: with
-        // manual progress nothing is sent unless polled.
+        // manual progress nothing is sent unless polled. Over several endpoints the head
+        // waits for the data writes to be delivered, which needs the peer's progress: this
+        // process's other endpoints are polled too (the peer may be one of them).
         let deadline = Instant::now() + CLOSE_FLUSH;
         while Instant::now() < deadline {
             if self.progress().is_err() {
                 return;
             }
+            progress_all();
             if !self.closed_sent && self.head_sent == self.send.head {
                 match self.post_close() {
                     Ok(true) => self.closed_sent = true,
@@ -1006,6 +1064,19 @@ mod tests {
             };
             let (a, b) = striped(faults, 3);
             transfer(a, b, 1 << 20, pinned).expect("transfer");
+        }
+    }
+
+    #[test]
+    fn endpoints_without_inline_writes_send_control_words_from_registered_slots() {
+        for streams in [1, 2] {
+            let faults = Faults {
+                no_inline: true,
+                reverse_completions: true,
+                ..Faults::default()
+            };
+            let (a, b) = striped(faults, streams);
+            transfer(a, b, 300_000, true).expect("transfer");
         }
     }
 
