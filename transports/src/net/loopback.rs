@@ -4,8 +4,8 @@
 //! order, a peer that vanishes between two writes.
 
 use super::{
-    Completion, Endpoint, Memory, NetError, NetResult, Posted, Provider, Region, Registration,
-    RemoteRegion,
+    check_source, Completion, Endpoint, Memory, NetError, NetResult, Posted, Provider, Region,
+    Registration, RemoteRegion,
 };
 use crate::util::lock;
 use std::collections::{HashMap, VecDeque};
@@ -301,17 +301,8 @@ impl Endpoint for LoopEndpoint {
         dst_offset: u64,
         wr_id: u64,
     ) -> NetResult<Posted> {
-        if src_offset
-            .checked_add(len)
-            .is_none_or(|e| e > src.memory.len())
-        {
-            return Err(NetError::OutOfBounds {
-                provider: PROVIDER,
-                offset: src_offset as u64,
-                len,
-                region: src.memory.len(),
-            });
-        }
+        check_source(PROVIDER, Some((src, src_offset)), len, 0)?;
+        // The peer's bounds are its device's to check (a remote access error, see `place`).
         // SAFETY: in bounds; the caller keeps the source unchanged until completion.
         let data = unsafe { src.memory.read(src_offset, len, <[u8]>::to_vec) };
         self.post(data, dst, dst_offset, wr_id)
@@ -324,14 +315,7 @@ impl Endpoint for LoopEndpoint {
         dst_offset: u64,
         wr_id: u64,
     ) -> NetResult<Posted> {
-        if data.len() > self.inline_max() {
-            return Err(NetError::OutOfBounds {
-                provider: PROVIDER,
-                offset: 0,
-                len: data.len(),
-                region: self.inline_max(),
-            });
-        }
+        check_source(PROVIDER, None, data.len(), self.inline_max())?;
         self.post(data.to_vec(), dst, dst_offset, wr_id)
     }
 

@@ -95,6 +95,48 @@ pub enum NetError {
 /// Result alias for provider calls.
 pub type NetResult<T> = std::result::Result<T, NetError>;
 
+/// The rule every provider checks before posting a write of `len` bytes to `dst_offset` of the
+/// peer's region `dst`: the range lies inside the region. Returns the address to write to.
+pub fn remote_address(
+    provider: &'static str,
+    dst: &RemoteRegion,
+    dst_offset: u64,
+    len: usize,
+) -> NetResult<u64> {
+    match dst_offset.checked_add(len as u64) {
+        Some(end) if end <= dst.len => Ok(dst.base.wrapping_add(dst_offset)),
+        _ => Err(NetError::OutOfBounds {
+            provider,
+            offset: dst_offset,
+            len,
+            region: dst.len as usize,
+        }),
+    }
+}
+
+/// The source side of the same rule: `len` bytes at `offset` of the registered `src`, or an
+/// inline payload of `len` bytes where the endpoint takes at most `inline_max`.
+pub fn check_source(
+    provider: &'static str,
+    src: Option<(&Region, usize)>,
+    len: usize,
+    inline_max: usize,
+) -> NetResult<()> {
+    let (offset, region) = match src {
+        Some((r, offset)) => (offset, r.memory.len()),
+        None => (0, inline_max),
+    };
+    match offset.checked_add(len) {
+        Some(end) if end <= region => Ok(()),
+        _ => Err(NetError::OutOfBounds {
+            provider,
+            offset: offset as u64,
+            len,
+            region,
+        }),
+    }
+}
+
 /// What a peer needs to write into a region: the address its offset 0 has in the writer's
 /// requests (a virtual address, or 0 where the provider addresses regions by offset) and the
 /// remote key.

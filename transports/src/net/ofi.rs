@@ -95,8 +95,8 @@ mod sys {
 
     use super::PROVIDER;
     use crate::net::{
-        Completion, Endpoint, Memory, NetError, NetResult, Posted, Region, Registration,
-        RemoteRegion,
+        check_source, remote_address, Completion, Endpoint, Memory, NetError, NetResult, Posted,
+        Region, Registration, RemoteRegion,
     };
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::Arc;
@@ -411,20 +411,8 @@ mod sys {
             wr_id: u64,
         ) -> NetResult<Posted> {
             self.check_connected()?;
-            if src_offset
-                .checked_add(len)
-                .is_none_or(|e| e > src.memory.len())
-                || dst_offset
-                    .checked_add(len as u64)
-                    .is_none_or(|e| e > dst.len)
-            {
-                return Err(NetError::OutOfBounds {
-                    provider: PROVIDER,
-                    offset: dst_offset,
-                    len,
-                    region: dst.len as usize,
-                });
-            }
+            check_source(PROVIDER, Some((src, src_offset)), len, 0)?;
+            let raddr = remote_address(PROVIDER, dst, dst_offset, len)?;
             // SAFETY: the source range is inside the registered allocation, which the caller
             // keeps unchanged (and `src` alive) until the write completes; the remote range
             // was checked against the peer's region.
@@ -434,7 +422,7 @@ mod sys {
                     src.memory.as_ptr().add(src_offset).cast(),
                     len,
                     src.registration.local_descriptor(),
-                    dst.base.wrapping_add(dst_offset),
+                    raddr,
                     dst.key,
                     wr_id,
                 )
@@ -450,25 +438,15 @@ mod sys {
             wr_id: u64,
         ) -> NetResult<Posted> {
             self.check_connected()?;
-            if data.len() > self.inject
-                || dst_offset
-                    .checked_add(data.len() as u64)
-                    .is_none_or(|e| e > dst.len)
-            {
-                return Err(NetError::OutOfBounds {
-                    provider: PROVIDER,
-                    offset: dst_offset,
-                    len: data.len(),
-                    region: dst.len as usize,
-                });
-            }
+            check_source(PROVIDER, None, data.len(), self.inject)?;
+            let raddr = remote_address(PROVIDER, dst, dst_offset, data.len())?;
             // SAFETY: `data` is valid for the call, and FI_INJECT copies it before returning.
             let rc = unsafe {
                 weft_ofi_write_inline(
                     self.ep,
                     data.as_ptr().cast(),
                     data.len(),
-                    dst.base.wrapping_add(dst_offset),
+                    raddr,
                     dst.key,
                     wr_id,
                 )

@@ -747,7 +747,9 @@ impl Connection for NetConnection {
             .map_err(|c| self.corrupt(c))?;
         let len = (avail as usize).min(max).min(self.cap - at);
         if avail == 0 && closed {
-            return Err(self.closed());
+            // Sends to a peer that closed fail from now on too.
+            let e = self.closed();
+            return Err(self.fail(e));
         }
         if len == 0 {
             return Ok(0);
@@ -777,7 +779,8 @@ impl Connection for NetConnection {
             return Ok(());
         }
         if closed {
-            return Err(self.closed());
+            let e = self.closed();
+            return Err(self.fail(e));
         }
         let side = match self.side.as_mut() {
             Some(side) => side.check_peer(),

@@ -332,8 +332,8 @@ mod sys {
 
     use super::{choose_gid, choose_port, gid_table_from_sysfs, PortInfo, VerbsConfig, PROVIDER};
     use crate::net::{
-        Completion, Endpoint, Memory, NetError, NetResult, Posted, Region, Registration,
-        RemoteRegion,
+        check_source, remote_address, Completion, Endpoint, Memory, NetError, NetResult, Posted,
+        Region, Registration, RemoteRegion,
     };
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::Arc;
@@ -707,15 +707,7 @@ mod sys {
             if !self.connected {
                 return Err(NetError::NotConnected { provider: PROVIDER });
             }
-            match dst_offset.checked_add(len as u64) {
-                Some(end) if end <= dst.len => Ok(dst.base.wrapping_add(dst_offset)),
-                _ => Err(NetError::OutOfBounds {
-                    provider: PROVIDER,
-                    offset: dst_offset,
-                    len,
-                    region: dst.len as usize,
-                }),
-            }
+            remote_address(PROVIDER, dst, dst_offset, len)
         }
     }
 
@@ -780,17 +772,7 @@ mod sys {
             wr_id: u64,
         ) -> NetResult<Posted> {
             let raddr = self.bounds(dst, dst_offset, len)?;
-            if src_offset
-                .checked_add(len)
-                .is_none_or(|e| e > src.memory.len())
-            {
-                return Err(NetError::OutOfBounds {
-                    provider: PROVIDER,
-                    offset: src_offset as u64,
-                    len,
-                    region: src.memory.len(),
-                });
-            }
+            check_source(PROVIDER, Some((src, src_offset)), len, 0)?;
             // SAFETY: the source range is inside the registered allocation (checked), kept
             // unchanged and alive until the write completes; the remote range was checked.
             let rc = unsafe {
@@ -816,14 +798,7 @@ mod sys {
             wr_id: u64,
         ) -> NetResult<Posted> {
             let raddr = self.bounds(dst, dst_offset, data.len())?;
-            if data.len() > self.max_inline {
-                return Err(NetError::OutOfBounds {
-                    provider: PROVIDER,
-                    offset: 0,
-                    len: data.len(),
-                    region: self.max_inline,
-                });
-            }
+            check_source(PROVIDER, None, data.len(), self.max_inline)?;
             // SAFETY: IBV_SEND_INLINE copies `data` before the call returns.
             let rc = unsafe {
                 weft_ibv_write(
