@@ -290,15 +290,22 @@ pub struct MeshWaiter {
 }
 
 impl MeshWaiter {
-    fn wants(&self, interest: &[Interest]) -> (bool, bool) {
+    /// Whether `interest` (empty: anything) involves shared-memory, TCP and network peers.
+    fn wants(&self, interest: &[Interest]) -> (bool, bool, bool) {
         if interest.is_empty() {
-            return (self.shm.is_some(), !self.tcp.is_empty());
+            return (
+                self.shm.is_some(),
+                !self.tcp.is_empty(),
+                self.net_peers.contains(&true),
+            );
         }
-        let shm = interest
-            .iter()
-            .any(|i| self.shm_peers.get(i.peer).copied().unwrap_or(false));
+        let marked = |peers: &[bool]| {
+            interest
+                .iter()
+                .any(|i| peers.get(i.peer).copied().unwrap_or(false))
+        };
         let tcp = interest.iter().any(|i| self.tcp.has_peer(i.peer));
-        (shm, tcp)
+        (marked(&self.shm_peers), tcp, marked(&self.net_peers))
     }
 }
 
@@ -331,20 +338,13 @@ impl IdleWaiter for MeshWaiter {
         if self.signalled() {
             return Ok(());
         }
-        let want_net = if interest.is_empty() {
-            self.net_peers.iter().any(|&b| b)
-        } else {
-            interest
-                .iter()
-                .any(|i| self.net_peers.get(i.peer).copied().unwrap_or(false))
-        };
+        let (want_shm, want_tcp, want_net) = self.wants(interest);
         let max = if want_net {
             net::stream::progress_all();
             max.min(net::stream::NET_POLL_SLICE)
         } else {
             max
         };
-        let (want_shm, want_tcp) = self.wants(interest);
         if want_tcp && self.shared() {
             // Another communicator of this process may drain a socket this one waits on.
             let deadline = Deadline::after(max);

@@ -83,24 +83,15 @@ impl NetChoice {
 
     /// From `WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER` and `WEFT_NET_BUFFSIZE`.
     pub fn from_env() -> Result<NetChoice> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let streams = match var("WEFT_IB_QPS_PER_CONNECTION") {
-            None => 1,
-            Some(v) => v
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|n| (1..=super::stream::MAX_STREAMS).contains(n))
-                .ok_or_else(|| {
-                    TransportError::Config(format!(
-                        "WEFT_IB_QPS_PER_CONNECTION={v:?}: expected 1 to {}",
-                        super::stream::MAX_STREAMS
-                    ))
-                })?,
-        };
+        let var = env_var;
+        let streams = ranged(
+            "WEFT_IB_QPS_PER_CONNECTION",
+            var("WEFT_IB_QPS_PER_CONNECTION").as_deref(),
+            1..=super::stream::MAX_STREAMS as u32,
+        )?;
         Ok(NetChoice {
             verbs: VerbsConfig::from_env()?,
-            streams,
+            streams: streams.map_or(1, |n| n as usize),
             ..NetChoice::parse(
                 var("WEFT_NET").as_deref(),
                 var("WEFT_IB_DISABLE").as_deref(),
@@ -159,6 +150,33 @@ impl NetChoice {
             streams: 1,
         })
     }
+}
+
+/// A set, non-blank environment variable.
+pub(crate) fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// The number `text` of variable `name`, checked against `range`; `None` when unset.
+pub(crate) fn ranged(
+    name: &str,
+    text: Option<&str>,
+    range: std::ops::RangeInclusive<u32>,
+) -> Result<Option<u32>> {
+    text.map(|t| {
+        t.trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|v| range.contains(v))
+            .ok_or_else(|| {
+                TransportError::Config(format!(
+                    "{name}={t:?}: expected a number from {} to {}",
+                    range.start(),
+                    range.end()
+                ))
+            })
+    })
+    .transpose()
 }
 
 type Cache = Mutex<HashMap<NetChoice, Option<Arc<dyn Provider>>>>;
@@ -242,6 +260,16 @@ mod tests {
             NetChoice::parse(None, None, None, Some("lots")),
         ] {
             assert!(matches!(bad, Err(TransportError::Config(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn ranged_numbers_are_checked() {
+        assert_eq!(ranged("X", None, 1..=16).unwrap(), None);
+        assert_eq!(ranged("X", Some(" 4 "), 1..=16).unwrap(), Some(4));
+        for bad in ["0", "17", "two", "-1"] {
+            let e = ranged("WEFT_IB_QPS_PER_CONNECTION", Some(bad), 1..=16).unwrap_err();
+            assert!(e.to_string().contains("from 1 to 16"), "{e}");
         }
     }
 

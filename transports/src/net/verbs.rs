@@ -135,7 +135,7 @@ impl Default for VerbsConfig {
 impl VerbsConfig {
     /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`.
     pub fn from_env() -> Result<VerbsConfig> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let var = super::select::env_var;
         VerbsConfig::parse(
             var("WEFT_IB_HCA").as_deref(),
             var("WEFT_IB_GID_INDEX").as_deref(),
@@ -151,22 +151,7 @@ impl VerbsConfig {
         timeout: Option<&str>,
         retry_cnt: Option<&str>,
     ) -> Result<VerbsConfig> {
-        let number = |name: &str, text: Option<&str>, range: std::ops::RangeInclusive<u32>| {
-            text.map(|t| {
-                t.trim()
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|v| range.contains(v))
-                    .ok_or_else(|| {
-                        TransportError::Config(format!(
-                            "{name}={t:?}: expected a number from {} to {}",
-                            range.start(),
-                            range.end()
-                        ))
-                    })
-            })
-            .transpose()
-        };
+        let number = super::select::ranged;
         let d = VerbsConfig::default();
         Ok(VerbsConfig {
             hca: hca.map(HcaSpec::parse).transpose()?.unwrap_or_default(),
