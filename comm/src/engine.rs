@@ -839,8 +839,10 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
                         return Err(ctx.internal("receive into read-only memory".into()))
                     }
                 };
+                // The destination stays put until the step completes (later steps that read it
+                // depend on this one), which is what a pinned receive asks.
                 io.conn
-                    .try_recv_into(dst)
+                    .try_recv_into_pinned(dst)
                     .map_err(|e| ctx.transport(peer, e))?
             };
             if n == 0 {

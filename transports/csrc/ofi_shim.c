@@ -77,9 +77,10 @@ struct weft_ofi_domain {
     uint64_t next_key;
 };
 
-/* Providers that are plain sockets or local memory, not RDMA hardware. */
-static int is_software(const char *prov) {
-    static const char *soft[] = {"tcp", "sockets", "udp", "shm", "net", NULL};
+/* Providers that are plain sockets or local memory, not RDMA hardware: they copy through the
+ * registered addresses when bytes move instead of pinning pages. */
+int weft_ofi_is_software(const char *prov) {
+    static const char *soft[] = {"tcp", "sockets", "udp", "shm", "sm2", "net", NULL};
     size_t core = strcspn(prov, ";");
     for (int i = 0; soft[i]; i++)
         if (strlen(soft[i]) == core && strncmp(prov, soft[i], core) == 0)
@@ -123,7 +124,7 @@ int weft_ofi_open(const char *prov, int hardware_only, struct weft_ofi_domain **
     }
     struct fi_info *pick = NULL;
     for (struct fi_info *i = list; i; i = i->next) {
-        if (hardware_only && is_software(i->fabric_attr->prov_name))
+        if (hardware_only && weft_ofi_is_software(i->fabric_attr->prov_name))
             continue;
         pick = i;
         break;

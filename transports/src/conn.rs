@@ -55,6 +55,21 @@ pub trait Connection: Send {
         recv_into_by_lending(self, dst)
     }
 
+    /// Like [`Connection::try_recv_into`], for a caller that promises to call again with
+    /// exactly the rest of `dst` (the same memory, not read or written meanwhile) until every
+    /// byte arrived, without another read in between, or else to call
+    /// [`Connection::cancel_pinned`]. A transport may then let the peer write straight into
+    /// `dst` (a network rendezvous), which saves the copy out of its buffer. The collectives
+    /// engine receives every copied message this way.
+    fn try_recv_into_pinned(&mut self, dst: &mut [u8]) -> Result<usize> {
+        self.try_recv_into(dst)
+    }
+
+    /// The caller gives up the pinned receive it started (its operation failed): once this
+    /// returns, the transport writes nothing more into that memory, even if that means
+    /// closing the connection.
+    fn cancel_pinned(&mut self) {}
+
     /// Returns `PeerLost` when the peer is known to be gone (process exited, socket closed) and no
     /// buffered bytes remain. Cheap enough to call every few milliseconds while waiting.
     fn check_peer(&mut self) -> Result<()>;

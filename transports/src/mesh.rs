@@ -413,10 +413,10 @@ struct Shared {
     /// The first communicator's store namespace, where the TCP addresses are.
     namespace: String,
     shm_ll_max: usize,
-    /// The network provider this rank opened (see [`MeshConfig::net`]) and its ring size.
+    /// The network provider this rank opened (see [`MeshConfig::net`]) and the shape of its
+    /// connections.
     net: Option<Arc<dyn Provider>>,
-    net_ring: usize,
-    net_streams: usize,
+    net_link: crate::net::stream::NetLink,
     links: Mutex<Links>,
     /// Meshes alive.
     live: Arc<AtomicUsize>,
@@ -577,8 +577,7 @@ impl Mesh {
             namespace: ns.to_string(),
             shm_ll_max: cfg.shm_ll_max,
             net: provider,
-            net_ring: cfg.net.ring,
-            net_streams: cfg.net.streams,
+            net_link: cfg.net.link(),
             links: Mutex::new(Links {
                 by_rank: (0..n).map(|_| None).collect(),
                 addrs: HashMap::new(),
@@ -810,9 +809,8 @@ impl Mesh {
                         let conn = NetConnection::establish(
                             p,
                             Box::new(c),
-                            provider.as_ref(),
-                            family.net_ring,
-                            family.net_streams,
+                            provider,
+                            family.net_link,
                             deadline,
                         )?;
                         tracing::info!(target: "weftcc::net", rank = self.rank, peer = p, "via NET/{}", provider.name());
@@ -936,6 +934,15 @@ impl Mesh {
     pub fn leave_farewell(&mut self, note: &str) {
         for conn in self.conns.iter_mut().flatten() {
             conn.leave_farewell(note);
+        }
+    }
+
+    /// Gives up every connection's unfinished pinned receive (see
+    /// [`Connection::cancel_pinned`]): after a failed operation, before its memory goes back
+    /// to the caller.
+    pub fn cancel_pinned(&mut self) {
+        for conn in self.conns.iter_mut().flatten() {
+            conn.cancel_pinned();
         }
     }
 

@@ -4,8 +4,8 @@
 //! order, a peer that vanishes between two writes.
 
 use super::{
-    check_source, Completion, Endpoint, Memory, NetError, NetResult, Posted, Provider, Region,
-    Registration, RemoteRegion,
+    check_source, remote_address, Completion, Endpoint, Memory, NetError, NetResult, Posted,
+    Provider, Region, Registration, RemoteRegion,
 };
 use crate::util::lock;
 use std::collections::{HashMap, VecDeque};
@@ -108,6 +108,10 @@ impl Provider for LoopbackProvider {
     fn id(&self) -> String {
         PROVIDER.into()
     }
+    fn registrations_follow_remapping(&self) -> bool {
+        // Bytes are copied through the registered pointer when a write is placed.
+        true
+    }
     fn register(&self, memory: Arc<Memory>) -> NetResult<Region> {
         let key = self.0.id();
         let len = memory.len() as u64;
@@ -181,6 +185,8 @@ impl LoopEndpoint {
         if self.queue.len() >= self.max_outstanding() {
             return Ok(Posted::Full);
         }
+        // Regions are addressed from 0: the address is the offset in the registered memory.
+        let offset = remote_address(PROVIDER, dst, offset, data.len())?;
         let n = self.fabric.posted.fetch_add(1, Ordering::Relaxed);
         self.queue.push_back(Pending {
             wr_id,

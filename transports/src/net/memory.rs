@@ -9,10 +9,13 @@ use std::sync::atomic::AtomicU64;
 /// Alignment of every allocation: a page, as registration wants.
 const PAGE: usize = 4096;
 
-/// A zeroed, page-aligned allocation that may be registered with a provider.
+/// A zeroed, page-aligned allocation that may be registered with a provider, or a caller's
+/// memory lent for a registration ([`Memory::borrowed`]).
 pub struct Memory {
     ptr: NonNull<u8>,
     len: usize,
+    /// Allocated by [`Memory::new`] and freed on drop (a borrowed range is not).
+    owned: bool,
 }
 
 // SAFETY: `Memory` owns its allocation; all access goes through raw pointers whose users
@@ -33,7 +36,23 @@ impl Memory {
         Some(Memory {
             ptr: NonNull::new(raw)?,
             len,
+            owned: true,
         })
+    }
+
+    /// The caller's `len` bytes at `ptr`, to be registered (a rendezvous destination). Never
+    /// freed by this value.
+    ///
+    /// # Safety
+    /// The range must be valid for reads and writes whenever this `Memory` (or a registration
+    /// of it) is used to move bytes: the registration cache lends it only while the caller's
+    /// promise holds the memory, and a provider touches it only on behalf of such a use.
+    pub unsafe fn borrowed(ptr: NonNull<u8>, len: usize) -> Memory {
+        Memory {
+            ptr,
+            len,
+            owned: false,
+        }
     }
 
     /// Usable length in bytes.
@@ -62,8 +81,11 @@ impl Memory {
     /// The 8-byte word at `offset` (a multiple of 8), for counters a peer writes.
     pub fn word(&self, offset: usize) -> &AtomicU64 {
         self.check(offset, 8);
-        assert!(offset.is_multiple_of(8), "unaligned word at {offset}");
-        // SAFETY: in bounds and 8-aligned (the base is page-aligned); the allocation lives as
+        assert!(
+            (self.ptr.as_ptr() as usize + offset).is_multiple_of(8),
+            "unaligned word at {offset}"
+        );
+        // SAFETY: in bounds and 8-aligned (checked); the allocation lives as
         // long as `self`, and every access to this word is atomic (peers' writers store it with
         // an atomic or a device write of one aligned word).
         unsafe { &*(self.ptr.as_ptr().add(offset) as *const AtomicU64) }
@@ -97,6 +119,9 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let layout = Layout::from_size_align(self.len.max(1).next_multiple_of(PAGE), PAGE)
             .expect("layout was valid at allocation");
         // SAFETY: allocated in `new` with this very layout, freed once.

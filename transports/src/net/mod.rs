@@ -17,6 +17,8 @@
 //!   (the data, then the new head), and whose tail the receiver writes back the same way. The
 //!   receiver reduces straight out of its ring. The TCP connection that carried the handshake
 //!   stays open beside it: it tells a peer that died from one that is merely quiet.
+//! * [`regcache`]: registrations of callers' memory (rendezvous destinations), made once per
+//!   page range and reused.
 //! * [`select`]: which network a rank uses (`WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER`)
 //!   and the process-wide cache of opened providers.
 //!
@@ -27,6 +29,7 @@
 pub mod loopback;
 pub mod memory;
 pub mod ofi;
+pub mod regcache;
 pub mod select;
 pub mod stream;
 pub mod verbs;
@@ -83,6 +86,13 @@ pub enum NetError {
         len: usize,
         /// The region's length.
         region: usize,
+    },
+    /// The connection's endpoints were closed because an operation gave up a receive whose
+    /// destination the peer may write (the caller's memory must not be written after that).
+    #[error("{provider}: connection closed: an operation gave up a receive into its memory")]
+    Abandoned {
+        /// The provider.
+        provider: &'static str,
     },
     /// The endpoint was asked to write before it was connected to a peer.
     #[error("{provider}: endpoint not connected")]
@@ -204,6 +214,13 @@ pub trait Provider: Send + Sync {
     fn register(&self, memory: Arc<Memory>) -> NetResult<Region>;
     /// A new endpoint, not connected yet.
     fn endpoint(&self) -> NetResult<Box<dyn Endpoint>>;
+    /// Whether a registration keeps naming whatever memory is mapped at its addresses (a
+    /// software provider that copies through the addresses at write time), so that an idle
+    /// one may be cached after the caller's buffer went ([`regcache`]). False where the
+    /// device pinned the pages at registration (verbs).
+    fn registrations_follow_remapping(&self) -> bool {
+        false
+    }
 }
 
 /// One end of a reliable, ordered connection to one peer's endpoint.

@@ -57,6 +57,19 @@ impl Provider for OfiProvider {
         format!("ofi:{}", self.name.replace('/', "_"))
     }
 
+    fn registrations_follow_remapping(&self) -> bool {
+        // Software providers copy through the registered addresses when bytes move; providers
+        // over RDMA hardware pin pages.
+        #[cfg(weft_ofi)]
+        {
+            sys::is_software(&self.name)
+        }
+        #[cfg(not(weft_ofi))]
+        {
+            false
+        }
+    }
+
     fn register(&self, memory: std::sync::Arc<super::Memory>) -> NetResult<super::Region> {
         #[cfg(weft_ofi)]
         {
@@ -101,6 +114,15 @@ mod sys {
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::Arc;
 
+    /// Whether libfabric's provider `name` moves bytes with the CPU (the shim's list).
+    pub fn is_software(name: &str) -> bool {
+        let Ok(name) = CString::new(name) else {
+            return false;
+        };
+        // SAFETY: a NUL-terminated string the call only reads.
+        unsafe { weft_ofi_is_software(name.as_ptr()) != 0 }
+    }
+
     #[repr(C)]
     pub struct RawDomain {
         _private: [u8; 0],
@@ -115,6 +137,7 @@ mod sys {
     }
 
     extern "C" {
+        fn weft_ofi_is_software(prov: *const c_char) -> c_int;
         fn weft_ofi_strerror(code: c_int) -> *const c_char;
         fn weft_ofi_open(
             prov: *const c_char,

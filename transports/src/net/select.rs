@@ -14,6 +14,8 @@
 //!   default [`DEFAULT_RING`]).
 //! * `WEFT_IB_QPS_PER_CONNECTION` (NCCL's name; any provider): endpoints (queue pairs) per
 //!   connection, data writes striped over them (1 to 16, default 1).
+//! * `WEFT_NET_RNDV_THRESHOLD`: the smallest pinned receive whose destination is offered to
+//!   the sender for direct writes (default [`DEFAULT_RENDEZVOUS`]; 0 turns rendezvous off).
 //!
 //! Both ends of a pair must have opened providers with the same [`Provider::id`] for the pair to
 //! use it; otherwise (one host without the device) the pair uses TCP.
@@ -27,6 +29,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Default receive ring of a network connection.
 pub const DEFAULT_RING: usize = 2 << 20;
+/// Default smallest pinned receive offered to the sender as a rendezvous destination.
+pub const DEFAULT_RENDEZVOUS: usize = 64 << 10;
 
 /// The network asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -57,6 +61,9 @@ pub struct NetChoice {
     pub verbs: VerbsConfig,
     /// Endpoints per connection (`WEFT_IB_QPS_PER_CONNECTION`).
     pub streams: usize,
+    /// Smallest pinned receive offered as a rendezvous destination; 0 turns rendezvous off
+    /// (`WEFT_NET_RNDV_THRESHOLD`).
+    pub rendezvous: usize,
 }
 
 impl Default for NetChoice {
@@ -68,6 +75,7 @@ impl Default for NetChoice {
             ring: DEFAULT_RING,
             verbs: VerbsConfig::default(),
             streams: 1,
+            rendezvous: DEFAULT_RENDEZVOUS,
         }
     }
 }
@@ -89,9 +97,15 @@ impl NetChoice {
             var("WEFT_IB_QPS_PER_CONNECTION").as_deref(),
             1..=super::stream::MAX_STREAMS as u32,
         )?;
+        let rendezvous = match var("WEFT_NET_RNDV_THRESHOLD") {
+            None => DEFAULT_RENDEZVOUS,
+            Some(text) => parse_size(&text)
+                .map_err(|e| TransportError::Config(format!("WEFT_NET_RNDV_THRESHOLD: {}", e.0)))?,
+        };
         Ok(NetChoice {
             verbs: VerbsConfig::from_env()?,
             streams: streams.map_or(1, |n| n as usize),
+            rendezvous,
             ..NetChoice::parse(
                 var("WEFT_NET").as_deref(),
                 var("WEFT_IB_DISABLE").as_deref(),
@@ -148,7 +162,17 @@ impl NetChoice {
             ring,
             verbs: VerbsConfig::default(),
             streams: 1,
+            rendezvous: DEFAULT_RENDEZVOUS,
         })
+    }
+
+    /// The shape of each connection over the network this choice opens.
+    pub fn link(&self) -> super::stream::NetLink {
+        super::stream::NetLink {
+            ring: self.ring,
+            streams: self.streams,
+            rendezvous: self.rendezvous,
+        }
     }
 }
 

@@ -1,0 +1,256 @@
+//! Registrations of callers' memory, made once per page range and reused: the receiver of a
+//! rendezvous registers its destination here.
+//!
+//! Registering is expensive on RDMA hardware (the kernel pins every page), so a range stays
+//! registered after its use and the next use of the same buffer (the next iteration of a
+//! training loop) finds it. Idle registrations beyond [`IDLE_MAX`] are dropped least recently
+//! used first. A provider whose registrations pin pages ([`Provider::registrations_follow_remapping`]
+//! false: verbs) keeps none idle: a buffer freed and mapped again at the same address would
+//! still be backed by the old pages in its registration, and a later write would land there.
+//! Its ranges are registered for each use and dropped after it.
+
+use super::{Memory, NetResult, Provider, Region, RemoteRegion};
+use crate::util::lock;
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// Most idle registrations kept per provider.
+pub const IDLE_MAX: usize = 64;
+const PAGE: usize = 4096;
+
+/// The registrations of one provider.
+pub struct RegistrationCache {
+    provider: Arc<dyn Provider>,
+    keep_idle: bool,
+    entries: Mutex<Entries>,
+}
+
+#[derive(Default)]
+struct Entries {
+    list: Vec<Entry>,
+    clock: u64,
+}
+
+struct Entry {
+    start: usize,
+    end: usize,
+    region: Arc<Region>,
+    last_use: u64,
+}
+
+/// A registered range in use: the registration stays while the lease is held.
+pub struct Lease {
+    region: Arc<Region>,
+    /// The leased address's offset in the registration.
+    offset: u64,
+    len: u64,
+}
+
+impl Lease {
+    /// What a peer needs to write the leased bytes: offset 0 is the leased address.
+    pub fn remote(&self) -> RemoteRegion {
+        let r = self.region.remote();
+        RemoteRegion {
+            base: r.base.wrapping_add(self.offset),
+            key: r.key,
+            len: self.len,
+        }
+    }
+}
+
+impl RegistrationCache {
+    /// The cache of `provider` (one per provider object in this process).
+    pub fn of(provider: &Arc<dyn Provider>) -> Arc<RegistrationCache> {
+        type Caches = Mutex<HashMap<usize, Weak<RegistrationCache>>>;
+        static CACHES: OnceLock<Caches> = OnceLock::new();
+        let key = Arc::as_ptr(provider) as *const () as usize;
+        let mut caches = lock(CACHES.get_or_init(Default::default));
+        caches.retain(|_, c| c.strong_count() > 0);
+        if let Some(c) = caches.get(&key).and_then(Weak::upgrade) {
+            return c;
+        }
+        let c = Arc::new(RegistrationCache {
+            provider: Arc::clone(provider),
+            keep_idle: provider.registrations_follow_remapping(),
+            entries: Mutex::default(),
+        });
+        caches.insert(key, Arc::downgrade(&c));
+        c
+    }
+
+    /// A registration covering the `len` bytes at `ptr`: a cached one, or a new registration
+    /// of the pages around them.
+    ///
+    /// # Safety
+    /// The bytes must stay valid for reads and writes while the lease is held (a provider
+    /// writes them on a peer's behalf); after that they may go: an idle registration is never
+    /// used to move bytes.
+    pub unsafe fn lease(&self, ptr: NonNull<u8>, len: usize) -> NetResult<Lease> {
+        let addr = ptr.as_ptr() as usize;
+        let end = addr.saturating_add(len.max(1));
+        let mut entries = lock(&self.entries);
+        entries.clock += 1;
+        let now = entries.clock;
+        if let Some(e) = entries
+            .list
+            .iter_mut()
+            .find(|e| e.start <= addr && end <= e.end)
+        {
+            e.last_use = now;
+            return Ok(Lease {
+                region: Arc::clone(&e.region),
+                offset: (addr - e.start) as u64,
+                len: len as u64,
+            });
+        }
+        let start = addr - addr % PAGE;
+        let span_end = end.next_multiple_of(PAGE);
+        let base = NonNull::new(start as *mut u8).unwrap_or(ptr);
+        // SAFETY: the pages around the caller's range; the caller keeps the range valid while
+        // the lease is held, and nothing outside it is read or written through the
+        // registration (peers write only the leased bytes, checked by `remote_address`).
+        let memory = unsafe { Memory::borrowed(base, span_end - start) };
+        let region = Arc::new(self.provider.register(Arc::new(memory))?);
+        entries.list.push(Entry {
+            start,
+            end: span_end,
+            region: Arc::clone(&region),
+            last_use: now,
+        });
+        Ok(Lease {
+            region,
+            offset: (addr - start) as u64,
+            len: len as u64,
+        })
+    }
+
+    /// Ends `lease` and drops the registrations no lease holds that this cache does not keep:
+    /// all of them where registrations pin pages, else the least recently used beyond
+    /// [`IDLE_MAX`].
+    pub fn release(&self, lease: Lease) {
+        drop(lease);
+        let mut entries = lock(&self.entries);
+        let idle = |e: &Entry| Arc::strong_count(&e.region) == 1;
+        if !self.keep_idle {
+            entries.list.retain(|e| !idle(e));
+            return;
+        }
+        loop {
+            let idle_count = entries.list.iter().filter(|e| idle(e)).count();
+            if idle_count <= IDLE_MAX {
+                return;
+            }
+            let Some(oldest) = entries
+                .list
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| idle(e))
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(i, _)| i)
+            else {
+                return;
+            };
+            entries.list.swap_remove(oldest);
+        }
+    }
+
+    /// The provider the registrations are made with.
+    pub fn provider(&self) -> &dyn Provider {
+        self.provider.as_ref()
+    }
+
+    /// Registrations held now (in use or idle).
+    pub fn len(&self) -> usize {
+        lock(&self.entries).list.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::loopback::{Loopback, LoopbackProvider};
+
+    fn cache(keep_idle: bool) -> Arc<RegistrationCache> {
+        let p: Arc<dyn Provider> = Arc::new(LoopbackProvider(Loopback::new()));
+        let c = RegistrationCache::of(&p);
+        assert!(
+            Arc::ptr_eq(&c, &RegistrationCache::of(&p)),
+            "one cache per provider"
+        );
+        Arc::new(RegistrationCache {
+            provider: p,
+            keep_idle,
+            entries: Mutex::default(),
+        })
+    }
+
+    fn at(buf: &mut [u8], offset: usize) -> NonNull<u8> {
+        NonNull::new(buf[offset..].as_mut_ptr()).unwrap()
+    }
+
+    #[test]
+    fn a_range_is_registered_once_and_found_again_inside_its_pages() {
+        let c = cache(true);
+        let mut buf = vec![0u8; 5 * PAGE];
+        // SAFETY: `buf` outlives every lease.
+        let a = unsafe { c.lease(at(&mut buf, 100), 3 * PAGE) }.unwrap();
+        let key = a.remote().key;
+        c.release(a);
+        assert_eq!(c.len(), 1, "kept idle");
+        // SAFETY: as above.
+        let b = unsafe { c.lease(at(&mut buf, 200), 2 * PAGE) }.unwrap();
+        assert_eq!(b.remote().key, key, "the same registration");
+        assert_eq!(b.remote().len, 2 * PAGE as u64);
+        let start = at(&mut buf, 100).as_ptr() as usize;
+        assert_eq!(
+            b.remote().base,
+            (100 + start % PAGE) as u64,
+            "offset from the page"
+        );
+        c.release(b);
+        assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn idle_registrations_beyond_the_bound_go_least_recently_used_first() {
+        let c = cache(true);
+        let mut bufs: Vec<Vec<u8>> = (0..IDLE_MAX + 2).map(|_| vec![0u8; 2 * PAGE]).collect();
+        let mut keys = Vec::new();
+        for b in &mut bufs {
+            // SAFETY: the buffers outlive every lease.
+            let l = unsafe { c.lease(at(b, 0), PAGE) }.unwrap();
+            keys.push(l.remote().key);
+            c.release(l);
+        }
+        assert_eq!(c.len(), IDLE_MAX, "the two oldest went");
+        // SAFETY: as above.
+        let first = unsafe { c.lease(at(&mut bufs[0], 0), PAGE) }.unwrap();
+        assert_ne!(first.remote().key, keys[0], "registered again");
+        // SAFETY: as above.
+        let newest = unsafe { c.lease(at(&mut bufs[IDLE_MAX + 1], 0), PAGE) }.unwrap();
+        assert_eq!(newest.remote().key, keys[IDLE_MAX + 1], "still cached");
+        c.release(first);
+        c.release(newest);
+    }
+
+    #[test]
+    fn providers_whose_registrations_pin_pages_keep_none_idle() {
+        let c = cache(false);
+        let mut buf = vec![0u8; 2 * PAGE];
+        // SAFETY: `buf` outlives every lease.
+        let a = unsafe { c.lease(at(&mut buf, 0), PAGE) }.unwrap();
+        // SAFETY: as above.
+        let b = unsafe { c.lease(at(&mut buf, 8), 64) }.unwrap();
+        assert_eq!(a.remote().key, b.remote().key, "shared while in use");
+        c.release(a);
+        assert_eq!(c.len(), 1, "still leased");
+        c.release(b);
+        assert!(c.is_empty(), "dropped after its last use");
+    }
+}
