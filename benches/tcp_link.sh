@@ -9,9 +9,10 @@
 # loopback with 2 cores the ranks and the kernel's TCP work share the cores that iperf3 has to
 # itself (docs/performance.md), a shaped link is what two real hosts look like.
 # Needs root, iproute2 and iperf3 (installed when missing). Environment: SIZES="-b 1M -e 128M"
-# (weft perf's size options), ITERS=20, SECONDS_IPERF=5, NETS="socket" (the networks weft runs
-# over, each in turn: `socket` is weft's own TCP, `ofi` the RDMA code path over libfabric's tcp
-# provider, WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp).
+# (weft perf's size options), ITERS=20, SECONDS_IPERF=5, COLL=all-reduce (the collective),
+# NETS="socket" (the networks weft runs over, each in turn: `socket` is weft's own TCP, `ofi`
+# the RDMA code path over libfabric's tcp provider, WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp, and
+# `ofi-ring` the same with rendezvous off, WEFT_NET_RNDV_THRESHOLD=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rates=("$@")
@@ -20,6 +21,7 @@ read -r -a sizes <<<"${SIZES:--b 1M -e 128M}"
 iters=${ITERS:-20}
 secs=${SECONDS_IPERF:-5}
 read -r -a nets <<<"${NETS:-socket}"
+coll=${COLL:-all-reduce}
 [ "$(id -u)" = 0 ] || { echo "tcp_link: needs root (network namespaces)" >&2; exit 2; }
 need=()
 command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
@@ -66,14 +68,16 @@ for rate in "${rates[@]}"; do
   wait || true
   echo "iperf3: ${iperf:-?} GB/s"
   for net in "${nets[@]}"; do
-  echo "== $rate: weft perf all-reduce over $net, 2 ranks, one per namespace (over the veth)"
+  echo "== $rate: weft perf $coll over $net, 2 ranks, one per namespace (over the veth)"
+  rndv=64K
+  [ "$net" = ofi-ring ] && rndv=0
   pids=()
   for rank in 0 1; do
     ip netns exec "${ns[rank]}" env WEFT_RANK=$rank WEFT_WORLD_SIZE=2 WEFT_LOCAL_RANK=0 \
       WEFT_LOCAL_WORLD_SIZE=1 WEFT_MASTER_ADDR="${ip[0]}" WEFT_MASTER_PORT=29471 \
       WEFT_JOB_TOKEN="link$tag" WEFT_HOST_ID="link-host-$rank" WEFT_SOCKET_IFNAME="=${dev[rank]}" \
-      WEFT_NET="$net" WEFT_OFI_PROVIDER=tcp \
-      WEFT_TIMEOUT=120 "$weft" perf all-reduce -a 3 "${sizes[@]}" -n "$iters" -w 3 \
+      WEFT_NET="${net%-ring}" WEFT_OFI_PROVIDER=tcp WEFT_NET_RNDV_THRESHOLD=$rndv \
+      WEFT_TIMEOUT=120 "$weft" perf "$coll" -a 3 "${sizes[@]}" -n "$iters" -w 3 \
       >"$out/weft-$rate-$net-$rank.txt" 2>"$out/weft-$rate-$net-$rank.err" &
     pids+=($!)
   done
@@ -85,6 +89,6 @@ for rate in "${rates[@]}"; do
     "$out/weft-$rate-$net-0.txt")")
   done
 done
-echo "== weft all-reduce busbw at the largest size against iperf3's one stream over the same link (GB/s)"
+echo "== weft $coll busbw at the largest size against iperf3's one stream over the same link (GB/s)"
 printf "%-9s %-7s %14s %10s %10s %10s %8s %8s\n" link net size iperf3 oop-bus ip-bus oop ip
 printf '%s\n' "${summary[@]}"

@@ -813,8 +813,15 @@ impl Inner {
             }
         }
         let (conns, waiter) = mesh.parts();
-        engine::execute_prepared(
-            &ctx, prepared, layout, areas, conns, waiter, headers, workspace,
-        )
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine::execute_prepared(
+                &ctx, prepared, layout, areas, conns, waiter, headers, workspace,
+            )
+        }));
+        if !matches!(result, Ok(Ok(()))) {
+            // The caller gets its buffers back: no peer may write into them any more.
+            mesh.cancel_pinned();
+        }
+        result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 }

@@ -839,11 +839,14 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
                         return Err(ctx.internal("receive into read-only memory".into()))
                     }
                 };
-                // The destination stays put until the step completes (later steps that read it
-                // depend on this one), which is what a pinned receive asks.
-                io.conn
-                    .try_recv_into_pinned(dst)
-                    .map_err(|e| ctx.transport(peer, e))?
+                // SAFETY: the destination stays put until the step completes (later steps that
+                // read or write it depend on this one; this cursor asks again for the rest of
+                // it before any other read of the connection), and an operation that fails
+                // cancels pinned receives before the caller gets its buffers back
+                // (`Inner::execute`, also when unwinding).
+                #[allow(unsafe_code)]
+                let n = unsafe { io.conn.try_recv_into_pinned(dst) };
+                n.map_err(|e| ctx.transport(peer, e))?
             };
             if n == 0 {
                 return Ok(progressed);

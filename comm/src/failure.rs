@@ -200,8 +200,7 @@ impl Inner {
             .unwrap_or(e)
     }
 
-    /// Gives up unfinished pinned receives and leaves the poison's cause on every connection,
-    /// once, for peers that see this rank close
+    /// Leaves the poison's cause on every connection, once, for peers that see this rank close
     /// (shared memory keeps it; see [`weftcc_transports::Connection::leave_farewell`]). Skipped
     /// while an operation holds the state; the next call (at the latest the communicator's
     /// drop) leaves it.
@@ -213,9 +212,6 @@ impl Inner {
         let Some(mut st) = self.try_lock_state() else {
             return;
         };
-        // The failed operation's receive buffers go back to the caller: no peer may write
-        // them any more.
-        st.mesh.cancel_pinned();
         st.mesh.leave_farewell(&self.note_of(&e).encode());
         self.farewell_left.store(true, Ordering::Release);
     }

@@ -55,13 +55,17 @@ pub trait Connection: Send {
         recv_into_by_lending(self, dst)
     }
 
-    /// Like [`Connection::try_recv_into`], for a caller that promises to call again with
-    /// exactly the rest of `dst` (the same memory, not read or written meanwhile) until every
-    /// byte arrived, without another read in between, or else to call
-    /// [`Connection::cancel_pinned`]. A transport may then let the peer write straight into
-    /// `dst` (a network rendezvous), which saves the copy out of its buffer. The collectives
-    /// engine receives every copied message this way.
-    fn try_recv_into_pinned(&mut self, dst: &mut [u8]) -> Result<usize> {
+    /// Like [`Connection::try_recv_into`], but a transport may let the peer write straight
+    /// into `dst` after this returns (a network rendezvous), which saves the copy out of its
+    /// buffer. The collectives engine receives every copied message this way (a transport that
+    /// cannot, such as a channel of a shared connection, simply copies).
+    ///
+    /// # Safety
+    /// Until every byte of `dst` has arrived, the caller calls again with exactly the rest of
+    /// `dst` (the same memory, neither read nor written meanwhile, and still allocated), with no
+    /// other read of this connection in between; or it calls [`Connection::cancel_pinned`] (or
+    /// drops the connection) before it touches or frees that memory.
+    unsafe fn try_recv_into_pinned(&mut self, dst: &mut [u8]) -> Result<usize> {
         self.try_recv_into(dst)
     }
 

@@ -9,7 +9,7 @@ use super::{
 };
 use crate::util::lock;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 const PROVIDER: &str = "loopback";
@@ -45,7 +45,7 @@ pub struct Faults {
 #[derive(Default)]
 pub struct Loopback {
     regions: Mutex<HashMap<u64, Arc<Memory>>>,
-    endpoints: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    endpoints: Mutex<HashMap<u64, Arc<Mutex<bool>>>>,
     next_id: AtomicU64,
     posted: AtomicU64,
     placed: AtomicU64,
@@ -127,7 +127,7 @@ impl Provider for LoopbackProvider {
     }
     fn endpoint(&self) -> NetResult<Box<dyn Endpoint>> {
         let id = self.0.id();
-        let alive = Arc::new(AtomicBool::new(true));
+        let alive = Arc::new(Mutex::new(true));
         lock(&self.0.endpoints).insert(id, Arc::clone(&alive));
         Ok(Box::new(LoopEndpoint {
             fabric: Arc::clone(&self.0),
@@ -157,8 +157,10 @@ struct Pending {
 struct LoopEndpoint {
     fabric: Arc<Loopback>,
     id: u64,
-    alive: Arc<AtomicBool>,
-    peer: Option<Arc<AtomicBool>>,
+    /// Whether this endpoint is open; a writer holds it while it places bytes, so that once
+    /// the endpoint is dropped nothing more lands in its side's memory.
+    alive: Arc<Mutex<bool>>,
+    peer: Option<Arc<Mutex<bool>>>,
     queue: VecDeque<Pending>,
     /// A write failed: like a reliable connection in the error state, every later one fails.
     broken: bool,
@@ -166,7 +168,7 @@ struct LoopEndpoint {
 
 impl Drop for LoopEndpoint {
     fn drop(&mut self) {
-        self.alive.store(false, Ordering::Release);
+        *lock(&self.alive) = false;
         lock(&self.fabric.endpoints).remove(&self.id);
     }
 }
@@ -216,12 +218,9 @@ impl LoopEndpoint {
             .faults
             .vanish_after
             .is_some_and(|n| self.fabric.placed.load(Ordering::Relaxed) >= n);
-        if vanished
-            || !self
-                .peer
-                .as_ref()
-                .is_some_and(|p| p.load(Ordering::Acquire))
-        {
+        // Held until the bytes are placed (see `LoopEndpoint::alive`).
+        let peer_open = self.peer.as_ref().map(|p| lock(p));
+        if vanished || !peer_open.as_ref().is_some_and(|open| **open) {
             return Err(failed(-107, "remote endpoint gone"));
         }
         let Some(mem) = lock(&self.fabric.regions).get(&w.dst.key).cloned() else {

@@ -18,9 +18,10 @@ pub struct Memory {
     owned: bool,
 }
 
-// SAFETY: `Memory` owns its allocation; all access goes through raw pointers whose users
-// follow the protocol documented on each method (disjoint ranges, atomic words), as with shared
-// memory between processes.
+// SAFETY: `Memory` owns its allocation, or borrows a caller's range under the contract of
+// `Memory::borrowed`; all access goes through raw pointers whose users follow the protocol
+// documented on each method (disjoint ranges, atomic words), as with shared memory between
+// processes.
 unsafe impl Send for Memory {}
 // SAFETY: as for `Send`: shared access is to atomic words or to ranges the protocol keeps
 // disjoint between writer and reader.

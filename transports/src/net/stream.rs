@@ -26,15 +26,18 @@
 //! **Rendezvous.** A pinned receive ([`Connection::try_recv_into_pinned`]) of at least
 //! [`NetLink::rendezvous`] bytes that finds its ring empty registers its destination (through
 //! the [`RegistrationCache`]) and writes a *promise* into the sender's `promise` words: stream
-//! position, length, address and key. A sender that reads the promise while its own stream
-//! position is exactly the promised one takes it: it writes the promise's number into the
+//! position, length, address and key. The sender reads promises when it has bytes to write; one
+//! that finds a promise while its own stream position is exactly the promised one (and no earlier
+//! promise of its is still finishing) takes it: it writes the promise's number into the
 //! receiver's `answer` word, then writes the promised bytes straight into the destination
 //! (from a registered bounce buffer, striped like ring data), and once those writes completed,
 //! their end into the `direct` word. A sender that had already moved past the position (its
 //! bytes are in the ring, or on their way) ignores the promise; the receiver learns it when it
 //! finds ring bytes and no answer, which would have landed before them. So the receiver's copy
-//! out of the ring is saved whenever the receiver is waiting for the sender, and nothing is
-//! ever waited for that would not come.
+//! out of the ring is saved when the receiver is the one waiting, and nothing is ever waited
+//! for that would not come. An operation that gives up a receive calls
+//! [`Connection::cancel_pinned`], which closes the endpoints before the caller's memory is
+//! released.
 //!
 //! The ring counters follow [`crate::ring`]'s rules, checked against every interleaving there.
 
@@ -104,7 +107,10 @@ struct RecvPromise {
     seq: u64,
     start: u64,
     end: u64,
+    /// The destination's first byte (at stream position `start`) and the end of the memory
+    /// the caller promised (the whole `dst` of the call that made the promise).
     addr: usize,
+    addr_end: usize,
     /// The destination's registration, held until the promise ends.
     lease: Option<Lease>,
     /// The peer answered: it writes the bytes directly.
@@ -157,7 +163,7 @@ impl Promise {
     /// The promise in `words`, if they are one whole promise (not a write landed in part).
     fn from_words(words: &[u64; PROMISE_WORDS]) -> Option<Promise> {
         let w: [u64; 6] = words[..6].try_into().ok()?;
-        (w[0] != 0 && words[6] == promise_check(&w) && w[1] <= w[2]).then_some(Promise {
+        (w[0] != 0 && words[6] == promise_check(&w) && w[1] < w[2]).then_some(Promise {
             seq: w[0],
             start: w[1],
             end: w[2],
@@ -264,6 +270,10 @@ struct EndpointState {
     /// in posting order, and the stream position before which all of them completed.
     direct: VecDeque<(u64, u64, bool)>,
     direct_done: u64,
+    /// `direct` word writes posted and not completed: (work request, value); and the largest
+    /// value whose write completed (the peer knows every direct byte before it).
+    direct_words: VecDeque<(u64, u64)>,
+    direct_word_done: u64,
     /// The write of this side's promise, while in flight (its source is busy until then).
     promise_wr: Option<u64>,
     /// Registered bounce buffer of the direct writes ([`BOUNCE_SLOTS`] × [`STRIPE`] bytes),
@@ -314,6 +324,9 @@ impl EndpointState {
             if let Some(i) = self.heads.iter().position(|&(id, _)| id == c.wr_id) {
                 let (_, head) = self.heads.remove(i).unwrap_or_default();
                 self.head_done = self.head_done.max(head);
+            } else if let Some(i) = self.direct_words.iter().position(|&(id, _)| id == c.wr_id) {
+                let (_, end) = self.direct_words.remove(i).unwrap_or_default();
+                self.direct_word_done = self.direct_word_done.max(end);
             } else if let Some(w) = self.data.iter_mut().find(|w| w.0 == c.wr_id) {
                 w.2 = true;
             } else if let Some(w) = self.direct.iter_mut().find(|w| w.0 == c.wr_id) {
@@ -379,7 +392,10 @@ impl EndpointState {
                         self.head_posted = want;
                     }
                     TAIL_IN => self.tail_posted = want,
-                    _ => self.direct_posted = want,
+                    _ => {
+                        self.direct_words.push_back((id, want));
+                        self.direct_posted = want;
+                    }
                 },
                 Ok(None) => {}
                 Err(e) => self.failed = Some(e),
@@ -666,6 +682,8 @@ impl NetConnection {
             data_done: 0,
             direct: VecDeque::new(),
             direct_done: 0,
+            direct_words: VecDeque::new(),
+            direct_word_done: 0,
             promise_wr: None,
             bounce: None,
             failed: None,
@@ -958,7 +976,7 @@ impl NetConnection {
         if let Some(p) = self.promise_in {
             let io = lock(&self.io);
             let ring_done = io.head_done.min(io.data_done);
-            if self.sent >= p.end && io.direct_done >= p.end && ring_done >= p.ring_at {
+            if self.sent >= p.end && io.direct_word_done >= p.end && ring_done >= p.ring_at {
                 drop(io);
                 self.promise_in = None;
             } else {
@@ -1022,7 +1040,7 @@ impl NetConnection {
             // Every direct byte so far lies before the ring bytes still on their way.
             None => ring + (self.sent - self.send.head),
             Some(p) if ring < p.ring_at => ring + (p.start - p.ring_at),
-            Some(p) if io.direct_done < p.end => io.direct_done.max(p.start),
+            Some(p) if io.direct_word_done < p.end => io.direct_word_done.max(p.start),
             Some(p) => p.end + (ring - p.ring_at),
         }
     }
@@ -1104,6 +1122,7 @@ impl NetConnection {
                     start: promise.start,
                     end: promise.end,
                     addr: ptr.as_ptr() as usize,
+                    addr_end: ptr.as_ptr() as usize + dst.len(),
                     lease: Some(lease),
                     taken: false,
                 });
@@ -1154,13 +1173,7 @@ impl NetConnection {
         let Some(p) = self.promise_out.as_ref() else {
             return Ok(0);
         };
-        let (start, end) = (p.start, p.end);
-        if dst.as_ptr() as usize != p.addr + (self.read - start) as usize {
-            return Err(TransportError::Protocol(format!(
-                "a pinned receive from rank {} moved to other memory before it finished",
-                self.peer
-            )));
-        }
+        let end = p.end;
         let landed = self.counter(DIRECT_IN, self.direct_seen);
         self.direct_seen = landed;
         let landed = landed.min(end);
@@ -1272,7 +1285,18 @@ impl Connection for NetConnection {
 
     /// Offers `dst` as a rendezvous destination when it is large enough and nothing waits in
     /// the ring; then takes the bytes the peer wrote there, or reads the ring.
-    fn try_recv_into_pinned(&mut self, dst: &mut [u8]) -> Result<usize> {
+    unsafe fn try_recv_into_pinned(&mut self, dst: &mut [u8]) -> Result<usize> {
+        if let Some(p) = &self.promise_out {
+            let at = p.addr + (self.read - p.start) as usize;
+            if dst.as_ptr() as usize != at || at + dst.len() != p.addr_end {
+                // The caller broke its promise: the peer must write no more.
+                self.cancel_pinned();
+                return Err(TransportError::Protocol(format!(
+                    "a pinned receive from rank {} moved to other memory before it finished",
+                    self.peer
+                )));
+            }
+        }
         if self.promise_out.is_none()
             && self.rendezvous > 0
             && direct_len(dst.len()) >= self.rendezvous.max(8)
@@ -1320,6 +1344,10 @@ impl Connection for NetConnection {
     fn check_peer(&mut self) -> Result<()> {
         let progressed = self.progress();
         let closed = self.word(CLOSED_IN) != 0;
+        // An answer that landed with the last bytes and the close mark counts: those bytes
+        // are in the destination.
+        let head = self.head_in();
+        self.resolve_promise(head);
         let empty = self.nothing_to_read();
         if let Err(e) = progressed {
             return if empty { Err(e) } else { Ok(()) };
@@ -1597,7 +1625,7 @@ mod tests {
                 Reads::Pinned(size) => {
                     // The rest of the current message, as the engine asks.
                     let end = (filled / size * size + size).min(total);
-                    b.try_recv_into_pinned(&mut got[filled..end])
+                    recv_pinned(&mut b, &mut got[filled..end])
                 }
             };
             match r {
@@ -1694,6 +1722,13 @@ mod tests {
         }
     }
 
+    /// A pinned receive: every caller here asks again for the rest of `dst`, before anything
+    /// else, until it is full, and keeps `dst` alive until its connection is dropped.
+    fn recv_pinned(c: &mut NetConnection, dst: &mut [u8]) -> Result<usize> {
+        // SAFETY: as above.
+        unsafe { c.try_recv_into_pinned(dst) }
+    }
+
     /// Polls `c` until `done` holds (the loopback places a side's writes when it polls).
     fn poll_until(c: &mut NetConnection, mut done: impl FnMut(&mut NetConnection) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1728,7 +1763,7 @@ mod tests {
             let data = patterned(300_000);
             let mut got = vec![0u8; data.len()];
             // The receiver waits first: its destination is promised, and the promise lands.
-            assert_eq!(b.try_recv_into_pinned(&mut got).unwrap(), 0);
+            assert_eq!(recv_pinned(&mut b, &mut got).unwrap(), 0);
             poll_until(&mut b, |b| lock(&b.io).promise_wr.is_none());
             let (mut sent, mut filled) = (0, 0);
             let deadline = Instant::now() + Duration::from_secs(10);
@@ -1736,7 +1771,7 @@ mod tests {
                 if sent < data.len() {
                     sent += a.try_send_pinned(&data[sent..]).unwrap();
                 }
-                filled += b.try_recv_into_pinned(&mut got[filled..]).unwrap();
+                filled += recv_pinned(&mut b, &mut got[filled..]).unwrap();
                 assert!(Instant::now() < deadline, "stuck at {filled}");
                 progress_all();
             }
@@ -1747,8 +1782,16 @@ mod tests {
                 "not one byte through the ring"
             );
             assert_eq!(b.recv.tail, 0, "the ring was never used");
+            let deadline = Instant::now() + Duration::from_secs(10);
             while sent < data.len() {
                 sent += a.try_send_pinned(&data[sent..]).unwrap();
+                if Instant::now() > deadline {
+                    let io = lock(&a.io);
+                    panic!(
+                        "sender stuck at {sent}: promise {:?}, direct done {} word done {} want {} posted {} words {:?}",
+                        a.promise_in, io.direct_done, io.direct_word_done, io.direct_want, io.direct_posted, io.direct_words
+                    );
+                }
             }
             // The stream goes on through the ring after the promise.
             a.try_send(b"after").unwrap();
@@ -1759,6 +1802,32 @@ mod tests {
     }
 
     #[test]
+    fn direct_bytes_are_read_after_the_sender_closed() {
+        // The answer, the bytes, their word and the close mark all land before the receiver
+        // looks again: a liveness check must see the bytes, not a closed peer.
+        let (mut a, mut b) = shaped(Faults::default(), 1, 1024);
+        let data = patterned(100_000);
+        let mut got = vec![0u8; data.len()];
+        assert_eq!(recv_pinned(&mut b, &mut got).unwrap(), 0);
+        poll_until(&mut b, |b| lock(&b.io).promise_wr.is_none());
+        let mut sent = 0;
+        poll_until(&mut a, |a| {
+            sent += a.try_send_pinned(&data[sent..]).unwrap();
+            sent == data.len()
+        });
+        drop(a);
+        b.check_peer()
+            .expect("bytes are waiting: the peer is not lost yet");
+        let mut filled = 0;
+        while filled < got.len() {
+            filled += recv_pinned(&mut b, &mut got[filled..]).unwrap();
+        }
+        assert!(got == data, "the bytes differ");
+        assert_eq!(b.direct_received(), data.len() as u64);
+        assert!(b.check_peer().is_err(), "closed and read to the end");
+    }
+
+    #[test]
     fn a_promise_the_sender_passed_over_is_read_from_the_ring() {
         let (mut a, mut b) = shaped(Faults::default(), 1, 1024);
         // The sender writes first: its bytes are in the ring (posted, not landed yet) when the
@@ -1766,11 +1835,11 @@ mod tests {
         let data = patterned(3000);
         assert_eq!(a.try_send(&data).unwrap(), 3000);
         let mut got = vec![0u8; 3000];
-        assert_eq!(b.try_recv_into_pinned(&mut got).unwrap(), 0);
+        assert_eq!(recv_pinned(&mut b, &mut got).unwrap(), 0);
         assert!(b.promise_out.is_some(), "offered: the ring looked empty");
         let mut filled = 0;
         poll_until(&mut b, |b| {
-            filled += b.try_recv_into_pinned(&mut got[filled..]).unwrap();
+            filled += recv_pinned(b, &mut got[filled..]).unwrap();
             filled == 3000
         });
         assert_eq!(got, data);
@@ -1833,7 +1902,7 @@ mod tests {
             let mut got = vec![0u8; odd];
             let mut filled = 0;
             poll_until(&mut b, |b| {
-                filled += b.try_recv_into_pinned(&mut got[filled..]).unwrap();
+                filled += recv_pinned(b, &mut got[filled..]).unwrap();
                 filled == odd
             });
             assert!(got[..] == m[..odd], "round {r}: copied bytes differ");
@@ -1883,7 +1952,7 @@ mod tests {
     fn a_cancelled_pinned_receive_is_never_written_again() {
         let (mut a, mut b) = shaped(Faults::default(), 1, 1024);
         let mut got = vec![0u8; 200_000];
-        assert_eq!(b.try_recv_into_pinned(&mut got).unwrap(), 0);
+        assert_eq!(recv_pinned(&mut b, &mut got).unwrap(), 0);
         poll_until(&mut b, |b| lock(&b.io).promise_wr.is_none());
         let data = vec![7u8; 200_000];
         // The sender takes the promise and has some bytes on their way.
