@@ -34,6 +34,8 @@ pub fn config(wire: Wire) -> CommConfig {
         c.net = weftcc::transports::net::NetChoice {
             kind: weftcc::transports::net::NetKind::Ofi,
             ofi_provider: Some("tcp".into()),
+            // The matrix covers the rendezvous path too (off by default).
+            rendezvous: weftcc::transports::net::stream::TEST_RENDEZVOUS,
             ..weftcc::transports::net::NetChoice::default()
         };
     }

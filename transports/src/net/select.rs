@@ -15,7 +15,7 @@
 //! * `WEFT_IB_QPS_PER_CONNECTION` (NCCL's name; any provider): endpoints (queue pairs) per
 //!   connection, data writes striped over them (1 to 16, default 1).
 //! * `WEFT_NET_RNDV_THRESHOLD`: the smallest pinned receive whose destination is offered to
-//!   the sender for direct writes (default [`DEFAULT_RENDEZVOUS`]; 0 turns rendezvous off).
+//!   the sender for direct writes (0, the default [`DEFAULT_RENDEZVOUS`]: never).
 //!
 //! Both ends of a pair must have opened providers with the same [`Provider::id`] for the pair to
 //! use it; otherwise (one host without the device) the pair uses TCP.
@@ -29,8 +29,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Default receive ring of a network connection.
 pub const DEFAULT_RING: usize = 2 << 20;
-/// Default smallest pinned receive offered to the sender as a rendezvous destination.
-pub const DEFAULT_RENDEZVOUS: usize = 64 << 10;
+/// Default smallest pinned receive offered to the sender as a rendezvous destination: none.
+/// Over libfabric's tcp provider the ring measured as fast or faster (docs/perf/net-rndv.txt:
+/// the bounce buffer keeps less in flight than the ring, and each promise waits for a delivery
+/// round trip); on RDMA hardware it is unmeasured.
+pub const DEFAULT_RENDEZVOUS: usize = 0;
 
 /// The network asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

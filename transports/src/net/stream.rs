@@ -1507,7 +1507,8 @@ impl IdleWaiter for NetWaiter {
 }
 
 /// Two connected ends over `provider` for tests and benchmarks (ranks 0 and 1 in this process),
-/// each with a `cap`-byte ring, their handshakes over a loopback TCP pair.
+/// each with a `cap`-byte ring, their handshakes over a loopback TCP pair (rendezvous from
+/// [`TEST_RENDEZVOUS`]).
 pub fn local_pair(
     provider: Arc<dyn Provider>,
     cap: usize,
@@ -1515,7 +1516,12 @@ pub fn local_pair(
     local_pair_striped(provider, cap, 1)
 }
 
-/// [`local_pair`] with `streams` endpoints per connection.
+/// Smallest pinned receive offered for rendezvous by the pairs made for tests and benchmarks
+/// ([`local_pair`]), so that the conformance suite covers the path.
+pub const TEST_RENDEZVOUS: usize = 64 << 10;
+
+/// [`local_pair`] with `streams` endpoints per connection (rendezvous from
+/// [`TEST_RENDEZVOUS`]).
 pub fn local_pair_striped(
     provider: Arc<dyn Provider>,
     cap: usize,
@@ -1526,7 +1532,7 @@ pub fn local_pair_striped(
         NetLink {
             ring: cap,
             streams,
-            rendezvous: super::select::DEFAULT_RENDEZVOUS,
+            rendezvous: TEST_RENDEZVOUS,
         },
     )
 }
