@@ -12,7 +12,8 @@
 # (weft perf's size options), ITERS=20, SECONDS_IPERF=5, COLL=all-reduce (the collective),
 # NETS="socket" (the networks weft runs over, each in turn: `socket` is weft's own TCP, `ofi`
 # the RDMA code path over libfabric's tcp provider, WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp, and
-# `ofi-ring` the same with rendezvous off, WEFT_NET_RNDV_THRESHOLD=0).
+# `ofi-ring` the same with rendezvous off, WEFT_NET_RNDV_THRESHOLD=0; `socket-TxS` weft's TCP
+# over T helper threads of S sockets each, WEFT_SOCKET_NTHREADS=T WEFT_NSOCKS_PERTHREAD=S).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rates=("$@")
@@ -71,12 +72,17 @@ for rate in "${rates[@]}"; do
   echo "== $rate: weft perf $coll over $net, 2 ranks, one per namespace (over the veth)"
   rndv=64K
   [ "$net" = ofi-ring ] && rndv=0
+  wnet=${net%-ring} threads=0 socks=1
+  if [[ $net =~ ^socket-([0-9]+)x([0-9]+)$ ]]; then
+    wnet=socket threads=${BASH_REMATCH[1]} socks=${BASH_REMATCH[2]}
+  fi
   pids=()
   for rank in 0 1; do
     ip netns exec "${ns[rank]}" env WEFT_RANK=$rank WEFT_WORLD_SIZE=2 WEFT_LOCAL_RANK=0 \
       WEFT_LOCAL_WORLD_SIZE=1 WEFT_MASTER_ADDR="${ip[0]}" WEFT_MASTER_PORT=29471 \
       WEFT_JOB_TOKEN="link$tag" WEFT_HOST_ID="link-host-$rank" WEFT_SOCKET_IFNAME="=${dev[rank]}" \
-      WEFT_NET="${net%-ring}" WEFT_OFI_PROVIDER=tcp WEFT_NET_RNDV_THRESHOLD=$rndv \
+      WEFT_NET="$wnet" WEFT_OFI_PROVIDER=tcp WEFT_NET_RNDV_THRESHOLD=$rndv \
+      WEFT_SOCKET_NTHREADS=$threads WEFT_NSOCKS_PERTHREAD=$socks \
       WEFT_TIMEOUT=120 "$weft" perf "$coll" -a 3 "${sizes[@]}" -n "$iters" -w 3 \
       >"$out/weft-$rate-$net-$rank.txt" 2>"$out/weft-$rate-$net-$rank.err" &
     pids+=($!)
@@ -85,10 +91,10 @@ for rate in "${rates[@]}"; do
   grep -E '^ +[0-9]+ |#       size|Out of bounds' "$out/weft-$rate-$net-0.txt"
   summary+=("$(awk -v rate="$rate" -v net="$net" -v iperf="${iperf:-0}" '
     NF >= 13 && $1 ~ /^[0-9]+$/ { s = $1; o = $8; p = $12 }
-    END { if (iperf > 0) printf "%-9s %-7s %14s %10.3f %10.2f %10.2f %7.0f%% %7.0f%%", rate, net, s, iperf, o, p, 100 * o / iperf, 100 * p / iperf }' \
+    END { if (iperf > 0) printf "%-9s %-10s %14s %10.3f %10.2f %10.2f %7.0f%% %7.0f%%", rate, net, s, iperf, o, p, 100 * o / iperf, 100 * p / iperf }' \
     "$out/weft-$rate-$net-0.txt")")
   done
 done
 echo "== weft $coll busbw at the largest size against iperf3's one stream over the same link (GB/s)"
-printf "%-9s %-7s %14s %10s %10s %10s %8s %8s\n" link net size iperf3 oop-bus ip-bus oop ip
+printf "%-9s %-10s %14s %10s %10s %10s %8s %8s\n" link net size iperf3 oop-bus ip-bus oop ip
 printf '%s\n' "${summary[@]}"

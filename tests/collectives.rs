@@ -401,6 +401,7 @@ fn ring_all_reduce_at_every_size() {
         (5, Wire::Shm),
         (8, Wire::Shm),
         (4, Wire::Net),
+        (2, Wire::TcpStriped),
     ] {
         forced(n, wire, "ring", &[Coll::AllReduce], None);
     }
@@ -496,6 +497,7 @@ matrix_tests! {
     tcp_4_ranks: 4, Wire::Tcp;
     tcp_5_ranks: 5, Wire::Tcp;
     tcp_8_ranks: 8, Wire::Tcp;
+    tcp_striped_3_ranks: 3, Wire::TcpStriped;
     net_2_ranks: 2, Wire::Net;
     net_3_ranks: 3, Wire::Net;
 }

@@ -184,6 +184,7 @@ impl Communicator {
             connect: config.connect,
             share_splits: config.split_share,
             net: config.net.clone(),
+            stripes: config.stripes,
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).

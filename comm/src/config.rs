@@ -36,6 +36,9 @@ pub struct CommConfig {
     /// The network across hosts (`WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER`,
     /// `WEFT_NET_BUFFSIZE`): RDMA where usable, else TCP.
     pub net: weftcc_transports::net::NetChoice,
+    /// Sockets and helper threads of a TCP connection (`WEFT_SOCKET_NTHREADS`,
+    /// `WEFT_NSOCKS_PERTHREAD`; default one socket driven by the rank's own thread).
+    pub stripes: weftcc_transports::tcp_stripes::StripePlan,
     /// Largest message of a pipelined transfer (`WEFT_SLICE_BYTES`).
     pub slice_bytes: usize,
     /// Idle policy while waiting: spin (`WEFT_SPIN_US`), then yield (`WEFT_YIELD_US`), then
@@ -102,6 +105,8 @@ impl CommConfig {
             },
             split_share: env::flag("WEFT_SPLIT_SHARE"),
             net: weftcc_transports::net::NetChoice::from_env()
+                .map_err(|e| Error::Config(e.to_string()))?,
+            stripes: weftcc_transports::tcp_stripes::StripePlan::from_env()
                 .map_err(|e| Error::Config(e.to_string()))?,
             connect: match std::env::var("WEFT_CONNECT") {
                 Ok(v) if !v.trim().is_empty() => {

@@ -20,6 +20,9 @@ pub(crate) const ALARM_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest the store's host, dropping a failed communicator, waits for the other ranks' watchers
 /// to read the failure (a rank that died never does).
 pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest a rank that lost a peer waits for that peer's own cause in the store before it
+/// publishes the loss as the job's cause.
+pub(crate) const PEER_CAUSE_GRACE: Duration = Duration::from_millis(750);
 /// Store keys (under a communicator's namespace, [`Inner::store_key`]): the published failure;
 /// the count of watchers done with it, and the flag the last of them sets.
 pub(crate) const ABORT_KEY: &str = "abort";
@@ -134,6 +137,22 @@ impl Inner {
             return e;
         };
         let key = self.store_key(ABORT_KEY);
+        // A peer that failed on its own (a ring it could not make, a bad argument) drops its
+        // connections before it can publish why, so this rank often sees the consequence first:
+        // give the peer's cause a moment to arrive before competing to publish the consequence.
+        if matches!(
+            &e,
+            Error::PeerLost {
+                seen_by: SeenBy::ThisRank,
+                ..
+            }
+        ) {
+            if let Ok(v) = store.get(&key, PEER_CAUSE_GRACE) {
+                if let Some(cause) = remote_error(self, &v) {
+                    return cause;
+                }
+            }
+        }
         match store.add(&format!("{key}-count"), 1) {
             Ok(1) => {
                 let _ = store.set(&key, self.note_of(&e).encode().as_bytes());

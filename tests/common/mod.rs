@@ -9,6 +9,9 @@ use weftcc::{CommConfig, Communicator};
 pub enum Wire {
     Shm,
     Tcp,
+    /// TCP over four sockets per peer on two helper threads, with stripes of 4 KiB so that
+    /// messages cross sockets all the time (`WEFT_SOCKET_NTHREADS=2 WEFT_NSOCKS_PERTHREAD=2`).
+    TcpStriped,
     /// Every rank a "host" of its own, connected through the network provider path
     /// (`NetConnection`) over libfabric's tcp provider (`WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp`).
     Net,
@@ -27,7 +30,12 @@ pub fn net_available() -> bool {
 
 pub fn config(wire: Wire) -> CommConfig {
     let mut c = CommConfig::from_env().expect("config from env");
-    c.shm_disable = wire == Wire::Tcp;
+    c.shm_disable = matches!(wire, Wire::Tcp | Wire::TcpStriped);
+    if wire == Wire::TcpStriped {
+        c.stripes = weftcc::transports::tcp_stripes::StripePlan::new(2, 2)
+            .and_then(|p| p.with_stripe(4096))
+            .expect("stripe plan");
+    }
     c.timeout = Duration::from_secs(120);
     c.host_id = "test-host".into();
     if wire == Wire::Net {

@@ -19,7 +19,8 @@
 //!
 //! Wire: the dialer sends the TCP handshake frame ([`tcp::encode_hello`]) and one byte, the
 //! transport it chose; the acceptor answers with its own frame and one [`Answer`] byte. After an
-//! accept, a TCP stream becomes the connection; over a Unix socket the two ends exchange their
+//! accept, a TCP stream becomes the connection's first socket (the acceptor then tells how many
+//! more it wants, [`crate::tcp_stripes`]); over a Unix socket the two ends exchange their
 //! shared-memory descriptors ([`ShmEndpoint::connect_over`]) and the socket is closed.
 //!
 //! Both ends choose the transport from the same facts, the host table every rank gathered at
@@ -29,10 +30,11 @@
 use crate::error::{Result, TransportError};
 use crate::shm::{ShmConnection, ShmEndpoint};
 use crate::tcp::{self, TcpConnection, TcpEndpoint};
+use crate::tcp_stripes::{open_stripes, Side, StripePlan};
 use crate::util::{lock, Deadline};
 use socket2::Socket;
 use std::collections::HashMap;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
@@ -156,6 +158,8 @@ struct Shared {
     stop: AtomicBool,
     /// Connections carry frames (see [`Connector::start`]): sent with the kind in every dial.
     framed: AtomicBool,
+    /// Sockets and helper threads of a TCP connection.
+    stripes: StripePlan,
 }
 
 struct Links {
@@ -174,7 +178,8 @@ impl Connector {
     /// Starts the acceptor of `rank` (of `hosts.len()` ranks) listening on `tcp` and, where this
     /// rank may use shared memory, on `unix` (from [`listen_unix`]); `shm` makes the rings.
     /// `framed`: this rank's connections carry frames ([`crate::mux`]); dials between ranks that
-    /// disagree are refused (`Answer::Mismatch`).
+    /// disagree are refused (`Answer::Mismatch`). `stripes`: the sockets and helper threads of
+    /// a TCP connection (the accepting side's number of sockets holds for both).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         rank: usize,
@@ -185,6 +190,7 @@ impl Connector {
         unix: Option<UnixListener>,
         shm: Option<ShmEndpoint>,
         framed: bool,
+        stripes: StripePlan,
     ) -> Result<Connector> {
         let nranks = hosts.len();
         let unix_prefix = unix_prefix(token, namespace);
@@ -205,6 +211,7 @@ impl Connector {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             framed: AtomicBool::new(framed),
+            stripes,
         });
         let s = shared.clone();
         let acceptor = std::thread::Builder::new()
@@ -442,11 +449,8 @@ impl Shared {
             .remaining()
             .min(HANDSHAKE)
             .max(Duration::from_millis(100));
-        let io = |what: &str, e: std::io::Error| match e.kind() {
-            ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => {
-                lost(format!("{what}: {e}"))
-            }
-            _ => TransportError::io(format!("{what} with rank {peer}"), e),
+        let io = |what: &str, e: std::io::Error| {
+            TransportError::io_with(peer, format!("{what} with rank {peer}"), e)
         };
         stream
             .set_timeouts(Some(wait))
@@ -461,7 +465,7 @@ impl Shared {
             .read_byte()
             .map_err(|e| io("reading the answer", e))?;
         match Answer::from_byte(ans) {
-            Some(Answer::Accept) => self.finish(peer, stream, wait).map(Some),
+            Some(Answer::Accept) => self.finish(peer, stream, Side::Dialer, wait).map(Some),
             Some(Answer::Defer) => Ok(None),
             Some(Answer::Mismatch) => Err(TransportError::Protocol(format!(
                 "rank {peer} would not use {kind:?} with rank {} (different host records, or \
@@ -474,14 +478,18 @@ impl Shared {
         }
     }
 
-    /// Turns an accepted handshake stream into the connection (both ends run this).
-    fn finish(&self, peer: usize, stream: Stream, wait: Duration) -> Result<Made> {
+    /// Turns an accepted handshake stream into the connection (both ends run this; a TCP
+    /// stream first opens the connection's other sockets, [`open_stripes`]).
+    fn finish(&self, peer: usize, stream: Stream, side: Side, wait: Duration) -> Result<Made> {
         match stream {
             Stream::Tcp(sock) => {
-                sock.set_read_timeout(None)
-                    .and_then(|_| sock.set_write_timeout(None))
-                    .map_err(|e| TransportError::io("clearing socket timeouts", e))?;
-                Ok(Made::Tcp(TcpConnection::from_socket(peer, sock)?))
+                let socks =
+                    open_stripes(peer, sock, side, self.stripes, &Deadline::after(wait), wait)?;
+                Ok(Made::Tcp(TcpConnection::from_sockets(
+                    peer,
+                    socks,
+                    self.stripes.threads,
+                )?))
             }
             Stream::Unix(u) => {
                 let ep = self.shm.as_ref().ok_or_else(|| {
@@ -538,7 +546,7 @@ impl Shared {
         let made = stream
             .write_all(&self.hello(Answer::Accept as u8).unwrap_or_default())
             .map_err(|e| TransportError::io(format!("answering rank {peer}"), e))
-            .and_then(|_| self.finish(peer, stream, HANDSHAKE));
+            .and_then(|_| self.finish(peer, stream, Side::Acceptor, HANDSHAKE));
         if let Err(e) = &made {
             tracing::warn!(target: "weftcc::net", rank = self.rank, peer, error = %e, "accepted connection failed");
         }

@@ -82,6 +82,22 @@ impl TransportError {
             message: err.to_string(),
         }
     }
+
+    /// Like [`TransportError::io`] for an exchange with `peer`, except that a stream the peer
+    /// closed or reset (its process failed or exited) is [`TransportError::PeerLost`]: the
+    /// consequence of the peer's failure, not a failure of this rank.
+    pub fn io_with(peer: usize, what: impl Into<String>, err: std::io::Error) -> Self {
+        use std::io::ErrorKind;
+        match err.kind() {
+            ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => {
+                TransportError::PeerLost {
+                    peer,
+                    detail: format!("{}: {err}", what.into()),
+                }
+            }
+            _ => TransportError::io(what, err),
+        }
+    }
 }
 
 /// Result alias for this crate.

@@ -36,6 +36,7 @@ pub mod ring;
 pub mod shm;
 pub mod store;
 pub mod tcp;
+pub mod tcp_stripes;
 mod util;
 
 pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};

@@ -43,6 +43,7 @@ use crate::net::{self, NetChoice, NetConnection, Provider};
 use crate::shm::{self, ShmEndpoint, ShmWaiter};
 use crate::store::StoreClient;
 use crate::tcp::{self, Family, TcpEndpoint, TcpPollHandle, TcpWaiter};
+use crate::tcp_stripes::StripePlan;
 use crate::util::{lock, Deadline};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -116,6 +117,9 @@ pub struct MeshConfig {
     /// The network to ranks on other hosts ([`net::select`]): a pair whose ranks opened the
     /// same provider uses it, other pairs TCP.
     pub net: NetChoice,
+    /// Sockets and helper threads of a TCP connection (`WEFT_SOCKET_NTHREADS`,
+    /// `WEFT_NSOCKS_PERTHREAD`); a TCP connection under a network connection keeps one socket.
+    pub stripes: StripePlan,
 }
 
 /// A peer [`Mesh::connect`] could not connect, and why.
@@ -543,9 +547,12 @@ impl Mesh {
         } else {
             None
         };
-        // A socket per remote peer and a pidfd per local one may stay open for the mesh's
-        // lifetime, plus the doorbell and the listeners.
-        crate::process::ensure_open_files(peers_at_most as u64 + 4)?;
+        // The sockets of a remote peer (with helper threads, an eventfd each and one for this
+        // thread) or a pidfd per local one may stay open for the mesh's lifetime, plus the
+        // doorbell and the listeners.
+        let per_peer =
+            cfg.stripes.sockets() + usize::from(cfg.stripes.threads > 0) + cfg.stripes.threads;
+        crate::process::ensure_open_files((peers_at_most * per_peer) as u64 + 4)?;
 
         // 4. The acceptor.
         let signal: Signal = Arc::new(AtomicU64::new(0));
@@ -570,6 +577,12 @@ impl Mesh {
             unix,
             shm_endpoint,
             cfg.share_splits,
+            // Under the network, TCP only carries the setup of each connection.
+            if provider.is_some() {
+                StripePlan::SINGLE
+            } else {
+                cfg.stripes
+            },
         )?;
         let family = Shared {
             connector,

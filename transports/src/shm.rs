@@ -727,11 +727,12 @@ impl ShmEndpoint {
         let mut frame = [0u8; 8];
         frame[..4].copy_from_slice(&FD_FRAME_MAGIC.to_le_bytes());
         frame[4..].copy_from_slice(&(self.rank as u32).to_le_bytes());
-        crate::util::send_fds(stream, &frame, &[self.bell_fd.as_fd(), incoming.fd()])
-            .map_err(|e| TransportError::io(format!("sending shared memory to rank {peer}"), e))?;
+        crate::util::send_fds(stream, &frame, &[self.bell_fd.as_fd(), incoming.fd()]).map_err(
+            |e| TransportError::io_with(peer, format!("sending shared memory to rank {peer}"), e),
+        )?;
         let mut got = [0u8; 8];
         let fds = crate::util::recv_fds(stream, &mut got, 2).map_err(|e| {
-            TransportError::io(format!("receiving shared memory from rank {peer}"), e)
+            TransportError::io_with(peer, format!("receiving shared memory from rank {peer}"), e)
         })?;
         let magic = u32::from_le_bytes([got[0], got[1], got[2], got[3]]);
         let from = u32::from_le_bytes([got[4], got[5], got[6], got[7]]) as usize;

@@ -27,8 +27,10 @@
 
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::error::{Result, TransportError};
+use crate::tcp_stripes::{open_stripes, EngineSignal, Side, StripePlan, StripedTcp};
 use crate::util::{env_nonempty, fnv1a64, AlignedBuf, Deadline};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::EventFd;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -42,7 +44,7 @@ use std::time::Duration;
 /// Magic bytes opening every TCP handshake frame.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the TCP handshake.
-pub const HANDSHAKE_VERSION: u16 = 1;
+pub const HANDSHAKE_VERSION: u16 = 2;
 /// Longest job token carried by the handshake.
 pub const MAX_TOKEN_LEN: usize = 64;
 /// Size of the receive staging buffer.
@@ -353,15 +355,26 @@ pub fn read_hello(r: &mut impl Read) -> Result<Hello> {
 // Connection
 // ---------------------------------------------------------------------------------------------
 
-fn configure_stream(sock: &Socket) {
+pub(crate) fn configure_stream(sock: &Socket) {
     let _ = sock.set_nodelay(true);
     let _ = sock.set_send_buffer_size(SOCKET_BUFFER_BYTES);
     let _ = sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
     let _ = sock.set_keepalive(true);
 }
 
-/// A TCP connection to one peer (see the module docs).
+/// A TCP connection to one peer (see the module docs): one socket driven by the caller's
+/// thread, or several sockets driven by helper threads ([`crate::tcp_stripes`]).
 pub struct TcpConnection {
+    io: TcpIo,
+}
+
+enum TcpIo {
+    Single(SingleSocket),
+    Striped(StripedTcp),
+}
+
+/// One socket, read and written by the caller's thread.
+struct SingleSocket {
     peer: usize,
     sock: Arc<Socket>,
     stage: AlignedBuf,
@@ -373,19 +386,26 @@ pub struct TcpConnection {
     failed: Option<String>,
 }
 
-/// A shareable handle on a connection's socket, for [`TcpWaiter`].
+/// A shareable handle on what a connection's idle waiter polls, for [`TcpWaiter`].
 #[derive(Clone)]
 pub struct TcpPollHandle {
     peer: usize,
-    sock: Arc<Socket>,
+    source: PollSource,
+}
+
+/// A single socket is polled itself; a striped connection's helpers write an eventfd.
+#[derive(Clone)]
+enum PollSource {
+    Socket(Arc<Socket>),
+    Doorbell(Arc<EngineSignal>),
 }
 
 impl TcpPollHandle {
-    /// The same socket, for a communicator that numbers the peer `peer`.
+    /// The same source, for a communicator that numbers the peer `peer`.
     pub fn for_peer(&self, peer: usize) -> TcpPollHandle {
         TcpPollHandle {
             peer,
-            sock: Arc::clone(&self.sock),
+            source: self.source.clone(),
         }
     }
 }
@@ -393,10 +413,101 @@ impl TcpPollHandle {
 impl TcpConnection {
     /// Wraps an already handshaken stream to `peer`; makes it non-blocking.
     pub fn from_socket(peer: usize, sock: Socket) -> Result<TcpConnection> {
+        Ok(TcpConnection {
+            io: TcpIo::Single(SingleSocket::new(peer, sock)?),
+        })
+    }
+
+    /// The connection over `socks` (from [`crate::tcp_stripes::open_stripes`], in stripe
+    /// order): one socket without helper `threads` is driven by the caller's thread, anything
+    /// else by at least one helper thread.
+    pub(crate) fn from_sockets(
+        peer: usize,
+        (mut socks, stripe): (Vec<Socket>, usize),
+        threads: usize,
+    ) -> Result<TcpConnection> {
+        let io = if socks.len() == 1 && threads == 0 {
+            TcpIo::Single(SingleSocket::new(peer, socks.remove(0))?)
+        } else {
+            TcpIo::Striped(StripedTcp::start(peer, socks, stripe, threads)?)
+        };
+        Ok(TcpConnection { io })
+    }
+
+    /// Sockets and helper threads of this connection (helper threads 0: the caller's thread
+    /// drives its one socket).
+    pub fn shape(&self) -> (usize, usize) {
+        match &self.io {
+            TcpIo::Single(_) => (1, 0),
+            TcpIo::Striped(s) => (s.sockets(), s.threads()),
+        }
+    }
+
+    /// A handle for a [`TcpWaiter`] to poll this connection.
+    pub fn poll_handle(&self) -> TcpPollHandle {
+        match &self.io {
+            TcpIo::Single(s) => TcpPollHandle {
+                peer: s.peer,
+                source: PollSource::Socket(Arc::clone(&s.sock)),
+            },
+            TcpIo::Striped(s) => TcpPollHandle {
+                peer: s.peer(),
+                source: PollSource::Doorbell(s.doorbell()),
+            },
+        }
+    }
+
+    /// A waiter covering just this connection.
+    pub fn waiter(&self) -> TcpWaiter {
+        let mut w = TcpWaiter::new();
+        w.add(self.poll_handle());
+        w
+    }
+}
+
+impl Connection for TcpConnection {
+    fn peer(&self) -> usize {
+        match &self.io {
+            TcpIo::Single(s) => s.peer(),
+            TcpIo::Striped(s) => s.peer(),
+        }
+    }
+
+    fn try_send(&mut self, data: &[u8]) -> Result<usize> {
+        match &mut self.io {
+            TcpIo::Single(s) => s.try_send(data),
+            TcpIo::Striped(s) => s.try_send(data),
+        }
+    }
+
+    fn try_recv(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
+        match &mut self.io {
+            TcpIo::Single(s) => s.try_recv(max, consume),
+            TcpIo::Striped(s) => s.try_recv(max, consume),
+        }
+    }
+
+    fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
+        match &mut self.io {
+            TcpIo::Single(s) => s.try_recv_into(dst),
+            TcpIo::Striped(s) => s.try_recv_into(dst),
+        }
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        match &mut self.io {
+            TcpIo::Single(s) => s.check_peer(),
+            TcpIo::Striped(s) => s.check_peer(),
+        }
+    }
+}
+
+impl SingleSocket {
+    fn new(peer: usize, sock: Socket) -> Result<SingleSocket> {
         configure_stream(&sock);
         sock.set_nonblocking(true)
             .map_err(|e| TransportError::io("making socket non-blocking", e))?;
-        Ok(TcpConnection {
+        Ok(SingleSocket {
             peer,
             sock: Arc::new(sock),
             stage: AlignedBuf::new(STAGING_BYTES),
@@ -406,21 +517,6 @@ impl TcpConnection {
             eof: false,
             failed: None,
         })
-    }
-
-    /// A handle for a [`TcpWaiter`] to poll this connection's socket.
-    pub fn poll_handle(&self) -> TcpPollHandle {
-        TcpPollHandle {
-            peer: self.peer,
-            sock: self.sock.clone(),
-        }
-    }
-
-    /// A waiter covering just this connection.
-    pub fn waiter(&self) -> TcpWaiter {
-        let mut w = TcpWaiter::new();
-        w.add(self.poll_handle());
-        w
     }
 
     fn lost(&self) -> TransportError {
@@ -475,7 +571,7 @@ impl TcpConnection {
     }
 }
 
-impl Connection for TcpConnection {
+impl Connection for SingleSocket {
     fn peer(&self) -> usize {
         self.peer
     }
@@ -564,7 +660,7 @@ impl Connection for TcpConnection {
 /// `POLLOUT` for send interest). With an empty interest list it waits for input on all sockets.
 #[derive(Default)]
 pub struct TcpWaiter {
-    socks: HashMap<usize, Arc<Socket>>,
+    socks: HashMap<usize, PollSource>,
 }
 
 impl TcpWaiter {
@@ -575,7 +671,7 @@ impl TcpWaiter {
 
     /// Adds a connection's socket.
     pub fn add(&mut self, handle: TcpPollHandle) {
-        self.socks.insert(handle.peer, handle.sock);
+        self.socks.insert(handle.peer, handle.source);
     }
 
     /// Whether this waiter has no sockets.
@@ -588,31 +684,55 @@ impl TcpWaiter {
         self.socks.contains_key(&peer)
     }
 
-    /// Polls the sockets named by `interest` (peers without a socket here are ignored) for at most
-    /// `max` (microsecond precision); returns whether any became ready.
+    /// Polls the connections named by `interest` (peers without one here are ignored) for at
+    /// most `max` (microsecond precision); returns whether any became ready.
     pub fn poll_for(&self, interest: &[Interest], max: Duration) -> Result<bool> {
         use nix::poll::{PollFd, PollFlags};
         let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(interest.len().max(self.socks.len()));
-        if interest.is_empty() {
-            for s in self.socks.values() {
-                fds.push(PollFd::new(s.as_fd(), PollFlags::POLLIN));
-            }
+        // The doorbells polled, in `fds` order, to be read empty once they rang.
+        let mut bells: Vec<(usize, &EventFd)> = Vec::new();
+        let wanted: Vec<(&PollSource, bool, bool)> = if interest.is_empty() {
+            self.socks.values().map(|s| (s, true, false)).collect()
         } else {
-            for i in interest {
-                if let Some(s) = self.socks.get(&i.peer) {
+            interest
+                .iter()
+                .filter_map(|i| self.socks.get(&i.peer).map(|s| (s, i.recv, i.send)))
+                .collect()
+        };
+        // A striped connection with unread pieces or free buffers needs no sleep.
+        if wanted
+            .iter()
+            .any(|(s, recv, send)| matches!(s, PollSource::Doorbell(b) if b.ready(*recv, *send)))
+        {
+            return Ok(true);
+        }
+        for (source, recv, send) in wanted {
+            match source {
+                PollSource::Socket(s) => {
                     let mut ev = PollFlags::empty();
-                    if i.recv {
+                    if recv {
                         ev |= PollFlags::POLLIN;
                     }
-                    if i.send {
+                    if send {
                         ev |= PollFlags::POLLOUT;
                     }
                     fds.push(PollFd::new(s.as_fd(), ev));
                 }
+                PollSource::Doorbell(b) => {
+                    // Rung for bytes in and for room out alike.
+                    bells.push((fds.len(), b.fd()));
+                    fds.push(PollFd::new(b.fd().as_fd(), PollFlags::POLLIN));
+                }
             }
         }
         let ts = nix::sys::time::TimeSpec::from_duration(max.min(Duration::from_secs(86_400)));
-        match nix::poll::ppoll(&mut fds, Some(ts), None) {
+        let polled = nix::poll::ppoll(&mut fds, Some(ts), None);
+        for (i, bell) in bells {
+            if fds[i].revents().is_some_and(|r| !r.is_empty()) {
+                let _ = bell.read();
+            }
+        }
+        match polled {
             Ok(n) => Ok(n > 0),
             Err(nix::errno::Errno::EINTR) => Ok(true),
             Err(e) => Err(TransportError::Io {
@@ -825,7 +945,7 @@ impl TcpEndpoint {
             }
         }
         let mut out: Vec<TcpConnection> = got.into_values().collect();
-        out.sort_by_key(|c| c.peer);
+        out.sort_by_key(|c| c.peer());
         Ok(out)
     }
 
@@ -961,6 +1081,52 @@ pub fn local_pair(
     } else {
         Ok((c_hi, c_lo))
     }
+}
+
+/// Two connected TCP ends inside this process over `addr`, with the sockets and helper
+/// threads of `plan` (the stripe exchange included), for tests and benchmarks. The first end
+/// dialed (its peer is `rank_b`), the second accepted (its peer is `rank_a`).
+pub fn local_pair_striped(
+    rank_a: usize,
+    rank_b: usize,
+    addr: IpAddr,
+    plan: StripePlan,
+) -> Result<(TcpConnection, TcpConnection)> {
+    let (listener, at) = listen(
+        SocketAddr::new(addr, 0),
+        Some(SOCKET_BUFFER_BYTES),
+        "test listener",
+    )?;
+    let timeout = Duration::from_secs(10);
+    let deadline = Deadline::after(timeout);
+    std::thread::scope(|s| {
+        let dialer = s.spawn(|| -> Result<TcpConnection> {
+            let sock = dial_socket(rank_b, at, &deadline, timeout)?;
+            let socks = open_stripes(rank_b, sock, Side::Dialer, plan, &deadline, timeout)?;
+            TcpConnection::from_sockets(rank_b, socks, plan.threads)
+        });
+        let accepted = (|| -> Result<TcpConnection> {
+            let sock = loop {
+                if let Some((sock, _)) = accept_within(&listener, 50, "test listener") {
+                    break sock;
+                }
+                if deadline.expired() {
+                    return Err(deadline.timeout_error("accepting the test pair"));
+                }
+            };
+            sock.set_nonblocking(false)
+                .map_err(|e| TransportError::io("set_nonblocking", e))?;
+            let socks = open_stripes(rank_a, sock, Side::Acceptor, plan, &deadline, timeout)?;
+            TcpConnection::from_sockets(rank_a, socks, plan.threads)
+        })();
+        let dialed = dialer.join().unwrap_or_else(|_| {
+            Err(TransportError::Io {
+                what: "dial thread".into(),
+                message: "panicked".into(),
+            })
+        });
+        Ok((dialed?, accepted?))
+    })
 }
 
 /// The loopback address of a family.

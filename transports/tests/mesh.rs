@@ -113,6 +113,7 @@ fn run_mesh(
                     connect: ConnectMode::OnDemand,
                     share_splits: share,
                     net: weftcc_transports::net::NetChoice::socket(),
+                    stripes: weftcc_transports::tcp_stripes::StripePlan::SINGLE,
                 };
                 let mut mesh = Mesh::establish(&mut store, &cfg).expect("establish");
                 assert_eq!((mesh.rank(), mesh.nranks()), (rank, N));
@@ -245,6 +246,7 @@ fn establish_times_out_when_a_rank_is_missing() {
         connect: ConnectMode::OnDemand,
         share_splits: false,
         net: weftcc_transports::net::NetChoice::socket(),
+        stripes: weftcc_transports::tcp_stripes::StripePlan::SINGLE,
     };
     let t = Instant::now();
     let e = Mesh::establish(&mut store, &cfg)

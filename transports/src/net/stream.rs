@@ -777,6 +777,12 @@ impl NetConnection {
         }
     }
 
+    /// [`Self::fail`] for a provider's error.
+    fn fail_net(&mut self, e: &NetError) -> TransportError {
+        let err = self.lost_error(e);
+        self.fail(err)
+    }
+
     fn fail(&mut self, e: TransportError) -> TransportError {
         if self.lost.is_none() {
             self.lost = Some(e.clone());
@@ -808,10 +814,7 @@ impl NetConnection {
             io.failed.clone()
         };
         match failed {
-            Some(e) => {
-                let err = self.lost_error(&e);
-                Err(self.fail(err))
-            }
+            Some(e) => Err(self.fail_net(&e)),
             None => Ok(()),
         }
     }
@@ -820,10 +823,7 @@ impl NetConnection {
     fn post_close(&mut self) -> Result<bool> {
         let offset = (self.remote_cap + CLOSED_IN) as u64;
         let posted = lock(&self.io).post_small(0, &1u64.to_le_bytes(), offset);
-        posted.map(|p| p.is_some()).map_err(|e| {
-            let err = self.lost_error(&e);
-            self.fail(err)
-        })
+        posted.map(|p| p.is_some()).map_err(|e| self.fail_net(&e))
     }
 
     /// Posts as much of `data` as the peer's ring and the queues take (data writes of at most
@@ -894,8 +894,7 @@ impl NetConnection {
                 Ok(Some(_)) => {}
                 Ok(None) => break,
                 Err(e) => {
-                    let err = self.lost_error(&e);
-                    return Err(self.fail(err));
+                    return Err(self.fail_net(&e));
                 }
             }
             self.send.wrote(n);
@@ -953,10 +952,7 @@ impl NetConnection {
                 Ok(data.len())
             }
             Ok(None) => Ok(0),
-            Err(e) => {
-                let err = self.lost_error(&e);
-                Err(self.fail(err))
-            }
+            Err(e) => Err(self.fail_net(&e)),
         }
     }
 
@@ -1024,10 +1020,7 @@ impl NetConnection {
                 Ok(true)
             }
             Ok(None) => Ok(false),
-            Err(e) => {
-                let err = self.lost_error(&e);
-                Err(self.fail(err))
-            }
+            Err(e) => Err(self.fail_net(&e)),
         }
     }
 
@@ -1134,8 +1127,7 @@ impl NetConnection {
             }
             Err(e) => {
                 self.cache.release(lease);
-                let err = self.lost_error(&e);
-                Err(self.fail(err))
+                Err(self.fail_net(&e))
             }
         }
     }
