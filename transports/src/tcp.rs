@@ -699,7 +699,17 @@ impl TcpWaiter {
                 .filter_map(|i| self.socks.get(&i.peer).map(|s| (s, i.recv, i.send)))
                 .collect()
         };
-        // A striped connection with unread pieces or free buffers needs no sleep.
+        // A striped connection with unread pieces or free buffers needs no sleep; else its
+        // helpers are told that this waiter sleeps (they then write its eventfd).
+        let _sleeping = EngineSignal::sleep_on(
+            wanted
+                .iter()
+                .filter_map(|(s, _, _)| match s {
+                    PollSource::Doorbell(b) => Some(&**b),
+                    PollSource::Socket(_) => None,
+                })
+                .collect(),
+        );
         if wanted
             .iter()
             .any(|(s, recv, send)| matches!(s, PollSource::Doorbell(b) if b.ready(*recv, *send)))

@@ -18,8 +18,10 @@
 //!
 //! **Waking.** Each helper thread sleeps in `poll` on its sockets and an eventfd that the engine
 //! writes only when the thread said it is going to sleep (a flag and a fence on both sides, so
-//! no wake-up is lost). The helpers write the engine's eventfd after every round that moved
-//! bytes; [`crate::tcp::TcpWaiter`] polls that instead of the sockets.
+//! no wake-up is lost). The helpers count the pieces they hand over and the buffers they hand
+//! back; [`crate::tcp::TcpWaiter`] compares those counts with what the engine took, and sleeps
+//! on the engine's eventfd only when there is nothing, after announcing it (the helpers write
+//! the eventfd only to an announced sleeper, so a busy engine costs them no system call).
 //!
 //! **Failure.** A socket that fails or is closed by the peer marks its lane dead and the thread
 //! stops. The engine reads what arrived before that, then sees [`TransportError::PeerLost`];
@@ -45,7 +47,7 @@ use socket2::Socket;
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -372,9 +374,33 @@ pub(crate) struct EngineSignal {
     freed: AtomicU64,
     reused: AtomicU64,
     dead: AtomicBool,
+    /// Waiters about to sleep on `fd`: the helpers write it only then.
+    sleepers: AtomicUsize,
+}
+
+/// Marks waiters as sleeping on some signals while it lives (see [`EngineSignal::sleep_on`]).
+pub(crate) struct Sleeping<'a>(Vec<&'a EngineSignal>);
+
+impl Drop for Sleeping<'_> {
+    fn drop(&mut self) {
+        for s in &self.0 {
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 impl EngineSignal {
+    /// Announces a waiter about to sleep on `signals` (until the guard drops). Check
+    /// [`Self::ready`] after this and before sleeping: a helper that counts after the check
+    /// sees the announcement and writes the eventfd.
+    pub(crate) fn sleep_on<'a>(signals: Vec<&'a EngineSignal>) -> Sleeping<'a> {
+        for s in &signals {
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+        }
+        fence(Ordering::SeqCst);
+        Sleeping(signals)
+    }
+
     /// Whether the engine has something to do now for the interest given.
     pub(crate) fn ready(&self, recv: bool, send: bool) -> bool {
         self.dead.load(Ordering::Acquire)
@@ -389,6 +415,14 @@ impl EngineSignal {
 
     fn ring(&self) {
         let _ = self.fd.write(1);
+    }
+
+    /// After counting what moved: wakes a waiter that announced its sleep.
+    fn ring_if_sleeping(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.ring();
+        }
     }
 }
 
@@ -462,6 +496,7 @@ impl StripedTcp {
             freed: AtomicU64::new(0),
             reused: AtomicU64::new(0),
             dead: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
         });
         let shared = Arc::new(Shared {
             dead: (0..n).map(|_| AtomicBool::new(false)).collect(),
@@ -926,7 +961,7 @@ impl Helper {
                 break;
             }
             if moved {
-                self.shared.engine.ring();
+                self.shared.engine.ring_if_sleeping();
                 continue;
             }
             self.sleep(closing);
@@ -1024,31 +1059,26 @@ mod tests {
 
     #[test]
     fn a_dialer_sent_something_else_than_a_stripe_frame_fails_clearly() {
+        let dial = |first: Socket| {
+            let d = Deadline::after(Duration::from_secs(5));
+            open_stripes(
+                1,
+                first,
+                Side::Dialer,
+                StripePlan::SINGLE,
+                &d,
+                Duration::from_secs(5),
+            )
+            .unwrap_err()
+        };
         let (dialed, accepted) = socket_pair();
         (&accepted).write_all(&[0x55; FRAME_BYTES]).unwrap();
-        let d = Deadline::after(Duration::from_secs(5));
-        let e = open_stripes(
-            1,
-            dialed,
-            Side::Dialer,
-            StripePlan::SINGLE,
-            &d,
-            Duration::from_secs(5),
-        )
-        .unwrap_err();
+        let e = dial(dialed);
         assert!(matches!(e, TransportError::Protocol(_)), "{e}");
         // A peer that closes instead is lost, not a hang.
         let (dialed, accepted) = socket_pair();
         drop(accepted);
-        let e = open_stripes(
-            1,
-            dialed,
-            Side::Dialer,
-            StripePlan::SINGLE,
-            &d,
-            Duration::from_secs(5),
-        )
-        .unwrap_err();
+        let e = dial(dialed);
         assert!(matches!(e, TransportError::PeerLost { peer: 1, .. }), "{e}");
     }
 
