@@ -483,12 +483,17 @@ impl Shared {
     fn finish(&self, peer: usize, stream: Stream, side: Side, wait: Duration) -> Result<Made> {
         match stream {
             Stream::Tcp(sock) => {
-                let socks =
-                    open_stripes(peer, sock, side, self.stripes, &Deadline::after(wait), wait)?;
+                // Under a network connection TCP only carries the setup: one socket.
+                let plan = if self.hosts[self.rank].shares_network_with(&self.hosts[peer]) {
+                    StripePlan::SINGLE
+                } else {
+                    self.stripes
+                };
+                let socks = open_stripes(peer, sock, side, plan, &Deadline::after(wait), wait)?;
                 Ok(Made::Tcp(TcpConnection::from_sockets(
                     peer,
                     socks,
-                    self.stripes.threads,
+                    plan.threads,
                 )?))
             }
             Stream::Unix(u) => {

@@ -577,12 +577,7 @@ impl Mesh {
             unix,
             shm_endpoint,
             cfg.share_splits,
-            // Under the network, TCP only carries the setup of each connection.
-            if provider.is_some() {
-                StripePlan::SINGLE
-            } else {
-                cfg.stripes
-            },
+            cfg.stripes,
         )?;
         let family = Shared {
             connector,

@@ -45,7 +45,6 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use socket2::Socket;
 use std::io::{ErrorKind, Read, Write};
-use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
@@ -184,7 +183,8 @@ pub(crate) fn open_stripes(
                 .and_then(|a| a.as_socket())
                 .ok_or_else(|| TransportError::Protocol("first socket has no address".into()))?;
             let listener = if count > 1 {
-                let any = SocketAddr::new(local.ip(), 0);
+                let mut any = local;
+                any.set_port(0);
                 Some(crate::tcp::listen(
                     any,
                     Some(crate::tcp::SOCKET_BUFFER_BYTES),
@@ -216,6 +216,16 @@ pub(crate) fn open_stripes(
                             count - 1
                         )));
                     }
+                    // A dialer that went away (or sent anything) while this end waits is
+                    // an error now, not at the deadline.
+                    let mut first = [PollFd::new(socks[0].as_fd(), PollFlags::POLLIN)];
+                    if nix::poll::poll(&mut first, PollTimeout::ZERO).is_ok_and(|n| n > 0) {
+                        return Err(TransportError::PeerLost {
+                            peer,
+                            detail: "it closed the connection while opening its other sockets"
+                                .into(),
+                        });
+                    }
                     let Some((sock, _)) = crate::tcp::accept_within(&listener, 50, "stripes")
                     else {
                         continue;
@@ -243,6 +253,13 @@ pub(crate) fn open_stripes(
                 )));
             }
             let count = u16::from_le_bytes([frame[4], frame[5]]) as usize;
+            if count != plan.sockets() {
+                return Err(TransportError::Config(format!(
+                    "rank {peer} uses {count} sockets per TCP connection, this rank {}: set \
+                     WEFT_SOCKET_NTHREADS and WEFT_NSOCKS_PERTHREAD alike on every rank",
+                    plan.sockets()
+                )));
+            }
             let port = u16::from_le_bytes([frame[6], frame[7]]);
             let stripe = u32::from_le_bytes([frame[8], frame[9], frame[10], frame[11]]) as usize;
             if count == 0
@@ -256,19 +273,15 @@ pub(crate) fn open_stripes(
                 )));
             }
             if count > 1 {
-                let ip = socks[0]
+                // The peer's address with the listener's port (an IPv6 scope id kept).
+                let mut at = socks[0]
                     .peer_addr()
                     .ok()
                     .and_then(|a| a.as_socket())
-                    .ok_or_else(|| TransportError::Protocol("first socket has no peer".into()))?
-                    .ip();
+                    .ok_or_else(|| TransportError::Protocol("first socket has no peer".into()))?;
+                at.set_port(port);
                 for i in 1..count {
-                    let s = crate::tcp::dial_socket(
-                        peer,
-                        SocketAddr::new(ip, port),
-                        deadline,
-                        timeout,
-                    )?;
+                    let s = crate::tcp::dial_socket(peer, at, deadline, timeout)?;
                     let mut hello = frame[12..FRAME_BYTES].to_vec();
                     hello.extend_from_slice(&(i as u16).to_le_bytes());
                     (&s).write_all(&hello)
@@ -296,10 +309,11 @@ pub(crate) fn open_stripes(
     Ok((socks, stripe))
 }
 
-/// The index an extra socket presents with the right nonce, if it does within a second.
+/// The index an extra socket presents with the right nonce, if it does within 250 ms.
 fn read_stripe_hello(sock: &Socket, nonce: &[u8; 16], count: usize) -> Option<usize> {
     sock.set_nonblocking(false).ok()?;
-    sock.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    sock.set_read_timeout(Some(Duration::from_millis(250)))
+        .ok()?;
     let mut hello = [0u8; 18];
     (&*sock).read_exact(&mut hello).ok()?;
     let i = u16::from_le_bytes([hello[16], hello[17]]) as usize;
@@ -363,19 +377,31 @@ impl Bell {
 }
 
 /// What the engine's idle waiter looks at ([`crate::tcp::TcpWaiter`]): counts of pieces the
-/// helpers handed to the engine and of send buffers they handed back, each against what the
-/// engine took, and the eventfd the helpers write after moving bytes. The counts make the
-/// waiter level-triggered: a reader that stopped after one piece (a frame header cut between
-/// two sockets) while the next one already waits is not put to sleep.
+/// helpers handed to the engine and of send buffers they handed back, per socket, each against
+/// what the engine took, and the eventfd the helpers write after moving bytes. The counts make
+/// the waiter level-triggered: a reader that stopped after one piece (a frame header cut between
+/// two sockets) while the next one already waits is not put to sleep. Only the sockets the
+/// engine needs next count (`want_recv`, `want_send`), so that idle buffers or early pieces of
+/// other sockets do not keep it awake.
 pub(crate) struct EngineSignal {
     fd: EventFd,
+    lanes: Vec<LaneCounts>,
+    want_recv: AtomicUsize,
+    want_send: AtomicUsize,
+    /// A socket failed with an error (not a close): the connection is lost.
+    broken: AtomicBool,
+    /// Waiters about to sleep on `fd`: the helpers write it only then.
+    sleepers: AtomicUsize,
+}
+
+#[derive(Default)]
+struct LaneCounts {
     arrived: AtomicU64,
     taken: AtomicU64,
     freed: AtomicU64,
     reused: AtomicU64,
+    /// The helper saw this socket fail or close (set after its last piece was handed over).
     dead: AtomicBool,
-    /// Waiters about to sleep on `fd`: the helpers write it only then.
-    sleepers: AtomicUsize,
 }
 
 /// Marks waiters as sleeping on some signals while it lives (see [`EngineSignal::sleep_on`]).
@@ -403,9 +429,16 @@ impl EngineSignal {
 
     /// Whether the engine has something to do now for the interest given.
     pub(crate) fn ready(&self, recv: bool, send: bool) -> bool {
-        self.dead.load(Ordering::Acquire)
-            || recv && self.arrived.load(Ordering::SeqCst) > self.taken.load(Ordering::SeqCst)
-            || send && self.freed.load(Ordering::SeqCst) > self.reused.load(Ordering::SeqCst)
+        let lane =
+            |want: &AtomicUsize| &self.lanes[want.load(Ordering::Relaxed) % self.lanes.len()];
+        let (r, s) = (lane(&self.want_recv), lane(&self.want_send));
+        self.broken.load(Ordering::Acquire)
+            || recv
+                && (r.dead.load(Ordering::Acquire)
+                    || r.arrived.load(Ordering::SeqCst) > r.taken.load(Ordering::SeqCst))
+            || send
+                && (s.dead.load(Ordering::Acquire)
+                    || s.freed.load(Ordering::SeqCst) > s.reused.load(Ordering::SeqCst))
     }
 
     /// The eventfd, to poll.
@@ -428,8 +461,6 @@ impl EngineSignal {
 
 /// What the engine and the helpers share.
 struct Shared {
-    /// Per socket: the helper saw it fail or close (set after its last piece was handed over).
-    dead: Vec<AtomicBool>,
     /// Why the first socket died.
     why: Mutex<Option<String>>,
     /// The engine's doorbell, written by the helpers after moving bytes.
@@ -439,16 +470,35 @@ struct Shared {
 }
 
 impl Shared {
-    fn die(&self, socket: usize, why: String) {
+    /// Socket `socket` failed (`error`) or the peer closed it.
+    fn die(&self, socket: usize, error: bool, why: String) {
         {
             let mut w = lock(&self.why);
             if w.is_none() {
                 *w = Some(why);
             }
         }
-        self.dead[socket].store(true, Ordering::Release);
-        self.engine.dead.store(true, Ordering::Release);
+        self.engine.lanes[socket]
+            .dead
+            .store(true, Ordering::Release);
+        if error {
+            self.engine.broken.store(true, Ordering::Release);
+        }
         self.engine.ring();
+    }
+
+    fn dead(&self, socket: usize) -> bool {
+        self.engine.lanes[socket].dead.load(Ordering::Acquire)
+    }
+
+    /// A socket failed, or every socket was closed by the peer.
+    fn lost(&self) -> bool {
+        self.engine.broken.load(Ordering::Acquire)
+            || self
+                .engine
+                .lanes
+                .iter()
+                .all(|l| l.dead.load(Ordering::Acquire))
     }
 }
 
@@ -491,15 +541,13 @@ impl StripedTcp {
         let engine = Arc::new(EngineSignal {
             fd: EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
                 .map_err(|e| TransportError::io("creating an eventfd", e.into()))?,
-            arrived: AtomicU64::new(0),
-            taken: AtomicU64::new(0),
-            freed: AtomicU64::new(0),
-            reused: AtomicU64::new(0),
-            dead: AtomicBool::new(false),
+            lanes: (0..n).map(|_| LaneCounts::default()).collect(),
+            want_recv: AtomicUsize::new(0),
+            want_send: AtomicUsize::new(0),
+            broken: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
         });
         let shared = Arc::new(Shared {
-            dead: (0..n).map(|_| AtomicBool::new(false)).collect(),
             why: Mutex::new(None),
             engine,
             closing: AtomicBool::new(false),
@@ -609,8 +657,16 @@ impl StripedTcp {
         }
     }
 
-    fn any_dead(&self) -> bool {
-        self.shared.dead.iter().any(|d| d.load(Ordering::Acquire))
+    /// Tells the waiter which sockets this end needs next.
+    fn note_wants(&self) {
+        let next = match &self.current {
+            Some(c) => c.pos + c.len as u64,
+            None => self.received,
+        };
+        let e = &self.shared.engine;
+        e.want_recv.store(self.lane_of(next), Ordering::Relaxed);
+        e.want_send
+            .store(self.lane_of(self.sent), Ordering::Relaxed);
     }
 
     /// The next piece of the lane that carries stream position `pos`, if one arrived;
@@ -618,10 +674,12 @@ impl StripedTcp {
     fn next_piece(&mut self, pos: u64) -> Result<Option<Piece>> {
         let lane = self.lane_of(pos);
         // Dead is set after the last piece was handed over: read it first.
-        let dead = self.shared.dead[lane].load(Ordering::Acquire);
+        let dead = self.shared.dead(lane);
         match self.lanes[lane].from_wire.try_recv() {
             Ok(p) if p.pos == pos => {
-                self.shared.engine.taken.fetch_add(1, Ordering::SeqCst);
+                self.shared.engine.lanes[lane]
+                    .taken
+                    .fetch_add(1, Ordering::SeqCst);
                 Ok(Some(p))
             }
             Ok(p) => Err(TransportError::Protocol(format!(
@@ -646,7 +704,8 @@ impl StripedTcp {
         match &self.current {
             Some(c) if c.len >= 8 || max <= c.len => return Ok(()),
             Some(c) if c.len > 0 => {
-                let Some(mut next) = self.next_piece(c.pos + c.len as u64)? else {
+                // On a loss the bytes in hand are lent first; the loss comes after them.
+                let Ok(Some(mut next)) = self.next_piece(c.pos + c.len as u64) else {
                     return Ok(());
                 };
                 let Some(old) = self.current.take() else {
@@ -670,6 +729,29 @@ impl StripedTcp {
         }
         Ok(())
     }
+
+    /// [`Connection::try_recv`] without the bookkeeping for the waiter.
+    fn lend(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
+        self.refill(max)?;
+        let Some(c) = &mut self.current else {
+            return Ok(0);
+        };
+        if max == 0 || c.len == 0 {
+            return Ok(0);
+        }
+        let n = c.len.min(max);
+        let used = consume(&c.bytes()[..n]).min(n);
+        c.at += used;
+        c.len -= used;
+        c.pos += used as u64;
+        self.received += used as u64;
+        if c.len == 0 {
+            if let Some(done) = self.current.take() {
+                self.retire(done);
+            }
+        }
+        Ok(used)
+    }
 }
 
 impl Connection for StripedTcp {
@@ -678,7 +760,8 @@ impl Connection for StripedTcp {
     }
 
     fn try_send(&mut self, data: &[u8]) -> Result<usize> {
-        if self.any_dead() {
+        // A socket the peer closed means it is going: nothing more is sent.
+        if (0..self.lanes.len()).any(|l| self.shared.dead(l)) {
             return Err(self.lost());
         }
         let mut taken = 0usize;
@@ -690,7 +773,9 @@ impl Connection for StripedTcp {
             let lane = &mut self.lanes[lane_index];
             let buf = match lane.sent_back.try_recv() {
                 Ok(b) => {
-                    self.shared.engine.reused.fetch_add(1, Ordering::SeqCst);
+                    self.shared.engine.lanes[lane_index]
+                        .reused
+                        .fetch_add(1, Ordering::SeqCst);
                     b
                 }
                 Err(_) if lane.send_buffers < PIECES_PER_SOCKET => {
@@ -719,29 +804,14 @@ impl Connection for StripedTcp {
                 bell.ring_if_asleep();
             }
         }
+        self.note_wants();
         Ok(taken)
     }
 
     fn try_recv(&mut self, max: usize, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
-        self.refill(max)?;
-        let Some(c) = &mut self.current else {
-            return Ok(0);
-        };
-        if max == 0 || c.len == 0 {
-            return Ok(0);
-        }
-        let n = c.len.min(max);
-        let used = consume(&c.bytes()[..n]).min(n);
-        c.at += used;
-        c.len -= used;
-        c.pos += used as u64;
-        self.received += used as u64;
-        if c.len == 0 {
-            if let Some(done) = self.current.take() {
-                self.retire(done);
-            }
-        }
-        Ok(used)
+        let used = self.lend(max, consume);
+        self.note_wants();
+        used
     }
 
     fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
@@ -768,7 +838,14 @@ impl Connection for StripedTcp {
         if self.current.as_ref().is_some_and(|c| c.len > 0) {
             return Ok(());
         }
-        self.refill(usize::MAX).map(|_| ())
+        // A socket that failed (not one the peer closed: the others may still bring what it
+        // sent before) loses the connection even while this end waits on another socket.
+        if self.shared.engine.broken.load(Ordering::Acquire) {
+            return Err(self.lost());
+        }
+        let r = self.refill(usize::MAX);
+        self.note_wants();
+        r
     }
 }
 
@@ -842,7 +919,9 @@ impl Wire {
                     if *done == p.len {
                         let (p, _) = self.out.take().expect("matched above");
                         let _ = self.send_back.send(p.buf);
-                        shared.engine.freed.fetch_add(1, Ordering::SeqCst);
+                        shared.engine.lanes[self.index]
+                            .freed
+                            .fetch_add(1, Ordering::SeqCst);
                     }
                 }
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
@@ -850,7 +929,11 @@ impl Wire {
                 }
                 Err(e) => {
                     self.dead = true;
-                    shared.die(self.index, format!("socket {} error: {e}", self.index));
+                    shared.die(
+                        self.index,
+                        true,
+                        format!("socket {} error: {e}", self.index),
+                    );
                     break;
                 }
             }
@@ -882,8 +965,9 @@ impl Wire {
         self.spare.is_some() || self.recv_buffers < PIECES_PER_SOCKET
     }
 
-    /// One read into a piece, if a buffer is free.
-    fn pump_in(&mut self, shared: &Shared) -> Step {
+    /// One read into a piece, if a buffer is free; `discard`: the engine is gone, the bytes
+    /// are dropped.
+    fn pump_in(&mut self, shared: &Shared, discard: bool) -> Step {
         let Some(buf) = self.receive_buffer() else {
             return Step::Idle;
         };
@@ -900,8 +984,12 @@ impl Wire {
         match res {
             Ok(0) => {
                 self.dead = true;
-                shared.die(self.index, "connection closed by peer".into());
+                shared.die(self.index, false, "connection closed by peer".into());
                 Step::Idle
+            }
+            Ok(_) if discard => {
+                self.spare = Some(piece.buf);
+                Step::Moved
             }
             Ok(n) => {
                 piece.len = n;
@@ -911,14 +999,20 @@ impl Wire {
                     self.rx_pos += ((self.sockets - 1) * self.stripe) as u64;
                 }
                 let _ = self.to_engine.send(piece);
-                shared.engine.arrived.fetch_add(1, Ordering::SeqCst);
+                shared.engine.lanes[self.index]
+                    .arrived
+                    .fetch_add(1, Ordering::SeqCst);
                 Step::Moved
             }
             Err(e) => {
                 self.spare = Some(piece.buf);
                 if !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) {
                     self.dead = true;
-                    shared.die(self.index, format!("socket {} error: {e}", self.index));
+                    shared.die(
+                        self.index,
+                        true,
+                        format!("socket {} error: {e}", self.index),
+                    );
                 }
                 Step::Idle
             }
@@ -948,15 +1042,21 @@ impl Helper {
                     Step::Drained => drained += 1,
                     Step::Idle => {}
                 }
-                if !closing && matches!(w.pump_in(&self.shared), Step::Moved) {
+                // Closing, bytes are still read (and dropped): a peer flushing to this end
+                // while this end flushes to it must not wait for the other's flush to end.
+                if !w.dead && matches!(w.pump_in(&self.shared, closing), Step::Moved) {
                     moved = true;
                 }
             }
             // A socket the peer closed stays closed, but the others may still bring bytes it
             // sent before closing them: the helper ends when all of its sockets did.
             let live = self.wires.iter().filter(|w| !w.dead).count();
+            // A connection that failed is not flushed.
             if live == 0
-                || closing && (drained == live || flush_until.as_ref().is_some_and(|d| d.expired()))
+                || closing
+                    && (drained == live
+                        || self.shared.lost()
+                        || flush_until.as_ref().is_some_and(|d| d.expired()))
             {
                 break;
             }
@@ -985,8 +1085,8 @@ impl Helper {
                         w.out = Some((p, 0));
                         pending = true;
                     }
-                    Err(TryRecvError::Disconnected) => pending = true,
-                    Err(TryRecvError::Empty) => {}
+                    // The engine is gone: the close flag is up, nothing more comes.
+                    Err(TryRecvError::Disconnected) | Err(TryRecvError::Empty) => {}
                 }
             }
             if !closing && !w.can_receive() {
@@ -1004,10 +1104,14 @@ impl Helper {
                 if w.out.is_some() {
                     ev |= PollFlags::POLLOUT;
                 }
-                if !closing && w.can_receive() {
+                if w.can_receive() {
                     ev |= PollFlags::POLLIN;
                 }
-                fds.push(PollFd::new(w.sock.as_fd(), ev));
+                // Nothing to wait for on this socket (poll would still report a reset one
+                // at once, a spin): the bell says when a buffer comes back.
+                if !ev.is_empty() {
+                    fds.push(PollFd::new(w.sock.as_fd(), ev));
+                }
             }
             let _ = nix::poll::poll(&mut fds, PollTimeout::from(HELPER_SLICE_MS));
         }
@@ -1021,6 +1125,7 @@ mod tests {
     use super::*;
     use crate::conn::{IdleWaiter, Interest};
     use crate::tcp::{local_pair_striped, loopback, Family};
+    use std::net::SocketAddr;
     use std::time::Instant;
 
     fn pair(
@@ -1080,6 +1185,16 @@ mod tests {
         drop(accepted);
         let e = dial(dialed);
         assert!(matches!(e, TransportError::PeerLost { peer: 1, .. }), "{e}");
+        // A peer set up for another number of sockets: told, not half connected.
+        let (dialed, accepted) = socket_pair();
+        let mut frame = STRIPE_MAGIC.to_vec();
+        frame.extend_from_slice(&3u16.to_le_bytes());
+        frame.extend_from_slice(&9u16.to_le_bytes());
+        frame.extend_from_slice(&(STRIPE as u32).to_le_bytes());
+        frame.extend_from_slice(&[b'a'; 16]);
+        (&accepted).write_all(&frame).unwrap();
+        let e = dial(dialed);
+        assert!(e.to_string().contains("WEFT_NSOCKS_PERTHREAD alike"), "{e}");
     }
 
     /// The acceptor ignores a connection to its stripe listener without the nonce, takes the
