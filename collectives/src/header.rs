@@ -145,6 +145,15 @@ pub fn fnv1a32(bytes: impl IntoIterator<Item = u8>) -> u32 {
 
 impl fmt::Display for OpDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Point-to-point headers carry a pair's bytes and a fingerprint of its message sizes
+        // in the count and root fields.
+        if self.kind == OpKind::SendRecv {
+            return write!(
+                f,
+                "{} #{} ({} bytes; message sizes fingerprint {:08x})",
+                self.kind, self.seq, self.count, self.root
+            );
+        }
         write!(
             f,
             "{} #{} ({} × {}",
@@ -186,6 +195,22 @@ pub enum HeaderError {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn send_recv_headers_say_bytes_and_fingerprint_not_a_type_and_root() {
+        let d = OpDesc {
+            kind: OpKind::SendRecv,
+            seq: 3,
+            dtype: DataType::Uint8,
+            count: 4096,
+            redop: 0xff,
+            root: 0xbd9f_0fc9,
+        };
+        assert_eq!(
+            d.to_string(),
+            "send/recv #3 (4096 bytes; message sizes fingerprint bd9f0fc9)"
+        );
+    }
 
     fn desc() -> impl Strategy<Value = OpDesc> {
         (
