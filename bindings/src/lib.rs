@@ -24,7 +24,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::str::FromStr;
-use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
+use weftcc_collectives::{CallError, DataType, OpKind, RawOp, ReduceOp};
 use weftcc_comm::{Communicator, Error, UniqueId};
 
 /// Result of every call (NCCL's codes 0–7, then weftcc's own). The three enumerations are plain
@@ -155,26 +155,49 @@ fn entry(f: impl FnOnce() -> Outcome) -> weftResult_t {
     }
 }
 
-fn dtype_of(kind: OpKind, t: c_int) -> Result<DataType, weftResult_t> {
+/// An invalid argument of operation `kind` on `c`, reported in the core's form (rank, operation,
+/// typed reason) like the errors the core finds itself.
+fn arg_error(c: &Communicator, kind: OpKind, reason: CallError) -> weftResult_t {
+    let e = Error::InvalidArgument {
+        rank: c.rank(),
+        op: kind,
+        reason,
+    };
+    fail(code_of(&e), &e.to_string())
+}
+
+fn dtype_of(c: &Communicator, kind: OpKind, t: c_int) -> Result<DataType, weftResult_t> {
     u8::try_from(t)
         .ok()
         .and_then(DataType::from_code)
-        .ok_or_else(|| bad_arg(format!("{kind}: data type {t}")))
+        .ok_or_else(|| arg_error(c, kind, CallError::UnknownDataType { code: t.into() }))
 }
 
-fn op_of(kind: OpKind, op: c_int) -> Result<ReduceOp, weftResult_t> {
+fn op_of(c: &Communicator, kind: OpKind, op: c_int) -> Result<ReduceOp, weftResult_t> {
     Ok(match op {
         weftSum => ReduceOp::Sum,
         weftProd => ReduceOp::Prod,
         weftMax => ReduceOp::Max,
         weftMin => ReduceOp::Min,
         weftAvg => ReduceOp::Avg,
-        _ => return Err(bad_arg(format!("{kind}: reduction {op}"))),
+        _ => {
+            let code = op.into();
+            return Err(arg_error(c, kind, CallError::UnknownReduction { code }));
+        }
     })
 }
 
-fn root_of(kind: OpKind, root: c_int) -> Result<usize, weftResult_t> {
-    usize::try_from(root).map_err(|_| bad_arg(format!("{kind}: root {root}")))
+/// A root or peer given as a C `int`.
+fn rank_of(
+    c: &Communicator,
+    kind: OpKind,
+    what: &'static str,
+    value: c_int,
+) -> Result<usize, weftResult_t> {
+    usize::try_from(value).map_err(|_| {
+        let value = value.into();
+        arg_error(c, kind, CallError::NegativeRank { what, value })
+    })
 }
 
 /// The communicator behind a handle.
@@ -207,10 +230,15 @@ unsafe fn write_out<T>(out: *mut T, value: T, call: &str) -> Outcome {
 }
 
 /// Bytes of `count` elements of `dtype`.
-fn byte_len(kind: OpKind, count: usize, dtype: DataType) -> Result<usize, weftResult_t> {
+fn byte_len(
+    c: &Communicator,
+    kind: OpKind,
+    count: usize,
+    dtype: DataType,
+) -> Result<usize, weftResult_t> {
     count
         .checked_mul(dtype.size())
-        .ok_or_else(|| bad_arg(format!("{kind}: {count} elements overflow")))
+        .ok_or_else(|| arg_error(c, kind, CallError::CountOverflow))
 }
 
 /// Creates a new unique id and starts the job's bootstrap store in this process: call it on the
@@ -471,16 +499,21 @@ unsafe fn collective(comm: weftComm_t, call: Call) -> Outcome {
     let c = unsafe { comm_ref(comm) }?;
     let name = call.op.kind;
     let (send_bytes, recv_bytes) = (call.send_bytes, call.recv_bytes);
-    if (call.send.is_null() && send_bytes > 0) || (call.recv.is_null() && recv_bytes > 0) {
-        return Err(bad_arg(format!("{name}: null buffer")));
+    if call.send.is_null() && send_bytes > 0 {
+        return Err(arg_error(c, name, CallError::NullBuffer { which: "send" }));
+    }
+    if call.recv.is_null() && recv_bytes > 0 {
+        return Err(arg_error(
+            c,
+            name,
+            CallError::NullBuffer { which: "receive" },
+        ));
     }
     let (s, r) = (call.send as usize, call.recv as usize);
     let in_place = call.in_place_offset.is_some_and(|o| s == r.wrapping_add(o)) && recv_bytes > 0;
     let overlap = s < r.saturating_add(recv_bytes) && r < s.saturating_add(send_bytes);
     if !in_place && overlap {
-        return Err(bad_arg(format!(
-            "{name}: send and receive buffers overlap other than in NCCL's in-place layout"
-        )));
+        return Err(arg_error(c, name, CallError::Overlap));
     }
     let recv: &mut [u8] = if recv_bytes == 0 {
         &mut []
@@ -516,9 +549,11 @@ pub unsafe extern "C" fn weftAllReduce(
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::AllReduce;
-        let dt = dtype_of(kind, datatype)?;
-        let bytes = byte_len(kind, count, dt)?;
-        let op = RawOp::new(kind, dt, count).with_op(op_of(kind, op)?);
+        // SAFETY: per the contract.
+        let c = unsafe { comm_ref(comm) }?;
+        let dt = dtype_of(c, kind, datatype)?;
+        let bytes = byte_len(c, kind, count, dt)?;
+        let op = RawOp::new(kind, dt, count).with_op(op_of(c, kind, op)?);
         let call = Call {
             op,
             send: sendbuff,
@@ -549,10 +584,11 @@ pub unsafe extern "C" fn weftBroadcast(
     entry(|| {
         let kind = OpKind::Broadcast;
         // SAFETY: per the contract.
-        let me = unsafe { comm_ref(comm) }?.rank();
-        let dt = dtype_of(kind, datatype)?;
-        let bytes = byte_len(kind, count, dt)?;
-        let root = root_of(kind, root)?;
+        let c = unsafe { comm_ref(comm) }?;
+        let me = c.rank();
+        let dt = dtype_of(c, kind, datatype)?;
+        let bytes = byte_len(c, kind, count, dt)?;
+        let root = rank_of(c, kind, "root", root)?;
         let (send, send_bytes) = if me == root {
             (sendbuff, bytes)
         } else {
@@ -589,12 +625,13 @@ pub unsafe extern "C" fn weftReduce(
     entry(|| {
         let kind = OpKind::Reduce;
         // SAFETY: per the contract.
-        let me = unsafe { comm_ref(comm) }?.rank();
-        let dt = dtype_of(kind, datatype)?;
-        let bytes = byte_len(kind, count, dt)?;
-        let root = root_of(kind, root)?;
+        let c = unsafe { comm_ref(comm) }?;
+        let me = c.rank();
+        let dt = dtype_of(c, kind, datatype)?;
+        let bytes = byte_len(c, kind, count, dt)?;
+        let root = rank_of(c, kind, "root", root)?;
         let op = RawOp::new(kind, dt, count)
-            .with_op(op_of(kind, op)?)
+            .with_op(op_of(c, kind, op)?)
             .with_root(root);
         let in_place = std::ptr::eq(sendbuff, recvbuff);
         let (recv, recv_bytes) = if me == root || in_place {
@@ -632,9 +669,9 @@ pub unsafe extern "C" fn weftAllGather(
         let kind = OpKind::AllGather;
         // SAFETY: per the contract.
         let c = unsafe { comm_ref(comm) }?;
-        let dt = dtype_of(kind, datatype)?;
-        let block = byte_len(kind, sendcount, dt)?;
-        let all = byte_len(kind, sendcount.saturating_mul(c.size()), dt)?;
+        let dt = dtype_of(c, kind, datatype)?;
+        let block = byte_len(c, kind, sendcount, dt)?;
+        let all = byte_len(c, kind, sendcount.saturating_mul(c.size()), dt)?;
         let call = Call {
             op: RawOp::new(kind, dt, sendcount),
             send: sendbuff,
@@ -668,10 +705,10 @@ pub unsafe extern "C" fn weftReduceScatter(
         let kind = OpKind::ReduceScatter;
         // SAFETY: per the contract.
         let c = unsafe { comm_ref(comm) }?;
-        let dt = dtype_of(kind, datatype)?;
-        let block = byte_len(kind, recvcount, dt)?;
-        let all = byte_len(kind, recvcount.saturating_mul(c.size()), dt)?;
-        let op = RawOp::new(kind, dt, recvcount).with_op(op_of(kind, op)?);
+        let dt = dtype_of(c, kind, datatype)?;
+        let block = byte_len(c, kind, recvcount, dt)?;
+        let all = byte_len(c, kind, recvcount.saturating_mul(c.size()), dt)?;
+        let op = RawOp::new(kind, dt, recvcount).with_op(op_of(c, kind, op)?);
         let in_place = recvbuff as usize == (sendbuff as usize).wrapping_add(c.rank() * block);
         let call = if in_place && block > 0 {
             // The whole in-place buffer starts at sendbuff.
@@ -716,8 +753,8 @@ pub unsafe extern "C" fn weftAllToAll(
         let kind = OpKind::AllToAll;
         // SAFETY: per the contract.
         let c = unsafe { comm_ref(comm) }?;
-        let dt = dtype_of(kind, datatype)?;
-        let all = byte_len(kind, count.saturating_mul(c.size()), dt)?;
+        let dt = dtype_of(c, kind, datatype)?;
+        let all = byte_len(c, kind, count.saturating_mul(c.size()), dt)?;
         let call = Call {
             op: RawOp::new(kind, dt, count),
             send: sendbuff,
@@ -800,10 +837,7 @@ unsafe fn run_group(comm: weftComm_t, ops: &[&P2p]) -> Outcome {
             let overlap =
                 a.ptr < b.ptr.saturating_add(b.bytes) && b.ptr < a.ptr.saturating_add(a.bytes);
             if overlap && (!a.send || !b.send) && a.bytes > 0 && b.bytes > 0 {
-                return Err(bad_arg(format!(
-                    "{}: a receive buffer overlaps another buffer of the group",
-                    OpKind::SendRecv
-                )));
+                return Err(arg_error(c, OpKind::SendRecv, CallError::GroupOverlap));
             }
         }
     }
@@ -872,12 +906,13 @@ unsafe fn point_to_point(
 ) -> Outcome {
     let kind = OpKind::SendRecv;
     // SAFETY: per the contract.
-    unsafe { comm_ref(comm) }?;
-    let bytes = byte_len(kind, count, dtype_of(kind, datatype)?)?;
+    let c = unsafe { comm_ref(comm) }?;
+    let bytes = byte_len(c, kind, count, dtype_of(c, kind, datatype)?)?;
     if buf.is_null() && bytes > 0 {
-        return Err(bad_arg(format!("{kind}: null buffer")));
+        let which = if send { "send" } else { "receive" };
+        return Err(arg_error(c, kind, CallError::NullBuffer { which }));
     }
-    let peer = usize::try_from(peer).map_err(|_| bad_arg(format!("{kind}: peer {peer}")))?;
+    let peer = rank_of(c, kind, "peer", peer)?;
     let op = P2p {
         comm,
         send,

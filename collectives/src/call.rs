@@ -63,6 +63,24 @@ pub enum CallError {
     /// Point-to-point goes through groups (send/recv), not through a collective call.
     #[error("use group()/send()/recv() for point-to-point")]
     PointToPointAsCollective,
+    /// A data type code (the C ABI's) that names no type.
+    #[error("data type {code} is not a weftcc data type")]
+    UnknownDataType { code: i64 },
+    /// A reduction code (the C ABI's) that names no reduction.
+    #[error("reduction {code} is not a weftcc reduction")]
+    UnknownReduction { code: i64 },
+    /// A root or peer given as a negative number (the C ABI's `int`).
+    #[error("{what} {value} is not a rank")]
+    NegativeRank { what: &'static str, value: i64 },
+    /// A buffer pointer is null while its length is not zero.
+    #[error("the {which} buffer is null")]
+    NullBuffer { which: &'static str },
+    /// Send and receive buffers overlap other than in NCCL's in-place layout.
+    #[error("send and receive buffers overlap other than in NCCL's in-place layout")]
+    Overlap,
+    /// A receive buffer of a group shares bytes with another buffer of the group.
+    #[error("a receive buffer overlaps another buffer of the group")]
+    GroupOverlap,
 }
 
 /// Where a validated call's logical buffers lie in the caller's memory (bytes).

@@ -205,6 +205,13 @@ static void errors(weftComm_t comm, int n) {
   CHECK(weftAllReduce(x, y, 4, 42, weftSum, comm) == weftInvalidArgument, "bad type");
   CHECK(strstr(weftGetLastError(comm), "data type 42") != NULL, "message: %s",
         weftGetLastError(comm));
+  /* In the core's form: the rank and the operation. */
+  char want[64];
+  snprintf(want, sizeof want, "rank %d: invalid argument to all-reduce", me);
+  CHECK(strstr(weftGetLastError(comm), want) != NULL, "message: %s", weftGetLastError(comm));
+  CHECK(weftBroadcast(x, y, 4, weftFloat32, -1, comm) == weftInvalidArgument, "negative root");
+  CHECK(strstr(weftGetLastError(comm), "root -1 is not a rank") != NULL, "message: %s",
+        weftGetLastError(comm));
   CHECK(weftAllReduce(x, y, 4, weftFloat32, 17, comm) == weftInvalidArgument, "bad op");
   CHECK(weftAllReduce(x, x + 1, 3, weftFloat32, weftSum, comm) == weftInvalidArgument,
         "overlapping buffers");
