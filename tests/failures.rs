@@ -476,6 +476,8 @@ fn timeouts_name_the_op_its_sequence_and_the_ranks_awaited() {
                     seq,
                     waiting_on: waiting_on.clone(),
                     after: Duration::from_millis(500),
+                    seen_by: weftcc::SeenBy::ThisRank,
+                    behind: Vec::new(),
                 }
                 .to_string();
                 assert!(msg.contains("all-reduce #2"), "{msg}");
@@ -485,6 +487,51 @@ fn timeouts_name_the_op_its_sequence_and_the_ranks_awaited() {
         }
     }
     assert!(timeouts >= 1);
+}
+
+/// Rank 1 of 3 calls its all-reduce after the others timed out in it: every rank's error, its
+/// own included, names rank 1 as the one that has not called all-reduce #2, with its last
+/// completed call, in every one of 20 runs (the ranks the waiting ranks exchange data with
+/// directly are not the answer: with a ring, rank 0 is one of them and is innocent).
+#[test]
+fn the_rank_that_is_behind_is_named_on_every_rank() {
+    for run in 0..20 {
+        let mut cfg = config(Wire::Shm);
+        cfg.timeout = Duration::from_millis(600);
+        let results = with_ranks_config(3, cfg, |rank, comm| {
+            comm.barrier().unwrap(); // #1
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(1400));
+            }
+            comm.all_reduce_in_place(&mut [1u64; 8], ReduceOp::Sum)
+                .unwrap_err()
+        });
+        for (rank, e) in results.iter().enumerate() {
+            let Error::Timeout {
+                op, seq, behind, ..
+            } = e
+            else {
+                panic!("run {run}: rank {rank}: {e}");
+            };
+            assert_eq!(
+                (*op, *seq),
+                (weftcc::OpKind::AllReduce, 2),
+                "run {run}: {e}"
+            );
+            let named: Vec<usize> = behind.iter().map(|b| b.rank).collect();
+            assert_eq!(named, vec![1], "run {run}: rank {rank}: {e}");
+            assert_eq!(
+                behind[0].completed.map(|(_, s)| s),
+                Some(1),
+                "run {run}: {e}"
+            );
+            let msg = e.to_string();
+            assert!(
+                msg.contains("rank 1 has not called all-reduce #2; its last completed call is"),
+                "run {run}: rank {rank}: {msg}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -44,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) poison: Poison,
     /// Kind and sequence number of the operation running now (for errors raised elsewhere).
     pub(crate) current: CurrentOp,
+    /// What the watcher publishes of this rank's progress.
+    pub(crate) progress: crate::progress::Progress,
     pub(crate) turn: Turn,
     pub(crate) next_ticket: AtomicU64,
     pub(crate) state: Mutex<State>,
@@ -228,6 +230,7 @@ impl Communicator {
                 set: AtomicBool::new(false),
             },
             current: CurrentOp::default(),
+            progress: crate::progress::Progress::default(),
             turn: Turn::default(),
             next_ticket: AtomicU64::new(0),
             state: Mutex::new(State {
@@ -655,6 +658,7 @@ impl Inner {
         st.coll_seq += 1;
         let seq = st.coll_seq;
         self.current.set(call.kind, seq);
+        self.progress.entered(call.kind, seq);
         let shape = CallShape {
             kind: call.kind,
             count,

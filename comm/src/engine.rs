@@ -508,6 +508,8 @@ pub fn execute_prepared(
                 seq: ctx.desc.seq,
                 waiting_on,
                 after: ctx.timeout,
+                seen_by: crate::error::SeenBy::ThisRank,
+                behind: Vec::new(),
             });
         }
         let idle = now.duration_since(*idle_since.get_or_insert(now));

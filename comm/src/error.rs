@@ -21,14 +21,23 @@ pub enum Error {
     },
     /// An operation did not finish within the communicator's timeout.
     #[error(
-        "rank {rank}: {op} #{seq} timed out after {after:?}; still waiting on ranks {waiting_on:?}"
+        "rank {rank}: {seen_by}{op} #{seq} timed out after {after:?}; still waiting on ranks \
+         {waiting_on:?}{}",
+        behind.iter().map(|b| format!("; {}", b.describe(*op, *seq))).collect::<String>()
     )]
     Timeout {
         rank: usize,
         op: OpKind,
         seq: u64,
+        /// The ranks the timed-out rank still had data to exchange with.
         waiting_on: Vec<usize>,
         after: Duration,
+        /// The rank whose operation timed out: this one, or another whose report this rank
+        /// adopted (`waiting_on` and `behind` are then that rank's).
+        seen_by: SeenBy,
+        /// For a collective: the ranks that had not entered it, furthest behind first (read
+        /// from every rank's published progress, [`crate::progress`]).
+        behind: Vec<crate::progress::Behind>,
     },
     /// Peer rank `peer` died or closed its connections.
     #[error("rank {rank}: peer rank {peer} lost during {op} #{seq}: {seen_by}{detail}")]

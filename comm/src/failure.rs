@@ -7,9 +7,11 @@
 use crate::communicator::Inner;
 use crate::error::{Error, Result, SeenBy};
 use crate::lock;
+use crate::progress::Behind;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use weftcc_collectives::OpKind;
 use weftcc_transports::store::StoreClient;
 use weftcc_transports::TransportError;
 
@@ -20,6 +22,8 @@ pub(crate) const ALARM_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest the store's host, dropping a failed communicator, waits for the other ranks' watchers
 /// to read the failure (a rank that died never does).
 pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest a rank that timed out waits for every rank's progress record.
+pub(crate) const PROGRESS_READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// Longest a rank that lost a peer waits for that peer's own cause in the store before it
 /// publishes the loss as the job's cause.
 pub(crate) const PEER_CAUSE_GRACE: Duration = Duration::from_millis(750);
@@ -70,6 +74,9 @@ impl Inner {
             && !matches!(
                 &e,
                 Error::PeerLost {
+                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher,
+                    ..
+                } | Error::Timeout {
                     seen_by: SeenBy::Rank(_) | SeenBy::Watcher,
                     ..
                 }
@@ -137,6 +144,7 @@ impl Inner {
             return e;
         };
         let key = self.store_key(ABORT_KEY);
+        let e = self.diagnose(&mut store, e);
         // A peer that failed on its own (a ring it could not make, a bad argument) drops its
         // connections before it can publish why, so this rank often sees the consequence first:
         // give the peer's cause a moment to arrive before competing to publish the consequence.
@@ -166,10 +174,81 @@ impl Inner {
         }
     }
 
+    /// Store key of rank `rank`'s published progress.
+    pub(crate) fn progress_key(&self, rank: usize) -> String {
+        self.store_key(&format!("progress/{rank}"))
+    }
+
+    /// A collective this rank timed out in, with the ranks that had not entered it (from every
+    /// rank's published progress; this rank's own record is published first, fresh). Any other
+    /// error, or a store that cannot tell, leaves `e` as it is.
+    fn diagnose(&self, store: &mut StoreClient, e: Error) -> Error {
+        let Error::Timeout {
+            rank,
+            op,
+            seq,
+            waiting_on,
+            after,
+            seen_by: SeenBy::ThisRank,
+            behind,
+        } = e
+        else {
+            return e;
+        };
+        let keep = |behind| Error::Timeout {
+            rank,
+            op,
+            seq,
+            waiting_on: waiting_on.clone(),
+            after,
+            seen_by: SeenBy::ThisRank,
+            behind,
+        };
+        // Point-to-point sequence numbers count one pair's messages: not comparable.
+        if op == OpKind::SendRecv || !behind.is_empty() {
+            return keep(behind);
+        }
+        let own = self.progress.record().encode();
+        let _ = store.set(&self.progress_key(self.rank), own.as_bytes());
+        let keys: Vec<String> = (0..self.size).map(|r| self.progress_key(r)).collect();
+        let Ok(values) = store.get_all(&keys, PROGRESS_READ_TIMEOUT) else {
+            return keep(behind);
+        };
+        let records: Vec<_> = values
+            .iter()
+            .map(|v| crate::progress::ProgressRecord::decode(v))
+            .collect();
+        keep(crate::progress::behind(
+            &records,
+            seq,
+            self.rank,
+            crate::progress::now_ms(),
+        ))
+    }
+
     /// `e` as the store and farewell notes carry it, naming the rank where the failure started
     /// (this one, or the one an adopted error came from).
     pub(crate) fn note_of(&self, e: &Error) -> FailureNote {
         match e {
+            Error::Timeout {
+                op,
+                seq,
+                waiting_on,
+                after,
+                seen_by,
+                behind,
+                ..
+            } => FailureNote::Timeout {
+                origin: match seen_by {
+                    SeenBy::Rank(r) => *r,
+                    SeenBy::ThisRank | SeenBy::Watcher => self.rank,
+                },
+                op: *op,
+                seq: *seq,
+                after_ms: after.as_millis() as u64,
+                waiting_on: waiting_on.clone(),
+                behind: behind.clone(),
+            },
             Error::Aborted {
                 by: Some(by),
                 reason,
@@ -239,7 +318,18 @@ impl Inner {
 /// Watches the store for a job-wide abort, and for the death of the store's host (rank 0).
 pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
     let key = inner.store_key(ABORT_KEY);
+    let progress_key = inner.progress_key(inner.rank);
+    let mut published = None;
     while !inner.watcher_stop.load(Ordering::SeqCst) {
+        // This rank's progress, when it moved (a store that fails here fails the get below).
+        let version = inner.progress.version();
+        if published != Some(version)
+            && client
+                .set(&progress_key, inner.progress.record().encode().as_bytes())
+                .is_ok()
+        {
+            published = Some(version);
+        }
         match client.get(&key, WATCH_PERIOD) {
             Ok(value) => {
                 if let Some(e) = remote_error(&inner, &value) {
@@ -303,6 +393,22 @@ pub(crate) fn remote_error(inner: &Inner, note: &[u8]) -> Option<Error> {
             by: Some(origin),
             reason,
         }),
+        FailureNote::Timeout {
+            origin,
+            op,
+            seq,
+            after_ms,
+            waiting_on,
+            behind,
+        } if origin != inner.rank => Some(Error::Timeout {
+            rank: inner.rank,
+            op,
+            seq,
+            waiting_on,
+            after: Duration::from_millis(after_ms),
+            seen_by: SeenBy::Rank(origin),
+            behind,
+        }),
         _ => None,
     }
 }
@@ -321,11 +427,65 @@ pub(crate) enum FailureNote {
         reporter: usize,
         detail: String,
     },
+    /// Rank `origin`'s collective `op` #`seq` timed out, with its diagnosis.
+    Timeout {
+        origin: usize,
+        op: OpKind,
+        seq: u64,
+        after_ms: u64,
+        waiting_on: Vec<usize>,
+        behind: Vec<Behind>,
+    },
 }
 
 impl FailureNote {
     const MAGIC: &'static str = "weft-failure/1";
     const SEP: char = '\u{1f}';
+
+    /// The fields of a timeout note after its kind.
+    fn decode_timeout(rest: String) -> Option<FailureNote> {
+        let f: Vec<&str> = rest.split(Self::SEP).collect();
+        let [origin, op, seq, after_ms, waiting, behind] = f[..] else {
+            return None;
+        };
+        let list = |t: &str| -> Option<Vec<usize>> {
+            t.split(',')
+                .filter(|x| !x.is_empty())
+                .map(|x| x.parse().ok())
+                .collect()
+        };
+        let op_word = |t: &str| -> Option<Option<(OpKind, u64)>> {
+            if t == "-" {
+                return Some(None);
+            }
+            let (k, s) = t.split_once('.')?;
+            Some(Some((OpKind::from_code(k.parse().ok()?)?, s.parse().ok()?)))
+        };
+        let behind = behind
+            .split(',')
+            .filter(|x| !x.is_empty())
+            .map(|b| {
+                let p: Vec<&str> = b.split(':').collect();
+                let [rank, entered, completed, idle] = p[..] else {
+                    return None;
+                };
+                Some(Behind {
+                    rank: rank.parse().ok()?,
+                    entered: op_word(entered)?,
+                    completed: op_word(completed)?,
+                    idle: Duration::from_millis(idle.parse().ok()?),
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(FailureNote::Timeout {
+            origin: origin.parse().ok()?,
+            op: OpKind::from_code(op.parse().ok()?)?,
+            seq: seq.parse().ok()?,
+            after_ms: after_ms.parse().ok()?,
+            waiting_on: list(waiting)?,
+            behind,
+        })
+    }
 
     /// The note's wire form.
     pub(crate) fn encode(&self) -> String {
@@ -338,6 +498,38 @@ impl FailureNote {
                 reporter,
                 detail,
             } => format!("{m}{s}lost{s}{peer}{s}{reporter}{s}{detail}"),
+            FailureNote::Timeout {
+                origin,
+                op,
+                seq,
+                after_ms,
+                waiting_on,
+                behind,
+            } => {
+                let waiting: Vec<String> = waiting_on.iter().map(usize::to_string).collect();
+                let op_word = |o: Option<(OpKind, u64)>| match o {
+                    Some((k, s)) => format!("{}.{s}", k as u8),
+                    None => "-".into(),
+                };
+                let behind: Vec<String> = behind
+                    .iter()
+                    .map(|b| {
+                        format!(
+                            "{}:{}:{}:{}",
+                            b.rank,
+                            op_word(b.entered),
+                            op_word(b.completed),
+                            b.idle.as_millis()
+                        )
+                    })
+                    .collect();
+                format!(
+                    "{m}{s}timeout{s}{origin}{s}{}{s}{seq}{s}{after_ms}{s}{}{s}{}",
+                    *op as u8,
+                    waiting.join(","),
+                    behind.join(",")
+                )
+            }
         }
     }
 
@@ -364,6 +556,9 @@ impl FailureNote {
                 reporter: fields.next()?.parse().ok()?,
                 detail: fields.next()?.to_string(),
             }),
+            "timeout" => {
+                Self::decode_timeout(fields.collect::<Vec<_>>().join(&Self::SEP.to_string()))
+            }
             _ => None,
         }
     }
@@ -389,6 +584,40 @@ mod tests {
                 FailureNote::Lost { peer, reporter: origin, detail: text.clone() }
             } else {
                 FailureNote::Abort { origin, reason: text.clone() }
+            };
+            prop_assert_eq!(FailureNote::decode(note.encode().as_bytes()), Some(note));
+        }
+
+        /// Timeout notes carry their diagnosis as fields, and read back as themselves.
+        #[test]
+        fn timeout_notes_round_trip(
+            origin in any::<usize>(),
+            k in 0usize..OpKind::ALL.len(),
+            seq in any::<u64>(),
+            after_ms in any::<u64>(),
+            waiting_on in proptest::collection::vec(any::<usize>(), 0..5),
+            behind in proptest::collection::vec(
+                (any::<usize>(), proptest::option::of(0u64..1 << 56),
+                 proptest::option::of(0u64..1 << 56), 0u64..1 << 40),
+                0..4,
+            ),
+        ) {
+            let behind = behind
+                .into_iter()
+                .map(|(rank, e, c, idle)| Behind {
+                    rank,
+                    entered: e.map(|s| (OpKind::AllReduce, s)),
+                    completed: c.map(|s| (OpKind::Broadcast, s)),
+                    idle: Duration::from_millis(idle),
+                })
+                .collect();
+            let note = FailureNote::Timeout {
+                origin,
+                op: OpKind::ALL[k],
+                seq,
+                after_ms,
+                waiting_on,
+                behind,
             };
             prop_assert_eq!(FailureNote::decode(note.encode().as_bytes()), Some(note));
         }

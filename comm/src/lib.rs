@@ -37,6 +37,7 @@ mod handle;
 mod local;
 mod logging;
 mod ordering;
+pub mod progress;
 pub mod tuning;
 
 pub use bootstrap::{join_host_port, UniqueId};
@@ -47,6 +48,7 @@ pub use error::{Error, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
 pub use local::run_ranks;
+pub use progress::Behind;
 pub use tuning::Tuner;
 
 pub(crate) use weftcc_transports::lock;

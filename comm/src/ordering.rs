@@ -142,6 +142,10 @@ impl Inner {
         if let Some(t) = own_ticket {
             self.end_turn(t);
         }
+        if result.is_ok() {
+            let (kind, seq) = self.current.get();
+            self.progress.completed(kind, seq);
+        }
         if let Err(e) = &result {
             if e.is_fatal() {
                 self.fail(e.clone());

@@ -1,0 +1,268 @@
+//! Where each rank is: the last collective it entered and the last operation it completed, with
+//! when. The rank's thread only stores a few atomics per operation; the failure watcher
+//! publishes the record to the bootstrap store when it changed (at most every
+//! [`crate::failure::WATCH_PERIOD`]), so nothing is sent per message. A rank whose operation
+//! times out reads every rank's record and names the ranks that have not entered that
+//! operation, furthest behind first ([`Behind`]): the answer to "who is behind, and where".
+//!
+//! Times are milliseconds of the system clock (UNIX epoch): ranks on different hosts compare
+//! them, so a skew between their clocks shows in the "ago" of a diagnosis.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use weftcc_collectives::OpKind;
+
+/// A rank that had not entered the collective another rank timed out in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Behind {
+    /// The rank.
+    pub rank: usize,
+    /// The last collective it entered (kind, sequence number), if any.
+    pub entered: Option<(OpKind, u64)>,
+    /// The last operation it completed, if any.
+    pub completed: Option<(OpKind, u64)>,
+    /// How long before the diagnosis it completed that operation (or, with none, entered its
+    /// last collective; or was created).
+    pub idle: Duration,
+}
+
+impl Behind {
+    /// `op #seq`, the call the rank has not made.
+    pub fn describe(&self, op: OpKind, seq: u64) -> String {
+        let last = match self.completed {
+            Some((k, s)) => format!("its last completed call is {k} #{s}"),
+            None => "it has completed no call".into(),
+        };
+        format!(
+            "rank {} has not called {op} #{seq}; {last}, {:.1} s ago",
+            self.rank,
+            self.idle.as_secs_f64()
+        )
+    }
+}
+
+/// What one rank publishes about itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProgressRecord {
+    pub(crate) entered: Option<(OpKind, u64)>,
+    pub(crate) completed: Option<(OpKind, u64)>,
+    /// When the last change happened (ms since the UNIX epoch).
+    pub(crate) at_ms: u64,
+}
+
+impl ProgressRecord {
+    const MAGIC: &'static str = "weft-progress/1";
+
+    pub(crate) fn encode(&self) -> String {
+        let op = |o: Option<(OpKind, u64)>| match o {
+            Some((k, s)) => format!("{} {s}", k as u8),
+            None => "-".into(),
+        };
+        format!(
+            "{} {} {} {}",
+            Self::MAGIC,
+            op(self.entered),
+            op(self.completed),
+            self.at_ms
+        )
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Option<ProgressRecord> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut f = text.split(' ');
+        if f.next()? != Self::MAGIC {
+            return None;
+        }
+        let mut op = || -> Option<Option<(OpKind, u64)>> {
+            let k = f.next()?;
+            if k == "-" {
+                return Some(None);
+            }
+            let kind = OpKind::from_code(k.parse().ok()?)?;
+            Some(Some((kind, f.next()?.parse().ok()?)))
+        };
+        let entered = op()?;
+        let completed = op()?;
+        let at_ms = f.next()?.parse().ok()?;
+        f.next().is_none().then_some(ProgressRecord {
+            entered,
+            completed,
+            at_ms,
+        })
+    }
+}
+
+/// A rank's own progress, stored by its operations and read by its watcher.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    entered: AtomicU64,
+    completed: AtomicU64,
+    at_ms: AtomicU64,
+    /// Bumped on every change, so the watcher publishes only what moved.
+    version: AtomicU64,
+}
+
+const NONE: u64 = u64::MAX;
+const SEQ_BITS: u32 = 56;
+
+fn word(kind: OpKind, seq: u64) -> u64 {
+    (u64::from(kind as u8) << SEQ_BITS) | (seq & ((1 << SEQ_BITS) - 1))
+}
+
+fn unword(w: u64) -> Option<(OpKind, u64)> {
+    if w == NONE {
+        return None;
+    }
+    Some((
+        OpKind::from_code((w >> SEQ_BITS) as u8)?,
+        w & ((1 << SEQ_BITS) - 1),
+    ))
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress {
+            entered: AtomicU64::new(NONE),
+            completed: AtomicU64::new(NONE),
+            at_ms: AtomicU64::new(now_ms()),
+            version: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Progress {
+    /// The rank entered collective `kind` #`seq`.
+    pub(crate) fn entered(&self, kind: OpKind, seq: u64) {
+        self.entered.store(word(kind, seq), Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// The rank completed `kind` #`seq`.
+    pub(crate) fn completed(&self, kind: OpKind, seq: u64) {
+        self.completed.store(word(kind, seq), Ordering::Relaxed);
+        self.touch();
+    }
+
+    fn touch(&self) {
+        self.at_ms.store(now_ms(), Ordering::Relaxed);
+        self.version.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn record(&self) -> ProgressRecord {
+        ProgressRecord {
+            entered: unword(self.entered.load(Ordering::Relaxed)),
+            completed: unword(self.completed.load(Ordering::Relaxed)),
+            at_ms: self.at_ms.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The ranks of `records` (indexed by rank; `None` where unknown) that have not entered
+/// collective #`seq`, furthest behind first (at most [`MAX_BEHIND`]), as seen at `now_ms`.
+pub(crate) fn behind(
+    records: &[Option<ProgressRecord>],
+    seq: u64,
+    me: usize,
+    now_ms: u64,
+) -> Vec<Behind> {
+    let mut out: Vec<Behind> = records
+        .iter()
+        .enumerate()
+        .filter(|(r, _)| *r != me)
+        .filter_map(|(rank, rec)| {
+            let rec = (*rec)?;
+            let entered_seq = rec.entered.map_or(0, |(_, s)| s);
+            (entered_seq < seq).then(|| Behind {
+                rank,
+                entered: rec.entered,
+                completed: rec.completed,
+                idle: Duration::from_millis(now_ms.saturating_sub(rec.at_ms)),
+            })
+        })
+        .collect();
+    out.sort_by_key(|b| (b.entered.map_or(0, |(_, s)| s), b.rank));
+    out.truncate(MAX_BEHIND);
+    out
+}
+
+/// Most ranks a diagnosis names (the furthest behind): a job of thousands of ranks stuck behind
+/// one rank's peers still gets an error a person can read.
+pub const MAX_BEHIND: usize = 16;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn op() -> impl Strategy<Value = Option<(OpKind, u64)>> {
+        proptest::option::of(
+            (0usize..OpKind::ALL.len(), 0u64..1 << 56).prop_map(|(k, s)| (OpKind::ALL[k], s)),
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn records_round_trip(entered in op(), completed in op(), at_ms in any::<u64>()) {
+            let r = ProgressRecord { entered, completed, at_ms };
+            prop_assert_eq!(ProgressRecord::decode(r.encode().as_bytes()), Some(r));
+        }
+
+        #[test]
+        fn anything_else_is_read_without_panicking(
+            bytes in proptest::collection::vec(any::<u8>(), 0..48)
+        ) {
+            let _ = ProgressRecord::decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn the_rank_that_never_entered_is_named_first() {
+        let rec = |entered: Option<u64>, completed: Option<(OpKind, u64)>, at_ms| {
+            Some(ProgressRecord {
+                entered: entered.map(|s| (OpKind::AllReduce, s)),
+                completed,
+                at_ms,
+            })
+        };
+        let records = vec![
+            rec(Some(2), Some((OpKind::Broadcast, 1)), 9_000),
+            rec(Some(1), Some((OpKind::Broadcast, 1)), 1_000),
+            rec(Some(2), Some((OpKind::Broadcast, 1)), 9_500),
+            rec(None, None, 500),
+            None,
+        ];
+        let b = behind(&records, 2, 2, 11_000);
+        assert_eq!(b.iter().map(|b| b.rank).collect::<Vec<_>>(), vec![3, 1]);
+        assert_eq!(
+            b[1].describe(OpKind::AllReduce, 2),
+            "rank 1 has not called all-reduce #2; its last completed call is broadcast #1, 10.0 s ago"
+        );
+        assert_eq!(
+            b[0].describe(OpKind::AllReduce, 2),
+            "rank 3 has not called all-reduce #2; it has completed no call, 10.5 s ago"
+        );
+    }
+
+    #[test]
+    fn progress_records_what_it_was_told() {
+        let p = Progress::default();
+        let v = p.version();
+        assert_eq!(p.record().entered, None);
+        p.entered(OpKind::Broadcast, 1);
+        p.completed(OpKind::Broadcast, 1);
+        assert!(p.version() > v);
+        let r = p.record();
+        assert_eq!(r.entered, Some((OpKind::Broadcast, 1)));
+        assert_eq!(r.completed, Some((OpKind::Broadcast, 1)));
+    }
+}
