@@ -133,6 +133,24 @@ pub struct ConnectError {
     pub source: TransportError,
 }
 
+/// Before returning an error that every rank meets alike (a check on the host table or the
+/// limits): rank 0 serves the store, so it leaves only once every rank has read the host table;
+/// none of them then reports the store closing instead of that reason.
+fn leave_together(
+    store: &mut StoreClient,
+    ns: &str,
+    n: usize,
+    rank: usize,
+    deadline: &Deadline,
+) -> Result<()> {
+    if rank == 0 {
+        while store.add(&format!("{ns}/hosts-read"), 0)? < n as i64 && !deadline.expired() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    Ok(())
+}
+
 fn encode_host(h: &PeerHost) -> String {
     format!("{:x}/{}/{}/{}", h.netns, u8::from(h.shm), h.net, h.host_id)
 }
@@ -531,16 +549,8 @@ impl Mesh {
             match checked {
                 Ok(ep) => Some(ep),
                 Err(e) => {
-                    // Every rank of the host fails alike. Rank 0 serves the store: it leaves
-                    // only once every rank has the host table, so that none of them reports
-                    // the store closing instead of this reason.
-                    if rank == 0 {
-                        while store.add(&format!("{ns}/hosts-read"), 0)? < n as i64
-                            && !deadline.expired()
-                        {
-                            std::thread::sleep(Duration::from_millis(5));
-                        }
-                    }
+                    // Every rank of the host fails alike.
+                    leave_together(store, ns, n, rank, &deadline)?;
                     return Err(e);
                 }
             }
@@ -552,7 +562,11 @@ impl Mesh {
         // doorbell and the listeners.
         let per_peer =
             cfg.stripes.sockets() + usize::from(cfg.stripes.threads > 0) + cfg.stripes.threads;
-        crate::process::ensure_open_files((peers_at_most * per_peer) as u64 + 4)?;
+        if let Err(e) = crate::process::ensure_open_files((peers_at_most * per_peer) as u64 + 4) {
+            // Every rank computes the same need against its limit: all fail alike.
+            leave_together(store, ns, n, rank, &deadline)?;
+            return Err(e);
+        }
 
         // 4. The acceptor.
         let signal: Signal = Arc::new(AtomicU64::new(0));
