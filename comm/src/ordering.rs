@@ -35,18 +35,27 @@ impl Turn {
 #[derive(Default)]
 pub(crate) struct CurrentOp(AtomicU64);
 
-impl CurrentOp {
-    const SEQ_BITS: u32 = 56;
+const SEQ_BITS: u32 = 56;
 
+/// An operation's kind and sequence number as one word (kind in the top byte).
+pub(crate) fn op_word(kind: OpKind, seq: u64) -> u64 {
+    (u64::from(kind as u8) << SEQ_BITS) | (seq & ((1 << SEQ_BITS) - 1))
+}
+
+/// The operation of [`op_word`]; `None` for a word with no kind (such as `u64::MAX`).
+pub(crate) fn word_op(word: u64) -> Option<(OpKind, u64)> {
+    let kind = OpKind::from_code((word >> SEQ_BITS) as u8)?;
+    Some((kind, word & ((1 << SEQ_BITS) - 1)))
+}
+
+impl CurrentOp {
     pub(crate) fn set(&self, kind: OpKind, seq: u64) {
-        let word = (u64::from(kind as u8) << Self::SEQ_BITS) | (seq & ((1 << Self::SEQ_BITS) - 1));
-        self.0.store(word, Ordering::Relaxed);
+        self.0.store(op_word(kind, seq), Ordering::Relaxed);
     }
 
     pub(crate) fn get(&self) -> (OpKind, u64) {
         let word = self.0.load(Ordering::Relaxed);
-        let kind = OpKind::from_code((word >> Self::SEQ_BITS) as u8).unwrap_or(OpKind::Barrier);
-        (kind, word & ((1 << Self::SEQ_BITS) - 1))
+        word_op(word).unwrap_or((OpKind::Barrier, word & ((1 << SEQ_BITS) - 1)))
     }
 }
 

@@ -8,6 +8,7 @@
 //! Times are milliseconds of the system clock (UNIX epoch): ranks on different hosts compare
 //! them, so a skew between their clocks shows in the "ago" of a diagnosis.
 
+use crate::ordering::{op_word, word_op};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use weftcc_collectives::OpKind;
@@ -102,22 +103,8 @@ pub(crate) struct Progress {
     version: AtomicU64,
 }
 
+/// No operation yet (a word with no kind: [`word_op`] reads it as `None`).
 const NONE: u64 = u64::MAX;
-const SEQ_BITS: u32 = 56;
-
-fn word(kind: OpKind, seq: u64) -> u64 {
-    (u64::from(kind as u8) << SEQ_BITS) | (seq & ((1 << SEQ_BITS) - 1))
-}
-
-fn unword(w: u64) -> Option<(OpKind, u64)> {
-    if w == NONE {
-        return None;
-    }
-    Some((
-        OpKind::from_code((w >> SEQ_BITS) as u8)?,
-        w & ((1 << SEQ_BITS) - 1),
-    ))
-}
 
 pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
@@ -139,13 +126,13 @@ impl Default for Progress {
 impl Progress {
     /// The rank entered collective `kind` #`seq`.
     pub(crate) fn entered(&self, kind: OpKind, seq: u64) {
-        self.entered.store(word(kind, seq), Ordering::Relaxed);
+        self.entered.store(op_word(kind, seq), Ordering::Relaxed);
         self.touch();
     }
 
     /// The rank completed `kind` #`seq`.
     pub(crate) fn completed(&self, kind: OpKind, seq: u64) {
-        self.completed.store(word(kind, seq), Ordering::Relaxed);
+        self.completed.store(op_word(kind, seq), Ordering::Relaxed);
         self.touch();
     }
 
@@ -160,8 +147,8 @@ impl Progress {
 
     pub(crate) fn record(&self) -> ProgressRecord {
         ProgressRecord {
-            entered: unword(self.entered.load(Ordering::Relaxed)),
-            completed: unword(self.completed.load(Ordering::Relaxed)),
+            entered: word_op(self.entered.load(Ordering::Relaxed)),
+            completed: word_op(self.completed.load(Ordering::Relaxed)),
             at_ms: self.at_ms.load(Ordering::Relaxed),
         }
     }

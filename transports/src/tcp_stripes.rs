@@ -817,11 +817,7 @@ impl Connection for StripedTcp {
     fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize> {
         let mut filled = 0usize;
         while filled < dst.len() {
-            let want = dst.len() - filled;
-            let n = match self.try_recv(want, &mut |src: &[u8]| {
-                dst[filled..filled + src.len()].copy_from_slice(src);
-                src.len()
-            }) {
+            let n = match crate::conn::recv_into_by_lending(self, &mut dst[filled..]) {
                 Ok(n) => n,
                 Err(e) if filled == 0 => return Err(e),
                 Err(_) => break,
