@@ -224,7 +224,11 @@ fn expect_mismatch_with(
                 assert_ne!(ours, theirs);
                 mismatches += 1;
             }
-            Err(Error::Aborted { by: Some(_), .. }) => {}
+            Err(Error::Aborted {
+                by: Some(_),
+                cause: weftcc::AbortCause::Mismatch,
+                ..
+            }) => {}
             Ok(()) if may_succeed.contains(&rank) => {}
             other => panic!("{name}: rank {rank} got {other:?}"),
         }
@@ -557,7 +561,7 @@ fn a_peer_that_failed_after_the_store_left_is_reported_with_its_cause() {
     });
     let err = results[2].as_ref().unwrap();
     assert!(
-        matches!(err, Error::Aborted { rank: 2, by: Some(1), reason } if reason.contains("abort() called")),
+        matches!(err, Error::Aborted { rank: 2, by: Some(1), reason, cause: weftcc::AbortCause::AbortCalled } if reason.contains("abort() called")),
         "{err:?}"
     );
 }

@@ -1,7 +1,7 @@
 //! Failures of whole processes: a rank killed with SIGKILL must become `PeerLost` on every other
-//! rank within 2 s; a rank stopped with SIGSTOP must become a timeout (or an abort naming the
-//! rank that timed out) on the others. Ranks are real processes: this test binary re-executes
-//! itself in a child role.
+//! rank within 2 s; a rank stopped with SIGSTOP must become a timeout on the others that names
+//! it; `weft status` reads a hung or failed job from outside. Ranks are real processes: this test
+//! binary re-executes itself in a child role.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -24,6 +24,9 @@ fn child_role() {
             return;
         }
     };
+    if role == "second-call" {
+        return second_call(&comm);
+    }
     let mut buf = vec![1.0f32; 1 << 18];
     let mut ready = false;
     loop {
@@ -49,6 +52,33 @@ fn child_role() {
     }
 }
 
+/// Child role for `weft status`: one all-reduce ("READY"), then the second call: rank
+/// `WEFT_TEST_LATE` never makes it, rank `WEFT_TEST_ODD` calls a broadcast instead. After an error
+/// ("ERROR ...") the rank stays (holding its communicator, and rank 0 the store) until killed, so
+/// that the job can be looked at.
+fn second_call(comm: &weftcc::Communicator) {
+    let rank = comm.rank().to_string();
+    let is = |var: &str| std::env::var(var).ok().as_deref() == Some(rank.as_str());
+    let mut buf = vec![1.0f32; 1024];
+    if let Err(e) = comm.all_reduce_in_place(&mut buf, weftcc::ReduceOp::Sum) {
+        println!("ERROR first {e}");
+        return;
+    }
+    println!("READY");
+    let second = if is("WEFT_TEST_LATE") {
+        std::thread::sleep(Duration::from_secs(600));
+        Ok(())
+    } else if is("WEFT_TEST_ODD") {
+        comm.broadcast_in_place(&mut buf, 0)
+    } else {
+        comm.all_reduce_in_place(&mut buf, weftcc::ReduceOp::Sum)
+    };
+    if let Err(e) = second {
+        println!("ERROR second {e}");
+    }
+    std::thread::sleep(Duration::from_secs(600));
+}
+
 struct Job {
     children: Vec<Child>,
     lines: mpsc::Receiver<(usize, Instant, String)>,
@@ -72,8 +102,11 @@ fn free_port() -> u16 {
 }
 
 fn start(n: usize, extra_env: &[(&str, &str)]) -> Job {
+    start_role(n, "allreduce-loop", &free_port().to_string(), extra_env)
+}
+
+fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> Job {
     let exe = std::env::current_exe().unwrap();
-    let port = free_port().to_string();
     let (tx, rx) = mpsc::channel();
     let mut children = Vec::new();
     for rank in 0..n {
@@ -85,11 +118,11 @@ fn start(n: usize, extra_env: &[(&str, &str)]) -> Job {
             "--test-threads=1",
             "-q",
         ])
-        .env(ROLE, "allreduce-loop")
+        .env(ROLE, role)
         .env("WEFT_RANK", rank.to_string())
         .env("WEFT_WORLD_SIZE", n.to_string())
         .env("WEFT_MASTER_ADDR", "127.0.0.1")
-        .env("WEFT_MASTER_PORT", &port)
+        .env("WEFT_MASTER_PORT", port)
         .env("WEFT_JOB_TOKEN", format!("process-failures-{port}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
@@ -222,18 +255,145 @@ fn sigstop_of_a_rank_becomes_a_timeout_on_the_others() {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
     let errors = collect_errors(&job, &[0, 2], stopped, Duration::from_secs(4));
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
-    let mut timeouts = 0;
+    // Every survivor reports the timeout, and the diagnosis names the stopped rank: its process
+    // gives no sign of life (its last progress record, published at most every 100 ms, may
+    // say it entered the all-reduce or not yet).
     for (rank, after, line) in errors {
         assert!(
             after < Duration::from_secs(5),
             "rank {rank} after {after:?}"
         );
-        if line.starts_with("ERROR Timeout") {
-            timeouts += 1;
-            assert!(line.contains("all-reduce #"), "{line}");
-        } else {
-            assert!(line.starts_with("ERROR Aborted"), "rank {rank}: {line}");
-        }
+        assert!(line.starts_with("ERROR Timeout"), "rank {rank}: {line}");
+        assert!(
+            line.contains("; rank 1 ") && line.contains("no sign of life"),
+            "rank {rank}: {line}"
+        );
     }
-    assert!(timeouts >= 1);
+}
+
+/// `weft status` against this job (`args` after `status`): exit code and stdout.
+fn weft_status(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .arg("status")
+        .args(args)
+        .output()
+        .expect("run weft status");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!(
+        "weft status {args:?} -> {:?}\n{stdout}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), stdout)
+}
+
+/// A 4-rank job hung because rank 1 never makes its second call: `weft status` says BEHIND and
+/// names rank 1, from outside by address and token and through a rank's pid; with rank 2 stopped
+/// it says NOT-RESPONDING; once rank 3 is killed, DEAD.
+#[test]
+fn weft_status_names_what_is_wrong_with_a_hung_job() {
+    let n = 4;
+    let port = free_port().to_string();
+    let token = format!("process-failures-{port}");
+    let mut job = start_role(
+        n,
+        "second-call",
+        &port,
+        &[("WEFT_TEST_LATE", "1"), ("WEFT_TIMEOUT", "120")],
+    );
+    wait_ready(&job, n);
+    let addr = format!("127.0.0.1:{port}");
+    let by_addr = ["--addr", addr.as_str(), "--token", token.as_str()];
+    // Ranks 0, 2, 3 wait in all-reduce #2 for longer than BEHIND_AFTER.
+    std::thread::sleep(Duration::from_millis(2500));
+    let (code, out) = weft_status(&by_addr);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("verdict: BEHIND: ranks in all-reduce #2 have waited")
+            && out.contains(
+                "rank 1 has not called all-reduce #2; its last completed call is all-reduce #1"
+            ),
+        "{out}"
+    );
+    for (rank, child) in job.children.iter().enumerate() {
+        let row = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(&rank.to_string()))
+            .unwrap_or_else(|| panic!("no row for rank {rank}: {out}"));
+        assert!(
+            row.contains(&child.id().to_string()),
+            "pid of rank {rank}: {row}"
+        );
+        let state = if rank == 1 {
+            "idle"
+        } else {
+            "in all-reduce #2"
+        };
+        assert!(row.contains(state), "rank {rank}: {row}");
+    }
+    let pid2 = job.children[2].id().to_string();
+    let (code, json) = weft_status(&["--pid", pid2.as_str(), "--json"]);
+    assert_eq!(code, 1);
+    let v: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+    assert_eq!(v["verdict"], "BEHIND");
+    assert_eq!(v["nranks"], 4);
+    assert_eq!(v["ranks"][1]["state"], "idle");
+
+    let stopped = nix::unistd::Pid::from_raw(job.children[2].id() as i32);
+    nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    std::thread::sleep(Duration::from_millis(1500));
+    let (code, out) = weft_status(&by_addr);
+    let _ = nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGCONT);
+    assert_eq!(code, 1);
+    assert!(out.contains("verdict: NOT-RESPONDING: ranks [2]"), "{out}");
+
+    job.children[3].kill().unwrap();
+    let _ = job.children[3].wait();
+    let killed = Instant::now();
+    collect_errors(&job, &[0, 2], killed, Duration::from_secs(5));
+    let (code, out) = weft_status(&by_addr);
+    assert_eq!(code, 1);
+    assert!(out.contains("verdict: DEAD: rank 3 lost"), "{out}");
+}
+
+/// The verdicts of a failed job: a timeout names the late rank, a mismatch says MISMATCH.
+#[test]
+fn weft_status_reports_the_timeout_or_the_mismatch_the_job_failed_with() {
+    // The timeout also bounds joining: 3 s leaves room for a machine busy with other tests.
+    for (late_or_odd, timeout, word, detail) in [
+        (
+            "WEFT_TEST_LATE",
+            "3",
+            "TIMEOUT",
+            "rank 1 has not called all-reduce #2",
+        ),
+        ("WEFT_TEST_ODD", "30", "MISMATCH", "mismatched collectives"),
+    ] {
+        let n = 3;
+        let port = free_port().to_string();
+        let token = format!("process-failures-{port}");
+        let job = start_role(
+            n,
+            "second-call",
+            &port,
+            &[(late_or_odd, "1"), ("WEFT_TIMEOUT", timeout)],
+        );
+        wait_ready(&job, n);
+        let waiting: Vec<usize> = if word == "TIMEOUT" {
+            vec![0, 2]
+        } else {
+            vec![0, 1, 2]
+        };
+        collect_errors(&job, &waiting, Instant::now(), Duration::from_secs(10));
+        let addr = format!("127.0.0.1:{port}");
+        let (code, out) = weft_status(&["--addr", addr.as_str(), "--token", token.as_str()]);
+        assert_eq!(code, 1, "{out}");
+        let verdict = out.lines().last().unwrap_or_default();
+        assert!(
+            verdict.starts_with(&format!("verdict: {word}: ")) && verdict.contains(detail),
+            "{out}"
+        );
+        // The failed ranks are still there: alive, not dead.
+        assert!(!out.contains("dead"), "{out}");
+    }
 }

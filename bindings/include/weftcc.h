@@ -5,9 +5,21 @@
 
 #include <stddef.h>
 #include <stdint.h>
+/* A weftConfig_t with every setting left to the environment: `weftConfig_t c = WEFT_CONFIG_INITIALIZER;` */
+#define WEFT_CONFIG_INITIALIZER { sizeof(weftConfig_t), WEFT_CONFIG_MAGIC, WEFT_CONFIG_VERSION, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT }
+
 
 // Bytes of a [`weftUniqueId`].
 #define WEFT_UNIQUE_ID_BYTES 256
+
+// [`weftConfig_t::magic`]: says the struct was set up with `WEFT_CONFIG_INITIALIZER`.
+#define WEFT_CONFIG_MAGIC 2003134068
+
+// [`weftConfig_t::version`] of this header.
+#define WEFT_CONFIG_VERSION 1
+
+// A config field left undefined: the `WEFT_*` variable (or the built-in default) decides.
+#define WEFT_CONFIG_UNDEF_INT INT64_MIN
 
 // The `color` that takes part in [`weftCommSplit`] without joining a new communicator.
 #define WEFT_SPLIT_NOCOLOR -1
@@ -29,11 +41,30 @@ typedef struct {
 // Handle to a communicator.
 typedef weftComm *weftComm_t;
 
-// Element types (NCCL's numbering).
-typedef int weftDataType_t;
+// Settings of one communicator (NCCL's `ncclConfig_t` shape): start from
+// `weftConfig_t config = WEFT_CONFIG_INITIALIZER;` and set what you need; a field left
+// [`WEFT_CONFIG_UNDEF_INT`] keeps the environment's value.
+typedef struct {
+  // `sizeof(weftConfig_t)` as the program was compiled: later versions append fields.
+  size_t size;
+  // [`WEFT_CONFIG_MAGIC`].
+  uint32_t magic;
+  // [`WEFT_CONFIG_VERSION`].
+  uint32_t version;
+  // Per-operation timeout in milliseconds (`WEFT_TIMEOUT`), at least 1.
+  int64_t timeoutMs;
+  // 1: communicators split from this one share its connections (`WEFT_SPLIT_SHARE`).
+  int64_t splitShare;
+} weftConfig_t;
 
 // Reduction operations (NCCL's numbering).
 typedef int weftRedOp_t;
+
+// Element types (NCCL's numbering).
+typedef int weftDataType_t;
+
+// Where a [`weftRedOpCreatePreMulSum`] scalar lives (NCCL's `ncclScalarResidence_t`).
+typedef int weftScalarResidence_t;
 
 #define weftSuccess 0
 
@@ -52,15 +83,18 @@ typedef int weftRedOp_t;
 // A call out of order (group calls unbalanced).
 #define weftInvalidUsage 5
 
-// Another rank failed, died or called a different collective.
+// Another rank failed, died, timed out, aborted or called a different collective; this rank
+// learnt of it (the message names that rank and what happened there).
 #define weftRemoteError 6
 
 #define weftInProgress 7
 
-// An operation made no progress within the timeout (`WEFT_TIMEOUT`).
+// An operation of this rank made no progress within the timeout (`WEFT_TIMEOUT`, or the
+// config's `timeoutMs`); the message names the ranks that are behind.
 #define weftTimeout 8
 
-// The communicator was aborted (`weftCommAbort` here or on another rank).
+// `weftCommAbort` was called on this communicator (on this rank; another rank's abort is a
+// `weftRemoteError` here).
 #define weftAborted 9
 
 #define weftInt8 0
@@ -93,6 +127,15 @@ typedef int weftRedOp_t;
 
 #define weftAvg 4
 
+// The number of built-in reductions; [`weftRedOpCreatePreMulSum`] hands out codes from here.
+#define weftNumOps 5
+
+// In device memory: read by the GPU when the operation runs (needs the CUDA path).
+#define weftScalarDevice 0
+
+// In host memory, read once when the reduction is created.
+#define weftScalarHostImmediate 1
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -118,6 +161,36 @@ weftResult_t weftCommInitRank(weftComm_t *comm, int nranks, weftUniqueId id, int
 // `comm` is null or points to writable memory for one handle.
 weftResult_t weftCommInitFromEnv(weftComm_t *comm);
 
+// [`weftCommInitRank`] with per-communicator settings (`config` null: the environment's).
+//
+// # Safety
+// `comm` is null or writable; `config` is null or a readable [`weftConfig_t`].
+weftResult_t weftCommInitRankConfig(weftComm_t *comm,
+                                    int nranks,
+                                    weftUniqueId id,
+                                    int rank,
+                                    const weftConfig_t *config);
+
+// Creates a reduction that multiplies each input by `*scalar` (of `datatype`) before summing
+// (NCCL's `ncclRedOpCreatePreMulSum`), valid on `comm` until [`weftRedOpDestroy`]. Only
+// [`weftScalarHostImmediate`] is supported: the scalar is read now.
+//
+// # Safety
+// `op` is null or writable; `scalar` is null or points to one readable `datatype` element;
+// `comm` is null or a live handle.
+weftResult_t weftRedOpCreatePreMulSum(weftRedOp_t *op,
+                                      const void *scalar,
+                                      weftDataType_t datatype,
+                                      weftScalarResidence_t residence,
+                                      weftComm_t comm);
+
+// Destroys a reduction made by [`weftRedOpCreatePreMulSum`] on `comm` (its code may be handed
+// out again). Built-in reductions cannot be destroyed.
+//
+// # Safety
+// `comm` is null or a live handle.
+weftResult_t weftRedOpDestroy(weftRedOp_t op, weftComm_t comm);
+
 // Splits `comm` (collective over it): ranks passing the same non-negative `color` form a new
 // communicator, ranked by (`key`, old rank); a rank passing [`WEFT_SPLIT_NOCOLOR`] gets NULL.
 //
@@ -132,8 +205,9 @@ weftResult_t weftCommSplit(weftComm_t comm, int color, int key, weftComm_t *newc
 // `comm` is null or a live handle, not used again afterwards.
 weftResult_t weftCommDestroy(weftComm_t comm);
 
-// Aborts a communicator: calls blocked in it (on any thread) return `weftAborted` and other
-// ranks are told. The handle must still be destroyed.
+// Aborts a communicator: calls blocked in it (on any thread) and every later call return
+// `weftAborted`; the other ranks' calls return `weftRemoteError` naming this rank. The handle
+// must still be destroyed.
 //
 // # Safety
 // `comm` is null or a live handle.

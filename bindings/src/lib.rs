@@ -25,7 +25,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::str::FromStr;
 use weftcc_collectives::{CallError, DataType, OpKind, RawOp, ReduceOp};
-use weftcc_comm::{Communicator, Error, UniqueId};
+use weftcc_comm::{CommConfig, Communicator, Error, SeenBy, UniqueId};
 
 /// Result of every call (NCCL's codes 0–7, then weftcc's own). The three enumerations are plain
 /// `int`s with named values, so a value C passes in that is not one of them is an error, not
@@ -42,12 +42,15 @@ pub const weftInternalError: weftResult_t = 3;
 pub const weftInvalidArgument: weftResult_t = 4;
 /// A call out of order (group calls unbalanced).
 pub const weftInvalidUsage: weftResult_t = 5;
-/// Another rank failed, died or called a different collective.
+/// Another rank failed, died, timed out, aborted or called a different collective; this rank
+/// learnt of it (the message names that rank and what happened there).
 pub const weftRemoteError: weftResult_t = 6;
 pub const weftInProgress: weftResult_t = 7;
-/// An operation made no progress within the timeout (`WEFT_TIMEOUT`).
+/// An operation of this rank made no progress within the timeout (`WEFT_TIMEOUT`, or the
+/// config's `timeoutMs`); the message names the ranks that are behind.
 pub const weftTimeout: weftResult_t = 8;
-/// The communicator was aborted (`weftCommAbort` here or on another rank).
+/// `weftCommAbort` was called on this communicator (on this rank; another rank's abort is a
+/// `weftRemoteError` here).
 pub const weftAborted: weftResult_t = 9;
 
 /// Element types (NCCL's numbering).
@@ -70,6 +73,15 @@ pub const weftProd: weftRedOp_t = 1;
 pub const weftMax: weftRedOp_t = 2;
 pub const weftMin: weftRedOp_t = 3;
 pub const weftAvg: weftRedOp_t = 4;
+/// The number of built-in reductions; [`weftRedOpCreatePreMulSum`] hands out codes from here.
+pub const weftNumOps: weftRedOp_t = 5;
+
+/// Where a [`weftRedOpCreatePreMulSum`] scalar lives (NCCL's `ncclScalarResidence_t`).
+pub type weftScalarResidence_t = c_int;
+/// In device memory: read by the GPU when the operation runs (needs the CUDA path).
+pub const weftScalarDevice: weftScalarResidence_t = 0;
+/// In host memory, read once when the reduction is created.
+pub const weftScalarHostImmediate: weftScalarResidence_t = 1;
 
 /// Bytes of a [`weftUniqueId`].
 pub const WEFT_UNIQUE_ID_BYTES: usize = 256;
@@ -85,6 +97,9 @@ pub struct weftUniqueId {
 /// A communicator (opaque).
 pub struct weftComm {
     comm: Communicator,
+    /// Scalars of the reductions made by [`weftRedOpCreatePreMulSum`], by `op - weftNumOps`;
+    /// `None` once destroyed.
+    premul: std::sync::Mutex<Vec<Option<f64>>>,
 }
 
 /// Handle to a communicator.
@@ -126,9 +141,17 @@ fn fail(code: weftResult_t, msg: &str) -> weftResult_t {
 fn code_of(e: &Error) -> weftResult_t {
     match e {
         Error::InvalidArgument { .. } | Error::Config(_) => weftInvalidArgument,
-        Error::Timeout { .. } => weftTimeout,
-        Error::Aborted { .. } => weftAborted,
-        Error::PeerLost { .. } | Error::Mismatch { .. } => weftRemoteError,
+        // What this rank saw itself, or weftCommAbort called here; another rank's failure, its
+        // timeout or its abort, learnt through the job, is a remote error.
+        Error::Timeout {
+            seen_by: SeenBy::ThisRank | SeenBy::Watcher,
+            ..
+        } => weftTimeout,
+        Error::Aborted { by: None, .. } => weftAborted,
+        Error::Timeout { .. }
+        | Error::Aborted { .. }
+        | Error::PeerLost { .. }
+        | Error::Mismatch { .. } => weftRemoteError,
         Error::Transport { .. } | Error::Bootstrap { .. } => weftSystemError,
         Error::Internal { .. } => weftInternalError,
     }
@@ -173,7 +196,8 @@ fn dtype_of(c: &Communicator, kind: OpKind, t: c_int) -> Result<DataType, weftRe
         .ok_or_else(|| arg_error(c, kind, CallError::UnknownDataType { code: t.into() }))
 }
 
-fn op_of(c: &Communicator, kind: OpKind, op: c_int) -> Result<ReduceOp, weftResult_t> {
+fn op_of(h: &weftComm, kind: OpKind, op: c_int) -> Result<ReduceOp, weftResult_t> {
+    let c = &h.comm;
     Ok(match op {
         weftSum => ReduceOp::Sum,
         weftProd => ReduceOp::Prod,
@@ -181,10 +205,22 @@ fn op_of(c: &Communicator, kind: OpKind, op: c_int) -> Result<ReduceOp, weftResu
         weftMin => ReduceOp::Min,
         weftAvg => ReduceOp::Avg,
         _ => {
-            let code = op.into();
-            return Err(arg_error(c, kind, CallError::UnknownReduction { code }));
+            let scalar = usize::try_from(op - weftNumOps)
+                .ok()
+                .and_then(|i| premul_table(h).get(i).copied().flatten());
+            match scalar {
+                Some(factor) => ReduceOp::PreMulSum(factor),
+                None => {
+                    let code = op.into();
+                    return Err(arg_error(c, kind, CallError::UnknownReduction { code }));
+                }
+            }
         }
     })
+}
+
+fn premul_table(h: &weftComm) -> std::sync::MutexGuard<'_, Vec<Option<f64>>> {
+    h.premul.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A root or peer given as a C `int`.
@@ -205,11 +241,20 @@ fn rank_of(
 /// # Safety
 /// `comm` is null or a handle from `weftCommInit*` not yet destroyed.
 unsafe fn comm_ref<'a>(comm: weftComm_t) -> Result<&'a Communicator, weftResult_t> {
+    // SAFETY: per the caller's contract.
+    Ok(&unsafe { handle_ref(comm) }?.comm)
+}
+
+/// The handle itself (the communicator and what the C layer keeps beside it).
+///
+/// # Safety
+/// As [`comm_ref`].
+unsafe fn handle_ref<'a>(comm: weftComm_t) -> Result<&'a weftComm, weftResult_t> {
     if comm.is_null() {
         return Err(bad_arg("null communicator".into()));
     }
     // SAFETY: non-null, and valid per the caller's contract.
-    Ok(unsafe { &(*comm).comm })
+    Ok(unsafe { &*comm })
 }
 
 fn bad_arg(msg: String) -> weftResult_t {
@@ -281,7 +326,10 @@ unsafe fn publish(
         return Err(bad_arg(format!("{call}: null communicator pointer")));
     }
     let c = make().map_err(|e| fail(code_of(&e), &e.to_string()))?;
-    let handle = Box::into_raw(Box::new(weftComm { comm: c }));
+    let handle = Box::into_raw(Box::new(weftComm {
+        comm: c,
+        premul: Default::default(),
+    }));
     // SAFETY: per the contract.
     unsafe { write_out(comm, handle, call) }
 }
@@ -299,27 +347,44 @@ pub unsafe extern "C" fn weftCommInitRank(
     rank: c_int,
 ) -> weftResult_t {
     entry(|| {
-        let bad = || bad_arg(format!("weftCommInitRank: rank {rank} of {nranks}"));
-        let n = usize::try_from(nranks).map_err(|_| bad())?;
-        let r = usize::try_from(rank).map_err(|_| bad())?;
-        if n == 0 || r >= n {
-            return Err(bad());
-        }
-        let bytes: Vec<u8> = id
-            .internal
-            .iter()
-            .take_while(|&&c| c != 0)
-            .map(|&c| c as u8)
-            .collect();
-        let make = || {
-            std::str::from_utf8(&bytes)
-                .map_err(|_| Error::Config("unique id is not text".into()))
-                .and_then(UniqueId::from_str)
-                .and_then(|uid| Communicator::init(r, n, &uid))
-        };
+        let config = CommConfig::from_env().map_err(|e| fail(code_of(&e), &e.to_string()))?;
         // SAFETY: per the contract.
-        unsafe { publish(comm, make, "weftCommInitRank") }
+        unsafe { init_rank(comm, nranks, id, rank, config, "weftCommInitRank") }
     })
+}
+
+/// The body of [`weftCommInitRank`] and [`weftCommInitRankConfig`].
+///
+/// # Safety
+/// `comm` is null or writable.
+unsafe fn init_rank(
+    comm: *mut weftComm_t,
+    nranks: c_int,
+    id: weftUniqueId,
+    rank: c_int,
+    config: CommConfig,
+    call: &str,
+) -> Outcome {
+    let bad = || bad_arg(format!("{call}: rank {rank} of {nranks}"));
+    let n = usize::try_from(nranks).map_err(|_| bad())?;
+    let r = usize::try_from(rank).map_err(|_| bad())?;
+    if n == 0 || r >= n {
+        return Err(bad());
+    }
+    let bytes: Vec<u8> = id
+        .internal
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    let make = || {
+        std::str::from_utf8(&bytes)
+            .map_err(|_| Error::Config("unique id is not text".into()))
+            .and_then(UniqueId::from_str)
+            .and_then(|uid| Communicator::init_with(r, n, &uid, config))
+    };
+    // SAFETY: per the contract.
+    unsafe { publish(comm, make, call) }
 }
 
 /// Creates this process's communicator from the launcher's environment (`WEFT_RANK`/`RANK`,
@@ -331,6 +396,186 @@ pub unsafe extern "C" fn weftCommInitRank(
 pub unsafe extern "C" fn weftCommInitFromEnv(comm: *mut weftComm_t) -> weftResult_t {
     // SAFETY: per the contract.
     entry(|| unsafe { publish(comm, Communicator::from_env, "weftCommInitFromEnv") })
+}
+
+/// [`weftConfig_t::magic`]: says the struct was set up with `WEFT_CONFIG_INITIALIZER`.
+pub const WEFT_CONFIG_MAGIC: u32 = 0x7765_6674;
+/// [`weftConfig_t::version`] of this header.
+pub const WEFT_CONFIG_VERSION: u32 = 1;
+/// A config field left undefined: the `WEFT_*` variable (or the built-in default) decides.
+pub const WEFT_CONFIG_UNDEF_INT: i64 = i64::MIN;
+
+/// Settings of one communicator (NCCL's `ncclConfig_t` shape): start from
+/// `weftConfig_t config = WEFT_CONFIG_INITIALIZER;` and set what you need; a field left
+/// [`WEFT_CONFIG_UNDEF_INT`] keeps the environment's value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct weftConfig_t {
+    /// `sizeof(weftConfig_t)` as the program was compiled: later versions append fields.
+    pub size: usize,
+    /// [`WEFT_CONFIG_MAGIC`].
+    pub magic: u32,
+    /// [`WEFT_CONFIG_VERSION`].
+    pub version: u32,
+    /// Per-operation timeout in milliseconds (`WEFT_TIMEOUT`), at least 1.
+    pub timeoutMs: i64,
+    /// 1: communicators split from this one share its connections (`WEFT_SPLIT_SHARE`).
+    pub splitShare: i64,
+}
+
+/// The communicator settings of `config` (null: the environment's).
+///
+/// # Safety
+/// `config` is null or points to a readable [`weftConfig_t`] of at least the size it states.
+unsafe fn config_of(config: *const weftConfig_t) -> Result<CommConfig, weftResult_t> {
+    let mut out = CommConfig::from_env().map_err(|e| fail(code_of(&e), &e.to_string()))?;
+    if config.is_null() {
+        return Ok(out);
+    }
+    let bad = |what: String| bad_arg(format!("weftConfig_t: {what}"));
+    // SAFETY: non-null; the header fields are readable per the contract.
+    let (size, magic, version) = unsafe { ((*config).size, (*config).magic, (*config).version) };
+    if magic != WEFT_CONFIG_MAGIC {
+        return Err(bad(
+            "not initialised with WEFT_CONFIG_INITIALIZER (wrong magic)".into(),
+        ));
+    }
+    if version == 0 || version > WEFT_CONFIG_VERSION {
+        return Err(bad(format!(
+            "version {version}; this library knows 1..={WEFT_CONFIG_VERSION}"
+        )));
+    }
+    if size < std::mem::size_of::<weftConfig_t>() {
+        return Err(bad(format!(
+            "size {size} is smaller than this version's {}",
+            std::mem::size_of::<weftConfig_t>()
+        )));
+    }
+    // SAFETY: the whole struct is readable: size checked above, per the contract.
+    let c = unsafe { *config };
+    if c.timeoutMs != WEFT_CONFIG_UNDEF_INT {
+        let ms = u64::try_from(c.timeoutMs)
+            .ok()
+            .filter(|ms| *ms >= 1)
+            .ok_or_else(|| bad(format!("timeoutMs {} is not a positive count", c.timeoutMs)))?;
+        out.timeout = std::time::Duration::from_millis(ms);
+    }
+    match c.splitShare {
+        WEFT_CONFIG_UNDEF_INT => {}
+        0 | 1 => out.split_share = c.splitShare == 1,
+        v => return Err(bad(format!("splitShare {v} is neither 0 nor 1"))),
+    }
+    Ok(out)
+}
+
+/// [`weftCommInitRank`] with per-communicator settings (`config` null: the environment's).
+///
+/// # Safety
+/// `comm` is null or writable; `config` is null or a readable [`weftConfig_t`].
+#[no_mangle]
+pub unsafe extern "C" fn weftCommInitRankConfig(
+    comm: *mut weftComm_t,
+    nranks: c_int,
+    id: weftUniqueId,
+    rank: c_int,
+    config: *const weftConfig_t,
+) -> weftResult_t {
+    entry(|| {
+        // SAFETY: per the contract.
+        let config = unsafe { config_of(config) }?;
+        // SAFETY: per the contract.
+        unsafe { init_rank(comm, nranks, id, rank, config, "weftCommInitRankConfig") }
+    })
+}
+
+/// Creates a reduction that multiplies each input by `*scalar` (of `datatype`) before summing
+/// (NCCL's `ncclRedOpCreatePreMulSum`), valid on `comm` until [`weftRedOpDestroy`]. Only
+/// [`weftScalarHostImmediate`] is supported: the scalar is read now.
+///
+/// # Safety
+/// `op` is null or writable; `scalar` is null or points to one readable `datatype` element;
+/// `comm` is null or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn weftRedOpCreatePreMulSum(
+    op: *mut weftRedOp_t,
+    scalar: *const c_void,
+    datatype: weftDataType_t,
+    residence: weftScalarResidence_t,
+    comm: weftComm_t,
+) -> weftResult_t {
+    entry(|| {
+        // SAFETY: per the contract.
+        let h = unsafe { handle_ref(comm) }?;
+        let c = &h.comm;
+        let kind = OpKind::AllReduce;
+        let dt = dtype_of(c, kind, datatype)?;
+        let call = "weftRedOpCreatePreMulSum";
+        if residence != weftScalarHostImmediate {
+            return Err(bad_arg(format!(
+                "rank {}: {call}: residence {residence}: only weftScalarHostImmediate ({}) is \
+                 supported (a device-resident scalar needs the CUDA path)",
+                c.rank(),
+                weftScalarHostImmediate
+            )));
+        }
+        if scalar.is_null() {
+            return Err(bad_arg(format!("rank {}: {call}: null scalar", c.rank())));
+        }
+        // SAFETY: `scalar` points to one readable element of `dt`, per the contract.
+        let bytes = unsafe { std::slice::from_raw_parts(scalar.cast::<u8>(), dt.size()) };
+        let factor = dt.decode_f64(bytes).ok_or_else(|| {
+            bad_arg(format!(
+                "rank {}: {call}: the scalar is not a {dt} value",
+                c.rank()
+            ))
+        })?;
+        let code = {
+            let mut table = premul_table(h);
+            let slot = match table.iter().position(Option::is_none) {
+                Some(i) => i,
+                None => {
+                    table.push(None);
+                    table.len() - 1
+                }
+            };
+            let code = c_int::try_from(slot)
+                .ok()
+                .and_then(|s| s.checked_add(weftNumOps))
+                .ok_or_else(|| bad_arg(format!("{call}: too many reductions")))?;
+            table[slot] = Some(factor);
+            code
+        };
+        // SAFETY: per the contract.
+        unsafe { write_out(op, code, call) }
+    })
+}
+
+/// Destroys a reduction made by [`weftRedOpCreatePreMulSum`] on `comm` (its code may be handed
+/// out again). Built-in reductions cannot be destroyed.
+///
+/// # Safety
+/// `comm` is null or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn weftRedOpDestroy(op: weftRedOp_t, comm: weftComm_t) -> weftResult_t {
+    entry(|| {
+        // SAFETY: per the contract.
+        let h = unsafe { handle_ref(comm) }?;
+        let mut table = premul_table(h);
+        let slot = usize::try_from(op - weftNumOps)
+            .ok()
+            .and_then(|i| table.get_mut(i))
+            .filter(|s| s.is_some());
+        match slot {
+            Some(s) => {
+                *s = None;
+                Ok(weftSuccess)
+            }
+            None => Err(bad_arg(format!(
+                "rank {}: weftRedOpDestroy: {op} is not a reduction created on this communicator",
+                h.comm.rank()
+            ))),
+        }
+    })
 }
 
 /// The `color` that takes part in [`weftCommSplit`] without joining a new communicator.
@@ -362,7 +607,10 @@ pub unsafe extern "C" fn weftCommSplit(
             .split(color, i64::from(key))
             .map_err(|e| fail(code_of(&e), &e.to_string()))?;
         let handle = made.map_or(std::ptr::null_mut(), |c| {
-            Box::into_raw(Box::new(weftComm { comm: c }))
+            Box::into_raw(Box::new(weftComm {
+                comm: c,
+                premul: Default::default(),
+            }))
         });
         // SAFETY: per the contract.
         unsafe { write_out(newcomm, handle, "weftCommSplit") }
@@ -386,8 +634,9 @@ pub unsafe extern "C" fn weftCommDestroy(comm: weftComm_t) -> weftResult_t {
     })
 }
 
-/// Aborts a communicator: calls blocked in it (on any thread) return `weftAborted` and other
-/// ranks are told. The handle must still be destroyed.
+/// Aborts a communicator: calls blocked in it (on any thread) and every later call return
+/// `weftAborted`; the other ranks' calls return `weftRemoteError` naming this rank. The handle
+/// must still be destroyed.
 ///
 /// # Safety
 /// `comm` is null or a live handle.
@@ -550,10 +799,11 @@ pub unsafe extern "C" fn weftAllReduce(
     entry(|| {
         let kind = OpKind::AllReduce;
         // SAFETY: per the contract.
-        let c = unsafe { comm_ref(comm) }?;
+        let h = unsafe { handle_ref(comm) }?;
+        let c = &h.comm;
         let dt = dtype_of(c, kind, datatype)?;
         let bytes = byte_len(c, kind, count, dt)?;
-        let op = RawOp::new(kind, dt, count).with_op(op_of(c, kind, op)?);
+        let op = RawOp::new(kind, dt, count).with_op(op_of(h, kind, op)?);
         let call = Call {
             op,
             send: sendbuff,
@@ -625,13 +875,14 @@ pub unsafe extern "C" fn weftReduce(
     entry(|| {
         let kind = OpKind::Reduce;
         // SAFETY: per the contract.
-        let c = unsafe { comm_ref(comm) }?;
+        let h = unsafe { handle_ref(comm) }?;
+        let c = &h.comm;
         let me = c.rank();
         let dt = dtype_of(c, kind, datatype)?;
         let bytes = byte_len(c, kind, count, dt)?;
         let root = rank_of(c, kind, "root", root)?;
         let op = RawOp::new(kind, dt, count)
-            .with_op(op_of(c, kind, op)?)
+            .with_op(op_of(h, kind, op)?)
             .with_root(root);
         let in_place = std::ptr::eq(sendbuff, recvbuff);
         let (recv, recv_bytes) = if me == root || in_place {
@@ -704,11 +955,12 @@ pub unsafe extern "C" fn weftReduceScatter(
     entry(|| {
         let kind = OpKind::ReduceScatter;
         // SAFETY: per the contract.
-        let c = unsafe { comm_ref(comm) }?;
+        let h = unsafe { handle_ref(comm) }?;
+        let c = &h.comm;
         let dt = dtype_of(c, kind, datatype)?;
         let block = byte_len(c, kind, recvcount, dt)?;
         let all = byte_len(c, kind, recvcount.saturating_mul(c.size()), dt)?;
-        let op = RawOp::new(kind, dt, recvcount).with_op(op_of(c, kind, op)?);
+        let op = RawOp::new(kind, dt, recvcount).with_op(op_of(h, kind, op)?);
         let in_place = recvbuff as usize == (sendbuff as usize).wrapping_add(c.rank() * block);
         let call = if in_place && block > 0 {
             // The whole in-place buffer starts at sendbuff.

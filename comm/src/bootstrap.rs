@@ -89,6 +89,7 @@ pub(crate) struct StoreHost {
 
 impl StoreHost {
     pub(crate) fn new(server: StoreServer, id: &UniqueId) -> StoreHost {
+        server.on_session_closed(Arc::new(crate::failure::lost_by_the_store));
         StoreHost {
             _server: server,
             id: id.clone(),

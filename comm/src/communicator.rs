@@ -190,8 +190,18 @@ impl Communicator {
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).
-        let watch_client =
+        let mut watch_client =
             StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        // The watcher's connection is this rank's session in the store: its polls are the
+        // rank's signs of life for diagnoses and `weft status` (crate::status).
+        watch_client
+            .name_session(
+                &crate::progress::session_key(&namespace, rank),
+                crate::status::RankIdentity::this_process(nranks)
+                    .encode()
+                    .as_bytes(),
+            )
+            .map_err(boot)?;
         let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
         let mesh = match split_mesh {
             Some(m) => m,
@@ -318,6 +328,7 @@ impl Communicator {
             rank: self.inner.rank,
             by: None,
             reason: "abort() called".into(),
+            cause: crate::error::AbortCause::AbortCalled,
         };
         self.inner.fail(e);
         self.inner.leave_farewell();

@@ -59,6 +59,9 @@ pub enum Error {
         by: Option<usize>,
         /// What happened (on rank `by`, when set: its error as it reported it).
         reason: String,
+        /// Why: `abort()` was called, or rank `by` found mismatched collectives or failed
+        /// otherwise.
+        cause: AbortCause,
     },
     /// Ranks called different collectives (kind, type, count, reduction or root differ).
     #[error(
@@ -95,6 +98,17 @@ pub enum Error {
     },
 }
 
+/// Why a communicator was aborted ([`Error::Aborted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortCause {
+    /// `abort()` was called (on this rank, or on rank `by`).
+    AbortCalled,
+    /// Rank `by` found that ranks called different collectives ([`Error::Mismatch`] there).
+    Mismatch,
+    /// Rank `by` failed in another way (its error is the `reason`).
+    Failed,
+}
+
 /// Who saw a peer's loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeenBy {
@@ -104,6 +118,8 @@ pub enum SeenBy {
     Rank(usize),
     /// This rank's watcher: the bootstrap store (on rank 0) stopped answering.
     Watcher,
+    /// The bootstrap store: the peer's connection to it closed (its process went).
+    Store,
 }
 
 impl std::fmt::Display for SeenBy {
@@ -112,6 +128,7 @@ impl std::fmt::Display for SeenBy {
             SeenBy::ThisRank => Ok(()),
             SeenBy::Rank(r) => write!(f, "reported by rank {r}: "),
             SeenBy::Watcher => f.write_str("reported by the watcher: "),
+            SeenBy::Store => f.write_str("reported by the bootstrap store: "),
         }
     }
 }

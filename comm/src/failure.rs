@@ -5,14 +5,14 @@
 //! it (at most [`SETTLE_TIMEOUT`]).
 
 use crate::communicator::Inner;
-use crate::error::{Error, Result, SeenBy};
+use crate::error::{AbortCause, Error, Result, SeenBy};
 use crate::lock;
 use crate::progress::Behind;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weftcc_collectives::OpKind;
-use weftcc_transports::store::StoreClient;
+use weftcc_transports::store::{LocalStore, StoreClient};
 use weftcc_transports::TransportError;
 
 /// How often the watcher thread re-polls the store for a job-wide abort.
@@ -74,10 +74,10 @@ impl Inner {
             && !matches!(
                 &e,
                 Error::PeerLost {
-                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher,
+                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher | SeenBy::Store,
                     ..
                 } | Error::Timeout {
-                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher,
+                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher | SeenBy::Store,
                     ..
                 }
             );
@@ -176,7 +176,7 @@ impl Inner {
 
     /// Store key of rank `rank`'s published progress.
     pub(crate) fn progress_key(&self, rank: usize) -> String {
-        self.store_key(&format!("progress/{rank}"))
+        crate::progress::progress_key(&self.namespace, rank)
     }
 
     /// A collective this rank timed out in, with the ranks that had not entered it (from every
@@ -218,8 +218,13 @@ impl Inner {
             .iter()
             .map(|v| crate::progress::ProgressRecord::decode(v))
             .collect();
+        let silent = store
+            .sessions(&crate::progress::session_prefix(&self.namespace))
+            .map(|s| crate::progress::silence(&s, &self.namespace, self.size))
+            .unwrap_or_default();
         keep(crate::progress::behind(
             &records,
+            &silent,
             seq,
             self.rank,
             crate::progress::now_ms(),
@@ -241,7 +246,7 @@ impl Inner {
             } => FailureNote::Timeout {
                 origin: match seen_by {
                     SeenBy::Rank(r) => *r,
-                    SeenBy::ThisRank | SeenBy::Watcher => self.rank,
+                    SeenBy::ThisRank | SeenBy::Watcher | SeenBy::Store => self.rank,
                 },
                 op: *op,
                 seq: *seq,
@@ -250,12 +255,11 @@ impl Inner {
                 behind: behind.clone(),
             },
             Error::Aborted {
-                by: Some(by),
-                reason,
-                ..
+                by, reason, cause, ..
             } => FailureNote::Abort {
-                origin: *by,
+                origin: by.unwrap_or(self.rank),
                 reason: reason.clone(),
+                cause: *cause,
             },
             Error::PeerLost {
                 peer,
@@ -265,14 +269,19 @@ impl Inner {
             } => FailureNote::Lost {
                 peer: *peer,
                 reporter: match seen_by {
-                    SeenBy::Rank(r) => *r,
-                    SeenBy::ThisRank | SeenBy::Watcher => self.rank,
+                    SeenBy::Rank(r) => Some(*r),
+                    SeenBy::ThisRank | SeenBy::Watcher => Some(self.rank),
+                    SeenBy::Store => None,
                 },
                 detail: detail.clone(),
             },
             other => FailureNote::Abort {
                 origin: self.rank,
                 reason: other.to_string(),
+                cause: match other {
+                    Error::Mismatch { .. } => AbortCause::Mismatch,
+                    _ => AbortCause::Failed,
+                },
             },
         }
     }
@@ -337,6 +346,7 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     inner.turn.wake_all();
                 }
                 settle(&inner, &mut client);
+                keep_alive(&inner, &mut client);
                 return;
             }
             Err(TransportError::Timeout { .. }) => continue,
@@ -359,6 +369,58 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
         }
     }
     settle(&inner, &mut client);
+    leave(&inner, &mut client);
+}
+
+/// After a failure, goes on showing the store that this rank lives (`weft status` tells a dead
+/// process from one that failed and is still there) until the communicator goes.
+fn keep_alive(inner: &Inner, client: &mut StoreClient) {
+    while !inner.watcher_stop.load(Ordering::SeqCst) {
+        std::thread::sleep(WATCH_PERIOD);
+        if client.check(&inner.store_key(SETTLED_ALL_KEY)).is_err() {
+            return;
+        }
+    }
+    leave(inner, client);
+}
+
+/// Marks this rank's session as left (its communicator was destroyed), so that its closing
+/// connection does not read as a death.
+fn leave(inner: &Inner, client: &mut StoreClient) {
+    let mut me = crate::status::RankIdentity::this_process(inner.size);
+    me.left = true;
+    let key = crate::progress::session_key(&inner.namespace, inner.rank);
+    let _ = client.name_session(&key, me.encode().as_bytes());
+}
+
+/// The store's host runs this when a rank's session closes ([`StoreServer::on_session_closed`]):
+/// a rank that had joined (its progress is published) and did not leave has died, and that is
+/// the job's failure unless another was published first. Every rank learns it from its watcher,
+/// even ranks that never exchange data with the dead one directly.
+///
+/// [`StoreServer::on_session_closed`]: weftcc_transports::store::StoreServer::on_session_closed
+pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut LocalStore<'_>) {
+    let Some((namespace, rank)) = crate::progress::split_session_key(key) else {
+        return;
+    };
+    let left = crate::status::RankIdentity::decode(value).is_none_or(|i| i.left);
+    let abort = format!("{namespace}/{ABORT_KEY}");
+    if left
+        || !store.contains(&crate::progress::progress_key(namespace, rank))
+        || store.contains(&abort)
+    {
+        return;
+    }
+    if store.add(&format!("{abort}-count"), 1) == Some(1) {
+        let note = FailureNote::Lost {
+            peer: rank,
+            reporter: None,
+            detail: "its process exited or died without destroying the communicator (its \
+                     connection to the bootstrap store closed)"
+                .into(),
+        };
+        store.set(&abort, note.encode().as_bytes());
+    }
 }
 
 /// Counts this rank's watcher as done with the store (it read the failure, or its communicator
@@ -385,13 +447,18 @@ pub(crate) fn remote_error(inner: &Inner, note: &[u8]) -> Option<Error> {
             peer,
             op,
             seq,
-            seen_by: SeenBy::Rank(reporter),
+            seen_by: reporter.map_or(SeenBy::Store, SeenBy::Rank),
             detail,
         }),
-        FailureNote::Abort { origin, reason } if origin != inner.rank => Some(Error::Aborted {
+        FailureNote::Abort {
+            origin,
+            reason,
+            cause,
+        } if origin != inner.rank => Some(Error::Aborted {
             rank: inner.rank,
             by: Some(origin),
             reason,
+            cause,
         }),
         FailureNote::Timeout {
             origin,
@@ -420,11 +487,16 @@ pub(crate) fn remote_error(inner: &Inner, note: &[u8]) -> Option<Error> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum FailureNote {
     /// Rank `origin` failed (or aborted); `reason` is its error as it reported it.
-    Abort { origin: usize, reason: String },
+    Abort {
+        origin: usize,
+        reason: String,
+        cause: AbortCause,
+    },
     /// Rank `reporter` lost rank `peer`; `detail` says how.
     Lost {
         peer: usize,
-        reporter: usize,
+        /// `None`: the bootstrap store saw the peer's process go ([`lost_by_the_store`]).
+        reporter: Option<usize>,
         detail: String,
     },
     /// Rank `origin`'s collective `op` #`seq` timed out, with its diagnosis.
@@ -466,7 +538,7 @@ impl FailureNote {
             .filter(|x| !x.is_empty())
             .map(|b| {
                 let p: Vec<&str> = b.split(':').collect();
-                let [rank, entered, completed, idle] = p[..] else {
+                let [rank, entered, completed, idle, silent] = p[..] else {
                     return None;
                 };
                 Some(Behind {
@@ -474,6 +546,10 @@ impl FailureNote {
                     entered: op_word(entered)?,
                     completed: op_word(completed)?,
                     idle: Duration::from_millis(idle.parse().ok()?),
+                    silent: match silent {
+                        "-" => None,
+                        ms => Some(Duration::from_millis(ms.parse().ok()?)),
+                    },
                 })
             })
             .collect::<Option<Vec<_>>>()?;
@@ -492,12 +568,26 @@ impl FailureNote {
         let s = Self::SEP;
         let m = Self::MAGIC;
         match self {
-            FailureNote::Abort { origin, reason } => format!("{m}{s}abort{s}{origin}{s}{reason}"),
+            FailureNote::Abort {
+                origin,
+                reason,
+                cause,
+            } => {
+                let kind = match cause {
+                    AbortCause::AbortCalled => "abort",
+                    AbortCause::Mismatch => "mismatch",
+                    AbortCause::Failed => "failed",
+                };
+                format!("{m}{s}{kind}{s}{origin}{s}{reason}")
+            }
             FailureNote::Lost {
                 peer,
                 reporter,
                 detail,
-            } => format!("{m}{s}lost{s}{peer}{s}{reporter}{s}{detail}"),
+            } => {
+                let reporter = reporter.map_or("-".into(), |r| r.to_string());
+                format!("{m}{s}lost{s}{peer}{s}{reporter}{s}{detail}")
+            }
             FailureNote::Timeout {
                 origin,
                 op,
@@ -515,11 +605,12 @@ impl FailureNote {
                     .iter()
                     .map(|b| {
                         format!(
-                            "{}:{}:{}:{}",
+                            "{}:{}:{}:{}:{}",
                             b.rank,
                             op_word(b.entered),
                             op_word(b.completed),
-                            b.idle.as_millis()
+                            b.idle.as_millis(),
+                            b.silent.map_or("-".into(), |d| d.as_millis().to_string())
                         )
                     })
                     .collect();
@@ -541,19 +632,30 @@ impl FailureNote {
         if fields.next()? != Self::MAGIC {
             return None;
         }
-        match fields.next()? {
-            "abort" => {
-                let origin = fields.next()?.parse().ok()?;
-                // The reason is the rest, separators and all.
-                let rest: Vec<&str> = fields.collect();
-                Some(FailureNote::Abort {
-                    origin,
-                    reason: rest.join(&Self::SEP.to_string()),
-                })
-            }
+        let kind = fields.next()?;
+        let cause = match kind {
+            "abort" => Some(AbortCause::AbortCalled),
+            "mismatch" => Some(AbortCause::Mismatch),
+            "failed" => Some(AbortCause::Failed),
+            _ => None,
+        };
+        if let Some(cause) = cause {
+            let origin = fields.next()?.parse().ok()?;
+            // The reason is the rest, separators and all.
+            let rest: Vec<&str> = fields.collect();
+            return Some(FailureNote::Abort {
+                origin,
+                reason: rest.join(&Self::SEP.to_string()),
+                cause,
+            });
+        }
+        match kind {
             "lost" => Some(FailureNote::Lost {
                 peer: fields.next()?.parse().ok()?,
-                reporter: fields.next()?.parse().ok()?,
+                reporter: match fields.next()? {
+                    "-" => None,
+                    r => Some(r.parse().ok()?),
+                },
                 detail: fields.next()?.to_string(),
             }),
             "timeout" => {
@@ -579,11 +681,13 @@ mod tests {
             peer in any::<usize>(),
             text in ".*",
             lost in any::<bool>(),
+            cause in 0usize..3,
         ) {
+            let cause = [AbortCause::AbortCalled, AbortCause::Mismatch, AbortCause::Failed][cause];
             let note = if lost {
-                FailureNote::Lost { peer, reporter: origin, detail: text.clone() }
+                FailureNote::Lost { peer, reporter: (origin % 2 == 0).then_some(origin), detail: text.clone() }
             } else {
-                FailureNote::Abort { origin, reason: text.clone() }
+                FailureNote::Abort { origin, reason: text.clone(), cause }
             };
             prop_assert_eq!(FailureNote::decode(note.encode().as_bytes()), Some(note));
         }
@@ -598,17 +702,19 @@ mod tests {
             waiting_on in proptest::collection::vec(any::<usize>(), 0..5),
             behind in proptest::collection::vec(
                 (any::<usize>(), proptest::option::of(0u64..1 << 56),
-                 proptest::option::of(0u64..1 << 56), 0u64..1 << 40),
+                 proptest::option::of(0u64..1 << 56), 0u64..1 << 40,
+                 proptest::option::of(0u64..1 << 40)),
                 0..4,
             ),
         ) {
             let behind = behind
                 .into_iter()
-                .map(|(rank, e, c, idle)| Behind {
+                .map(|(rank, e, c, idle, silent)| Behind {
                     rank,
                     entered: e.map(|s| (OpKind::AllReduce, s)),
                     completed: c.map(|s| (OpKind::Broadcast, s)),
                     idle: Duration::from_millis(idle),
+                    silent: silent.map(Duration::from_millis),
                 })
                 .collect();
             let note = FailureNote::Timeout {
@@ -631,11 +737,55 @@ mod tests {
     }
 
     #[test]
+    fn the_store_publishes_the_death_of_a_joined_rank_that_did_not_leave() {
+        use crate::status::RankIdentity;
+        use weftcc_transports::store::StoreServer;
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").expect("store");
+        server.on_session_closed(Arc::new(lost_by_the_store));
+        let addr = server.local_addr().to_string();
+        let t = Duration::from_secs(10);
+        let mut reader = StoreClient::connect(&addr, "t", t).expect("client");
+        let me = |left| {
+            let mut i = RankIdentity::this_process(3);
+            i.left = left;
+            i.encode()
+        };
+        // Rank 1 had not joined (no progress), rank 2 left: neither is a death.
+        for (rank, left) in [(1, false), (2, true)] {
+            let mut c = StoreClient::connect(&addr, "t", t).expect("client");
+            c.name_session(&format!("j/rank/{rank}"), me(left).as_bytes())
+                .expect("name");
+            if left {
+                c.set(&format!("j/progress/{rank}"), b"x").expect("set");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!reader.check("j/abort").expect("check"));
+        // Rank 0 joined and its process went.
+        let mut c = StoreClient::connect(&addr, "t", t).expect("client");
+        c.name_session("j/rank/0", me(false).as_bytes())
+            .expect("name");
+        c.set("j/progress/0", b"x").expect("set");
+        drop(c);
+        let note = reader.get("j/abort", t).expect("the death is published");
+        let Some(FailureNote::Lost {
+            peer: 0,
+            reporter: None,
+            detail,
+        }) = FailureNote::decode(&note)
+        else {
+            panic!("{:?}", String::from_utf8_lossy(&note))
+        };
+        assert!(detail.contains("connection to the bootstrap store closed"));
+        assert_eq!(reader.add("j/abort-count", 0).expect("count"), 1);
+    }
+
+    #[test]
     fn old_free_text_notes_and_truncated_ones_are_not_read() {
         assert_eq!(FailureNote::decode(b"abort 1 boom"), None);
         let full = FailureNote::Lost {
             peer: 3,
-            reporter: 1,
+            reporter: Some(1),
             detail: "closed".into(),
         }
         .encode();

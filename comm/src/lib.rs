@@ -17,6 +17,8 @@
 //! | `engine` | executes one schedule over the connections (poll loop, no threads) |
 //! | [`tuning`] | per-call algorithm choice from the cost model |
 //! | [`error`] | the error type |
+//! | [`progress`] | where each rank is, and who is behind when a collective times out |
+//! | [`status`] | a running job read from outside its ranks (`weft status`) |
 //! | `local` | [`run_ranks`]: ranks as threads of one process |
 //! | `logging` | `WEFT_DEBUG` |
 
@@ -38,13 +40,14 @@ mod local;
 mod logging;
 mod ordering;
 pub mod progress;
+pub mod status;
 pub mod tuning;
 
 pub use bootstrap::{join_host_port, UniqueId};
 pub use communicator::Communicator;
 pub use config::{Backoff, CommConfig};
 pub use env::LaunchInfo;
-pub use error::{Error, Result, SeenBy};
+pub use error::{AbortCause, Error, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
 pub use local::run_ranks;

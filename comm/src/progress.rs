@@ -4,6 +4,9 @@
 //! [`crate::failure::WATCH_PERIOD`]), so nothing is sent per message. A rank whose operation
 //! times out reads every rank's record and names the ranks that have not entered that
 //! operation, furthest behind first ([`Behind`]): the answer to "who is behind, and where".
+//! It also names the ranks that have given no sign of life for [`SILENT_AFTER`] (their watcher's
+//! store session went quiet or closed): a rank that entered the operation but was stopped
+//! (SIGSTOP, a debugger, a stuck kernel call) is behind too, though its record looks current.
 //!
 //! Times are milliseconds of the system clock (UNIX epoch): ranks on different hosts compare
 //! them, so a skew between their clocks shows in the "ago" of a diagnosis.
@@ -13,7 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use weftcc_collectives::OpKind;
 
-/// A rank that had not entered the collective another rank timed out in.
+/// A rank that had not entered the collective another rank timed out in, or that had
+/// stopped giving signs of life.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Behind {
     /// The rank.
@@ -25,20 +29,38 @@ pub struct Behind {
     /// How long before the diagnosis it completed that operation (or, with none, entered its
     /// last collective; or was created).
     pub idle: Duration,
+    /// How long its process had given no sign of life (its failure watcher stopped polling
+    /// the bootstrap store, or its connection closed), when that was [`SILENT_AFTER`] or more.
+    pub silent: Option<Duration>,
 }
 
 impl Behind {
-    /// `op #seq`, the call the rank has not made.
+    /// What is known of the rank, behind in `op #seq`.
     pub fn describe(&self, op: OpKind, seq: u64) -> String {
         let last = match self.completed {
             Some((k, s)) => format!("its last completed call is {k} #{s}"),
             None => "it has completed no call".into(),
         };
-        format!(
-            "rank {} has not called {op} #{seq}; {last}, {:.1} s ago",
-            self.rank,
-            self.idle.as_secs_f64()
-        )
+        let silent = self.silent.map(|d| {
+            format!(
+                "its process has given no sign of life for {:.1} s (stopped, or stuck outside \
+                 weftcc)",
+                d.as_secs_f64()
+            )
+        });
+        let entered = self.entered.is_some_and(|(_, s)| s >= seq);
+        match (entered, silent) {
+            (true, Some(silent)) => format!("rank {} is in {op} #{seq} but {silent}", self.rank),
+            (false, Some(silent)) => format!(
+                "rank {} has not called {op} #{seq} and {silent}; {last}",
+                self.rank
+            ),
+            _ => format!(
+                "rank {} has not called {op} #{seq}; {last}, {:.1} s ago",
+                self.rank,
+                self.idle.as_secs_f64()
+            ),
+        }
     }
 }
 
@@ -155,9 +177,11 @@ impl Progress {
 }
 
 /// The ranks of `records` (indexed by rank; `None` where unknown) that have not entered
-/// collective #`seq`, furthest behind first (at most [`MAX_BEHIND`]), as seen at `now_ms`.
+/// collective #`seq` or are silent (`silent[rank]`, from [`silence`]), furthest behind first
+/// and the silent ones that entered after them (at most [`MAX_BEHIND`]), as seen at `now_ms`.
 pub(crate) fn behind(
     records: &[Option<ProgressRecord>],
+    silent: &[Option<Duration>],
     seq: u64,
     me: usize,
     now_ms: u64,
@@ -168,19 +192,71 @@ pub(crate) fn behind(
         .filter(|(r, _)| *r != me)
         .filter_map(|(rank, rec)| {
             let rec = (*rec)?;
+            let silent = silent.get(rank).copied().flatten();
             let entered_seq = rec.entered.map_or(0, |(_, s)| s);
-            (entered_seq < seq).then(|| Behind {
+            (entered_seq < seq || silent.is_some()).then(|| Behind {
                 rank,
                 entered: rec.entered,
                 completed: rec.completed,
                 idle: Duration::from_millis(now_ms.saturating_sub(rec.at_ms)),
+                silent,
             })
         })
         .collect();
-    out.sort_by_key(|b| (b.entered.map_or(0, |(_, s)| s), b.rank));
+    out.sort_by_key(|b| (b.entered.map_or(0, |(_, s)| s.min(seq)), b.rank));
     out.truncate(MAX_BEHIND);
     out
 }
+
+/// Per rank of `nranks`, how long it has been silent when that is [`SILENT_AFTER`] or more,
+/// from the sessions its watchers named (`<namespace>/rank/<r>`, [`session_key`]).
+pub(crate) fn silence(
+    sessions: &[weftcc_transports::store::SessionInfo],
+    namespace: &str,
+    nranks: usize,
+) -> Vec<Option<Duration>> {
+    let mut out = vec![None; nranks];
+    for s in sessions {
+        let Some(rank) = session_rank(&s.key, namespace).filter(|r| *r < nranks) else {
+            continue;
+        };
+        if !s.open || s.idle >= SILENT_AFTER {
+            out[rank] = Some(s.idle);
+        }
+    }
+    out
+}
+
+/// The store session a rank's failure watcher names (see [`weftcc_transports::store`]): its
+/// connection's requests, one every [`crate::failure::WATCH_PERIOD`], are the rank's signs of
+/// life.
+pub(crate) fn session_key(namespace: &str, rank: usize) -> String {
+    format!("{}{rank}", session_prefix(namespace))
+}
+
+/// Store key of rank `rank`'s published progress under `namespace`.
+pub(crate) fn progress_key(namespace: &str, rank: usize) -> String {
+    format!("{namespace}/progress/{rank}")
+}
+
+/// What the [`session_key`]s of `namespace` start with.
+pub(crate) fn session_prefix(namespace: &str) -> String {
+    format!("{namespace}/rank/")
+}
+
+/// The rank of a session named by [`session_key`] under `namespace`.
+pub(crate) fn session_rank(key: &str, namespace: &str) -> Option<usize> {
+    key.strip_prefix(&session_prefix(namespace))?.parse().ok()
+}
+
+/// The namespace and rank of any [`session_key`].
+pub(crate) fn split_session_key(key: &str) -> Option<(&str, usize)> {
+    let (namespace, rank) = key.rsplit_once("/rank/")?;
+    Some((namespace, rank.parse().ok()?))
+}
+
+/// Silence after which a rank counts as not responding: ten of its watcher's polls missed.
+pub const SILENT_AFTER: Duration = Duration::from_secs(1);
 
 /// Most ranks a diagnosis names (the furthest behind): a job of thousands of ranks stuck behind
 /// one rank's peers still gets an error a person can read.
@@ -228,7 +304,7 @@ mod tests {
             rec(None, None, 500),
             None,
         ];
-        let b = behind(&records, 2, 2, 11_000);
+        let b = behind(&records, &[], 2, 2, 11_000);
         assert_eq!(b.iter().map(|b| b.rank).collect::<Vec<_>>(), vec![3, 1]);
         assert_eq!(
             b[1].describe(OpKind::AllReduce, 2),
@@ -238,6 +314,51 @@ mod tests {
             b[0].describe(OpKind::AllReduce, 2),
             "rank 3 has not called all-reduce #2; it has completed no call, 10.5 s ago"
         );
+    }
+
+    #[test]
+    fn a_silent_rank_is_named_even_when_it_entered() {
+        use weftcc_transports::store::SessionInfo;
+        let session = |key: &str, open, idle_ms| SessionInfo {
+            key: key.into(),
+            value: Vec::new(),
+            open,
+            idle: Duration::from_millis(idle_ms),
+        };
+        let sessions = [
+            session("c/rank/0", true, 50),
+            session("c/rank/1", true, 9_800),
+            session("c/rank/2", false, 300),
+            session("c/rank/x", true, 9_000),
+            session("c/rank/9", true, 9_000),
+            session("c/split0/rank/0", true, 9_000),
+        ];
+        let silent = silence(&sessions, "c", 3);
+        assert_eq!(
+            silent,
+            [
+                None,
+                Some(Duration::from_millis(9_800)),
+                Some(Duration::from_millis(300))
+            ]
+        );
+        let rec = |s| {
+            Some(ProgressRecord {
+                entered: Some((OpKind::AllReduce, s)),
+                completed: Some((OpKind::AllReduce, s - 1)),
+                at_ms: 1_000,
+            })
+        };
+        let b = behind(&[rec(2), rec(2), rec(1)], &silent, 2, 0, 11_000);
+        assert_eq!(b.iter().map(|b| b.rank).collect::<Vec<_>>(), vec![2, 1]);
+        assert_eq!(
+            b[1].describe(OpKind::AllReduce, 2),
+            "rank 1 is in all-reduce #2 but its process has given no sign of life for 9.8 s \
+             (stopped, or stuck outside weftcc)"
+        );
+        // Nobody silent: the ranks that entered are not named.
+        let b = behind(&[rec(2), rec(2), rec(1)], &[None; 3], 2, 0, 11_000);
+        assert_eq!(b.iter().map(|b| b.rank).collect::<Vec<_>>(), vec![2]);
     }
 
     #[test]

@@ -317,13 +317,18 @@ pub fn host_id() -> String {
             return id.trim().to_string();
         }
     }
-    let host = nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "unknown-host".into());
+    let host = hostname().unwrap_or_else(|| "unknown-host".into());
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
     format!("{host}:{boot}")
+}
+
+/// This host's name, as the kernel has it.
+pub fn hostname() -> Option<String> {
+    nix::unistd::gethostname()
+        .ok()
+        .map(|h| h.to_string_lossy().into_owned())
 }
 
 /// Discovers a host with the given sysfs root, `nvidia-smi` program and /dev/shm.
@@ -332,9 +337,7 @@ pub fn discover_with(opts: &DiscoverOptions) -> Discovered {
     let mut topo = Topology {
         source: "discovery".into(),
         host: HostInfo {
-            hostname: nix::unistd::gethostname()
-                .ok()
-                .map(|h| h.to_string_lossy().into_owned()),
+            hostname: hostname(),
             host_id: Some(host_id()),
         },
         ..Topology::default()

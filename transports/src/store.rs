@@ -15,6 +15,9 @@
 //!   5 CHECK  key                                  OK exists u8
 //!   6 DELETE key                                  OK existed u8
 //!   7 GET_ALL timeout_ms u64 | count u32 | keys   OK (length u32 | value) per key | TIMEOUT
+//!   8 NAME   key | value (rest of frame)          OK
+//!   9 SESSIONS prefix key                         OK count u32 | per session: key | value |
+//!                                                    open u8 | idle_ms u64  (by key)
 //!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message),
 //!   5 TOO_LARGE (body = bytes u64: a GET_ALL answer would exceed MAX_FRAME)
 //! ```
@@ -30,18 +33,25 @@
 //! gets a final CLOSED frame.
 //!
 //! Counters made with [`StoreClient::add`] are stored as ASCII decimal text.
+//!
+//! Sessions: a connection that names itself (NAME) is a session the server watches on the
+//! client's behalf: while the connection is open, the time since its last request says whether
+//! the client is alive (a rank's failure watcher polls every 100 ms, so a stopped or stuck
+//! process shows as silence); when it closes (the process died or left), the session stays
+//! listed as closed, with the time since. SESSIONS lists them by key prefix, measured on the
+//! server's clock alone. No other request is slowed: only named connections touch the table.
 
 use crate::error::{Result, TransportError};
 use crate::util::lock;
 use crate::util::Deadline;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Magic bytes of the store handshake.
 pub const STORE_MAGIC: [u8; 4] = *b"WFST";
@@ -53,6 +63,8 @@ pub const MAX_FRAME: usize = 16 << 20;
 pub const MAX_CONNECTIONS: usize = 4096;
 /// Longest token accepted.
 pub const MAX_STORE_TOKEN: usize = 1024;
+/// Most sessions ([`StoreClient::name_session`]) one server keeps, closed ones included.
+pub const MAX_SESSIONS: usize = 1 << 16;
 /// Time a new connection has to present its handshake, and a started frame to arrive in full.
 pub const STORE_IO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -63,6 +75,8 @@ const OP_ADD: u8 = 4;
 const OP_CHECK: u8 = 5;
 const OP_DELETE: u8 = 6;
 const OP_GET_ALL: u8 = 7;
+const OP_NAME: u8 = 8;
+const OP_SESSIONS: u8 = 9;
 
 const ST_OK: u8 = 0;
 const ST_TIMEOUT: u8 = 1;
@@ -158,7 +172,64 @@ fn put_key(v: &mut Vec<u8>, key: &[u8]) {
 
 struct State {
     map: HashMap<Vec<u8>, Vec<u8>>,
+    sessions: BTreeMap<Vec<u8>, Session>,
     closed: bool,
+}
+
+/// A named connection, as the server sees it.
+struct Session {
+    value: Vec<u8>,
+    /// The connection that holds the name (a later NAME of the same key by another connection
+    /// takes it over).
+    conn: u64,
+    open: bool,
+    /// The last request on the connection, or when it closed.
+    last: Instant,
+}
+
+/// What [`StoreServer::on_session_closed`] runs: the session's name and value, and the store's
+/// data to act on at once (under the store's lock: keep it short).
+pub type SessionHook = dyn Fn(&str, &[u8], &mut LocalStore<'_>) + Send + Sync;
+
+/// The store's data as a [`SessionHook`] sees it.
+pub struct LocalStore<'a> {
+    map: &'a mut HashMap<Vec<u8>, Vec<u8>>,
+}
+
+impl LocalStore<'_> {
+    /// Whether `key` is set.
+    pub fn contains(&self, key: &str) -> bool {
+        self.map.contains_key(key.as_bytes())
+    }
+
+    /// [`StoreClient::set`].
+    pub fn set(&mut self, key: &str, value: &[u8]) {
+        self.map.insert(key.as_bytes().to_vec(), value.to_vec());
+    }
+
+    /// [`StoreClient::add`]; a value that is not a counter is left alone (and `None` returned).
+    pub fn add(&mut self, key: &str, delta: i64) -> Option<i64> {
+        let old = match self.map.get(key.as_bytes()) {
+            None => 0,
+            Some(v) => std::str::from_utf8(v).ok()?.trim().parse::<i64>().ok()?,
+        };
+        let new = old.wrapping_add(delta);
+        self.set(key, new.to_string().as_bytes());
+        Some(new)
+    }
+}
+
+/// A session as [`StoreClient::sessions`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    /// Its name.
+    pub key: String,
+    /// What its client said about itself when it named the session.
+    pub value: Vec<u8>,
+    /// Whether its connection is still open.
+    pub open: bool,
+    /// Open: time since its last request. Closed: time since it closed.
+    pub idle: Duration,
 }
 
 struct Inner {
@@ -170,6 +241,8 @@ struct Inner {
     next_id: AtomicU64,
     /// Clones of live connection sockets, so shutdown can unblock their reads.
     socks: Mutex<HashMap<u64, Socket>>,
+    /// Called when a named session's connection closes ([`StoreServer::on_session_closed`]).
+    on_closed: Mutex<Option<Arc<SessionHook>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -194,6 +267,7 @@ impl StoreServer {
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 map: HashMap::new(),
+                sessions: BTreeMap::new(),
                 closed: false,
             }),
             cv: Condvar::new(),
@@ -202,6 +276,7 @@ impl StoreServer {
             active: AtomicUsize::new(0),
             next_id: AtomicU64::new(0),
             socks: Mutex::new(HashMap::new()),
+            on_closed: Mutex::new(None),
             threads: Mutex::new(Vec::new()),
         });
         let inner2 = inner.clone();
@@ -220,6 +295,13 @@ impl StoreServer {
     /// The address clients connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// Runs `hook` whenever the connection of a named session closes (its client died or went
+    /// away), before anyone can read the store again: what it sets is there for every later
+    /// request. Replaces an earlier hook.
+    pub fn on_session_closed(&self, hook: Arc<SessionHook>) {
+        *lock(&self.inner.on_closed) = Some(hook);
     }
 
     /// Stops serving: pending waits are answered CLOSED, connections are closed, threads joined.
@@ -279,7 +361,10 @@ fn accept_loop(listener: Socket, inner: Arc<Inner>) {
         let spawned = std::thread::Builder::new()
             .name("weft-store-conn".into())
             .spawn(move || {
-                serve_connection(&sock, &from, &inner2);
+                let name = serve_connection(&sock, &from, &inner2, id);
+                if let Some(name) = name {
+                    session_closed(&inner2, &name, id);
+                }
                 lock(&inner2.socks).remove(&id);
                 inner2.active.fetch_sub(1, Ordering::AcqRel);
             });
@@ -298,34 +383,37 @@ fn accept_loop(listener: Socket, inner: Arc<Inner>) {
     }
 }
 
-fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
+/// Serves one connection until it ends; returns the session name it held, if any.
+fn serve_connection(sock: &Socket, from: &str, inner: &Inner, id: u64) -> Option<Vec<u8>> {
     let _ = sock.set_write_timeout(Some(STORE_IO_TIMEOUT));
     let _ = sock.set_read_timeout(Some(Duration::from_millis(100)));
     if let Err(why) = server_handshake(sock, inner) {
         if !inner.shutdown.load(Ordering::Acquire) {
             tracing::warn!(target: "weftcc::bootstrap", from = %from, reason = %why, "store refused a connection");
         }
-        return;
+        return None;
     }
     let _ = sock.set_read_timeout(Some(IDLE_POLL));
+    let mut conn = Conn { id, name: None };
     loop {
         match read_request(sock, inner) {
             Ok(Some(payload)) => {
-                let resp = match handle_request(&payload, inner) {
+                conn.seen(inner);
+                let resp = match handle_request(&payload, inner, &mut conn) {
                     Ok(r) => r,
                     Err(why) => {
                         tracing::warn!(target: "weftcc::bootstrap", from = %from, reason = %why, "store closed a connection");
-                        return;
+                        return conn.name;
                     }
                 };
                 if write_frame(sock, &resp).is_err() {
-                    return;
+                    return conn.name;
                 }
             }
             Ok(None) => {
                 // Shutting down: tell the client once, then close.
                 let _ = write_frame(sock, &[ST_CLOSED]);
-                return;
+                return conn.name;
             }
             Err(why) => {
                 if inner.shutdown.load(Ordering::Acquire) {
@@ -333,8 +421,49 @@ fn serve_connection(sock: &Socket, from: &str, inner: &Inner) {
                 } else if !why.is_empty() {
                     tracing::warn!(target: "weftcc::bootstrap", from = %from, reason = %why, "store closed a connection");
                 }
-                return;
+                return conn.name;
             }
+        }
+    }
+}
+
+/// The connection `conn` holding session `name` closed: marks it so, and runs the hook.
+fn session_closed(inner: &Inner, name: &[u8], conn: u64) {
+    let hook = lock(&inner.on_closed).clone();
+    let mut st = lock(&inner.state);
+    if st.closed {
+        return;
+    }
+    let State { map, sessions, .. } = &mut *st;
+    let Some(s) = sessions.get_mut(name).filter(|s| s.conn == conn) else {
+        return;
+    };
+    s.open = false;
+    s.last = Instant::now();
+    if let Some(hook) = hook {
+        hook(
+            &String::from_utf8_lossy(name),
+            &s.value,
+            &mut LocalStore { map },
+        );
+    }
+    drop(st);
+    inner.cv.notify_all();
+}
+
+/// One served connection: its id and the session name it took, if any.
+struct Conn {
+    id: u64,
+    name: Option<Vec<u8>>,
+}
+
+impl Conn {
+    /// A request arrived: the session (if any) is alive now.
+    fn seen(&self, inner: &Inner) {
+        let Some(name) = &self.name else { return };
+        let mut st = lock(&inner.state);
+        if let Some(s) = st.sessions.get_mut(name).filter(|s| s.conn == self.id) {
+            s.last = Instant::now();
         }
     }
 }
@@ -443,7 +572,11 @@ fn open_state(inner: &Inner) -> Option<std::sync::MutexGuard<'_, State>> {
 }
 
 /// Executes one request. `Err` means the request was malformed: the connection gets closed.
-fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>, String> {
+fn handle_request(
+    payload: &[u8],
+    inner: &Inner,
+    conn: &mut Conn,
+) -> std::result::Result<Vec<u8>, String> {
     let mut c = Cursor { buf: payload };
     let bad = || "malformed request".to_string();
     let op = c.u8().ok_or_else(bad)?;
@@ -541,6 +674,70 @@ fn handle_request(payload: &[u8], inner: &Inner) -> std::result::Result<Vec<u8>,
                 st.map.remove(key).is_some()
             };
             Ok(vec![ST_OK, u8::from(had)])
+        }
+        OP_NAME => {
+            let key = c.key().ok_or_else(bad)?;
+            let value = c.rest();
+            let Some(mut st) = open_state(inner) else {
+                return Ok(vec![ST_CLOSED]);
+            };
+            if !st.sessions.contains_key(key) && st.sessions.len() >= MAX_SESSIONS {
+                let mut out = vec![ST_ERROR];
+                out.extend_from_slice(
+                    format!("the store keeps at most {MAX_SESSIONS} sessions").as_bytes(),
+                );
+                return Ok(out);
+            }
+            // A connection holds one name: taking another closes the old one.
+            if let Some(old) = conn.name.take().filter(|old| old != key) {
+                if let Some(s) = st.sessions.get_mut(&old).filter(|s| s.conn == conn.id) {
+                    s.open = false;
+                    s.last = Instant::now();
+                }
+            }
+            st.sessions.insert(
+                key.to_vec(),
+                Session {
+                    value: value.to_vec(),
+                    conn: conn.id,
+                    open: true,
+                    last: Instant::now(),
+                },
+            );
+            conn.name = Some(key.to_vec());
+            Ok(vec![ST_OK])
+        }
+        OP_SESSIONS => {
+            let prefix = c.key().ok_or_else(bad)?;
+            c.end().ok_or_else(bad)?;
+            let Some(st) = open_state(inner) else {
+                return Ok(vec![ST_CLOSED]);
+            };
+            let now = Instant::now();
+            let listed: Vec<(&Vec<u8>, &Session)> = st
+                .sessions
+                .range(prefix.to_vec()..)
+                .take_while(|(k, _)| k.starts_with(prefix))
+                .collect();
+            let answer: u64 = 5 + listed
+                .iter()
+                .map(|(k, s)| 8 + k.len() as u64 + s.value.len() as u64 + 9)
+                .sum::<u64>();
+            if answer > MAX_FRAME as u64 {
+                let mut out = vec![ST_TOO_LARGE];
+                out.extend_from_slice(&answer.to_le_bytes());
+                return Ok(out);
+            }
+            let mut out = vec![ST_OK];
+            out.extend_from_slice(&(listed.len() as u32).to_le_bytes());
+            for (k, s) in listed {
+                put_key(&mut out, k);
+                put_key(&mut out, &s.value);
+                out.push(u8::from(s.open));
+                let idle = now.saturating_duration_since(s.last).as_millis() as u64;
+                out.extend_from_slice(&idle.to_le_bytes());
+            }
+            Ok(out)
         }
         other => Err(format!("unknown opcode {other}")),
     }
@@ -885,6 +1082,37 @@ impl StoreClient {
     pub fn delete(&mut self, key: &str) -> Result<bool> {
         let r = self.call(&Self::key_request(OP_DELETE, key), self.timeout)?;
         Ok(r.first().copied() == Some(1))
+    }
+
+    /// Names this connection `key`, a session the server watches from now on (see the module
+    /// docs); `value` says who the client is. Requests on this connection keep it alive.
+    pub fn name_session(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let mut v = Self::key_request(OP_NAME, key);
+        v.extend_from_slice(value);
+        self.call(&v, self.timeout).map(|_| ())
+    }
+
+    /// Every session whose name starts with `prefix`, by name.
+    pub fn sessions(&mut self, prefix: &str) -> Result<Vec<SessionInfo>> {
+        let body = self.call(&Self::key_request(OP_SESSIONS, prefix), self.timeout)?;
+        let bad = || TransportError::Protocol("bad SESSIONS response".into());
+        let mut c = Cursor { buf: &body };
+        let n = c.u32().ok_or_else(bad)? as usize;
+        let mut out = Vec::with_capacity(n.min(MAX_SESSIONS));
+        for _ in 0..n {
+            let key = c.key().ok_or_else(bad)?;
+            let value = c.key().ok_or_else(bad)?;
+            let open = c.u8().ok_or_else(bad)? == 1;
+            let idle = Duration::from_millis(c.u64().ok_or_else(bad)?);
+            out.push(SessionInfo {
+                key: String::from_utf8_lossy(key).into_owned(),
+                value: value.to_vec(),
+                open,
+                idle,
+            });
+        }
+        c.end().ok_or_else(bad)?;
+        Ok(out)
     }
 
     /// A barrier over the store: every one of `n` participants calls it with the same `name`;

@@ -55,13 +55,13 @@ fn store_hello(token: &str) -> Vec<u8> {
     v
 }
 
-/// A request frame: a real opcode with fields of random shape (lengths that lie, keys longer
+/// A request frame: a real opcode (or an unknown one) with fields of random shape (lengths that lie, keys longer
 /// than the frame, waits of at most 20 ms so that no case parks the server for long), or bytes.
 fn request() -> impl Strategy<Value = Vec<u8>> {
     let key = prop::collection::vec(any::<u8>(), 0..24);
     let claimed = prop_oneof![Just(None), any::<u32>().prop_map(Some)];
     let frame_body = (
-        0u8..10,
+        0u8..12,
         0u64..20,
         0u32..4,
         key,

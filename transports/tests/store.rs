@@ -435,3 +435,62 @@ fn four_thousand_clients_all_gather_their_records() {
     });
     assert_eq!(wrong.into_inner(), 0);
 }
+
+#[test]
+fn a_named_session_is_alive_while_it_polls_and_closed_once_its_client_goes() {
+    let (_s, addr) = server();
+    let mut watcher = client(&addr);
+    watcher.name_session("job/rank/1", b"pid 42").expect("name");
+    let mut quiet = client(&addr);
+    quiet.name_session("job/rank/0", b"pid 41").expect("name");
+    let mut other = client(&addr);
+    other.name_session("elsewhere/rank/0", b"x").expect("name");
+    let mut status = client(&addr);
+
+    // rank 1 polls, rank 0 stays silent.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(600) {
+        let _ = watcher.check("job/anything").expect("poll");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let s = status.sessions("job/").expect("sessions");
+    assert_eq!(
+        s.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(),
+        ["job/rank/0", "job/rank/1"],
+        "listed by name, only under the prefix"
+    );
+    assert!(s.iter().all(|s| s.open));
+    assert_eq!(s[0].value, b"pid 41");
+    assert!(s[0].idle >= Duration::from_millis(550), "{:?}", s[0]);
+    assert!(s[1].idle < Duration::from_millis(300), "{:?}", s[1]);
+
+    // A client that goes (a process that dies) leaves a closed session behind.
+    drop(watcher);
+    let deadline = Instant::now() + T;
+    loop {
+        let s = status.sessions("job/rank/1").expect("sessions");
+        assert_eq!(s.len(), 1);
+        if !s[0].open {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the closed connection was not seen"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    // Renaming moves the connection's one name; the old one reads as closed.
+    quiet.name_session("job/rank/2", b"pid 43").expect("rename");
+    let s = status.sessions("job/").expect("sessions");
+    let open: Vec<(&str, bool)> = s.iter().map(|s| (s.key.as_str(), s.open)).collect();
+    assert_eq!(
+        open,
+        [
+            ("job/rank/0", false),
+            ("job/rank/1", false),
+            ("job/rank/2", true)
+        ]
+    );
+    assert!(status.sessions("nothing/").expect("sessions").is_empty());
+}

@@ -232,10 +232,42 @@ static void errors(weftComm_t comm, int n) {
   OK(weftBarrier(comm)); /* still usable */
 }
 
+/* PreMulSum (NCCL's shape): each rank's input is scaled by its scalar, then summed; a destroyed
+ * or never-made reduction is an invalid argument. */
+static void premulsum(weftComm_t comm, int n) {
+  double scalar = 0.5 * (me + 1);
+  weftRedOp_t op = -1, op2 = -1;
+  OK(weftRedOpCreatePreMulSum(&op, &scalar, weftFloat64, weftScalarHostImmediate, comm));
+  CHECK(op >= weftNumOps, "premulsum code %d is a built-in's", op);
+  float in[7], out[7];
+  for (int i = 0; i < 7; i++) in[i] = (float)(i + 1);
+  OK(weftAllReduce(in, out, 7, weftFloat32, op, comm));
+  double factor = 0; /* sum over ranks of 0.5 * (r + 1) */
+  for (int r = 0; r < n; r++) factor += 0.5 * (r + 1);
+  for (int i = 0; i < 7; i++)
+    CHECK(out[i] == (float)(factor * (i + 1)), "premulsum [%d] = %g, want %g", i, out[i],
+          factor * (i + 1));
+  int32_t three = 3;
+  OK(weftRedOpCreatePreMulSum(&op2, &three, weftInt32, weftScalarHostImmediate, comm));
+  CHECK(op2 != op, "two live reductions share code %d", op);
+  CHECK(weftRedOpCreatePreMulSum(&op2, &three, weftInt32, weftScalarDevice, comm) ==
+            weftInvalidArgument,
+        "a device scalar without CUDA was accepted");
+  OK(weftRedOpDestroy(op, comm));
+  CHECK(weftAllReduce(in, out, 7, weftFloat32, op, comm) == weftInvalidArgument,
+        "a destroyed reduction was accepted");
+  char want[64];
+  snprintf(want, sizeof want, "reduction %d is not", op);
+  CHECK(strstr(weftGetLastError(comm), want) != NULL, "message: %s", weftGetLastError(comm));
+  CHECK(weftRedOpDestroy(op, comm) == weftInvalidArgument, "destroyed twice");
+  CHECK(weftRedOpDestroy(weftSum, comm) == weftInvalidArgument, "destroyed a built-in");
+  OK(weftRedOpDestroy(op2, comm));
+}
+
 /* The last rank aborts once every other rank has finished the earlier calls (each tells it
  * with a one-byte send; aborting sooner could fail another rank's last barrier, correctly):
- * its later calls return weftAborted, and every other rank's next call fails (aborted or
- * remote error) instead of waiting for it. */
+ * its later calls return weftAborted, and every other rank's next call fails with a remote error
+ * naming it (weftAborted is for the rank that called weftCommAbort) instead of waiting. */
 static void abort_last(weftComm_t comm, int n) {
   int8_t token = 1, got[8];
   if (me == n - 1) {
@@ -246,13 +278,16 @@ static void abort_last(weftComm_t comm, int n) {
     CHECK(weftBarrier(comm) == weftAborted, "barrier after abort: %s", weftGetLastError(comm));
   } else {
     weftResult_t s = weftSend(&token, 1, weftInt8, n - 1, comm);
-    CHECK(s == weftSuccess || s == weftAborted || s == weftRemoteError, "send -> %d", s);
+    CHECK(s == weftSuccess || s == weftRemoteError, "send -> %d", s);
     weftResult_t r = weftBarrier(comm);
-    CHECK(r == weftAborted || r == weftRemoteError, "barrier with an aborted rank -> %d: %s", r,
+    CHECK(r == weftRemoteError, "barrier with an aborted rank -> %d: %s", r,
           weftGetLastError(comm));
+    char want[64];
+    snprintf(want, sizeof want, "rank %d failed", n - 1);
+    CHECK(strstr(weftGetLastError(comm), want) != NULL, "message: %s", weftGetLastError(comm));
     weftResult_t async = weftSuccess;
     OK(weftCommGetAsyncError(comm, &async));
-    CHECK(async != weftSuccess, "no async error after a peer's abort");
+    CHECK(async == weftRemoteError, "async error %d after a peer's abort", async);
   }
 }
 
@@ -280,7 +315,19 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: ranks id | ranks RANK NRANKS ID | ranks env\n");
     return 2;
   }
-  if (comm == NULL) OK(weftCommInitRank(&comm, n, id, me));
+  if (comm == NULL) {
+    weftConfig_t config = WEFT_CONFIG_INITIALIZER;
+    config.timeoutMs = 60000;
+    weftConfig_t bad = config;
+    bad.magic = 0;
+    CHECK(weftCommInitRankConfig(&comm, n, id, me, &bad) == weftInvalidArgument,
+          "a config without its magic was accepted");
+    bad = config;
+    bad.timeoutMs = 0;
+    CHECK(weftCommInitRankConfig(&comm, n, id, me, &bad) == weftInvalidArgument,
+          "timeoutMs 0 was accepted");
+    OK(weftCommInitRankConfig(&comm, n, id, me, &config));
+  }
   all_reduce(comm, n, 0);
   all_reduce(comm, n, 1);
   all_reduce(comm, n, 1037);
@@ -289,6 +336,7 @@ int main(int argc, char **argv) {
   if (n > 1) point_to_point(comm, n); /* a rank cannot send to itself */
   split(comm, n);
   errors(comm, n);
+  premulsum(comm, n);
   if (n > 1) abort_last(comm, n);
   OK(weftCommDestroy(comm));
   if (failures == 0) fprintf(stderr, "rank %d: ok\n", me);

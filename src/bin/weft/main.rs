@@ -5,11 +5,14 @@
 //!   fails.
 //! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives (`--plot` draws them,
 //!   `--baseline` overlays a peer's curve converted by `weft baseline-json`).
+//! * `weft status`: a running job's ranks (host, pid, state, progress, liveness) and a verdict,
+//!   read from its bootstrap store.
 
 #![forbid(unsafe_code)]
 
 mod perf;
 mod run;
+mod status;
 mod topo;
 mod train;
 
@@ -37,6 +40,8 @@ enum Command {
     BaselineJson(perf::baseline::BaselineArgs),
     /// Show the machine's topology, the rings and trees chosen, predictions and warnings.
     Topo(topo::TopoArgs),
+    /// Show a running job's ranks and what is wrong (TIMEOUT, MISMATCH, DEAD, BEHIND, ...).
+    Status(status::StatusArgs),
     /// Train the reference MLP data-parallel (DDP reducer, checkpoints, resume).
     Train(train::TrainArgs),
 }
@@ -49,6 +54,7 @@ fn main() {
         Command::BaselineJson(args) => perf::baseline::main(args),
         Command::Topo(args) => topo::main(args),
         Command::Train(args) => train::main(args),
+        Command::Status(args) => status::main(args),
     };
     std::process::exit(code);
 }

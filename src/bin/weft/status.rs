@@ -1,0 +1,224 @@
+//! `weft status`: attach to a running job through its bootstrap store and print each rank's
+//! host, pid, state, current operation, time since progress and liveness, and a verdict.
+
+use clap::Args;
+use std::collections::HashMap;
+use std::time::Duration;
+use weftcc::comm::status::{JobStatus, Liveness, RankStatus, Verdict, WORLD_NAMESPACE};
+use weftcc::{LaunchInfo, UniqueId};
+
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Which job: a unique id (weft1@HOST:PORT#TOKEN, what weftGetUniqueId and UniqueId print); or
+--addr and --token; or --pid of one of the job's rank processes on this host (its rendezvous and
+token are read from its environment, whichever launcher started it: weft run, torchrun, srun,
+mpirun); or, with none of these, this process's own launcher environment.
+
+Exit status: 0 when the verdict is OK, JOINING or FINISHED; 1 for any other verdict; 2 when the
+job cannot be read.")]
+pub struct StatusArgs {
+    /// The job's unique id.
+    pub id: Option<String>,
+    /// Rendezvous address of the job's bootstrap store (HOST:PORT).
+    #[arg(long, requires = "token", conflicts_with_all = ["id", "pid"])]
+    pub addr: Option<String>,
+    /// The job token (WEFT_JOB_TOKEN).
+    #[arg(long, requires = "addr")]
+    pub token: Option<String>,
+    /// A rank process of the job on this host.
+    #[arg(long, conflicts_with = "id")]
+    pub pid: Option<u32>,
+    /// Communicator to show (its namespace in the store; the job's own by default).
+    #[arg(long, default_value = WORLD_NAMESPACE)]
+    pub comm: String,
+    /// Seconds to wait for the store.
+    #[arg(long, default_value_t = 5.0)]
+    pub timeout: f64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn main(args: StatusArgs) -> i32 {
+    let id = match job_id(&args) {
+        Ok(id) => id,
+        Err(e) => {
+            eprintln!("weft status: {e}");
+            return 2;
+        }
+    };
+    let timeout = Duration::from_secs_f64(args.timeout.clamp(0.1, 3600.0));
+    let status = match JobStatus::read_namespace(&id, &args.comm, timeout) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("weft status: {e}");
+            return 2;
+        }
+    };
+    if args.json {
+        println!("{}", json(&id, &status));
+    } else {
+        print!("{}", table(&id, &status));
+    }
+    match status.verdict {
+        Verdict::Ok | Verdict::Joining { .. } | Verdict::Finished => 0,
+        _ => 1,
+    }
+}
+
+/// The job to read, from the arguments (see the help text for the order).
+fn job_id(args: &StatusArgs) -> Result<UniqueId, String> {
+    if let Some(id) = &args.id {
+        return id.parse().map_err(|e: weftcc::Error| e.to_string());
+    }
+    if let (Some(addr), Some(token)) = (&args.addr, &args.token) {
+        return Ok(UniqueId {
+            addr: addr.clone(),
+            token: token.clone(),
+        });
+    }
+    let vars: HashMap<String, String> = match args.pid {
+        Some(pid) => process_environment(pid)?,
+        None => std::env::vars().collect(),
+    };
+    if let Some(id) = vars.get("WEFT_UNIQUE_ID") {
+        return id.parse().map_err(|e: weftcc::Error| e.to_string());
+    }
+    let info = LaunchInfo::from_vars(&vars).map_err(|e| match args.pid {
+        Some(pid) => format!("process {pid} is not a rank of a weftcc job: {e}"),
+        None => format!("which job? give its unique id, --addr and --token, or --pid ({e})"),
+    })?;
+    Ok(UniqueId {
+        addr: weftcc::comm::join_host_port(&info.master_addr, info.master_port),
+        token: info.token,
+    })
+}
+
+/// The environment process `pid` started with (`/proc/<pid>/environ`; readable for one's own
+/// processes).
+fn process_environment(pid: u32) -> Result<HashMap<String, String>, String> {
+    let path = format!("/proc/{pid}/environ");
+    let raw = std::fs::read(&path).map_err(|e| format!("reading {path}: {e}"))?;
+    Ok(raw
+        .split(|b| *b == 0)
+        .filter_map(|kv| {
+            let kv = String::from_utf8_lossy(kv);
+            let (k, v) = kv.split_once('=')?;
+            Some((k.to_string(), v.to_string()))
+        })
+        .collect())
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1} s", d.as_secs_f64())
+}
+
+fn alive(l: Liveness) -> String {
+    match l {
+        Liveness::Alive => "yes".into(),
+        Liveness::Silent(d) => format!("silent {}", secs(d)),
+        Liveness::Dead(d) => format!("dead {}", secs(d)),
+        Liveness::Left(d) => format!("left {}", secs(d)),
+        Liveness::Absent => "-".into(),
+    }
+}
+
+fn row(r: &RankStatus) -> [String; 7] {
+    let (host, pid) = match &r.identity {
+        Some(i) => (i.host.clone(), i.pid.to_string()),
+        None => ("-".into(), "-".into()),
+    };
+    let last = r
+        .progress
+        .and_then(|p| p.completed)
+        .map_or("-".into(), |(k, s)| format!("{k} #{s}"));
+    let since = r.progress.map_or("-".into(), |p| secs(p.since));
+    [
+        r.rank.to_string(),
+        host,
+        pid,
+        r.state(),
+        last,
+        since,
+        alive(r.liveness),
+    ]
+}
+
+fn table(id: &UniqueId, s: &JobStatus) -> String {
+    let head = [
+        "rank",
+        "host",
+        "pid",
+        "state",
+        "last completed",
+        "since",
+        "alive",
+    ]
+    .map(String::from);
+    let rows: Vec<[String; 7]> = std::iter::once(head)
+        .chain(s.ranks.iter().map(row))
+        .collect();
+    let widths: Vec<usize> = (0..7)
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = format!(
+        "job {} · communicator {} · {} ranks\n",
+        id.addr, s.namespace, s.nranks
+    );
+    for r in &rows {
+        let cells: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(c, (v, w))| {
+                if c == 0 {
+                    format!("{v:>w$}")
+                } else {
+                    format!("{v:<w$}")
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out.push_str(&format!("verdict: {}\n", s.verdict));
+    out
+}
+
+fn json(id: &UniqueId, s: &JobStatus) -> serde_json::Value {
+    let op = |o: Option<(weftcc::OpKind, u64)>| {
+        o.map(|(k, s)| serde_json::json!({"op": k.to_string(), "seq": s}))
+    };
+    let ranks: Vec<serde_json::Value> = s
+        .ranks
+        .iter()
+        .map(|r| {
+            let (alive, for_s) = match r.liveness {
+                Liveness::Alive => ("alive", None),
+                Liveness::Silent(d) => ("silent", Some(d)),
+                Liveness::Dead(d) => ("dead", Some(d)),
+                Liveness::Left(d) => ("left", Some(d)),
+                Liveness::Absent => ("absent", None),
+            };
+            serde_json::json!({
+                "rank": r.rank,
+                "host": r.identity.as_ref().map(|i| i.host.clone()),
+                "pid": r.identity.as_ref().map(|i| i.pid),
+                "state": r.state(),
+                "current": op(r.progress.and_then(|p| p.current())),
+                "last_completed": op(r.progress.and_then(|p| p.completed)),
+                "since_s": r.progress.map(|p| p.since.as_secs_f64()),
+                "liveness": alive,
+                "liveness_for_s": for_s.map(|d| d.as_secs_f64()),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "job": id.addr,
+        "communicator": s.namespace,
+        "nranks": s.nranks,
+        "ranks": ranks,
+        "verdict": s.verdict.word(),
+        "detail": s.verdict.to_string(),
+    })
+}
