@@ -29,6 +29,23 @@ pub enum TransportError {
         /// The limit that expired.
         after: Duration,
     },
+    /// Ranks did not reach the bootstrap store within the set-up timeout (never started, or
+    /// died or hung before joining).
+    #[error(
+        "ranks {missing:?}{} of {nranks} did not join within {after:?} (not started, or died or \
+         hung before joining)",
+        if *more > 0 { format!(" and {more} more") } else { String::new() }
+    )]
+    NotJoined {
+        /// The first missing ranks (at most [`crate::mesh::MAX_NAMED_MISSING`]).
+        missing: Vec<usize>,
+        /// How many more are missing.
+        more: usize,
+        /// Ranks of the communicator.
+        nranks: usize,
+        /// The limit that expired.
+        after: Duration,
+    },
     /// A peer sent something that breaks the protocol (bad magic, version, token, frame).
     #[error("protocol violation: {0}")]
     Protocol(String),

@@ -251,6 +251,60 @@ pub fn count_out(
     Ok(())
 }
 
+/// Longest rank 0 keeps the store up after a set-up that ranks did not join, for the ranks
+/// that did to find out who is missing.
+const NOT_JOINED_LINGER: Duration = Duration::from_secs(2);
+
+/// Most missing ranks a [`TransportError::NotJoined`] lists.
+pub const MAX_NAMED_MISSING: usize = 16;
+
+/// A set-up that timed out waiting for the host table, as the ranks whose host records are
+/// missing (asked one by one, without waiting: only on this failure path); any other error,
+/// or a store that cannot tell, is returned as it is. Rank 0, which serves the store, leaves
+/// only once every rank that joined has found the same (at most [`NOT_JOINED_LINGER`] more), so
+/// that none of them finds the store closed instead.
+fn name_the_missing(
+    store: &mut StoreClient,
+    ns: &str,
+    rank: usize,
+    n: usize,
+    e: TransportError,
+) -> TransportError {
+    let TransportError::Timeout { after, .. } = &e else {
+        return e;
+    };
+    let mut missing = Vec::new();
+    let mut more = 0;
+    for r in 0..n {
+        match store.get(&format!("{ns}/host/{r}"), Duration::ZERO) {
+            Ok(_) => {}
+            Err(TransportError::Timeout { .. }) if missing.len() < MAX_NAMED_MISSING => {
+                missing.push(r)
+            }
+            Err(TransportError::Timeout { .. }) => more += 1,
+            Err(_) => return e,
+        }
+    }
+    if missing.is_empty() {
+        return e;
+    }
+    let joined = (n - missing.len() - more) as i64;
+    let seen = format!("{ns}/not-joined-seen");
+    if let Ok(mut count) = store.add(&seen, 1) {
+        let linger = Deadline::after(NOT_JOINED_LINGER);
+        while rank == 0 && count < joined && !linger.expired() {
+            std::thread::sleep(Duration::from_millis(10));
+            count = store.add(&seen, 0).unwrap_or(joined);
+        }
+    }
+    TransportError::NotJoined {
+        missing,
+        more,
+        nranks: n,
+        after: *after,
+    }
+}
+
 /// The host table (see the module docs, step 2): every rank's entry, indexed by rank.
 fn gather_hosts(
     store: &mut StoreClient,
@@ -529,7 +583,8 @@ impl Mesh {
             me.net = p.id();
             tracing::info!(target: "weftcc::net", rank, "NET/{} opened", p.name());
         }
-        let hosts = gather_hosts(store, ns, rank, n, &me, &deadline)?;
+        let hosts = gather_hosts(store, ns, rank, n, &me, &deadline)
+            .map_err(|e| name_the_missing(store, ns, rank, n, e))?;
         store.add(&format!("{ns}/hosts-read"), 1)?;
 
         // 3. Shared memory with the ranks of this host.
