@@ -205,8 +205,9 @@ fn op_of(h: &weftComm, kind: OpKind, op: c_int) -> Result<ReduceOp, weftResult_t
         weftMin => ReduceOp::Min,
         weftAvg => ReduceOp::Avg,
         _ => {
-            let scalar = usize::try_from(op - weftNumOps)
-                .ok()
+            let scalar = op
+                .checked_sub(weftNumOps)
+                .and_then(|i| usize::try_from(i).ok())
                 .and_then(|i| premul_table(h).get(i).copied().flatten());
             match scalar {
                 Some(factor) => ReduceOp::PreMulSum(factor),
@@ -561,8 +562,9 @@ pub unsafe extern "C" fn weftRedOpDestroy(op: weftRedOp_t, comm: weftComm_t) -> 
         // SAFETY: per the contract.
         let h = unsafe { handle_ref(comm) }?;
         let mut table = premul_table(h);
-        let slot = usize::try_from(op - weftNumOps)
-            .ok()
+        let slot = op
+            .checked_sub(weftNumOps)
+            .and_then(|i| usize::try_from(i).ok())
             .and_then(|i| table.get_mut(i))
             .filter(|s| s.is_some());
         match slot {
