@@ -9,7 +9,7 @@ use super::{
 };
 use crate::util::lock;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 const PROVIDER: &str = "loopback";
@@ -50,6 +50,9 @@ pub struct Loopback {
     posted: AtomicU64,
     placed: AtomicU64,
     faults: Faults,
+    /// While set, no data write (more than 64 bytes) lands, whoever polls: lets a test see a
+    /// write posted and not landed although another thread polls every endpoint.
+    data_held: AtomicBool,
 }
 
 impl Loopback {
@@ -65,6 +68,11 @@ impl Loopback {
             next_id: AtomicU64::new(1),
             ..Default::default()
         })
+    }
+
+    /// Holds every data write back (`true`) until called with `false`.
+    pub fn hold_data(&self, held: bool) {
+        self.data_held.store(held, Ordering::SeqCst);
     }
 
     fn id(&self) -> u64 {
@@ -327,6 +335,10 @@ impl Endpoint for LoopEndpoint {
     fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()> {
         let first = done.len();
         while let Some(mut w) = self.queue.pop_front() {
+            if w.data.len() > 64 && self.fabric.data_held.load(Ordering::SeqCst) {
+                self.queue.push_front(w);
+                break;
+            }
             if self.fabric.faults.slow_data && !self.broken && w.held < 2 && w.data.len() > 64 {
                 w.held += 1;
                 self.queue.push_front(w);

@@ -1827,14 +1827,24 @@ mod tests {
 
     #[test]
     fn a_promise_the_sender_passed_over_is_read_from_the_ring() {
-        let (mut a, mut b) = shaped(Faults::default(), 1, 1024);
+        let fabric = Loopback::new();
+        let p: Arc<dyn Provider> = Arc::new(LoopbackProvider(fabric.clone()));
+        let link = NetLink {
+            ring: 4096,
+            streams: 1,
+            rendezvous: 1024,
+        };
+        let (mut a, mut b) = local_pair_shaped(p, link).expect("pair");
         // The sender writes first: its bytes are in the ring (posted, not landed yet) when the
-        // receiver offers its destination.
+        // receiver offers its destination. Held, since other tests' `progress_all` polls these
+        // endpoints too and would land them at any moment.
+        fabric.hold_data(true);
         let data = patterned(3000);
         assert_eq!(a.try_send(&data).unwrap(), 3000);
         let mut got = vec![0u8; 3000];
         assert_eq!(recv_pinned(&mut b, &mut got).unwrap(), 0);
         assert!(b.promise_out.is_some(), "offered: the ring looked empty");
+        fabric.hold_data(false);
         let mut filled = 0;
         poll_until(&mut b, |b| {
             filled += recv_pinned(b, &mut got[filled..]).unwrap();
