@@ -273,18 +273,51 @@ fn sigstop_of_a_rank_becomes_a_timeout_on_the_others() {
 
 /// `weft status` against this job (`args` after `status`): exit code and stdout.
 fn weft_status(args: &[&str]) -> (i32, String) {
+    weft(&[&["status"], args].concat())
+}
+
+/// `weft trace ...` (`args` after `trace`): exit code and stdout.
+fn weft_trace(args: &[&str]) -> (i32, String) {
+    weft(&[&["trace"], args].concat())
+}
+
+fn weft(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_weft"))
-        .arg("status")
         .args(args)
         .output()
-        .expect("run weft status");
+        .expect("run weft");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     eprintln!(
-        "weft status {args:?} -> {:?}\n{stdout}{}",
+        "weft {args:?} -> {:?}\n{stdout}{}",
         out.status.code(),
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.code().unwrap_or(-1), stdout)
+}
+
+/// A fresh directory for flight-recorder dumps, removed on drop.
+struct DumpDir(std::path::PathBuf);
+
+impl DumpDir {
+    fn new(tag: &str) -> DumpDir {
+        let dir = std::env::temp_dir().join(format!("weft-dumps-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        DumpDir(dir)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("utf-8 path")
+    }
+
+    fn files(&self) -> usize {
+        std::fs::read_dir(&self.0).map_or(0, |d| d.count())
+    }
+}
+
+impl Drop for DumpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// A 4-rank job hung because rank 1 never makes its second call: `weft status` says BEHIND and
@@ -339,13 +372,41 @@ fn weft_status_names_what_is_wrong_with_a_hung_job() {
     assert_eq!(v["nranks"], 4);
     assert_eq!(v["ranks"][1]["state"], "idle");
 
+    // The flight recorders, asked for from outside while the job hangs: every rank answers
+    // (its watcher writes the file while its rank waits in the all-reduce), and the merge
+    // names rank 1.
+    let dumps = DumpDir::new("hung");
+    let dump_args = [&by_addr[..], &["--dir", dumps.path()]].concat();
+    let (code, out) = weft_trace(&[&["dump"], &dump_args[..]].concat());
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("4 of 4 ranks of communicator c wrote"),
+        "{out}"
+    );
+    let (code, out) = weft_trace(&["merge", dumps.path()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("furthest:  all-reduce float×1024 sum #2 entered by rank(s) 0,2,3; running on 0,2,3")
+            && out.contains("rank 1 has not called #2; its last collective is all-reduce float×1024 sum #1, completed")
+            && out.contains("verdict:   BEHIND [1]"),
+        "{out}"
+    );
+
     let stopped = nix::unistd::Pid::from_raw(job.children[2].id() as i32);
     nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
     std::thread::sleep(Duration::from_millis(1500));
     let (code, out) = weft_status(&by_addr);
-    let _ = nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGCONT);
     assert_eq!(code, 1);
     assert!(out.contains("verdict: NOT-RESPONDING: ranks [2]"), "{out}");
+    // A stopped rank writes nothing, and the dump says which and why.
+    let (code, dumped) = weft_trace(&[&["dump", "--timeout", "2.5"], &dump_args[..]].concat());
+    let _ = nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGCONT);
+    assert_eq!(code, 1, "{dumped}");
+    assert!(
+        dumped.contains("rank 2: no dump (its process gives no sign of life)")
+            && dumped.contains("3 of 4 ranks"),
+        "{dumped}"
+    );
 
     job.children[3].kill().unwrap();
     let _ = job.children[3].wait();
@@ -372,11 +433,16 @@ fn weft_status_reports_the_timeout_or_the_mismatch_the_job_failed_with() {
         let n = 3;
         let port = free_port().to_string();
         let token = format!("process-failures-{port}");
+        let dumps = DumpDir::new(word);
         let job = start_role(
             n,
             "second-call",
             &port,
-            &[(late_or_odd, "1"), ("WEFT_TIMEOUT", timeout)],
+            &[
+                (late_or_odd, "1"),
+                ("WEFT_TIMEOUT", timeout),
+                ("WEFT_TRACE_DUMP_DIR", dumps.path()),
+            ],
         );
         wait_ready(&job, n);
         let waiting: Vec<usize> = if word == "TIMEOUT" {
@@ -395,5 +461,26 @@ fn weft_status_reports_the_timeout_or_the_mismatch_the_job_failed_with() {
         );
         // The failed ranks are still there: alive, not dead.
         assert!(!out.contains("dead"), "{out}");
+        // Every rank wrote its flight recorder when the job failed (rank 1 too, which learnt
+        // of the failure through the store); the merge says what went wrong.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while dumps.files() < n && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (code, out) = weft_trace(&["merge", dumps.path()]);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("dumps from 3 (on failure)"), "{out}");
+        if word == "TIMEOUT" {
+            assert!(
+                out.contains("rank 1 has not called #2") && out.contains("BEHIND [1] FAILED"),
+                "{out}"
+            );
+        } else {
+            assert!(
+                out.contains("#2: rank(s) 0,2 called all-reduce float×1024 sum; rank(s) 1 called broadcast float×1024 root 0")
+                    && out.contains("verdict:   DISAGREE FAILED"),
+                "{out}"
+            );
+        }
     }
 }

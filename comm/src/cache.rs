@@ -81,7 +81,7 @@ impl Inner {
         if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
             st.schedules.clear();
         }
-        let prepared = Arc::new(Prepared::new(sched));
+        let prepared = Arc::new(Prepared::new(sched).built_by(choice));
         st.schedules.insert(key, Arc::clone(&prepared));
         Ok(prepared)
     }

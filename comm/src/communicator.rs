@@ -46,6 +46,8 @@ pub(crate) struct Inner {
     pub(crate) current: CurrentOp,
     /// What the watcher publishes of this rank's progress.
     pub(crate) progress: crate::progress::Progress,
+    /// The last operations, for dumps ([`crate::trace`]).
+    pub(crate) trace: crate::trace::FlightRecorder,
     pub(crate) turn: Turn,
     pub(crate) next_ticket: AtomicU64,
     pub(crate) state: Mutex<State>,
@@ -227,6 +229,7 @@ impl Communicator {
         if rank == 0 {
             warn_unimplemented_protocols(&config.proto);
         }
+        let trace = crate::trace::FlightRecorder::new(config.trace_buffer);
         let inner = Arc::new(Inner {
             rank,
             size: nranks,
@@ -241,6 +244,7 @@ impl Communicator {
             },
             current: CurrentOp::default(),
             progress: crate::progress::Progress::default(),
+            trace,
             turn: Turn::default(),
             next_ticket: AtomicU64::new(0),
             state: Mutex::new(State {
@@ -338,6 +342,23 @@ impl Communicator {
     /// The error that poisoned this communicator, if any (NCCL's `ncclCommGetAsyncError`).
     pub fn error(&self) -> Option<Error> {
         self.inner.poisoned()
+    }
+
+    /// The flight recorder's operations, oldest first (at most `WEFT_TRACE_BUFFER_SIZE`).
+    pub fn trace(&self) -> Vec<crate::trace::TraceRecord> {
+        let (entries, _) = self.inner.trace.snapshot();
+        entries
+            .iter()
+            .map(crate::trace::TraceEntry::record)
+            .collect()
+    }
+
+    /// Writes the flight recorder into `dir` (`weft trace merge` reads such files); returns
+    /// the file's path.
+    pub fn dump_trace(&self, dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
+        self.inner
+            .trace_dump(crate::trace::DumpReason::Api)
+            .write_to(dir)
     }
 
     // ----- collectives, blocking -----
@@ -680,6 +701,15 @@ impl Inner {
         if !matches!(&st.last, Some((last, _)) if *last == shape) {
             let prepared = self.prepare(st, call, shape, seq)?;
             st.last = Some((shape, prepared));
+        }
+        if let Some((_, prepared)) = &st.last {
+            let mut entry =
+                crate::trace::TraceEntry::start(call.kind, seq, call.dtype, count as u64)
+                    .with_peers(prepared.peers().iter().copied());
+            entry.redop = call.has_reduction().then_some(call.op);
+            entry.root = call.has_root().then_some(call.root);
+            entry.algorithm = prepared.algorithm();
+            self.trace.start(entry);
         }
         let desc = OpDesc {
             kind: call.kind,

@@ -66,6 +66,13 @@ pub struct CommConfig {
     /// Measured link figures for the tuner (`WEFT_CALIBRATION=FILE`, as saved by
     /// `weft topo --save-calibration`); built-in figures otherwise.
     pub calibration: Option<Calibration>,
+    /// Operations kept by the flight recorder (`WEFT_TRACE_BUFFER_SIZE`, default
+    /// [`crate::trace::DEFAULT_TRACE_BUFFER`]; 0 records nothing).
+    pub trace_buffer: usize,
+    /// Where the flight recorder is written when the communicator fails
+    /// (`WEFT_TRACE_DUMP_DIR`; unset: not written on failure). A job-wide request
+    /// (`weft trace dump`) without a directory of its own writes here too.
+    pub trace_dump_dir: Option<std::path::PathBuf>,
 }
 
 impl CommConfig {
@@ -141,6 +148,17 @@ impl CommConfig {
                 Ok(v) if !v.trim().is_empty() => Some(size("WEFT_SHM_CMA_MAX_OP", 0)?),
                 _ => None,
             },
+            trace_buffer: match std::env::var("WEFT_TRACE_BUFFER_SIZE") {
+                Ok(v) if !v.trim().is_empty() => v.trim().parse::<usize>().map_err(|_| {
+                    Error::Config(format!(
+                        "WEFT_TRACE_BUFFER_SIZE={v:?} is not a number of operations"
+                    ))
+                })?,
+                _ => crate::trace::DEFAULT_TRACE_BUFFER,
+            },
+            trace_dump_dir: std::env::var_os("WEFT_TRACE_DUMP_DIR")
+                .filter(|d| !d.is_empty())
+                .map(std::path::PathBuf::from),
         })
     }
 }

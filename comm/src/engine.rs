@@ -144,6 +144,9 @@ pub struct Prepared {
     copies: Vec<usize>,
     /// Every lane's peer.
     peers: Vec<usize>,
+    /// The algorithm the schedule was built by (for the flight recorder); `None` for
+    /// point-to-point groups.
+    algorithm: Option<weftcc_collectives::Algorithm>,
 }
 
 /// The steps exchanged with one peer: `order[send]` go to it, `order[recv]` come from it.
@@ -213,7 +216,19 @@ impl Prepared {
             lanes,
             copies,
             peers,
+            algorithm: None,
         }
+    }
+
+    /// Names the algorithm the schedule was built by.
+    pub fn built_by(mut self, algorithm: weftcc_collectives::Algorithm) -> Prepared {
+        self.algorithm = Some(algorithm);
+        self
+    }
+
+    /// The algorithm the schedule was built by, when it was named ([`Prepared::built_by`]).
+    pub fn algorithm(&self) -> Option<weftcc_collectives::Algorithm> {
+        self.algorithm
     }
 
     /// The peers this schedule exchanges data with (each once): what must be connected first.

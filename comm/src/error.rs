@@ -134,6 +134,21 @@ impl std::fmt::Display for SeenBy {
 }
 
 impl Error {
+    /// A short name of the error's kind (flight-recorder entries, logs).
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Error::InvalidArgument { .. } => "invalid-argument",
+            Error::Timeout { .. } => "timeout",
+            Error::PeerLost { .. } => "peer-lost",
+            Error::Aborted { .. } => "aborted",
+            Error::Mismatch { .. } => "mismatch",
+            Error::Transport { .. } => "transport",
+            Error::Bootstrap { .. } => "bootstrap",
+            Error::Config(_) => "config",
+            Error::Internal { .. } => "internal",
+        }
+    }
+
     /// True for errors that leave the communicator unusable.
     pub fn is_fatal(&self) -> bool {
         !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))

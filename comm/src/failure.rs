@@ -109,6 +109,7 @@ impl Inner {
             self.poison.set.store(true, Ordering::Release);
         }
         self.turn.wake_all();
+        self.dump_trace_on_failure();
         true
     }
 
@@ -329,7 +330,10 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
     let key = inner.store_key(ABORT_KEY);
     let progress_key = inner.progress_key(inner.rank);
     let mut published = None;
+    // Dump requests made before this communicator existed are not for it.
+    let mut requests = DumpRequests::new(&mut client);
     while !inner.watcher_stop.load(Ordering::SeqCst) {
+        requests.poll(&inner, &mut client);
         // This rank's progress, when it moved (a store that fails here fails the get below).
         let version = inner.progress.version();
         if published != Some(version)
@@ -346,7 +350,7 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     inner.turn.wake_all();
                 }
                 settle(&inner, &mut client);
-                keep_alive(&inner, &mut client);
+                keep_alive(&inner, &mut client, &mut requests);
                 return;
             }
             Err(TransportError::Timeout { .. }) => continue,
@@ -374,14 +378,46 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
 
 /// After a failure, goes on showing the store that this rank lives (`weft status` tells a dead
 /// process from one that failed and is still there) until the communicator goes.
-fn keep_alive(inner: &Inner, client: &mut StoreClient) {
+fn keep_alive(inner: &Inner, client: &mut StoreClient, requests: &mut DumpRequests) {
     while !inner.watcher_stop.load(Ordering::SeqCst) {
         std::thread::sleep(WATCH_PERIOD);
+        requests.poll(inner, client);
         if client.check(&inner.store_key(SETTLED_ALL_KEY)).is_err() {
             return;
         }
     }
     leave(inner, client);
+}
+
+/// The watcher's view of job-wide flight-recorder dump requests: looked for every
+/// [`DumpRequests::EVERY`] polls (one small store request a second), each answered once.
+struct DumpRequests {
+    polls: u32,
+    last: Option<u64>,
+}
+
+impl DumpRequests {
+    const EVERY: u32 = 10;
+
+    fn new(client: &mut StoreClient) -> DumpRequests {
+        DumpRequests {
+            polls: 0,
+            last: crate::trace::read_request(client).map(|r| r.id),
+        }
+    }
+
+    fn poll(&mut self, inner: &Inner, client: &mut StoreClient) {
+        self.polls = self.polls.wrapping_add(1);
+        if !self.polls.is_multiple_of(Self::EVERY) {
+            return;
+        }
+        if let Some(request) = crate::trace::read_request(client) {
+            if self.last != Some(request.id) {
+                self.last = Some(request.id);
+                inner.answer_dump_request(&request, client);
+            }
+        }
+    }
 }
 
 /// Marks this rank's session as left (its communicator was destroyed), so that its closing

@@ -63,6 +63,10 @@ impl Inner {
         recvs: &mut [(usize, &mut [u8])],
     ) -> Result<()> {
         let slice = self.config.slice_bytes.max(8);
+        // Bytes sent and received, for the flight recorder.
+        let moved: usize = (sends.iter().map(|(_, b)| b.len()))
+            .chain(recvs.iter().map(|(_, b)| b.len()))
+            .sum();
         // Areas: the sends, then the receives, in call order.
         let send_places: Vec<_> = (sends.iter().enumerate())
             .map(|(i, (peer, buf))| (*peer, Placement::new(i, 0), buf.len()))
@@ -123,6 +127,15 @@ impl Inner {
         }
         let first_seq = headers.first().map(|h| h.1.seq).unwrap_or(0);
         self.current.set(OpKind::SendRecv, first_seq);
+        self.trace.start(
+            crate::trace::TraceEntry::start(
+                OpKind::SendRecv,
+                first_seq,
+                DataType::Uint8,
+                moved as u64,
+            )
+            .with_peers(peers.iter().copied()),
+        );
         let prepared = Prepared::new(sched);
         let State {
             mesh,

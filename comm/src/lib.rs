@@ -41,6 +41,8 @@ mod logging;
 mod ordering;
 pub mod progress;
 pub mod status;
+pub mod trace;
+pub mod trace_merge;
 pub mod tuning;
 
 pub use bootstrap::{join_host_port, UniqueId};

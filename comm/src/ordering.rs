@@ -151,6 +151,7 @@ impl Inner {
         if let Some(t) = own_ticket {
             self.end_turn(t);
         }
+        self.trace.end(result.as_ref().err());
         if result.is_ok() {
             let (kind, seq) = self.current.get();
             self.progress.completed(kind, seq);

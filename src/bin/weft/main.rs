@@ -7,13 +7,17 @@
 //!   `--baseline` overlays a peer's curve converted by `weft baseline-json`).
 //! * `weft status`: a running job's ranks (host, pid, state, progress, liveness) and a verdict,
 //!   read from its bootstrap store.
+//! * `weft trace`: ask a running job's ranks to write their flight recorders (`dump`), and line
+//!   the files up (`merge`).
 
 #![forbid(unsafe_code)]
 
+mod job;
 mod perf;
 mod run;
 mod status;
 mod topo;
+mod trace;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -42,6 +46,8 @@ enum Command {
     Topo(topo::TopoArgs),
     /// Show a running job's ranks and what is wrong (TIMEOUT, MISMATCH, DEAD, BEHIND, ...).
     Status(status::StatusArgs),
+    /// Flight recorder: dump a running job's last operations, merge dumps to find who is behind.
+    Trace(trace::TraceArgs),
     /// Train the reference MLP data-parallel (DDP reducer, checkpoints, resume).
     Train(train::TrainArgs),
 }
@@ -55,6 +61,7 @@ fn main() {
         Command::Topo(args) => topo::main(args),
         Command::Train(args) => train::main(args),
         Command::Status(args) => status::main(args),
+        Command::Trace(args) => trace::main(args),
     };
     std::process::exit(code);
 }

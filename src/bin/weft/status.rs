@@ -1,33 +1,20 @@
 //! `weft status`: attach to a running job through its bootstrap store and print each rank's
 //! host, pid, state, current operation, time since progress and liveness, and a verdict.
 
+use crate::job::{which_job_help, JobArgs};
 use clap::Args;
-use std::collections::HashMap;
 use std::time::Duration;
 use weftcc::comm::status::{JobStatus, Liveness, RankStatus, Verdict, WORLD_NAMESPACE};
-use weftcc::{LaunchInfo, UniqueId};
+use weftcc::UniqueId;
 
 #[derive(Args, Debug)]
-#[command(after_help = "\
-Which job: a unique id (weft1@HOST:PORT#TOKEN, what weftGetUniqueId and UniqueId print); or
---addr and --token; or --pid of one of the job's rank processes on this host (its rendezvous and
-token are read from its environment, whichever launcher started it: weft run, torchrun, srun,
-mpirun); or, with none of these, this process's own launcher environment.
+#[command(after_help = concat!(which_job_help!(), "
 
 Exit status: 0 when the verdict is OK, JOINING or FINISHED; 1 for any other verdict; 2 when the
-job cannot be read.")]
+job cannot be read."))]
 pub struct StatusArgs {
-    /// The job's unique id.
-    pub id: Option<String>,
-    /// Rendezvous address of the job's bootstrap store (HOST:PORT).
-    #[arg(long, requires = "token", conflicts_with_all = ["id", "pid"])]
-    pub addr: Option<String>,
-    /// The job token (WEFT_JOB_TOKEN).
-    #[arg(long, requires = "addr")]
-    pub token: Option<String>,
-    /// A rank process of the job on this host.
-    #[arg(long, conflicts_with = "id")]
-    pub pid: Option<u32>,
+    #[command(flatten)]
+    pub job: JobArgs,
     /// Communicator to show (its namespace in the store; the job's own by default).
     #[arg(long, default_value = WORLD_NAMESPACE)]
     pub comm: String,
@@ -40,7 +27,7 @@ pub struct StatusArgs {
 }
 
 pub fn main(args: StatusArgs) -> i32 {
-    let id = match job_id(&args) {
+    let id = match args.job.unique_id() {
         Ok(id) => id,
         Err(e) => {
             eprintln!("weft status: {e}");
@@ -64,49 +51,6 @@ pub fn main(args: StatusArgs) -> i32 {
         Verdict::Ok | Verdict::Joining { .. } | Verdict::Finished => 0,
         _ => 1,
     }
-}
-
-/// The job to read, from the arguments (see the help text for the order).
-fn job_id(args: &StatusArgs) -> Result<UniqueId, String> {
-    if let Some(id) = &args.id {
-        return id.parse().map_err(|e: weftcc::Error| e.to_string());
-    }
-    if let (Some(addr), Some(token)) = (&args.addr, &args.token) {
-        return Ok(UniqueId {
-            addr: addr.clone(),
-            token: token.clone(),
-        });
-    }
-    let vars: HashMap<String, String> = match args.pid {
-        Some(pid) => process_environment(pid)?,
-        None => std::env::vars().collect(),
-    };
-    if let Some(id) = vars.get("WEFT_UNIQUE_ID") {
-        return id.parse().map_err(|e: weftcc::Error| e.to_string());
-    }
-    let info = LaunchInfo::from_vars(&vars).map_err(|e| match args.pid {
-        Some(pid) => format!("process {pid} is not a rank of a weftcc job: {e}"),
-        None => format!("which job? give its unique id, --addr and --token, or --pid ({e})"),
-    })?;
-    Ok(UniqueId {
-        addr: weftcc::comm::join_host_port(&info.master_addr, info.master_port),
-        token: info.token,
-    })
-}
-
-/// The environment process `pid` started with (`/proc/<pid>/environ`; readable for one's own
-/// processes).
-fn process_environment(pid: u32) -> Result<HashMap<String, String>, String> {
-    let path = format!("/proc/{pid}/environ");
-    let raw = std::fs::read(&path).map_err(|e| format!("reading {path}: {e}"))?;
-    Ok(raw
-        .split(|b| *b == 0)
-        .filter_map(|kv| {
-            let kv = String::from_utf8_lossy(kv);
-            let (k, v) = kv.split_once('=')?;
-            Some((k.to_string(), v.to_string()))
-        })
-        .collect())
 }
 
 fn secs(d: Duration) -> String {
