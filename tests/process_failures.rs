@@ -10,13 +10,22 @@ use std::time::{Duration, Instant};
 
 const ROLE: &str = "WEFT_TEST_CHILD_ROLE";
 
+/// Open file descriptors and threads of this process.
+fn resources() -> (usize, usize) {
+    let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
+    (count("/proc/self/fd"), count("/proc/self/task"))
+}
+
 /// Child role: join the job from the environment and all-reduce in a loop, printing one line
-/// per event on stdout ("READY", then "ERROR <variant> <peer> <message>").
+/// per event on stdout ("READY", then "ERROR <variant> <peer> <message>", then, once the
+/// communicator is dropped, "CLEAN" when the process's descriptors and threads are back to what
+/// they were before it was made, else "LEAK ...").
 #[test]
 fn child_role() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
+    let before = resources();
     let comm = match weftcc::Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -45,7 +54,19 @@ fn child_role() {
                     _ => ("Other", "-".into()),
                 };
                 println!("ERROR {variant} {peer} {e}");
-                let _ = role;
+                drop(comm);
+                // Helper threads may take a moment to see their sockets close.
+                let deadline = Instant::now() + Duration::from_secs(3);
+                let mut after = resources();
+                while after != before && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                    after = resources();
+                }
+                if after == before {
+                    println!("CLEAN");
+                } else {
+                    println!("LEAK fds, threads {before:?} -> {after:?}");
+                }
                 return;
             }
         }
@@ -82,6 +103,8 @@ fn second_call(comm: &weftcc::Communicator) {
 struct Job {
     children: Vec<Child>,
     lines: mpsc::Receiver<(usize, Instant, String)>,
+    /// "CLEAN" and "LEAK" lines read while waiting for errors.
+    reports: std::cell::RefCell<Vec<(usize, String)>>,
 }
 
 impl Drop for Job {
@@ -134,7 +157,10 @@ fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> J
         let tx = tx.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.starts_with("READY") || line.starts_with("ERROR") {
+                if ["READY", "ERROR", "CLEAN", "LEAK"]
+                    .iter()
+                    .any(|w| line.starts_with(w))
+                {
                     let _ = tx.send((rank, Instant::now(), line));
                 }
             }
@@ -144,6 +170,7 @@ fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> J
     Job {
         children,
         lines: rx,
+        reports: Default::default(),
     }
 }
 
@@ -180,6 +207,9 @@ fn collect_errors(
             Ok((rank, at, line)) if ranks.contains(&rank) && line.starts_with("ERROR") => {
                 got.push((rank, at.duration_since(since), line))
             }
+            Ok((rank, _, line)) if line.starts_with("CLEAN") || line.starts_with("LEAK") => {
+                job.reports.borrow_mut().push((rank, line))
+            }
             Ok(_) => {}
             Err(_) => panic!(
                 "only {} of {:?} reported an error: {got:?}",
@@ -191,8 +221,44 @@ fn collect_errors(
     got
 }
 
+/// Waits for every rank in `ranks` to say whether dropping its communicator gave back every
+/// descriptor and thread, and asserts it did; then that the job left nothing in /dev/shm.
+fn assert_survivors_clean(job: &Job, ranks: &[usize], token: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seen: Vec<usize> = Vec::new();
+    loop {
+        for (rank, line) in job.reports.borrow_mut().drain(..) {
+            assert!(line.starts_with("CLEAN"), "rank {rank}: {line}");
+            seen.push(rank);
+        }
+        if ranks.iter().all(|r| seen.contains(r)) {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match job.lines.recv_timeout(left) {
+            Ok((rank, _, line)) if line.starts_with("CLEAN") || line.starts_with("LEAK") => {
+                job.reports.borrow_mut().push((rank, line))
+            }
+            Ok(_) => {}
+            Err(_) => panic!("ranks {ranks:?}: only {seen:?} reported after dropping"),
+        }
+    }
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains(token))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+}
+
+/// SIGKILL of rank `victim` in an all-reduce loop of `n` ranks: every survivor reports it within
+/// 2 s, and each gives back every descriptor and thread when it drops its communicator.
 fn kill_one(n: usize, victim: usize, env: &[(&str, &str)]) {
-    let mut job = start(n, env);
+    let port = free_port().to_string();
+    let mut job = start_role(n, "allreduce-loop", &port, env);
     wait_ready(&job, n);
     let killed = Instant::now();
     job.children[victim].kill().unwrap(); // SIGKILL
@@ -227,11 +293,14 @@ fn kill_one(n: usize, victim: usize, env: &[(&str, &str)]) {
             .starts_with(&format!("ERROR PeerLost {victim} ")),
         "the first report must name the victim: {errors:?}"
     );
+    assert_survivors_clean(&job, &others, &format!("process-failures-{port}"));
 }
 
 #[test]
 fn sigkill_of_a_rank_is_peer_lost_everywhere_within_2s_shm() {
-    kill_one(4, 2, &[]);
+    for victim in [2, 3] {
+        kill_one(4, victim, &[]);
+    }
 }
 
 #[test]
