@@ -591,3 +591,167 @@ fn eight_hosts_of_eight_ranks_through_weft_run() {
     );
     assert!(over_tcp > 0, "no connection between hosts used TCP");
 }
+
+/// Child role for [`a_link_cut_mid_operation_fails_every_rank_in_bounded_time`]: all-reduce in
+/// a loop; prints `MH READY` after the first, `MH ERROR <message>` on the first error, then,
+/// once the communicator is dropped, `MH CLEAN` when the process's descriptors and threads are
+/// back to what they were before it was made (else `MH LEAK ...`).
+#[test]
+fn link_cut_child() {
+    if std::env::var(ROLE).ok().as_deref() != Some("link-cut") {
+        return;
+    }
+    let resources = || {
+        let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
+        (count("/proc/self/fd"), count("/proc/self/task"))
+    };
+    let before = resources();
+    let comm = Communicator::from_env().expect("init");
+    let mut buf = vec![1.0f32; 1 << 16];
+    let mut ready = false;
+    let err = loop {
+        match comm.all_reduce_in_place(&mut buf, ReduceOp::Max) {
+            Ok(()) if !ready => {
+                println!("MH READY");
+                ready = true;
+            }
+            Ok(()) => {}
+            Err(e) => break e,
+        }
+    };
+    println!("MH ERROR {err}");
+    drop(comm);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut after = resources();
+    while after != before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        after = resources();
+    }
+    if after == before {
+        println!("MH CLEAN");
+    } else {
+        println!("MH LEAK fds, threads {before:?} -> {after:?}");
+    }
+}
+
+/// The link between two namespace hosts goes down while four ranks (two per host) all-reduce
+/// over TCP: no RST ever arrives, so only the timeout can tell. Every rank must fail within the
+/// timeout and a bound, name a rank of the other host (or the store's host, rank 0, seen from
+/// the far side), exit, and give back its descriptors and threads.
+#[test]
+fn a_link_cut_mid_operation_fails_every_rank_in_bounded_time() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    if !is_root() || Command::new("ip").arg("-V").output().is_err() {
+        println!("link cut: SKIPPED (needs root and iproute2 to create network namespaces)");
+        return;
+    }
+    let hosts = match Hosts::create() {
+        Ok(h) => h,
+        Err(e) => {
+            println!("link cut: SKIPPED ({e})");
+            return;
+        }
+    };
+    let exe = std::env::current_exe().unwrap();
+    let token = format!("mhcut{}", std::process::id());
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Instant, String)>();
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..4 {
+        let h = rank / 2;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &hosts.ns[h]])
+            .arg(&exe)
+            .args([
+                "link_cut_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE, "link-cut")
+            .env("WEFT_RANK", rank.to_string())
+            .env("WEFT_WORLD_SIZE", "4")
+            .env("WEFT_LOCAL_RANK", (rank % 2).to_string())
+            .env("WEFT_LOCAL_WORLD_SIZE", "2")
+            .env("WEFT_MASTER_ADDR", &hosts.ip[0])
+            .env("WEFT_MASTER_PORT", "29410")
+            .env("WEFT_JOB_TOKEN", &token)
+            .env("WEFT_HOST_ID", format!("mh-host-{h}"))
+            .env("WEFT_SOCKET_IFNAME", format!("={}", hosts.dev[h]))
+            .env("WEFT_NET", "socket")
+            .env("WEFT_TIMEOUT", "3")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn a rank");
+        let out = child.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("MH ") {
+                    let _ = tx.send((rank, Instant::now(), line[at + 3..].to_string()));
+                }
+            }
+        });
+        children.push(child);
+    }
+    let _dog = watchdog(
+        children.iter().map(Child::id).collect(),
+        Duration::from_secs(120),
+    );
+    let next = |limit: Duration| rx.recv_timeout(limit).expect("a rank went quiet");
+    let mut ready = 0;
+    while ready < 4 {
+        let (rank, _, line) = next(Duration::from_secs(60));
+        assert_eq!(line, "READY", "rank {rank} before the cut");
+        ready += 1;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let cut = Instant::now();
+    assert!(sh(&[
+        "ip",
+        "-n",
+        &hosts.ns[1],
+        "link",
+        "set",
+        &hosts.dev[1],
+        "down"
+    ]));
+    let (mut errors, mut clean) = (Vec::new(), Vec::new());
+    while errors.len() < 4 || clean.len() < 4 {
+        let (rank, at, line) = next(Duration::from_secs(30));
+        eprintln!("link cut: rank {rank} after {:?}: {line}", at - cut);
+        if let Some(e) = line.strip_prefix("ERROR ") {
+            errors.push((rank, at - cut, e.to_string()));
+        } else if line.starts_with("CLEAN") || line.starts_with("LEAK") {
+            clean.push((rank, line));
+        }
+    }
+    for (rank, after, e) in &errors {
+        // The timeout (3 s) plus the time to publish and read the first failure.
+        assert!(
+            *after < Duration::from_secs(10),
+            "rank {rank} after {after:?}: {e}"
+        );
+        let far: &[usize] = if *rank < 2 { &[2, 3] } else { &[0, 1] };
+        let names_far = far.iter().any(|r| {
+            e.contains(&format!("waiting on ranks [{r}"))
+                || e.contains(&format!(", {r}]"))
+                || e.contains(&format!("rank {r} "))
+                || e.contains(&format!("peer {r}"))
+        });
+        assert!(
+            names_far,
+            "rank {rank} does not name a rank across the cut: {e}"
+        );
+    }
+    for (rank, line) in &clean {
+        assert_eq!(line, "CLEAN", "rank {rank}");
+    }
+    for (rank, c) in children.iter_mut().enumerate() {
+        let status = c.wait().expect("wait");
+        assert!(status.success(), "rank {rank} exited with {status}");
+    }
+}

@@ -17,8 +17,10 @@ use weftcc_transports::TransportError;
 
 /// How often the watcher thread re-polls the store for a job-wide abort.
 pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(100);
-/// Longest a failure report waits on the store.
-pub(crate) const ALARM_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a failure report waits on the store (each request; the first that goes unanswered
+/// breaks the connection, so a lost store delays a rank's error by about this much, plus half a
+/// second of the client's margin, once).
+pub(crate) const ALARM_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest the store's host, dropping a failed communicator, waits for the other ranks' watchers
 /// to read the failure (a rank that died never does).
 pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -162,9 +164,12 @@ impl Inner {
                 }
             }
         }
-        match store.add(&format!("{key}-count"), 1) {
+        // Neither request waits on the server: only the client's margin bounds them, so a store
+        // that cannot be reached costs one margin (the first failure breaks the connection).
+        match store.add_within(&format!("{key}-count"), 1, Duration::ZERO) {
             Ok(1) => {
-                let _ = store.set(&key, self.note_of(&e).encode().as_bytes());
+                let _ =
+                    store.set_within(&key, self.note_of(&e).encode().as_bytes(), Duration::ZERO);
                 e
             }
             Ok(_) => match store.get(&key, ALARM_TIMEOUT) {
@@ -210,7 +215,11 @@ impl Inner {
             return keep(behind);
         }
         let own = self.progress.record().encode();
-        let _ = store.set(&self.progress_key(self.rank), own.as_bytes());
+        let _ = store.set_within(
+            &self.progress_key(self.rank),
+            own.as_bytes(),
+            Duration::ZERO,
+        );
         let keys: Vec<String> = (0..self.size).map(|r| self.progress_key(r)).collect();
         let Ok(values) = store.get_all(&keys, PROGRESS_READ_TIMEOUT) else {
             return keep(behind);

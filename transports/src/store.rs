@@ -950,9 +950,15 @@ impl StoreClient {
 
     /// Stores `value` under `key` (replacing any previous value).
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        self.set_within(key, value, self.timeout)
+    }
+
+    /// [`StoreClient::set`], giving up on the answer after about `wait` plus the client's
+    /// margin instead of its timeout (a failure report must not wait long on a lost store).
+    pub fn set_within(&mut self, key: &str, value: &[u8], wait: Duration) -> Result<()> {
         let mut v = Self::key_request(OP_SET, key);
         v.extend_from_slice(value);
-        self.call(&v, self.timeout).map(|_| ())
+        self.call(&v, wait).map(|_| ())
     }
 
     /// The value of `key`, waiting up to `timeout` for it to be set.
