@@ -42,7 +42,7 @@ use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Where this rank stands with one peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -141,6 +141,8 @@ pub enum Made {
 const HANDSHAKE: Duration = Duration::from_secs(10);
 /// How often the acceptor looks at its stop flag while no dial comes.
 const ACCEPT_SLICE_MS: u16 = 50;
+/// How often a dialer waiting for its handshake's answer looks for an abort.
+const CANCEL_CHECK: Duration = Duration::from_millis(50);
 
 /// Everything the dialing and accepting sides share.
 struct Shared {
@@ -160,6 +162,10 @@ struct Shared {
     framed: AtomicBool,
     /// Sockets and helper threads of a TCP connection.
     stripes: StripePlan,
+    /// Why the acceptor cannot take dials right now (out of descriptors or memory), as an OS
+    /// error number; cleared by the next accept that works. A rank waiting for a peer's dial
+    /// fails with it instead of waiting out its timeout.
+    accept_failure: Mutex<Option<i32>>,
 }
 
 struct Links {
@@ -212,6 +218,7 @@ impl Connector {
             stop: AtomicBool::new(false),
             framed: AtomicBool::new(framed),
             stripes,
+            accept_failure: Mutex::new(None),
         });
         let s = shared.clone();
         let acceptor = std::thread::Builder::new()
@@ -273,7 +280,7 @@ impl Connector {
                 Link::Idle => {
                     links.state[peer] = Link::Dialing;
                     drop(links);
-                    let dialed = s.dial(peer, addr, deadline, timeout);
+                    let dialed = s.dial(peer, addr, deadline, timeout, cancel);
                     links = lock(&s.links);
                     match dialed {
                         Ok(Some(made)) => {
@@ -300,6 +307,9 @@ impl Connector {
             }
             if cancel() {
                 return Err(TransportError::Aborted);
+            }
+            if let Some(e) = s.cannot_accept(peer) {
+                return Err(e);
             }
             if deadline.expired() {
                 return Err(deadline.timeout_error(format!(
@@ -396,6 +406,45 @@ impl Stream {
             Stream::Unix(s) => tcp::read_hello(&mut &*s),
         }
     }
+
+    fn read_some(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Unix(s) => (&*s).read(buf),
+        }
+    }
+}
+
+/// Reads a handshake stream in short slices until `until`, giving up at once when `cancel`
+/// says so (the communicator was aborted or failed): a dialer waiting for an answer that will
+/// not come (its peer cannot accept) must not hold its rank past an abort.
+struct Cancellable<'a> {
+    stream: &'a Stream,
+    until: Instant,
+    cancel: &'a dyn Fn() -> bool,
+}
+
+impl Read for Cancellable<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::io::ErrorKind;
+        loop {
+            let left = self.until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ErrorKind::TimedOut.into());
+            }
+            self.stream
+                .set_timeouts(Some(left.min(CANCEL_CHECK).max(Duration::from_millis(1))))?;
+            match self.stream.read_some(buf) {
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    // Not `Interrupted`: `read_exact` would read again.
+                    if (self.cancel)() {
+                        return Err(std::io::Error::new(ErrorKind::ConnectionAborted, "aborted"));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -424,6 +473,7 @@ impl Shared {
         addr: Option<SocketAddr>,
         deadline: &Deadline,
         timeout: Duration,
+        cancel: &dyn Fn() -> bool,
     ) -> Result<Option<Made>> {
         let kind = self.kind(peer);
         let lost = |detail: String| TransportError::PeerLost { peer, detail };
@@ -458,12 +508,42 @@ impl Shared {
         stream
             .write_all(&self.hello(kind as u8 | self.framed_bit())?)
             .map_err(|e| io("sending the handshake", e))?;
+        // The answer comes from the peer's acceptor. Stop waiting for it once the job failed, or
+        // once this rank's own acceptor cannot take dials: a peer that dialed this rank too may
+        // be waiting on that (the rule lets only one of two crossing dials make the link).
+        let stop = || cancel() || lock(&self.accept_failure).is_some();
+        let mut answer = Cancellable {
+            stream: &stream,
+            until: Instant::now() + wait,
+            cancel: &stop,
+        };
+        let aborted = |e: TransportError| {
+            if cancel() {
+                TransportError::Aborted
+            } else if let Some(e) = self.cannot_accept(peer) {
+                e
+            } else if let TransportError::Timeout { .. } = e {
+                TransportError::Timeout {
+                    what: format!("waiting for rank {peer} to answer the handshake"),
+                    after: wait,
+                }
+            } else {
+                e
+            }
+        };
+        tcp::read_hello(&mut answer).map_err(aborted)?.check_reply(
+            &self.token,
+            self.namespace_hash,
+            peer,
+        )?;
+        let mut ans = [0u8];
+        answer
+            .read_exact(&mut ans)
+            .map_err(|e| aborted(io("reading the answer", e)))?;
+        let ans = ans[0];
         stream
-            .read_hello()?
-            .check_reply(&self.token, self.namespace_hash, peer)?;
-        let ans = stream
-            .read_byte()
-            .map_err(|e| io("reading the answer", e))?;
+            .set_timeouts(Some(wait))
+            .map_err(|e| io("handshake", e))?;
         match Answer::from_byte(ans) {
             Some(Answer::Accept) => self.finish(peer, stream, Side::Dialer, wait).map(Some),
             Some(Answer::Defer) => Ok(None),
@@ -522,15 +602,60 @@ impl Shared {
                 continue;
             }
             drop(fds);
-            if let Ok((sock, _)) = self.tcp.listener().accept() {
+            let tcp = self.tcp.listener().accept();
+            let tcp_failed = self.note_accept(tcp.as_ref().err());
+            if let Ok((sock, _)) = tcp {
                 self.answer_dial(Stream::Tcp(sock), Kind::Tcp);
             }
+            let mut unix_failed = false;
             if let Some(u) = &self.unix {
-                if let Ok((s, _)) = u.accept() {
+                let unix = u.accept();
+                unix_failed = self.note_accept(unix.as_ref().err());
+                if let Ok((s, _)) = unix {
                     self.answer_dial(Stream::Unix(s), Kind::Shm);
                 }
             }
+            // The dial stays queued and the listener readable: wait instead of spinning.
+            if tcp_failed || unix_failed {
+                std::thread::sleep(Duration::from_millis(u64::from(ACCEPT_SLICE_MS)));
+            }
         }
+    }
+
+    /// Why this rank cannot take the dial of `peer` it waits for, when its acceptor has run
+    /// out of descriptors or memory ([`Shared::note_accept`]).
+    fn cannot_accept(&self, peer: usize) -> Option<TransportError> {
+        let code = (*lock(&self.accept_failure))?;
+        Some(TransportError::io(
+            format!(
+                "rank {} accepting connections (needed for the one with rank {peer})",
+                self.rank
+            ),
+            std::io::Error::from_raw_os_error(code),
+        ))
+    }
+
+    /// Records why an accept failed when the reason is a resource this process ran out of
+    /// (descriptors, buffers, memory), clears it when an accept worked; returns whether it
+    /// failed so.
+    fn note_accept(&self, error: Option<&std::io::Error>) -> bool {
+        let exhausted = error.and_then(|e| e.raw_os_error()).filter(|&code| {
+            [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM].contains(&code)
+        });
+        let mut failure = lock(&self.accept_failure);
+        match (error, exhausted) {
+            (None, _) => *failure = None,
+            (Some(_), Some(code)) => {
+                if failure.is_none() {
+                    tracing::warn!(target: "weftcc::net", rank = self.rank, error = %std::io::Error::from_raw_os_error(code), "cannot accept connections");
+                }
+                *failure = Some(code);
+                drop(failure);
+                self.changed.notify_all();
+            }
+            (Some(_), None) => {}
+        }
+        exhausted.is_some()
     }
 
     /// Reads a dial, answers it by [`answer`], and on accept makes the connection and leaves it
