@@ -542,6 +542,22 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    proptest::proptest! {
+        #[test]
+        fn any_request_round_trips_and_any_bytes_decode_or_are_refused(
+            id in proptest::prelude::any::<u64>(),
+            dir in proptest::option::of("[^\\x00]{1,40}"),
+            garbage in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            let req = DumpRequest { id, dir: dir.map(PathBuf::from) };
+            proptest::prop_assert_eq!(DumpRequest::decode(req.encode().as_bytes()), Some(req));
+            let _ = DumpRequest::decode(&garbage);
+            let mut framed = b"weft-trace-request/1 ".to_vec();
+            framed.extend_from_slice(&garbage);
+            let _ = DumpRequest::decode(&framed);
+        }
+    }
+
     #[test]
     fn requests_round_trip_and_garbage_is_refused() {
         for req in [
