@@ -1,24 +1,11 @@
 //! Faults at set-up, each in a process of its own (this test binary holds nothing else, so what
 //! a failed set-up leaves behind can be counted): a rank that never arrives.
 
+mod common;
+
+use common::{held, held_again};
 use std::time::{Duration, Instant};
 use weftcc::Error;
-
-/// Open file descriptors and threads of this process, and weftcc's /dev/shm entries.
-fn held() -> (usize, usize, usize) {
-    let count = |dir: &str, prefix: &str| {
-        std::fs::read_dir(dir).map_or(0, |d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
-                .count()
-        })
-    };
-    (
-        count("/proc/self/fd", ""),
-        count("/proc/self/task", ""),
-        count("/dev/shm", "weft"),
-    )
-}
 
 /// A rank that never arrives: every rank that did fails within the set-up timeout with the
 /// missing rank named (a typed field), and leaves no descriptor, thread or segment behind.
@@ -60,16 +47,9 @@ fn a_rank_that_never_arrives_is_named_by_every_rank_that_did() {
     let msg = results[0].0.as_ref().unwrap_err().to_string();
     assert!(msg.contains("ranks [3] of 4 did not join within"), "{msg}");
     // What the three ranks held is gone (threads end shortly after their communicator).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = held();
-        if now == before || Instant::now() > deadline {
-            assert_eq!(
-                now, before,
-                "(descriptors, threads, /dev/shm entries) before and after"
-            );
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_eq!(
+        held_again(before, held, Duration::from_secs(10)),
+        before,
+        "(descriptors, threads, /dev/shm entries) before and after"
+    );
 }

@@ -2,17 +2,14 @@
 //! this process's open-files limit, and counts what the job leaves behind, so it is the only
 //! test here): descriptors run out when an operation needs a new connection.
 
+mod common;
+
+use common::{held, held_again};
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
 use std::fs::File;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use weftcc::{CommConfig, Communicator, Error, ReduceOp, UniqueId};
-
-/// Open file descriptors and threads of this process.
-fn held() -> (usize, usize) {
-    let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
-    (count("/proc/self/fd"), count("/proc/self/task"))
-}
 
 /// Four ranks (threads of this process, TCP, connections made when first needed) all-reduce
 /// over a ring; then the process's descriptors are used up but `spare` (a leak elsewhere in the
@@ -75,15 +72,11 @@ fn out_of_descriptors(
     for (rank, (result, took)) in results.iter().enumerate() {
         eprintln!("rank {rank} after {took:?}: {result:?}");
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = held();
-        if now == before || Instant::now() > deadline {
-            assert_eq!(now, before, "(descriptors, threads) before and after");
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_eq!(
+        held_again(before, held, Duration::from_secs(10)),
+        before,
+        "(descriptors, threads, /dev/shm entries) before and after"
+    );
     results
 }
 

@@ -601,11 +601,7 @@ fn link_cut_child() {
     if std::env::var(ROLE).ok().as_deref() != Some("link-cut") {
         return;
     }
-    let resources = || {
-        let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
-        (count("/proc/self/fd"), count("/proc/self/task"))
-    };
-    let before = resources();
+    let before = common::held_by_process();
     let comm = Communicator::from_env().expect("init");
     let mut buf = vec![1.0f32; 1 << 16];
     let mut ready = false;
@@ -621,12 +617,7 @@ fn link_cut_child() {
     };
     println!("MH ERROR {err}");
     drop(comm);
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let mut after = resources();
-    while after != before && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-        after = resources();
-    }
+    let after = common::held_again(before, common::held_by_process, Duration::from_secs(3));
     if after == before {
         println!("MH CLEAN");
     } else {

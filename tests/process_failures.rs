@@ -3,18 +3,15 @@
 //! it; `weft status` reads a hung or failed job from outside. Ranks are real processes: this test
 //! binary re-executes itself in a child role.
 
+mod common;
+
+use common::{held_again, held_by_process};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const ROLE: &str = "WEFT_TEST_CHILD_ROLE";
-
-/// Open file descriptors and threads of this process.
-fn resources() -> (usize, usize) {
-    let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
-    (count("/proc/self/fd"), count("/proc/self/task"))
-}
 
 /// Child role: join the job from the environment and all-reduce in a loop, printing one line
 /// per event on stdout ("READY", then "ERROR <variant> <peer> <message>", then, once the
@@ -25,7 +22,7 @@ fn child_role() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    let before = resources();
+    let before = held_by_process();
     let comm = match weftcc::Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -56,12 +53,7 @@ fn child_role() {
                 println!("ERROR {variant} {peer} {e}");
                 drop(comm);
                 // Helper threads may take a moment to see their sockets close.
-                let deadline = Instant::now() + Duration::from_secs(3);
-                let mut after = resources();
-                while after != before && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(20));
-                    after = resources();
-                }
+                let after = held_again(before, held_by_process, Duration::from_secs(3));
                 if after == before {
                     println!("CLEAN");
                 } else {

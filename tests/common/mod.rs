@@ -99,3 +99,33 @@ pub fn is_root() -> bool {
         })
         .unwrap_or(false)
 }
+
+/// What this process holds that a communicator could leak: open file descriptors and threads.
+pub fn held_by_process() -> (usize, usize) {
+    let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
+    (count("/proc/self/fd"), count("/proc/self/task"))
+}
+
+/// [`held_by_process`] and weftcc's /dev/shm entries (those are the machine's: only for a test
+/// binary that runs nothing else at the same time).
+pub fn held() -> (usize, usize, usize) {
+    let (fds, threads) = held_by_process();
+    let shm = std::fs::read_dir("/dev/shm").map_or(0, |d| {
+        d.filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("weft"))
+            .count()
+    });
+    (fds, threads, shm)
+}
+
+/// Waits up to `limit` for `probe` to give `before` again (helper threads end shortly after
+/// their communicator); returns what it gives then.
+pub fn held_again<T: PartialEq>(before: T, probe: fn() -> T, limit: Duration) -> T {
+    let deadline = std::time::Instant::now() + limit;
+    let mut now = probe();
+    while now != before && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        now = probe();
+    }
+    now
+}
