@@ -27,6 +27,7 @@ fn child_role() {
         Ok(c) => c,
         Err(e) => {
             println!("ERROR init - {e}");
+            report_clean(before);
             return;
         }
     };
@@ -52,16 +53,45 @@ fn child_role() {
                 };
                 println!("ERROR {variant} {peer} {e}");
                 drop(comm);
-                // Helper threads may take a moment to see their sockets close.
-                let after = held_again(before, held_by_process, Duration::from_secs(3));
-                if after == before {
-                    println!("CLEAN");
-                } else {
-                    println!("LEAK fds, threads {before:?} -> {after:?}");
-                }
+                report_clean(before);
                 return;
             }
         }
+    }
+}
+
+/// Waits until rank `rank`'s session (its failure watcher's store connection, named before the
+/// rank joins the others) shows in the store of the job at `port`.
+fn wait_for_session(port: &str, rank: usize) {
+    let token = format!("process-failures-{port}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let key = format!("c/rank/{rank}");
+    while Instant::now() < deadline {
+        if let Ok(mut store) = weftcc::transports::StoreClient::connect(
+            &format!("127.0.0.1:{port}"),
+            &token,
+            Duration::from_millis(500),
+        ) {
+            if let Ok(sessions) = store.sessions("c/rank/") {
+                if sessions.iter().any(|s| s.key == key) {
+                    return;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    panic!("rank {rank} never named its session");
+}
+
+/// Prints "CLEAN" once this process holds the descriptors and threads it held `before` its
+/// communicator was made (helper threads may take a moment to see their sockets close), else
+/// "LEAK ...".
+fn report_clean(before: (usize, usize)) {
+    let after = held_again(before, held_by_process, Duration::from_secs(3));
+    if after == before {
+        println!("CLEAN");
+    } else {
+        println!("LEAK fds, threads {before:?} -> {after:?}");
     }
 }
 
@@ -303,6 +333,44 @@ fn sigkill_of_a_rank_is_peer_lost_everywhere_within_2s_tcp() {
 #[test]
 fn sigkill_of_rank_0_which_serves_the_store_is_peer_lost_everywhere() {
     kill_one(3, 0, &[]);
+}
+
+/// SIGKILL of the last rank while the job is being set up (at several moments: before it
+/// reached the store, while joining, just after): every other rank fails within the set-up
+/// timeout and a bound, naming it (as a rank that never joined, or as a lost peer), and gives
+/// back its descriptors and threads.
+#[test]
+fn sigkill_during_set_up_is_an_error_naming_the_rank_everywhere() {
+    let (n, victim) = (4, 3);
+    // Milliseconds after the start; `None`: as soon as the victim's session shows in the store
+    // (it names it before it joins the others).
+    for delay_ms in [Some(0u64), Some(40), Some(300), None] {
+        let port = free_port().to_string();
+        let mut job = start_role(n, "allreduce-loop", &port, &[("WEFT_TIMEOUT", "3")]);
+        match delay_ms {
+            Some(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            None => wait_for_session(&port, victim),
+        }
+        let killed = Instant::now();
+        job.children[victim].kill().unwrap();
+        let _ = job.children[victim].wait();
+        let others: Vec<usize> = (0..n).filter(|&r| r != victim).collect();
+        // Ranks that got through set-up before the kill print READY first; skip those lines.
+        let errors = collect_errors(&job, &others, killed, Duration::from_secs(8));
+        for (rank, after, line) in &errors {
+            eprintln!("kill -9 rank {victim} at {delay_ms:?}: rank {rank} after {after:?}: {line}");
+            assert!(
+                line.contains(&format!("ranks [{victim}] of {n} did not join"))
+                    || line.starts_with(&format!("ERROR PeerLost {victim} ")),
+                "rank {rank} (kill at {delay_ms:?}): {line}"
+            );
+            assert!(
+                *after < Duration::from_secs(8),
+                "rank {rank} (kill at {delay_ms:?}) after {after:?}: {line}"
+            );
+        }
+        assert_survivors_clean(&job, &others, &format!("process-failures-{port}"));
+    }
 }
 
 #[test]
