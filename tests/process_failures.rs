@@ -36,8 +36,14 @@ fn child_role() {
     }
     let mut buf = vec![1.0f32; 1 << 18];
     let mut ready = false;
+    // "pingpong": ranks 0 and 1 send to each other in turn; else every rank all-reduces.
+    let step = |buf: &mut [f32]| match (role.as_str(), comm.rank()) {
+        ("pingpong", 0) => comm.send(buf, 1).and_then(|()| comm.recv(buf, 1)),
+        ("pingpong", _) => comm.recv(buf, 0).and_then(|()| comm.send(buf, 0)),
+        _ => comm.all_reduce_in_place(buf, weftcc::ReduceOp::Max),
+    };
     loop {
-        match comm.all_reduce_in_place(&mut buf, weftcc::ReduceOp::Max) {
+        match step(&mut buf) {
             Ok(()) => {
                 if !ready {
                     println!("READY");
@@ -398,6 +404,29 @@ fn sigstop_of_a_rank_becomes_a_timeout_on_the_others() {
             "rank {rank}: {line}"
         );
     }
+}
+
+/// A rank stopped in a send/recv exchange: its peer's timeout names it as giving no sign of
+/// life (point-to-point message numbers say nothing about who is behind; silence does).
+#[test]
+fn sigstop_of_a_send_recv_peer_is_named_in_the_timeout() {
+    let n = 2;
+    let port = free_port().to_string();
+    let job = start_role(n, "pingpong", &port, &[("WEFT_TIMEOUT", "1.5")]);
+    wait_ready(&job, n);
+    let pid = nix::unistd::Pid::from_raw(job.children[1].id() as i32);
+    let stopped = Instant::now();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    let errors = collect_errors(&job, &[0], stopped, Duration::from_secs(4));
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+    let (_, after, line) = &errors[0];
+    assert!(*after < Duration::from_secs(5), "after {after:?}: {line}");
+    assert!(
+        line.starts_with("ERROR Timeout")
+            && line.contains("send/recv")
+            && line.contains("rank 1, awaited here, its process has given no sign of life"),
+        "{line}"
+    );
 }
 
 /// `weft status` against this job (`args` after `status`): exit code and stdout.

@@ -186,7 +186,8 @@ impl Inner {
     }
 
     /// A collective this rank timed out in, with the ranks that had not entered it (from every
-    /// rank's published progress; this rank's own record is published first, fresh). Any other
+    /// rank's published progress; this rank's own record is published first, fresh); a
+    /// point-to-point exchange, with the awaited peers that give no sign of life. Any other
     /// error, or a store that cannot tell, leaves `e` as it is.
     fn diagnose(&self, store: &mut StoreClient, e: Error) -> Error {
         let Error::Timeout {
@@ -210,9 +211,30 @@ impl Inner {
             seen_by: SeenBy::ThisRank,
             behind,
         };
-        // Point-to-point sequence numbers count one pair's messages: not comparable.
-        if op == OpKind::SendRecv || !behind.is_empty() {
+        if !behind.is_empty() {
             return keep(behind);
+        }
+        // Point-to-point sequence numbers count one pair's messages, not comparable across
+        // ranks: only the silence of the peers awaited says something.
+        if op == OpKind::SendRecv {
+            let silent = store
+                .sessions(&crate::progress::session_prefix(&self.namespace))
+                .map(|s| crate::progress::silence(&s, &self.namespace, self.size))
+                .unwrap_or_default();
+            let named = waiting_on
+                .iter()
+                .filter_map(|&peer| {
+                    let silent = silent.get(peer).copied().flatten()?;
+                    Some(Behind {
+                        rank: peer,
+                        entered: None,
+                        completed: None,
+                        idle: Duration::ZERO,
+                        silent: Some(silent),
+                    })
+                })
+                .collect();
+            return keep(named);
         }
         let own = self.progress.record().encode();
         let _ = store.set_within(

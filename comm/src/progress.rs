@@ -48,6 +48,13 @@ impl Behind {
                 d.as_secs_f64()
             )
         });
+        if op == OpKind::SendRecv {
+            // Message numbers of one pair: whether it "called" this one is not known.
+            return match silent {
+                Some(silent) => format!("rank {}, awaited here, {silent}", self.rank),
+                None => format!("rank {} is awaited here", self.rank),
+            };
+        }
         let entered = self.entered.is_some_and(|(_, s)| s >= seq);
         match (entered, silent) {
             (true, Some(silent)) => format!("rank {} is in {op} #{seq} but {silent}", self.rank),
@@ -359,6 +366,26 @@ mod tests {
         // Nobody silent: the ranks that entered are not named.
         let b = behind(&[rec(2), rec(2), rec(1)], &[None; 3], 2, 0, 11_000);
         assert_eq!(b.iter().map(|b| b.rank).collect::<Vec<_>>(), vec![2]);
+    }
+
+    #[test]
+    fn a_silent_peer_of_a_point_to_point_exchange_is_described_without_sequence_claims() {
+        let b = Behind {
+            rank: 1,
+            entered: None,
+            completed: None,
+            idle: Duration::ZERO,
+            silent: Some(Duration::from_millis(2500)),
+        };
+        let text = b.describe(OpKind::SendRecv, 7);
+        assert_eq!(
+            text,
+            "rank 1, awaited here, its process has given no sign of life for 2.5 s (stopped, \
+             or stuck outside weftcc)"
+        );
+        assert!(b
+            .describe(OpKind::AllReduce, 7)
+            .contains("has not called all-reduce #7"));
     }
 
     #[test]
