@@ -255,3 +255,37 @@ fn rank_0_may_drop_its_communicator_as_soon_as_init_returns() {
         assert_eq!(ranks, (0..2 + round % 2).collect::<Vec<_>>());
     }
 }
+
+/// The flight recorder under calls of one communicator from two threads at once (blocking calls
+/// on one, async ones on the other): every operation is recorded once and ends as its own call
+/// ended. A call that ended the entry of a call started meanwhile on the other thread would leave
+/// its own entry running.
+#[test]
+fn the_flight_recorder_keeps_each_call_s_own_entry_under_concurrent_calls() {
+    let rounds = 3000;
+    let traces = with_ranks(1, Wire::Shm, |_, comm| {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..rounds {
+                    let h = comm.all_reduce_async::<f32, _>(vec![1.0f32; 64], ReduceOp::Sum);
+                    h.wait().unwrap();
+                }
+            });
+            for _ in 0..rounds {
+                comm.all_reduce_in_place(&mut [2.0f32; 16], ReduceOp::Max)
+                    .unwrap();
+            }
+        });
+        comm.trace()
+    });
+    let trace = &traces[0];
+    assert_eq!(
+        trace.len(),
+        2000.min(2 * rounds),
+        "the ring keeps its capacity"
+    );
+    for e in trace {
+        assert_eq!(e.state, weftcc::comm::trace::TraceState::Completed, "{e:?}");
+        assert!(e.end_us.is_some_and(|end| end >= e.start_us), "{e:?}");
+    }
+}

@@ -617,12 +617,7 @@ fn link_cut_child() {
     };
     println!("MH ERROR {err}");
     drop(comm);
-    let after = common::held_again(before, common::held_by_process, Duration::from_secs(3));
-    if after == before {
-        println!("MH CLEAN");
-    } else {
-        println!("MH LEAK fds, threads {before:?} -> {after:?}");
-    }
+    common::report_clean(before, "MH ");
 }
 
 /// The link between two namespace hosts goes down while four ranks (two per host) all-reduce

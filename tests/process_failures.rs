@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{held_again, held_by_process};
+use common::held_by_process;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -27,7 +27,7 @@ fn child_role() {
         Ok(c) => c,
         Err(e) => {
             println!("ERROR init - {e}");
-            report_clean(before);
+            common::report_clean(before, "");
             return;
         }
     };
@@ -59,7 +59,7 @@ fn child_role() {
                 };
                 println!("ERROR {variant} {peer} {e}");
                 drop(comm);
-                report_clean(before);
+                common::report_clean(before, "");
                 return;
             }
         }
@@ -72,33 +72,27 @@ fn wait_for_session(port: &str, rank: usize) {
     let token = format!("process-failures-{port}");
     let deadline = Instant::now() + Duration::from_secs(30);
     let key = format!("c/rank/{rank}");
+    let mut store = None;
     while Instant::now() < deadline {
-        if let Ok(mut store) = weftcc::transports::StoreClient::connect(
-            &format!("127.0.0.1:{port}"),
-            &token,
-            Duration::from_millis(500),
-        ) {
-            if let Ok(sessions) = store.sessions("c/rank/") {
-                if sessions.iter().any(|s| s.key == key) {
-                    return;
-                }
+        // One connection, once the store is up (rank 0 starts it).
+        if store.is_none() {
+            store = weftcc::transports::StoreClient::connect(
+                &format!("127.0.0.1:{port}"),
+                &token,
+                Duration::from_millis(500),
+            )
+            .ok();
+        }
+        if let Some(s) = store.as_mut() {
+            match s.sessions("c/rank/") {
+                Ok(sessions) if sessions.iter().any(|s| s.key == key) => return,
+                Ok(_) => {}
+                Err(_) => store = None,
             }
         }
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(Duration::from_millis(10));
     }
     panic!("rank {rank} never named its session");
-}
-
-/// Prints "CLEAN" once this process holds the descriptors and threads it held `before` its
-/// communicator was made (helper threads may take a moment to see their sockets close), else
-/// "LEAK ...".
-fn report_clean(before: (usize, usize)) {
-    let after = held_again(before, held_by_process, Duration::from_secs(3));
-    if after == before {
-        println!("CLEAN");
-    } else {
-        println!("LEAK fds, threads {before:?} -> {after:?}");
-    }
 }
 
 /// Child role for `weft status`: one all-reduce ("READY"), then the second call: rank
@@ -131,8 +125,20 @@ fn second_call(comm: &weftcc::Communicator) {
 struct Job {
     children: Vec<Child>,
     lines: mpsc::Receiver<(usize, Instant, String)>,
-    /// "CLEAN" and "LEAK" lines read while waiting for errors.
-    reports: std::cell::RefCell<Vec<(usize, String)>>,
+    /// Lines read while waiting for others (a rank's error that arrives before every other
+    /// rank is ready), handed out first by [`Job::next_line`].
+    pending: std::cell::RefCell<std::collections::VecDeque<(usize, Instant, String)>>,
+}
+
+impl Job {
+    /// The next line any rank printed, waiting until `deadline`.
+    fn next_line(&self, deadline: Instant) -> Option<(usize, Instant, String)> {
+        if let Some(l) = self.pending.borrow_mut().pop_front() {
+            return Some(l);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.lines.recv_timeout(left).ok()
+    }
 }
 
 impl Drop for Job {
@@ -198,7 +204,7 @@ fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> J
     Job {
         children,
         lines: rx,
-        reports: Default::default(),
+        pending: Default::default(),
     }
 }
 
@@ -206,18 +212,21 @@ fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> J
 fn wait_ready(job: &Job, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut ready = vec![false; n];
+    let mut later = Vec::new();
     while !ready.iter().all(|&r| r) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (rank, _, line) = job
-            .lines
-            .recv_timeout(left)
-            .expect("ranks did not become ready");
+        let (rank, at, line) = job.next_line(deadline).expect("ranks did not become ready");
+        if ready[rank] {
+            // A ready rank went on (an error of its next call): for the caller.
+            later.push((rank, at, line));
+            continue;
+        }
         assert!(
             line.starts_with("READY"),
             "rank {rank} before ready: {line}"
         );
         ready[rank] = true;
     }
+    job.pending.borrow_mut().extend(later);
 }
 
 /// Collects one ERROR line from each rank in `ranks`, within `limit` of `since`.
@@ -228,24 +237,24 @@ fn collect_errors(
     limit: Duration,
 ) -> Vec<(usize, Duration, String)> {
     let mut got = Vec::new();
+    let mut reports = Vec::new();
     let deadline = since + limit + Duration::from_secs(5);
     while got.len() < ranks.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match job.lines.recv_timeout(left) {
-            Ok((rank, at, line)) if ranks.contains(&rank) && line.starts_with("ERROR") => {
-                got.push((rank, at.duration_since(since), line))
+        match job.next_line(deadline) {
+            Some((rank, at, line)) if ranks.contains(&rank) && line.starts_with("ERROR") => {
+                got.push((rank, at.saturating_duration_since(since), line))
             }
-            Ok((rank, _, line)) if line.starts_with("CLEAN") || line.starts_with("LEAK") => {
-                job.reports.borrow_mut().push((rank, line))
-            }
-            Ok(_) => {}
-            Err(_) => panic!(
+            // For assert_survivors_clean.
+            Some(l) if l.2.starts_with("CLEAN") || l.2.starts_with("LEAK") => reports.push(l),
+            Some(_) => {}
+            None => panic!(
                 "only {} of {:?} reported an error: {got:?}",
                 got.len(),
                 ranks
             ),
         }
     }
+    job.pending.borrow_mut().extend(reports);
     got
 }
 
@@ -254,21 +263,14 @@ fn collect_errors(
 fn assert_survivors_clean(job: &Job, ranks: &[usize], token: &str) {
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut seen: Vec<usize> = Vec::new();
-    loop {
-        for (rank, line) in job.reports.borrow_mut().drain(..) {
-            assert!(line.starts_with("CLEAN"), "rank {rank}: {line}");
-            seen.push(rank);
-        }
-        if ranks.iter().all(|r| seen.contains(r)) {
-            break;
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        match job.lines.recv_timeout(left) {
-            Ok((rank, _, line)) if line.starts_with("CLEAN") || line.starts_with("LEAK") => {
-                job.reports.borrow_mut().push((rank, line))
+    while !ranks.iter().all(|r| seen.contains(r)) {
+        match job.next_line(deadline) {
+            Some((rank, _, line)) if line.starts_with("CLEAN") || line.starts_with("LEAK") => {
+                assert!(line.starts_with("CLEAN"), "rank {rank}: {line}");
+                seen.push(rank);
             }
-            Ok(_) => {}
-            Err(_) => panic!("ranks {ranks:?}: only {seen:?} reported after dropping"),
+            Some(_) => {}
+            None => panic!("ranks {ranks:?}: only {seen:?} reported after dropping"),
         }
     }
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
@@ -365,9 +367,12 @@ fn sigkill_during_set_up_is_an_error_naming_the_rank_everywhere() {
         let errors = collect_errors(&job, &others, killed, Duration::from_secs(8));
         for (rank, after, line) in &errors {
             eprintln!("kill -9 rank {victim} at {delay_ms:?}: rank {rank} after {after:?}: {line}");
+            // Before it joined: named as missing; after: as lost; in between, set-up fails
+            // with an error that names it.
             assert!(
                 line.contains(&format!("ranks [{victim}] of {n} did not join"))
-                    || line.starts_with(&format!("ERROR PeerLost {victim} ")),
+                    || line.starts_with(&format!("ERROR PeerLost {victim} "))
+                    || (line.starts_with("ERROR init") && line.contains(&format!("rank {victim}"))),
                 "rank {rank} (kill at {delay_ms:?}): {line}"
             );
             assert!(
@@ -467,8 +472,16 @@ impl DumpDir {
         self.0.to_str().expect("utf-8 path")
     }
 
+    /// Dumps written (renamed into place; temporary files do not count).
     fn files(&self) -> usize {
-        std::fs::read_dir(&self.0).map_or(0, |d| d.count())
+        std::fs::read_dir(&self.0).map_or(0, |d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    n.starts_with("weft-trace-") && n.ends_with(".json")
+                })
+                .count()
+        })
     }
 }
 

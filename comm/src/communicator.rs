@@ -48,6 +48,8 @@ pub(crate) struct Inner {
     pub(crate) progress: crate::progress::Progress,
     /// The last operations, for dumps ([`crate::trace`]).
     pub(crate) trace: crate::trace::FlightRecorder,
+    /// The communicator failed and its recorder is not written yet ([`Inner::dump_trace_if_due`]).
+    pub(crate) trace_dump_due: AtomicBool,
     pub(crate) turn: Turn,
     pub(crate) next_ticket: AtomicU64,
     pub(crate) state: Mutex<State>,
@@ -204,7 +206,10 @@ impl Communicator {
                     .as_bytes(),
             )
             .map_err(boot)?;
-        let alarm = StoreClient::connect(&id.addr, &id.token, ALARM_TIMEOUT).map_err(boot)?;
+        // Connected as patiently as the others (a store busy with a large job's set-up); its
+        // requests, failure reports, then wait little.
+        let mut alarm = StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        alarm.set_default_timeout(ALARM_TIMEOUT);
         let mesh = match split_mesh {
             Some(m) => m,
             None => Mesh::establish(&mut client, &mesh_config).map_err(boot)?,
@@ -245,6 +250,7 @@ impl Communicator {
             current: CurrentOp::default(),
             progress: crate::progress::Progress::default(),
             trace,
+            trace_dump_due: AtomicBool::new(false),
             turn: Turn::default(),
             next_ticket: AtomicU64::new(0),
             state: Mutex::new(State {
@@ -337,6 +343,7 @@ impl Communicator {
         self.inner.fail(e);
         self.inner.leave_farewell();
         self.inner.turn.wake_all();
+        self.inner.dump_trace_if_due();
     }
 
     /// The error that poisoned this communicator, if any (NCCL's `ncclCommGetAsyncError`).
@@ -644,8 +651,9 @@ impl Drop for Communicator {
             let _ = w.thread.join();
         }
         // A poisoned communicator's cause, if no call could leave it yet (connections close
-        // when the last reference to `inner` goes).
+        // when the last reference to `inner` goes), and its recorder if not written yet.
         self.inner.leave_farewell();
+        self.inner.dump_trace_if_due();
         self.inner.watcher_stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.watcher.take() {
             let _ = t.join();
@@ -691,6 +699,10 @@ impl Inner {
         let seq = st.coll_seq;
         self.current.set(call.kind, seq);
         self.progress.entered(call.kind, seq);
+        let mut entry = crate::trace::TraceEntry::start(call.kind, seq, call.dtype, count as u64);
+        entry.redop = call.has_reduction().then_some(call.op);
+        entry.root = call.has_root().then_some(call.root);
+        self.trace.start(entry);
         let shape = CallShape {
             kind: call.kind,
             count,
@@ -703,13 +715,10 @@ impl Inner {
             st.last = Some((shape, prepared));
         }
         if let Some((_, prepared)) = &st.last {
-            let mut entry =
-                crate::trace::TraceEntry::start(call.kind, seq, call.dtype, count as u64)
-                    .with_peers(prepared.peers().iter().copied());
-            entry.redop = call.has_reduction().then_some(call.op);
-            entry.root = call.has_root().then_some(call.root);
-            entry.algorithm = prepared.algorithm();
-            self.trace.start(entry);
+            self.trace.update_running(|e| {
+                *e = e.with_peers(prepared.peers().iter().copied());
+                e.algorithm = prepared.algorithm();
+            });
         }
         let desc = OpDesc {
             kind: call.kind,

@@ -19,7 +19,8 @@ use weftcc_transports::TransportError;
 pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(100);
 /// Longest a failure report waits on the store (each request; the first that goes unanswered
 /// breaks the connection, so a lost store delays a rank's error by about this much, plus half a
-/// second of the client's margin, once).
+/// second of the client's margin, once; a lost peer's report may first wait
+/// [`PEER_CAUSE_GRACE`] for the peer's own cause).
 pub(crate) const ALARM_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest the store's host, dropping a failed communicator, waits for the other ranks' watchers
 /// to read the failure (a rank that died never does).
@@ -111,7 +112,8 @@ impl Inner {
             self.poison.set.store(true, Ordering::Release);
         }
         self.turn.wake_all();
-        self.dump_trace_on_failure();
+        // Written later, where no store traffic or wake-up waits on it (dump_trace_if_due).
+        self.trace_dump_due.store(true, Ordering::Release);
         true
     }
 
@@ -365,11 +367,16 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
     let mut requests = DumpRequests::new(&mut client);
     while !inner.watcher_stop.load(Ordering::SeqCst) {
         requests.poll(&inner, &mut client);
-        // This rank's progress, when it moved (a store that fails here fails the get below).
+        // This rank's progress, when it moved (a store that fails here fails the get below; no
+        // server-side wait, so a lost store costs the client's margin, not its timeout).
         let version = inner.progress.version();
         if published != Some(version)
             && client
-                .set(&progress_key, inner.progress.record().encode().as_bytes())
+                .set_within(
+                    &progress_key,
+                    inner.progress.record().encode().as_bytes(),
+                    Duration::ZERO,
+                )
                 .is_ok()
         {
             published = Some(version);
@@ -381,6 +388,7 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     inner.turn.wake_all();
                 }
                 settle(&inner, &mut client);
+                inner.dump_trace_if_due();
                 keep_alive(&inner, &mut client, &mut requests);
                 return;
             }
@@ -399,6 +407,7 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     seen_by: SeenBy::Watcher,
                     detail: format!("the bootstrap store on rank 0 is unreachable ({e})"),
                 });
+                inner.dump_trace_if_due();
                 return;
             }
         }
@@ -413,18 +422,23 @@ fn keep_alive(inner: &Inner, client: &mut StoreClient, requests: &mut DumpReques
     while !inner.watcher_stop.load(Ordering::SeqCst) {
         std::thread::sleep(WATCH_PERIOD);
         requests.poll(inner, client);
-        if client.check(&inner.store_key(SETTLED_ALL_KEY)).is_err() {
-            return;
+        // A request without a server-side wait: a store that is gone costs the client's margin
+        // (the communicator's drop joins this thread), not its timeout.
+        match client.get(&inner.store_key(SETTLED_ALL_KEY), Duration::ZERO) {
+            Ok(_) | Err(TransportError::Timeout { .. }) => {}
+            Err(_) => return,
         }
     }
     leave(inner, client);
 }
 
-/// The watcher's view of job-wide flight-recorder dump requests: looked for every
-/// [`DumpRequests::EVERY`] polls (one small store request a second), each answered once.
+/// The watcher's view of job-wide flight-recorder dump requests: their count is read every
+/// [`DumpRequests::EVERY`] polls (one small store request a second), and each request made
+/// since this communicator began is answered once, in order.
 struct DumpRequests {
     polls: u32,
-    last: Option<u64>,
+    /// The last request answered (or made before this communicator existed).
+    last: u64,
 }
 
 impl DumpRequests {
@@ -433,7 +447,7 @@ impl DumpRequests {
     fn new(client: &mut StoreClient) -> DumpRequests {
         DumpRequests {
             polls: 0,
-            last: crate::trace::read_request(client).map(|r| r.id),
+            last: crate::trace::requests_made(client),
         }
     }
 
@@ -442,11 +456,14 @@ impl DumpRequests {
         if !self.polls.is_multiple_of(Self::EVERY) {
             return;
         }
-        if let Some(request) = crate::trace::read_request(client) {
-            if self.last != Some(request.id) {
-                self.last = Some(request.id);
-                inner.answer_dump_request(&request, client);
-            }
+        let made = crate::trace::requests_made(client);
+        while self.last < made {
+            // Counted but not stored yet: looked for again on the next round.
+            let Some(request) = crate::trace::read_request(client, self.last + 1) else {
+                break;
+            };
+            self.last += 1;
+            inner.answer_dump_request(&request);
         }
     }
 }

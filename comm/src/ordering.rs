@@ -146,12 +146,15 @@ impl Inner {
         let result = (|| {
             self.check()?;
             let mut st = lock(&self.state);
-            f(self, &mut st)
+            let result = f(self, &mut st);
+            // Under the state lock: the running entry is this call's (one started by `f`), not
+            // that of a call another thread starts once the lock is free.
+            self.trace.end(result.as_ref().err());
+            result
         })();
         if let Some(t) = own_ticket {
             self.end_turn(t);
         }
-        self.trace.end(result.as_ref().err());
         if result.is_ok() {
             let (kind, seq) = self.current.get();
             self.progress.completed(kind, seq);
@@ -160,6 +163,7 @@ impl Inner {
             if e.is_fatal() {
                 self.fail(e.clone());
                 self.leave_farewell();
+                self.dump_trace_if_due();
                 // Once poisoned, the first error is the one to report: a peer that closed its
                 // connections because this rank aborted is a consequence, not the cause.
                 if let Some(first) = self.poisoned() {

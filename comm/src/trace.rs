@@ -202,22 +202,35 @@ pub struct TraceDump {
 }
 
 impl TraceDump {
-    /// The file name of a dump: job tag, namespace (`/` as `.`) and rank.
-    pub fn file_name(job: &str, namespace: &str, rank: usize) -> String {
+    /// The file name of a dump: job tag, namespace (`/` as `.`), rank and why it was taken (a
+    /// request's dump does not replace the one taken at the failure).
+    pub fn file_name(job: &str, namespace: &str, rank: usize, reason: DumpReason) -> String {
         let ns: String = namespace
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '.' })
             .collect();
-        format!("weft-trace-{job}-{ns}-rank{rank}.json")
+        let reason = match reason {
+            DumpReason::Failure => "failure",
+            DumpReason::Request => "request",
+            DumpReason::Api => "api",
+        };
+        format!("weft-trace-{job}-{ns}-rank{rank}-{reason}.json")
     }
 
-    /// Writes the dump into `dir` (made if missing), through a temporary file renamed into
-    /// place, so a reader never sees half a dump. Returns the file's path.
+    /// Writes the dump into `dir` (made if missing), through a temporary file of its own
+    /// renamed into place, so a reader never sees half a dump. Returns the file's path.
     pub fn write_to(&self, dir: &Path) -> std::io::Result<PathBuf> {
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         std::fs::create_dir_all(dir)?;
-        let path = dir.join(Self::file_name(&self.job, &self.namespace, self.rank));
-        let tmp = path.with_extension(format!("json.{}.tmp", std::process::id()));
-        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        let path = dir.join(Self::file_name(
+            &self.job,
+            &self.namespace,
+            self.rank,
+            self.reason,
+        ));
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("json.{}.{n}.tmp", std::process::id()));
+        let text = serde_json::to_string(self).map_err(std::io::Error::other)?;
         std::fs::write(&tmp, text)?;
         std::fs::rename(&tmp, &path)?;
         Ok(path)
@@ -279,6 +292,19 @@ impl FlightRecorder {
         ring.recorded += 1;
     }
 
+    /// Changes the running operation's entry (what is known only once it is prepared).
+    pub fn update_running(&self, change: impl FnOnce(&mut TraceEntry)) {
+        if self.capacity == 0 {
+            return;
+        }
+        let mut ring = lock(&self.ring);
+        if let Some(last) = ring.entries.back_mut() {
+            if last.state == TraceState::Running {
+                change(last);
+            }
+        }
+    }
+
     /// Ends the running operation, if one is running, with `error` or success.
     pub fn end(&self, error: Option<&Error>) {
         if self.capacity == 0 {
@@ -315,19 +341,15 @@ pub(crate) fn now_us() -> u64 {
 /// A short tag of the job with `token` (FNV-1a of the token: the same on every rank, and not
 /// the token itself, which authenticates to the store).
 pub(crate) fn job_tag(token: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in token.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{:08x}", h >> 32)
+    format!("{:08x}", weftcc_transports::fnv1a64(token.as_bytes()) >> 32)
 }
 
-/// The store key a job-wide dump request is written to (outside every communicator's
-/// namespace: every communicator of the job answers it).
-pub const REQUEST_KEY: &str = "weft-trace/request";
+/// The store counter of job-wide dump requests (outside every communicator's namespace: every
+/// communicator of the job answers them). Request `n` (counting from 1) is under
+/// [`DumpRequest::key`]; numbered, so that two requests close together are both answered.
+pub const REQUESTS_KEY: &str = "weft-trace/requests";
 
-/// A job-wide request to dump: its id, and the directory to write to (`None`: each rank's
+/// A job-wide request to dump: its number, and the directory to write to (`None`: each rank's
 /// `WEFT_TRACE_DUMP_DIR`, else [`default_dump_dir`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DumpRequest {
@@ -357,6 +379,11 @@ impl DumpRequest {
             id: id.parse().ok()?,
             dir,
         })
+    }
+
+    /// The key request `id` is stored under.
+    pub fn key(id: u64) -> String {
+        format!("weft-trace/request/{id}")
     }
 
     /// The key a rank of `namespace` answers request `id` under: `ok HOST:PATH` or
@@ -393,13 +420,18 @@ impl crate::communicator::Inner {
         }
     }
 
-    /// On the communicator's first failure: writes the recorder to `WEFT_TRACE_DUMP_DIR` when
-    /// that is set (and the recorder on).
-    pub(crate) fn dump_trace_on_failure(&self) {
+    /// Once the communicator has failed: writes the recorder to `WEFT_TRACE_DUMP_DIR` when that
+    /// is set (and the recorder on), once. Called after the failure is published and the
+    /// waiting threads woken (the end of a failed call, `abort`, the watcher, the drop).
+    pub(crate) fn dump_trace_if_due(&self) {
         let Some(dir) = &self.config.trace_dump_dir else {
             return;
         };
-        if self.trace.capacity() == 0 {
+        if self.trace.capacity() == 0
+            || !self
+                .trace_dump_due
+                .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
             return;
         }
         match self.trace_dump(DumpReason::Failure).write_to(dir) {
@@ -412,37 +444,57 @@ impl crate::communicator::Inner {
         }
     }
 
-    /// Answers a job-wide dump request (read by the failure watcher): writes the dump where the
-    /// request says, else to `WEFT_TRACE_DUMP_DIR`, else [`default_dump_dir`], and leaves the
-    /// answer (`ok HOST:PATH` or `error MESSAGE`) under [`DumpRequest::answer_key`].
-    pub(crate) fn answer_dump_request(
-        &self,
-        request: &DumpRequest,
-        client: &mut weftcc_transports::StoreClient,
-    ) {
+    /// Answers a job-wide dump request (read by the failure watcher): takes the dump now, and
+    /// on a thread of its own (a slow or hung file system must not hold up the watcher) writes
+    /// it where the request says, else to `WEFT_TRACE_DUMP_DIR`, else [`default_dump_dir`], and
+    /// leaves the answer (`ok HOST:PATH` or `error MESSAGE`) under [`DumpRequest::answer_key`]
+    /// through a store connection of its own.
+    pub(crate) fn answer_dump_request(&self, request: &DumpRequest) {
         let dir = (request.dir.clone())
             .or_else(|| self.config.trace_dump_dir.clone())
             .unwrap_or_else(default_dump_dir);
         let dump = self.trace_dump(DumpReason::Request);
-        let answer = match dump.write_to(&dir) {
-            Ok(path) => format!("ok {}:{}", dump.host, path.display()),
-            Err(e) => format!("error {}: {e}", dir.display()),
-        };
         let key = DumpRequest::answer_key(request.id, &self.namespace, self.rank);
-        let _ = client.set(&key, answer.as_bytes());
+        let (addr, token) = (self.store_addr.clone(), self.token.clone());
+        let spawned = std::thread::Builder::new()
+            .name("weft-trace-dump".into())
+            .spawn(move || {
+                let answer = match dump.write_to(&dir) {
+                    Ok(path) => format!("ok {}:{}", dump.host, path.display()),
+                    Err(e) => format!("error {}: {e}", dir.display()),
+                };
+                if let Ok(mut store) = weftcc_transports::StoreClient::connect(
+                    &addr,
+                    &token,
+                    std::time::Duration::from_secs(5),
+                ) {
+                    let _ = store.set(&key, answer.as_bytes());
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(target: "weftcc::trace", rank = self.rank, "dump request not answered: {e}");
+        }
     }
 }
 
-/// The job-wide dump request in the store, if one was made (`None` also when the store cannot
-/// be read: the watcher's own poll notices a lost store).
-pub(crate) fn read_request(client: &mut weftcc_transports::StoreClient) -> Option<DumpRequest> {
-    if !client.check(REQUEST_KEY).ok()? {
-        return None;
-    }
+/// How many job-wide dump requests were made (0 when the store cannot be read: the watcher's
+/// own poll notices a lost store). No server-side wait: a lost store costs the client's margin,
+/// not its timeout.
+pub(crate) fn requests_made(client: &mut weftcc_transports::StoreClient) -> u64 {
+    client
+        .add_within(REQUESTS_KEY, 0, std::time::Duration::ZERO)
+        .map_or(0, |n| u64::try_from(n).unwrap_or(0))
+}
+
+/// Request number `id`, once it is in the store.
+pub(crate) fn read_request(
+    client: &mut weftcc_transports::StoreClient,
+    id: u64,
+) -> Option<DumpRequest> {
     let value = client
-        .get(REQUEST_KEY, std::time::Duration::from_millis(100))
+        .get(&DumpRequest::key(id), std::time::Duration::ZERO)
         .ok()?;
-    DumpRequest::decode(&value)
+    DumpRequest::decode(&value).filter(|r| r.id == id)
 }
 
 #[cfg(test)]
@@ -532,7 +584,7 @@ mod tests {
         let path = dump.write_to(&dir).expect("write");
         assert!(path
             .file_name()
-            .is_some_and(|n| n.to_string_lossy().ends_with("-c.split0-rank2.json")));
+            .is_some_and(|n| n.to_string_lossy().ends_with("-c.split0-rank2-api.json")));
         assert_eq!(TraceDump::read(&path).expect("read"), dump);
         assert_eq!(dump.entries[0].signature(), "all-reduce float×1024 sum");
         let leftovers = std::fs::read_dir(&dir).expect("dir").count();

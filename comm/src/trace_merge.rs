@@ -11,6 +11,9 @@ use std::fmt;
 
 /// Disagreements reported per communicator (the first ones, by sequence number).
 const MAX_DISAGREEMENTS: usize = 8;
+/// Largest rank count believed from a dump (a damaged file must not make the merge list
+/// billions of missing ranks).
+const MAX_RANKS: usize = 1 << 20;
 
 /// What the dumps of one communicator show.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -33,6 +36,9 @@ pub struct CommReport {
     pub disagreements: Vec<Disagreement>,
     /// Failed operations, one per rank (its first).
     pub failed: Vec<FailedOp>,
+    /// Send/receive groups still running at the dump (point-to-point has no job-wide sequence,
+    /// so these are listed, not lined up).
+    pub in_send_recv: Vec<RunningP2p>,
     /// Facts about the dumps themselves (a rank count that differs, a ring too short to reach
     /// back to the frontier, duplicate dumps).
     pub notes: Vec<String>,
@@ -68,6 +74,16 @@ pub struct Disagreement {
     pub calls: Vec<(String, Vec<usize>)>,
 }
 
+/// A send/receive group running on a rank at its dump.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunningP2p {
+    pub rank: usize,
+    pub seq: u64,
+    pub peers: Vec<usize>,
+    /// How long it had run at the dump (µs).
+    pub running_us: u64,
+}
+
 /// An operation that failed on a rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FailedOp {
@@ -85,6 +101,7 @@ impl CommReport {
             && self.behind.is_empty()
             && self.disagreements.is_empty()
             && self.failed.is_empty()
+            && self.in_send_recv.is_empty()
             && self.error.is_none()
     }
 }
@@ -107,9 +124,15 @@ pub fn merge(dumps: &[TraceDump]) -> Vec<CommReport> {
 /// The report on one communicator's dumps (sorted by rank, newest first within a rank).
 fn report(dumps: &[&TraceDump]) -> CommReport {
     let mut notes = Vec::new();
-    let nranks = dumps.iter().map(|d| d.nranks).max().unwrap_or(0);
+    let mut nranks = dumps.iter().map(|d| d.nranks).max().unwrap_or(0);
     if dumps.iter().any(|d| d.nranks != nranks) {
         notes.push("the dumps disagree on the number of ranks; the largest is used".into());
+    }
+    if nranks > MAX_RANKS {
+        notes.push(format!(
+            "a dump claims {nranks} ranks; only the ranks that dumped are considered"
+        ));
+        nranks = dumps.iter().map(|d| d.rank + 1).max().unwrap_or(0);
     }
     // One dump per rank: the newest.
     let mut per_rank: Vec<&TraceDump> = Vec::new();
@@ -175,9 +198,23 @@ fn report(dumps: &[&TraceDump]) -> CommReport {
         }
     });
 
+    // A rank that recorded no collective because its recorder is off, or its ring holds only
+    // newer point-to-point groups, is unknown, not behind.
+    let unknown = |d: &TraceDump, ops: &[TraceRecord]| {
+        ops.is_empty() && (d.capacity == 0 || d.recorded > d.capacity as u64)
+    };
+    for (d, ops) in &per_rank_ops {
+        if unknown(d, ops) {
+            notes.push(format!(
+                "rank {}: no collective in its recorder (capacity {}, {} recorded); where it is \
+                 is unknown",
+                d.rank, d.capacity, d.recorded
+            ));
+        }
+    }
     let mut behind: Vec<RankBehind> = per_rank_ops
         .iter()
-        .filter(|(_, ops)| last_seq(ops) < frontier_seq)
+        .filter(|(d, ops)| last_seq(ops) < frontier_seq && !unknown(d, ops))
         .map(|(d, ops)| RankBehind {
             rank: d.rank,
             last: ops.iter().max_by_key(|e| e.seq).map(|e| {
@@ -195,7 +232,11 @@ fn report(dumps: &[&TraceDump]) -> CommReport {
 
     // A rank whose ring no longer reaches back to a rank that is behind cannot be compared
     // there; say so rather than guess.
-    if let Some(oldest_needed) = behind.first().and_then(|b| b.last.as_ref().map(|l| l.0)) {
+    if let Some(oldest_needed) = behind
+        .iter()
+        .filter_map(|b| b.last.as_ref().map(|l| l.0))
+        .min()
+    {
         for (d, ops) in &per_rank_ops {
             let oldest = ops.iter().map(|e| e.seq).min().unwrap_or(0);
             if d.recorded > d.capacity as u64 && oldest > oldest_needed {
@@ -243,6 +284,21 @@ fn report(dumps: &[&TraceDump]) -> CommReport {
         })
         .collect();
 
+    let in_send_recv: Vec<RunningP2p> = per_rank
+        .iter()
+        .flat_map(|d| {
+            d.entries
+                .iter()
+                .filter(|e| !e.is_collective() && e.state == TraceState::Running)
+                .map(|e| RunningP2p {
+                    rank: d.rank,
+                    seq: e.seq,
+                    peers: e.peers.clone(),
+                    running_us: d.dumped_us.saturating_sub(e.start_us),
+                })
+        })
+        .collect();
+
     CommReport {
         job: dumps.first().map(|d| d.job.clone()).unwrap_or_default(),
         namespace: dumps
@@ -258,6 +314,7 @@ fn report(dumps: &[&TraceDump]) -> CommReport {
         behind,
         disagreements,
         failed,
+        in_send_recv,
         notes,
     }
 }
@@ -373,6 +430,16 @@ impl fmt::Display for CommReport {
                 .collect();
             writeln!(f, "  disagree:  #{}: {}", d.seq, calls.join("; "))?;
         }
+        for p in &self.in_send_recv {
+            writeln!(
+                f,
+                "  send/recv: rank {} in send/recv #{} with rank(s) {}, running {} at its dump",
+                p.rank,
+                p.seq,
+                rank_set(&p.peers),
+                secs(p.running_us)
+            )?;
+        }
         for x in &self.failed {
             writeln!(
                 f,
@@ -393,6 +460,10 @@ impl fmt::Display for CommReport {
             }
             if !self.disagreements.is_empty() {
                 words.push("DISAGREE".into());
+            }
+            if !self.in_send_recv.is_empty() {
+                let ranks: Vec<usize> = self.in_send_recv.iter().map(|p| p.rank).collect();
+                words.push(format!("IN-SEND/RECV [{}]", rank_set(&ranks)));
             }
             if !self.failed.is_empty() || self.error.is_some() {
                 words.push("FAILED".into());
@@ -533,6 +604,24 @@ mod tests {
         let r = &merge(&dumps)[0];
         assert_eq!(r.frontier.as_ref().map(|f| f.seq), Some(1));
         assert!(r.behind.is_empty());
+        // A send/recv still running is listed, and the job not called consistent.
+        assert_eq!(r.in_send_recv.len(), 1);
+        assert_eq!((r.in_send_recv[0].rank, r.in_send_recv[0].seq), (0, 5));
+        assert!(r.to_string().contains("IN-SEND/RECV [0]"), "{r}");
+    }
+
+    #[test]
+    fn a_rank_whose_recorder_holds_no_collective_is_unknown_not_behind() {
+        let ahead = dump(0, 2, vec![op(AllReduce, 4, 8, Completed)]);
+        let mut off = dump(1, 2, vec![]);
+        off.capacity = 0;
+        let r = &merge(&[ahead.clone(), off])[0];
+        assert!(r.behind.is_empty(), "{r}");
+        assert!(r.notes.iter().any(|n| n.contains("rank 1: no collective")));
+        // With a ring that never overflowed, no collective means it made none: behind.
+        let fresh = dump(1, 2, vec![]);
+        let r = &merge(&[ahead, fresh])[0];
+        assert_eq!(r.behind.len(), 1);
     }
 
     #[test]

@@ -129,3 +129,15 @@ pub fn held_again<T: PartialEq>(before: T, probe: fn() -> T, limit: Duration) ->
     }
     now
 }
+
+/// For a child process in a fault test: prints `{prefix}CLEAN` once this process holds the
+/// descriptors and threads it held `before` its communicator was made (helper threads may take
+/// a moment to see their sockets close), else `{prefix}LEAK ...`.
+pub fn report_clean(before: (usize, usize), prefix: &str) {
+    let after = held_again(before, held_by_process, Duration::from_secs(3));
+    if after == before {
+        println!("{prefix}CLEAN");
+    } else {
+        println!("{prefix}LEAK fds, threads {before:?} -> {after:?}");
+    }
+}

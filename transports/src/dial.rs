@@ -143,6 +143,9 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 const ACCEPT_SLICE_MS: u16 = 50;
 /// How often a dialer waiting for its handshake's answer looks for an abort.
 const CANCEL_CHECK: Duration = Duration::from_millis(50);
+/// How long accepts must have failed for lack of a resource before waiting ranks give up
+/// (a descriptor or buffer shortage can pass: another thread closes a file).
+const ACCEPT_FAILURE_LASTS: Duration = Duration::from_millis(500);
 
 /// Everything the dialing and accepting sides share.
 struct Shared {
@@ -163,9 +166,10 @@ struct Shared {
     /// Sockets and helper threads of a TCP connection.
     stripes: StripePlan,
     /// Why the acceptor cannot take dials right now (out of descriptors or memory), as an OS
-    /// error number; cleared by the next accept that works. A rank waiting for a peer's dial
-    /// fails with it instead of waiting out its timeout.
-    accept_failure: Mutex<Option<i32>>,
+    /// error number, and since when; cleared by the next accept that works. Once it has lasted
+    /// [`ACCEPT_FAILURE_LASTS`], a rank waiting for a peer's dial fails with it instead of
+    /// waiting out its timeout.
+    accept_failure: Mutex<Option<(i32, Instant)>>,
 }
 
 struct Links {
@@ -511,7 +515,7 @@ impl Shared {
         // The answer comes from the peer's acceptor. Stop waiting for it once the job failed, or
         // once this rank's own acceptor cannot take dials: a peer that dialed this rank too may
         // be waiting on that (the rule lets only one of two crossing dials make the link).
-        let stop = || cancel() || lock(&self.accept_failure).is_some();
+        let stop = || cancel() || self.cannot_accept(peer).is_some();
         let mut answer = Cancellable {
             stream: &stream,
             until: Instant::now() + wait,
@@ -625,7 +629,10 @@ impl Shared {
     /// Why this rank cannot take the dial of `peer` it waits for, when its acceptor has run
     /// out of descriptors or memory ([`Shared::note_accept`]).
     fn cannot_accept(&self, peer: usize) -> Option<TransportError> {
-        let code = (*lock(&self.accept_failure))?;
+        let (code, since) = (*lock(&self.accept_failure))?;
+        if since.elapsed() < ACCEPT_FAILURE_LASTS {
+            return None;
+        }
         Some(TransportError::io(
             format!(
                 "rank {} accepting connections (needed for the one with rank {peer})",
@@ -646,10 +653,14 @@ impl Shared {
         match (error, exhausted) {
             (None, _) => *failure = None,
             (Some(_), Some(code)) => {
-                if failure.is_none() {
-                    tracing::warn!(target: "weftcc::net", rank = self.rank, error = %std::io::Error::from_raw_os_error(code), "cannot accept connections");
-                }
-                *failure = Some(code);
+                let since = match *failure {
+                    Some((_, since)) => since,
+                    None => {
+                        tracing::warn!(target: "weftcc::net", rank = self.rank, error = %std::io::Error::from_raw_os_error(code), "cannot accept connections");
+                        Instant::now()
+                    }
+                };
+                *failure = Some((code, since));
                 drop(failure);
                 self.changed.notify_all();
             }

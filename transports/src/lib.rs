@@ -43,7 +43,7 @@ pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
 pub use mesh::{ConnectError, ConnectMode, Mesh, MeshConfig};
 pub use store::{StoreClient, StoreServer};
-pub use util::{lock, parse_size, InvalidSize};
+pub use util::{fnv1a64, lock, parse_size, InvalidSize};
 
 /// A fresh random job token (32 hex characters) for launchers that start all ranks themselves.
 pub fn random_token() -> error::Result<String> {

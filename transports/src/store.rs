@@ -860,6 +860,12 @@ impl StoreClient {
         self.timeout
     }
 
+    /// Sets the timeout of later requests (and with it the margin a request may take beyond its
+    /// own wait), e.g. shorter than the connection's once it is made.
+    pub fn set_default_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
     fn fail(&mut self, what: String) -> TransportError {
         self.broken = Some(what.clone());
         TransportError::PeerLost {

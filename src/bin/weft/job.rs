@@ -62,6 +62,18 @@ impl JobArgs {
     }
 }
 
+/// A number of seconds for `--timeout` (finite, positive; at most an hour).
+pub fn seconds(text: &str) -> Result<std::time::Duration, String> {
+    let s: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(s.is_finite() && s > 0.0) {
+        return Err(format!("{text:?}: give a positive number of seconds"));
+    }
+    Ok(std::time::Duration::from_secs_f64(s.min(3600.0)))
+}
+
 /// The environment process `pid` started with (`/proc/<pid>/environ`; readable for one's own
 /// processes).
 fn process_environment(pid: u32) -> Result<HashMap<String, String>, String> {

@@ -19,8 +19,8 @@ pub struct StatusArgs {
     #[arg(long, default_value = WORLD_NAMESPACE)]
     pub comm: String,
     /// Seconds to wait for the store.
-    #[arg(long, default_value_t = 5.0)]
-    pub timeout: f64,
+    #[arg(long, default_value = "5", value_parser = crate::job::seconds)]
+    pub timeout: Duration,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -34,7 +34,7 @@ pub fn main(args: StatusArgs) -> i32 {
             return 2;
         }
     };
-    let timeout = Duration::from_secs_f64(args.timeout.clamp(0.1, 3600.0));
+    let timeout = args.timeout;
     let status = match JobStatus::read_namespace(&id, &args.comm, timeout) {
         Ok(s) => s,
         Err(e) => {

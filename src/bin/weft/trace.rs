@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weftcc::comm::status::{JobStatus, Liveness, WORLD_NAMESPACE};
-use weftcc::comm::trace::{DumpRequest, TraceDump, REQUEST_KEY};
+use weftcc::comm::trace::{DumpRequest, TraceDump, REQUESTS_KEY};
 use weftcc::comm::trace_merge::{merge, rank_set};
 use weftcc::transports::StoreClient;
 
@@ -46,8 +46,8 @@ pub struct DumpArgs {
     #[arg(long, default_value = WORLD_NAMESPACE)]
     pub comm: String,
     /// Seconds to wait for the answers.
-    #[arg(long, default_value_t = 10.0)]
-    pub timeout: f64,
+    #[arg(long, default_value = "10", value_parser = crate::job::seconds)]
+    pub timeout: Duration,
 }
 
 #[derive(Args, Debug)]
@@ -79,7 +79,7 @@ fn dump(args: DumpArgs) -> i32 {
         Ok(id) => id,
         Err(e) => return fail(e),
     };
-    let timeout = Duration::from_secs_f64(args.timeout.clamp(0.1, 3600.0));
+    let timeout = args.timeout;
     let status = match JobStatus::read_namespace(&id, &args.comm, timeout) {
         Ok(s) => s,
         Err(e) => return fail(e.to_string()),
@@ -88,13 +88,21 @@ fn dump(args: DumpArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return fail(e.to_string()),
     };
-    let request = DumpRequest {
-        id: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_micros() as u64),
-        dir: args.dir.clone(),
+    // Each rank resolves the directory on its own host: make it absolute here.
+    let dir = match args.dir.as_deref().map(std::path::absolute).transpose() {
+        Ok(d) => d,
+        Err(e) => return fail(format!("--dir: {e}")),
     };
-    if let Err(e) = store.set(REQUEST_KEY, request.encode().as_bytes()) {
+    // Numbered: two requests close together are both answered.
+    let id = match store.add(REQUESTS_KEY, 1) {
+        Ok(n) => n as u64,
+        Err(e) => return fail(e.to_string()),
+    };
+    let request = DumpRequest {
+        id,
+        dir: dir.clone(),
+    };
+    if let Err(e) = store.set(&DumpRequest::key(id), request.encode().as_bytes()) {
         return fail(e.to_string());
     }
     let n = status.nranks;
@@ -140,7 +148,7 @@ fn dump(args: DumpArgs) -> i32 {
     println!(
         "{written} of {n} ranks of communicator {} wrote their flight recorder{}",
         args.comm,
-        match &args.dir {
+        match &dir {
             Some(d) => format!("; merge with: weft trace merge {}", d.display()),
             None => String::new(),
         }
