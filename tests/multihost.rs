@@ -338,6 +338,34 @@ fn two_hosts_two_ranks_each() {
     }
 }
 
+/// Rank `rank` of four on the two hosts (two each), running this binary's test `child` in
+/// role `role`, the job's store on the first host at `port`.
+fn rank_on_two_hosts(
+    hosts: &Hosts,
+    rank: usize,
+    child: &str,
+    role: &str,
+    port: u16,
+    token: &str,
+) -> Command {
+    let h = rank / 2;
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &hosts.ns[h]])
+        .arg(std::env::current_exe().expect("this test binary"))
+        .args([child, "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env("WEFT_RANK", rank.to_string())
+        .env("WEFT_WORLD_SIZE", "4")
+        .env("WEFT_LOCAL_RANK", (rank % 2).to_string())
+        .env("WEFT_LOCAL_WORLD_SIZE", "2")
+        .env("WEFT_MASTER_ADDR", &hosts.ip[0])
+        .env("WEFT_MASTER_PORT", port.to_string())
+        .env("WEFT_JOB_TOKEN", token)
+        .env("WEFT_HOST_ID", format!("mh-host-{h}"))
+        .env("WEFT_SOCKET_IFNAME", format!("={}", hosts.dev[h]));
+    cmd
+}
+
 /// Four ranks on the two hosts: TCP across them, or (`ofi`) libfabric's tcp provider.
 fn run_two_hosts(hosts: &Hosts, ofi: bool) {
     // The shaped link's figures for the tuner: 1 Gbit/s, TCP latency.
@@ -347,30 +375,10 @@ fn run_two_hosts(hosts: &Hosts, ofi: bool) {
         r#"{ "net": { "alpha_us": 60.0, "gbps": 0.119 }, "protocols": [] }"#,
     )
     .unwrap();
-    let exe = std::env::current_exe().unwrap();
     let token = format!("mh{}", std::process::id());
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..4 {
-        let h = rank / 2;
-        let child = Command::new("ip")
-            .args(["netns", "exec", &hosts.ns[h]])
-            .arg(&exe)
-            .args([
-                "multihost_child",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE, "1")
-            .env("WEFT_RANK", rank.to_string())
-            .env("WEFT_WORLD_SIZE", "4")
-            .env("WEFT_LOCAL_RANK", (rank % 2).to_string())
-            .env("WEFT_LOCAL_WORLD_SIZE", "2")
-            .env("WEFT_MASTER_ADDR", &hosts.ip[0])
-            .env("WEFT_MASTER_PORT", "29400")
-            .env("WEFT_JOB_TOKEN", &token)
-            .env("WEFT_HOST_ID", format!("mh-host-{h}"))
-            .env("WEFT_SOCKET_IFNAME", format!("={}", hosts.dev[h]))
+        let child = rank_on_two_hosts(hosts, rank, "multihost_child", "1", 29400, &token)
             .env("WEFT_TIMEOUT", "90")
             .env("WEFT_DEBUG", "INFO")
             .env("WEFT_DEBUG_SUBSYS", "TUNING,NET")
@@ -640,37 +648,18 @@ fn a_link_cut_mid_operation_fails_every_rank_in_bounded_time() {
             return;
         }
     };
-    let exe = std::env::current_exe().unwrap();
     let token = format!("mhcut{}", std::process::id());
     let (tx, rx) = std::sync::mpsc::channel::<(usize, Instant, String)>();
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..4 {
-        let h = rank / 2;
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &hosts.ns[h]])
-            .arg(&exe)
-            .args([
-                "link_cut_child",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE, "link-cut")
-            .env("WEFT_RANK", rank.to_string())
-            .env("WEFT_WORLD_SIZE", "4")
-            .env("WEFT_LOCAL_RANK", (rank % 2).to_string())
-            .env("WEFT_LOCAL_WORLD_SIZE", "2")
-            .env("WEFT_MASTER_ADDR", &hosts.ip[0])
-            .env("WEFT_MASTER_PORT", "29410")
-            .env("WEFT_JOB_TOKEN", &token)
-            .env("WEFT_HOST_ID", format!("mh-host-{h}"))
-            .env("WEFT_SOCKET_IFNAME", format!("={}", hosts.dev[h]))
-            .env("WEFT_NET", "socket")
-            .env("WEFT_TIMEOUT", "3")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn a rank");
+        let mut child =
+            rank_on_two_hosts(&hosts, rank, "link_cut_child", "link-cut", 29410, &token)
+                .env("WEFT_NET", "socket")
+                .env("WEFT_TIMEOUT", "3")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn a rank");
         let out = child.stdout.take().unwrap();
         let tx = tx.clone();
         std::thread::spawn(move || {

@@ -557,7 +557,7 @@ fn weft_status_names_what_is_wrong_with_a_hung_job() {
     let (code, out) = weft_trace(&["merge", dumps.path()]);
     assert_eq!(code, 1, "{out}");
     assert!(
-        out.contains("furthest:  all-reduce float×1024 sum #2 entered by rank(s) 0,2,3; running on 0,2,3")
+        out.contains("furthest:  all-reduce float×1024 sum #2 entered by rank(s) 0,2-3; running on 0,2-3")
             && out.contains("rank 1 has not called #2; its last collective is all-reduce float×1024 sum #1, completed")
             && out.contains("verdict:   BEHIND [1]"),
         "{out}"

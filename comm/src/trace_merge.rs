@@ -321,26 +321,7 @@ fn report(dumps: &[&TraceDump]) -> CommReport {
 
 /// Ranks as a short list of ranges: `0,2-5,9`.
 pub fn rank_set(ranks: &[usize]) -> String {
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < sorted.len() {
-        let mut j = i;
-        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
-            j += 1;
-        }
-        out.push(if j > i + 1 {
-            format!("{}-{}", sorted[i], sorted[j])
-        } else if j == i + 1 {
-            format!("{},{}", sorted[i], sorted[j])
-        } else {
-            sorted[i].to_string()
-        });
-        i = j + 1;
-    }
-    out.join(",")
+    weftcc_topology::xml::list_ranges(ranks.iter().copied())
 }
 
 fn secs(us: u64) -> String {
@@ -674,7 +655,7 @@ mod tests {
     fn rank_sets_are_short() {
         assert_eq!(rank_set(&[]), "");
         assert_eq!(rank_set(&[3]), "3");
-        assert_eq!(rank_set(&[5, 0, 1, 2, 9, 10]), "0-2,5,9,10");
-        assert_eq!(rank_set(&[1, 1, 2]), "1,2");
+        assert_eq!(rank_set(&[5, 0, 1, 2, 9, 10]), "0-2,5,9-10");
+        assert_eq!(rank_set(&[1, 1, 2]), "1-2");
     }
 }

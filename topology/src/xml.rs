@@ -429,17 +429,26 @@ pub fn mask_to_cpulist(mask: &str) -> String {
             }
         }
     }
+    list_ranges(cpus.into_iter().map(|c| c as usize))
+}
+
+/// Numbers as a Linux list of ranges (`0-2,5,9-10`), sorted, each once: CPU lists here, rank
+/// lists in weftcc's reports.
+pub fn list_ranges(values: impl IntoIterator<Item = usize>) -> String {
+    let mut v: Vec<usize> = values.into_iter().collect();
+    v.sort_unstable();
+    v.dedup();
     let mut out: Vec<String> = Vec::new();
     let mut i = 0;
-    while i < cpus.len() {
+    while i < v.len() {
         let mut j = i;
-        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
             j += 1;
         }
         out.push(if i == j {
-            cpus[i].to_string()
+            v[i].to_string()
         } else {
-            format!("{}-{}", cpus[i], cpus[j])
+            format!("{}-{}", v[i], v[j])
         });
         i = j + 1;
     }
