@@ -266,10 +266,12 @@ fn job_prefix(token: &str) -> String {
 pub const ORPHAN_GRACE: Duration = Duration::from_secs(5);
 
 /// Removes the segments of job `token` that no live process will unlink: those whose creator
-/// has exited, and those whose header was never written that are older than [`ORPHAN_GRACE`].
-/// Ranks unlink each name right after creating it, so only a rank killed in between leaves one;
-/// `weft run` calls this when a job ends. Returns the names removed.
-pub fn remove_orphan_segments(token: &str) -> Vec<String> {
+/// has exited, and those whose header was never written that are older than [`ORPHAN_GRACE`],
+/// or of any age when `no_user_left` (every process of the job that could use this host's
+/// /dev/shm has exited, so none is still making one). Ranks unlink each name right after
+/// creating it, so only a rank killed in between leaves one; `weft run` calls this when a job
+/// ends. Returns the names removed.
+pub fn remove_orphan_segments(token: &str, no_user_left: bool) -> Vec<String> {
     let prefix = job_prefix(token);
     let Ok(entries) = std::fs::read_dir("/dev/shm") else {
         return Vec::new();
@@ -290,7 +292,7 @@ pub fn remove_orphan_segments(token: &str) -> Vec<String> {
                 .and_then(|m| m.modified())
                 .ok()
                 .and_then(|t| t.elapsed().ok())
-                .is_some_and(|age| age > ORPHAN_GRACE),
+                .is_some_and(|age| no_user_left || age > ORPHAN_GRACE),
         };
         if abandoned && nix::sys::mman::shm_unlink(name.as_str()).is_ok() {
             removed.push(name);
@@ -1766,11 +1768,23 @@ mod tests {
         let gone = child.id();
         child.wait().expect("wait");
         dead_map.u32_at(H_PID).store(gone, Ordering::Relaxed);
-        let removed = remove_orphan_segments(&token);
+        let removed = remove_orphan_segments(&token, false);
         assert_eq!(removed, vec![dead.clone()]);
         assert!(Path::new(&format!("/dev/shm{live}")).exists());
         nix::sys::mman::shm_unlink(live.as_str()).expect("unlink");
-        assert!(remove_orphan_segments(&token).is_empty());
+        assert!(remove_orphan_segments(&token, false).is_empty());
+        // A fresh segment whose header was never written: kept while someone may still be
+        // making it, removed once nobody is left.
+        let fresh = format!("/{}fresh", job_prefix(&token));
+        let fd = nix::sys::mman::shm_open(
+            fresh.as_str(),
+            nix::fcntl::OFlag::O_CREAT | nix::fcntl::OFlag::O_RDWR,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+        )
+        .expect("shm_open");
+        drop(fd);
+        assert!(remove_orphan_segments(&token, false).is_empty());
+        assert_eq!(remove_orphan_segments(&token, true), vec![fresh]);
     }
 
     #[test]

@@ -527,8 +527,11 @@ impl Launch {
         drop(done_tx);
         let readers = if self.prefix { 2 * workers.len() } else { 0 };
         let outcome = self.watch(&mut workers);
-        // Every worker has exited: shared memory a killed rank could not unlink goes now.
-        let left = remove_orphan_segments(&token);
+        // Every worker has exited: shared memory a killed rank could not unlink goes now. On a
+        // single node nobody else uses this job's segments, so even one a worker was killed
+        // while making (no header yet) goes at once; with several nodes, one may share this
+        // host's /dev/shm and still be making one.
+        let left = remove_orphan_segments(&token, self.nnodes == 1);
         if !left.is_empty() {
             eprintln!(
                 "{}: removed {} the workers left: {}",
