@@ -275,6 +275,24 @@ impl Drop for Hosts {
     }
 }
 
+/// The two hosts, or `None` after saying why test `label` is skipped (it needs root and
+/// iproute2's `ip` and `tc`).
+fn two_hosts_or_skip(label: &str) -> Option<Hosts> {
+    if !is_root() {
+        println!("{label}: SKIPPED (needs root to create network namespaces)");
+        return None;
+    }
+    if Command::new("ip").arg("-V").output().is_err()
+        || Command::new("tc").arg("-V").output().is_err()
+    {
+        println!("{label}: SKIPPED (`ip` or `tc` missing: install iproute2)");
+        return None;
+    }
+    Hosts::create()
+        .map_err(|e| println!("{label}: SKIPPED ({e})"))
+        .ok()
+}
+
 /// Kills the children if they are still running when the test gives up.
 struct Watchdog {
     done: Arc<AtomicBool>,
@@ -313,22 +331,8 @@ fn two_hosts_two_ranks_each() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    if !is_root() {
-        println!("multihost: SKIPPED (needs root to create network namespaces)");
+    let Some(hosts) = two_hosts_or_skip("multihost") else {
         return;
-    }
-    if Command::new("ip").arg("-V").output().is_err()
-        || Command::new("tc").arg("-V").output().is_err()
-    {
-        println!("multihost: SKIPPED (`ip` or `tc` missing: install iproute2)");
-        return;
-    }
-    let hosts = match Hosts::create() {
-        Ok(h) => h,
-        Err(e) => {
-            println!("multihost: SKIPPED ({e})");
-            return;
-        }
     };
     run_two_hosts(&hosts, false);
     // The same over the RDMA code path: libfabric's tcp provider between the namespaces.
@@ -637,16 +641,8 @@ fn a_link_cut_mid_operation_fails_every_rank_in_bounded_time() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    if !is_root() || Command::new("ip").arg("-V").output().is_err() {
-        println!("link cut: SKIPPED (needs root and iproute2 to create network namespaces)");
+    let Some(hosts) = two_hosts_or_skip("link cut") else {
         return;
-    }
-    let hosts = match Hosts::create() {
-        Ok(h) => h,
-        Err(e) => {
-            println!("link cut: SKIPPED ({e})");
-            return;
-        }
     };
     let token = format!("mhcut{}", std::process::id());
     let (tx, rx) = std::sync::mpsc::channel::<(usize, Instant, String)>();

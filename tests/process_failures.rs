@@ -477,8 +477,7 @@ impl DumpDir {
         std::fs::read_dir(&self.0).map_or(0, |d| {
             d.filter_map(|e| e.ok())
                 .filter(|e| {
-                    let n = e.file_name().to_string_lossy().into_owned();
-                    n.starts_with("weft-trace-") && n.ends_with(".json")
+                    weftcc::comm::trace::TraceDump::is_dump_file(&e.file_name().to_string_lossy())
                 })
                 .count()
         })

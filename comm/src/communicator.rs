@@ -702,7 +702,6 @@ impl Inner {
         let mut entry = crate::trace::TraceEntry::start(call.kind, seq, call.dtype, count as u64);
         entry.redop = call.has_reduction().then_some(call.op);
         entry.root = call.has_root().then_some(call.root);
-        self.trace.start(entry);
         let shape = CallShape {
             kind: call.kind,
             count,
@@ -710,15 +709,24 @@ impl Inner {
             root: if call.has_root() { call.root } else { 0 },
             in_place: plan.in_place && call.kind == OpKind::AllToAll,
         };
-        if !matches!(&st.last, Some((last, _)) if *last == shape) {
+        let repeated = matches!(&st.last, Some((last, _)) if *last == shape);
+        if !repeated {
+            // Recorded before preparing, so a call whose preparation fails is in the record.
+            self.trace.start(entry);
             let prepared = self.prepare(st, call, shape, seq)?;
             st.last = Some((shape, prepared));
         }
         if let Some((_, prepared)) = &st.last {
-            self.trace.update_running(|e| {
-                *e = e.with_peers(prepared.peers().iter().copied());
-                e.algorithm = prepared.algorithm();
-            });
+            let entry = crate::trace::TraceEntry {
+                algorithm: prepared.algorithm(),
+                ..entry.with_peers(prepared.peers().iter().copied())
+            };
+            // A repeated call (the common case) takes the recorder's lock once here.
+            if repeated {
+                self.trace.start(entry);
+            } else {
+                self.trace.update_running(|e| *e = entry);
+            }
         }
         let desc = OpDesc {
             kind: call.kind,

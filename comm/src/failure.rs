@@ -216,13 +216,17 @@ impl Inner {
         if !behind.is_empty() {
             return keep(behind);
         }
+        // Each rank's silence, from its watcher's store session (unknown: none silent).
+        let silence = |store: &mut StoreClient| {
+            store
+                .sessions(&crate::progress::session_prefix(&self.namespace))
+                .map(|s| crate::progress::silence(&s, &self.namespace, self.size))
+                .unwrap_or_default()
+        };
         // Point-to-point sequence numbers count one pair's messages, not comparable across
         // ranks: only the silence of the peers awaited says something.
         if op == OpKind::SendRecv {
-            let silent = store
-                .sessions(&crate::progress::session_prefix(&self.namespace))
-                .map(|s| crate::progress::silence(&s, &self.namespace, self.size))
-                .unwrap_or_default();
+            let silent = silence(store);
             let named = waiting_on
                 .iter()
                 .filter_map(|&peer| {
@@ -252,10 +256,7 @@ impl Inner {
             .iter()
             .map(|v| crate::progress::ProgressRecord::decode(v))
             .collect();
-        let silent = store
-            .sessions(&crate::progress::session_prefix(&self.namespace))
-            .map(|s| crate::progress::silence(&s, &self.namespace, self.size))
-            .unwrap_or_default();
+        let silent = silence(store);
         keep(crate::progress::behind(
             &records,
             &silent,

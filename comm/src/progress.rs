@@ -135,10 +135,16 @@ pub(crate) struct Progress {
 /// No operation yet (a word with no kind: [`word_op`] reads it as `None`).
 const NONE: u64 = u64::MAX;
 
-pub(crate) fn now_ms() -> u64 {
+/// Time since the UNIX epoch on the system clock (zero for a clock set before it): what ranks
+/// on different hosts can compare.
+pub(crate) fn since_epoch() -> Duration {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .unwrap_or_default()
+}
+
+pub(crate) fn now_ms() -> u64 {
+    since_epoch().as_millis() as u64
 }
 
 impl Default for Progress {

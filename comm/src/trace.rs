@@ -14,11 +14,13 @@ use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 use weftcc_collectives::{Algorithm, DataType, OpKind, ReduceOp};
 
 /// Entries kept per communicator when `WEFT_TRACE_BUFFER_SIZE` is not set.
 pub const DEFAULT_TRACE_BUFFER: usize = 2000;
+
+/// What every dump's file name starts with.
+const FILE_PREFIX: &str = "weft-trace-";
 
 /// The first field of every dump, naming its format.
 pub const TRACE_FORMAT: &str = "weft-trace/1";
@@ -214,7 +216,13 @@ impl TraceDump {
             DumpReason::Request => "request",
             DumpReason::Api => "api",
         };
-        format!("weft-trace-{job}-{ns}-rank{rank}-{reason}.json")
+        format!("{FILE_PREFIX}{job}-{ns}-rank{rank}-{reason}.json")
+    }
+
+    /// Whether a file name is that of a written dump ([`TraceDump::file_name`]; temporary files
+    /// of a write in progress are not).
+    pub fn is_dump_file(name: &str) -> bool {
+        name.starts_with(FILE_PREFIX) && name.ends_with(".json")
     }
 
     /// Writes the dump into `dir` (made if missing), through a temporary file of its own
@@ -333,9 +341,7 @@ impl FlightRecorder {
 
 /// Microseconds since the UNIX epoch.
 pub(crate) fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+    crate::progress::since_epoch().as_micros() as u64
 }
 
 /// A short tag of the job with `token` (FNV-1a of the token: the same on every rank, and not

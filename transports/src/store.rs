@@ -209,14 +209,21 @@ impl LocalStore<'_> {
 
     /// [`StoreClient::add`]; a value that is not a counter is left alone (and `None` returned).
     pub fn add(&mut self, key: &str, delta: i64) -> Option<i64> {
-        let old = match self.map.get(key.as_bytes()) {
-            None => 0,
-            Some(v) => std::str::from_utf8(v).ok()?.trim().parse::<i64>().ok()?,
-        };
-        let new = old.wrapping_add(delta);
-        self.set(key, new.to_string().as_bytes());
-        Some(new)
+        add_counter(self.map, key.as_bytes(), delta)
     }
+}
+
+/// Adds `delta` to the counter `key` of `map` (missing counts as 0) and returns the new value;
+/// a value that is not a decimal integer is left alone (`None`). The one rule for ADD, whether a
+/// client asks or a session hook does.
+fn add_counter(map: &mut HashMap<Vec<u8>, Vec<u8>>, key: &[u8], delta: i64) -> Option<i64> {
+    let old = match map.get(key) {
+        None => 0,
+        Some(v) => std::str::from_utf8(v).ok()?.trim().parse::<i64>().ok()?,
+    };
+    let new = old.wrapping_add(delta);
+    map.insert(key.to_vec(), new.to_string().into_bytes());
+    Some(new)
 }
 
 /// A session as [`StoreClient::sessions`] reports it.
@@ -640,22 +647,11 @@ fn handle_request(
             let Some(mut st) = open_state(inner) else {
                 return Ok(vec![ST_CLOSED]);
             };
-            let old = match st.map.get(key) {
-                None => 0i64,
-                Some(v) => match std::str::from_utf8(v)
-                    .ok()
-                    .and_then(|s| s.trim().parse::<i64>().ok())
-                {
-                    Some(n) => n,
-                    None => {
-                        let mut out = vec![ST_ERROR];
-                        out.extend_from_slice(b"value is not an integer counter");
-                        return Ok(out);
-                    }
-                },
+            let Some(new) = add_counter(&mut st.map, key, delta) else {
+                let mut out = vec![ST_ERROR];
+                out.extend_from_slice(b"value is not an integer counter");
+                return Ok(out);
             };
-            let new = old.wrapping_add(delta);
-            st.map.insert(key.to_vec(), new.to_string().into_bytes());
             drop(st);
             inner.cv.notify_all();
             let mut out = vec![ST_OK];

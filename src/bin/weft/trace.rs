@@ -168,10 +168,8 @@ fn merge_files(args: MergeArgs) -> i32 {
                     let mut found: Vec<PathBuf> = entries
                         .filter_map(|e| e.ok().map(|e| e.path()))
                         .filter(|f| {
-                            f.file_name().is_some_and(|n| {
-                                let n = n.to_string_lossy();
-                                n.starts_with("weft-trace-") && n.ends_with(".json")
-                            })
+                            f.file_name()
+                                .is_some_and(|n| TraceDump::is_dump_file(&n.to_string_lossy()))
                         })
                         .collect();
                     found.sort();
