@@ -18,6 +18,7 @@ pub mod reduce;
 pub mod schedule;
 #[doc(hidden)]
 pub mod testing;
+pub mod tiers;
 
 pub use algorithm::{Algorithm, UnknownAlgorithm};
 pub use call::{CallError, RawOp};

@@ -1,0 +1,567 @@
+//! A collective of ranks spread over several hosts, as stages on two tiers of communicators:
+//! the ranks of one host (`Local`, fast peer copies) and one rank per host (`Cross`, the
+//! network), plus the whole communicator (`Flat`) for what the tiers cannot express.
+//!
+//! The CUDA path runs these plans: CUDA IPC inside a host, the host network (staged through
+//! pinned memory) across hosts. Each stage is an ordinary collective of a sub-communicator, a
+//! copy or Avg's division, so the plan is checked here against a direct reduction without any
+//! device (`tests/tiers.rs`).
+//!
+//! Uniform layouts (every host has `L` ranks) get the hierarchical forms:
+//! * all-reduce: reduce-scatter inside the host, all-reduce of each shard across hosts (each
+//!   local rank `l` with its peers `l` of the other hosts), all-gather inside the host; the
+//!   elements beyond a multiple of `L` by the generic form below;
+//! * reduce / broadcast: inside the host to / from the root's local index, across hosts among
+//!   that index;
+//! * all-gather: across hosts among equal local indices, then inside the host, then a permutation
+//!   into rank order (ranks may be spread over the hosts in any order);
+//! * reduce-scatter: the permutation, then inside the host, then across hosts.
+//!
+//! Any layout: all-reduce by a reduce to local rank 0, an all-reduce among local ranks 0 and a
+//! broadcast inside the host; all-to-all as a group of sends and receives, each peer over its
+//! own tier ([`route`]); reduce, broadcast, all-gather and reduce-scatter of a non-uniform
+//! layout on the flat communicator.
+//!
+//! Reductions: the first stage that reduces uses the call's operation (PreMulSum scales each
+//! rank's own input once); later stages sum (Avg, PreMulSum) or repeat the operation (prod, min,
+//! max); Avg divides once at the end.
+
+use crate::call::RawOp;
+use crate::dtype::DataType;
+use crate::op::{OpKind, ReduceOp};
+
+/// Which host every rank is on; hosts are numbered in the order of their first rank, and the
+/// ranks of a host are its local ranks in rank order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TwoTier {
+    host_of: Vec<usize>,
+    local_of: Vec<usize>,
+    members: Vec<Vec<usize>>,
+}
+
+impl TwoTier {
+    /// The layout of ranks whose hosts are named by `keys` (one per rank; equal keys = one host).
+    pub fn new<K: PartialEq>(keys: &[K]) -> TwoTier {
+        let mut firsts: Vec<&K> = Vec::new();
+        let mut host_of = Vec::with_capacity(keys.len());
+        let mut local_of = Vec::with_capacity(keys.len());
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        for (rank, key) in keys.iter().enumerate() {
+            let h = match firsts.iter().position(|k| *k == key) {
+                Some(h) => h,
+                None => {
+                    firsts.push(key);
+                    members.push(Vec::new());
+                    firsts.len() - 1
+                }
+            };
+            host_of.push(h);
+            local_of.push(members[h].len());
+            members[h].push(rank);
+        }
+        TwoTier {
+            host_of,
+            local_of,
+            members,
+        }
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.host_of.len()
+    }
+
+    /// Number of hosts.
+    pub fn hosts(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The host of `rank`.
+    pub fn host(&self, rank: usize) -> usize {
+        self.host_of[rank]
+    }
+
+    /// The local rank of `rank` (its index among its host's ranks).
+    pub fn local(&self, rank: usize) -> usize {
+        self.local_of[rank]
+    }
+
+    /// The ranks of host `h`, in rank order.
+    pub fn members(&self, h: usize) -> &[usize] {
+        &self.members[h]
+    }
+
+    /// The most ranks any host has.
+    pub fn widest(&self) -> usize {
+        self.members.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// Ranks per host when every host has as many.
+    pub fn uniform(&self) -> Option<usize> {
+        let l = self.members.first()?.len();
+        self.members.iter().all(|m| m.len() == l).then_some(l)
+    }
+
+    /// The rank that is local rank `l` of host `h`.
+    pub fn rank_at(&self, h: usize, l: usize) -> usize {
+        self.members[h][l]
+    }
+
+    /// The cross communicator of local index `l`: its members (one per host that has a local
+    /// rank `l`, in host order). A rank's place in it is its host's place in this list.
+    pub fn cross_members(&self, l: usize) -> Vec<usize> {
+        self.members
+            .iter()
+            .filter_map(|m| m.get(l).copied())
+            .collect()
+    }
+
+    /// `rank`'s index in its cross communicator (= its host when the layout is uniform).
+    pub fn cross_index(&self, rank: usize) -> usize {
+        let l = self.local(rank);
+        self.members[..self.host(rank)]
+            .iter()
+            .filter(|m| m.len() > l)
+            .count()
+    }
+}
+
+/// A sub-communicator of the plan, as seen by the rank running it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// The ranks of this host (local ranks).
+    Local,
+    /// The ranks with this rank's local index, one per host (cross index).
+    Cross,
+    /// Every rank (ranks as in the whole communicator).
+    Flat,
+}
+
+/// A buffer of the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Buf {
+    Send,
+    Recv,
+    /// The plan's own scratch memory ([`TierPlan::scratch_bytes`]).
+    Scratch,
+}
+
+/// Bytes `offset..offset + len` of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    pub buf: Buf,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl Region {
+    fn new(buf: Buf, offset: usize, len: usize) -> Region {
+        Region { buf, offset, len }
+    }
+
+    /// Bytes `from..from + len` of this region.
+    fn part(self, from: usize, len: usize) -> Region {
+        Region::new(self.buf, self.offset + from, len)
+    }
+}
+
+/// One step of a plan, run in order on the caller's stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stage {
+    /// A collective on `tier`; `send: None` is the in-place form on `recv` (which then holds the
+    /// whole call: n blocks for all-gather and reduce-scatter).
+    Collective {
+        tier: Tier,
+        op: RawOp,
+        send: Option<Region>,
+        recv: Region,
+    },
+    /// Sends and receives on `tier` (peers as ranks of that tier), run as one group.
+    Group {
+        tier: Tier,
+        sends: Vec<(usize, Region)>,
+        recvs: Vec<(usize, Region)>,
+    },
+    /// A copy of `src` into `dst` (equal lengths, never overlapping).
+    Copy { src: Region, dst: Region },
+    /// Avg's last step: `region`'s elements of `dtype` divided by `by`.
+    Divide {
+        region: Region,
+        dtype: DataType,
+        by: usize,
+    },
+}
+
+/// The stages of one call on one rank, and the scratch they use.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TierPlan {
+    pub stages: Vec<Stage>,
+    pub scratch_bytes: usize,
+}
+
+/// Reductions of the first and of the later reducing stages.
+fn stage_ops(op: ReduceOp) -> (ReduceOp, ReduceOp) {
+    match op {
+        ReduceOp::Avg => (ReduceOp::Sum, ReduceOp::Sum),
+        ReduceOp::PreMulSum(_) => (op, ReduceOp::Sum),
+        other => (other, other),
+    }
+}
+
+/// The plan of `call` (a valid call: [`RawOp::plan`] accepted it) on `rank`; `in_place` when
+/// the call has only a receive buffer (NCCL's in-place layout).
+pub fn plan(layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) -> TierPlan {
+    let mut p = TierPlan::default();
+    if call.count == 0 {
+        return p;
+    }
+    let n = layout.size();
+    let es = call.dtype.size();
+    let block = call.count * es;
+    let whole = |blocks: usize| Region::new(Buf::Recv, 0, blocks * block);
+    let input = |blocks: usize| match in_place {
+        true => whole(blocks),
+        false => Region::new(Buf::Send, 0, blocks * block),
+    };
+    let uniform = layout.uniform();
+    match call.kind {
+        OpKind::AllReduce => all_reduce(&mut p, layout, rank, call, input(1), whole(1)),
+        OpKind::Reduce if uniform.is_some() => reduce(&mut p, layout, rank, call, in_place),
+        OpKind::Broadcast if uniform.is_some() => broadcast(&mut p, layout, rank, call, in_place),
+        OpKind::AllGather if uniform.is_some() => {
+            let own = match in_place {
+                true => whole(n).part(rank * block, block),
+                false => input(1),
+            };
+            all_gather(&mut p, layout, call, own, whole(n));
+        }
+        OpKind::ReduceScatter if uniform.is_some() => {
+            let out = match in_place {
+                true => whole(n).part(rank * block, block),
+                false => whole(1),
+            };
+            reduce_scatter(&mut p, layout, call, input(n), out);
+        }
+        OpKind::AllToAll => all_to_all(&mut p, layout, rank, call, in_place),
+        OpKind::Barrier | OpKind::SendRecv => {}
+        // Not uniform: the whole call on the flat communicator, Avg and PreMulSum included.
+        _ => {
+            let blocks = |kind_blocks: bool| if kind_blocks { n } else { 1 };
+            p.stages.push(Stage::Collective {
+                tier: Tier::Flat,
+                op: *call,
+                send: (!in_place).then(|| input(blocks(call.kind == OpKind::ReduceScatter))),
+                recv: whole(blocks(
+                    call.kind == OpKind::AllGather
+                        || (call.kind == OpKind::ReduceScatter && in_place),
+                )),
+            });
+            return p;
+        }
+    }
+    if call.op == ReduceOp::Avg && call.has_reduction() {
+        let out = match call.kind {
+            OpKind::Reduce if rank != call.root => None,
+            OpKind::ReduceScatter if in_place => Some(whole(n).part(rank * block, block)),
+            _ => Some(whole(1)),
+        };
+        if let Some(region) = out {
+            p.stages.push(Stage::Divide {
+                region,
+                dtype: call.dtype,
+                by: n,
+            });
+        }
+    }
+    p
+}
+
+fn all_reduce(
+    p: &mut TierPlan,
+    layout: &TwoTier,
+    rank: usize,
+    call: &RawOp,
+    input: Region,
+    output: Region,
+) {
+    let es = call.dtype.size();
+    let (first, later) = stage_ops(call.op);
+    let at = |count| RawOp::new(OpKind::AllReduce, call.dtype, count);
+    let l = layout.local(rank);
+    // Elements carried by the shards of a uniform layout; the rest goes the generic way.
+    let (local_size, shard) = match layout.uniform() {
+        Some(ls) => (ls, call.count / ls),
+        None => (1, 0),
+    };
+    let sharded = shard * local_size;
+    if shard > 0 {
+        let (all, mine) = (sharded * es, output.part(l * shard * es, shard * es));
+        let in_place = input == output;
+        p.stages.push(Stage::Collective {
+            tier: Tier::Local,
+            op: RawOp {
+                kind: OpKind::ReduceScatter,
+                count: shard,
+                op: first,
+                ..at(shard)
+            },
+            send: (!in_place).then(|| input.part(0, all)),
+            recv: if in_place { output.part(0, all) } else { mine },
+        });
+        p.stages.push(Stage::Collective {
+            tier: Tier::Cross,
+            op: at(shard).with_op(later),
+            send: None,
+            recv: mine,
+        });
+        p.stages.push(Stage::Collective {
+            tier: Tier::Local,
+            op: RawOp {
+                kind: OpKind::AllGather,
+                ..at(shard)
+            },
+            send: None,
+            recv: output.part(0, all),
+        });
+    }
+    let rest = call.count - sharded;
+    if rest == 0 {
+        return;
+    }
+    let (from, len) = (sharded * es, rest * es);
+    let (input, output) = (input.part(from, len), output.part(from, len));
+    p.stages.push(Stage::Collective {
+        tier: Tier::Local,
+        op: RawOp {
+            kind: OpKind::Reduce,
+            ..at(rest)
+        }
+        .with_op(first),
+        send: (input != output).then_some(input),
+        recv: output,
+    });
+    if l == 0 {
+        p.stages.push(Stage::Collective {
+            tier: Tier::Cross,
+            op: at(rest).with_op(later),
+            send: None,
+            recv: output,
+        });
+    }
+    p.stages.push(Stage::Collective {
+        tier: Tier::Local,
+        op: RawOp {
+            kind: OpKind::Broadcast,
+            ..at(rest)
+        },
+        send: None,
+        recv: output,
+    });
+}
+
+/// Uniform layouts only.
+fn reduce(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) {
+    let bytes = call.count * call.dtype.size();
+    let (first, later) = stage_ops(call.op);
+    let (root_host, root_local) = (layout.host(call.root), layout.local(call.root));
+    let (h, l) = (layout.host(rank), layout.local(rank));
+    let output = Region::new(Buf::Recv, 0, bytes);
+    let input = match in_place {
+        true => output,
+        false => Region::new(Buf::Send, 0, bytes),
+    };
+    let carrier = Region::new(Buf::Scratch, 0, bytes);
+    p.scratch_bytes = bytes;
+    // Inside the host, to the root's local index; there the partial sum lands in the output
+    // on the root and in scratch elsewhere.
+    let partial = if h == root_host { output } else { carrier };
+    let lands = if l == root_local { partial } else { carrier };
+    p.stages.push(Stage::Collective {
+        tier: Tier::Local,
+        op: RawOp::new(OpKind::Reduce, call.dtype, call.count)
+            .with_op(first)
+            .with_root(root_local),
+        send: (input != lands).then_some(input),
+        recv: lands,
+    });
+    if l == root_local {
+        p.stages.push(Stage::Collective {
+            tier: Tier::Cross,
+            op: RawOp::new(OpKind::Reduce, call.dtype, call.count)
+                .with_op(later)
+                .with_root(root_host),
+            send: None,
+            recv: partial,
+        });
+    }
+}
+
+/// Uniform layouts only.
+fn broadcast(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) {
+    let bytes = call.count * call.dtype.size();
+    let (root_host, root_local) = (layout.host(call.root), layout.local(call.root));
+    let output = Region::new(Buf::Recv, 0, bytes);
+    let op = RawOp::new(OpKind::Broadcast, call.dtype, call.count);
+    if layout.local(rank) == root_local {
+        p.stages.push(Stage::Collective {
+            tier: Tier::Cross,
+            op: op.with_root(root_host),
+            send: (rank == call.root && !in_place).then(|| Region::new(Buf::Send, 0, bytes)),
+            recv: output,
+        });
+    }
+    p.stages.push(Stage::Collective {
+        tier: Tier::Local,
+        op: op.with_root(root_local),
+        send: None,
+        recv: output,
+    });
+}
+
+/// The copies that move block `(h, l)` between `local_major` (blocks ordered local rank first,
+/// then host) and `ranked` (blocks in rank order), merged where both sides run on.
+fn permutation(
+    layout: &TwoTier,
+    block: usize,
+    local_major: Region,
+    ranked: Region,
+    to_rank_order: bool,
+) -> Vec<Stage> {
+    let hosts = layout.hosts();
+    let local_size = layout.uniform().unwrap_or(1);
+    let mut stages: Vec<Stage> = Vec::new();
+    for l in 0..local_size {
+        for h in 0..hosts {
+            let a = local_major.part((l * hosts + h) * block, block);
+            let b = ranked.part(layout.rank_at(h, l) * block, block);
+            let (src, dst) = if to_rank_order { (a, b) } else { (b, a) };
+            if let Some(Stage::Copy { src: s, dst: d }) = stages.last_mut() {
+                if s.offset + s.len == src.offset && d.offset + d.len == dst.offset {
+                    s.len += block;
+                    d.len += block;
+                    continue;
+                }
+            }
+            stages.push(Stage::Copy { src, dst });
+        }
+    }
+    stages
+}
+
+/// Uniform layouts only: across hosts among equal local indices, inside the host, then into
+/// rank order.
+fn all_gather(p: &mut TierPlan, layout: &TwoTier, call: &RawOp, own: Region, output: Region) {
+    let block = call.count * call.dtype.size();
+    let (hosts, n) = (layout.hosts(), layout.size());
+    let across = Region::new(Buf::Scratch, 0, hosts * block);
+    let gathered = Region::new(Buf::Scratch, hosts * block, n * block);
+    p.scratch_bytes = (hosts + n) * block;
+    p.stages.push(Stage::Collective {
+        tier: Tier::Cross,
+        op: RawOp::new(OpKind::AllGather, call.dtype, call.count),
+        send: Some(own),
+        recv: across,
+    });
+    p.stages.push(Stage::Collective {
+        tier: Tier::Local,
+        op: RawOp::new(OpKind::AllGather, call.dtype, call.count * hosts),
+        send: Some(across),
+        recv: gathered,
+    });
+    p.stages
+        .extend(permutation(layout, block, gathered, output, true));
+}
+
+/// Uniform layouts only: into local-major order, inside the host, then across hosts.
+fn reduce_scatter(p: &mut TierPlan, layout: &TwoTier, call: &RawOp, input: Region, output: Region) {
+    let block = call.count * call.dtype.size();
+    let (hosts, n) = (layout.hosts(), layout.size());
+    let (first, later) = stage_ops(call.op);
+    let ordered = Region::new(Buf::Scratch, 0, n * block);
+    let partial = Region::new(Buf::Scratch, n * block, hosts * block);
+    p.scratch_bytes = (hosts + n) * block;
+    p.stages
+        .extend(permutation(layout, block, ordered, input, false));
+    p.stages.push(Stage::Collective {
+        tier: Tier::Local,
+        op: RawOp::new(OpKind::ReduceScatter, call.dtype, call.count * hosts).with_op(first),
+        send: Some(ordered),
+        recv: partial,
+    });
+    p.stages.push(Stage::Collective {
+        tier: Tier::Cross,
+        op: RawOp::new(OpKind::ReduceScatter, call.dtype, call.count).with_op(later),
+        send: Some(partial),
+        recv: output,
+    });
+}
+
+/// Any layout: this rank's own block copied, the other blocks sent and received over each
+/// peer's tier (in place: from a copy of the input).
+fn all_to_all(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) {
+    let block = call.count * call.dtype.size();
+    let n = layout.size();
+    let output = Region::new(Buf::Recv, 0, n * block);
+    let input = if in_place {
+        let copy = Region::new(Buf::Scratch, 0, n * block);
+        p.scratch_bytes = n * block;
+        p.stages.push(Stage::Copy {
+            src: output,
+            dst: copy,
+        });
+        copy
+    } else {
+        Region::new(Buf::Send, 0, n * block)
+    };
+    p.stages.push(Stage::Copy {
+        src: input.part(rank * block, block),
+        dst: output.part(rank * block, block),
+    });
+    let blocks = |buf: Region| -> Vec<(usize, Region)> {
+        (0..n)
+            .filter(|&q| q != rank)
+            .map(|q| (q, buf.part(q * block, block)))
+            .collect()
+    };
+    let routed = route(layout, rank, blocks(input), blocks(output));
+    for (tier, (sends, recvs)) in [(Tier::Local, routed.local), (Tier::Flat, routed.flat)] {
+        if !sends.is_empty() || !recvs.is_empty() {
+            p.stages.push(Stage::Group { tier, sends, recvs });
+        }
+    }
+}
+
+/// Sends and receives `(peer, buffer)` split by the tier that reaches each peer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed<T> {
+    /// Peers on this host, named by their local rank: (sends, receives).
+    pub local: (Vec<(usize, T)>, Vec<(usize, T)>),
+    /// Peers on other hosts, named by their rank: (sends, receives).
+    pub flat: (Vec<(usize, T)>, Vec<(usize, T)>),
+}
+
+/// Splits sends and receives (peers as ranks of the whole communicator) by tier, keeping their
+/// order: a group runs as a group on the local tier, then one on the flat tier.
+pub fn route<T>(
+    layout: &TwoTier,
+    rank: usize,
+    sends: Vec<(usize, T)>,
+    recvs: Vec<(usize, T)>,
+) -> Routed<T> {
+    let host = layout.host(rank);
+    let split = |list: Vec<(usize, T)>| {
+        let (near, far): (Vec<_>, Vec<_>) =
+            list.into_iter().partition(|(q, _)| layout.host(*q) == host);
+        let near: Vec<_> = near
+            .into_iter()
+            .map(|(q, x)| (layout.local(q), x))
+            .collect();
+        (near, far)
+    };
+    let (near_sends, far_sends) = split(sends);
+    let (near_recvs, far_recvs) = split(recvs);
+    Routed {
+        local: (near_sends, near_recvs),
+        flat: (far_sends, far_recvs),
+    }
+}
