@@ -8,9 +8,10 @@
 //! device (`tests/tiers.rs`).
 //!
 //! Uniform layouts (every host has `L` ranks) get the hierarchical forms:
-//! * all-reduce: reduce-scatter inside the host, all-reduce of each shard across hosts (each
-//!   local rank `l` with its peers `l` of the other hosts), all-gather inside the host; the
-//!   elements beyond a multiple of `L` by the generic form below;
+//! * all-reduce of at least `shard_min` bytes: reduce-scatter inside the host, all-reduce of
+//!   each shard across hosts (each local rank `l` with its peers `l` of the other hosts),
+//!   all-gather inside the host; the elements beyond a multiple of `L` by the generic form
+//!   below (smaller all-reduces too: one exchange across hosts instead of `L` in parallel);
 //! * reduce / broadcast: inside the host to / from the root's local index, across hosts among
 //!   that index;
 //! * all-gather: across hosts among equal local indices, then inside the host, then a permutation
@@ -208,9 +209,21 @@ fn stage_ops(op: ReduceOp) -> (ReduceOp, ReduceOp) {
     }
 }
 
+/// Default of the smallest all-reduce (bytes) that is sharded across hosts. On an H200 with
+/// 8 ranks as 2 hosts × 4 (staged between hosts), sharding was 2× slower than one exchange at
+/// 64 B–32 KiB (four cross-host all-reduces at once instead of one) and faster from 256 KiB.
+pub const DEFAULT_SHARD_MIN: usize = 128 << 10;
+
 /// The plan of `call` (a valid call: [`RawOp::plan`] accepted it) on `rank`; `in_place` when
-/// the call has only a receive buffer (NCCL's in-place layout).
-pub fn plan(layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) -> TierPlan {
+/// the call has only a receive buffer (NCCL's in-place layout); all-reduces of at least
+/// `shard_min` bytes are sharded across hosts (see the module documentation).
+pub fn plan(
+    layout: &TwoTier,
+    rank: usize,
+    call: &RawOp,
+    in_place: bool,
+    shard_min: usize,
+) -> TierPlan {
     let mut p = TierPlan::default();
     if call.count == 0 {
         return p;
@@ -225,7 +238,10 @@ pub fn plan(layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) -> Tier
     };
     let uniform = layout.uniform();
     match call.kind {
-        OpKind::AllReduce => all_reduce(&mut p, layout, rank, call, input(1), whole(1)),
+        OpKind::AllReduce => {
+            let sharded = block >= shard_min;
+            all_reduce(&mut p, layout, rank, call, sharded, input(1), whole(1))
+        }
         OpKind::Reduce if uniform.is_some() => reduce(&mut p, layout, rank, call, in_place),
         OpKind::Broadcast if uniform.is_some() => broadcast(&mut p, layout, rank, call, in_place),
         OpKind::AllGather if uniform.is_some() => {
@@ -281,6 +297,7 @@ fn all_reduce(
     layout: &TwoTier,
     rank: usize,
     call: &RawOp,
+    sharded: bool,
     input: Region,
     output: Region,
 ) {
@@ -290,8 +307,8 @@ fn all_reduce(
     let l = layout.local(rank);
     // Elements carried by the shards of a uniform layout; the rest goes the generic way.
     let (local_size, shard) = match layout.uniform() {
-        Some(ls) => (ls, call.count / ls),
-        None => (1, 0),
+        Some(ls) if sharded => (ls, call.count / ls),
+        _ => (1, 0),
     };
     let sharded = shard * local_size;
     if shard > 0 {
@@ -524,20 +541,38 @@ fn all_to_all(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_
             .collect()
     };
     let routed = route(layout, rank, blocks(input), blocks(output));
-    for (tier, (sends, recvs)) in [(Tier::Local, routed.local), (Tier::Flat, routed.flat)] {
-        if !sends.is_empty() || !recvs.is_empty() {
-            p.stages.push(Stage::Group { tier, sends, recvs });
+    for (tier, ops) in [(Tier::Local, routed.local), (Tier::Flat, routed.flat)] {
+        if !ops.is_empty() {
+            p.stages.push(Stage::Group {
+                tier,
+                sends: ops.sends,
+                recvs: ops.recvs,
+            });
         }
     }
 }
 
-/// Sends and receives `(peer, buffer)` split by the tier that reaches each peer.
+/// Sends and receives, each `(peer, buffer)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerOps<T> {
+    pub sends: Vec<(usize, T)>,
+    pub recvs: Vec<(usize, T)>,
+}
+
+impl<T> PeerOps<T> {
+    /// No send and no receive.
+    pub fn is_empty(&self) -> bool {
+        self.sends.is_empty() && self.recvs.is_empty()
+    }
+}
+
+/// Sends and receives split by the tier that reaches each peer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed<T> {
-    /// Peers on this host, named by their local rank: (sends, receives).
-    pub local: (Vec<(usize, T)>, Vec<(usize, T)>),
-    /// Peers on other hosts, named by their rank: (sends, receives).
-    pub flat: (Vec<(usize, T)>, Vec<(usize, T)>),
+    /// Peers on this host, named by their local rank.
+    pub local: PeerOps<T>,
+    /// Peers on other hosts, named by their rank.
+    pub flat: PeerOps<T>,
 }
 
 /// Splits sends and receives (peers as ranks of the whole communicator) by tier, keeping their
@@ -561,7 +596,13 @@ pub fn route<T>(
     let (near_sends, far_sends) = split(sends);
     let (near_recvs, far_recvs) = split(recvs);
     Routed {
-        local: (near_sends, near_recvs),
-        flat: (far_sends, far_recvs),
+        local: PeerOps {
+            sends: near_sends,
+            recvs: near_recvs,
+        },
+        flat: PeerOps {
+            sends: far_sends,
+            recvs: far_recvs,
+        },
     }
 }

@@ -327,7 +327,9 @@ fn execute(layout: &TwoTier, plans: &[TierPlan], bufs: &mut [Bufs]) {
 
 /// Runs `call` (op and root as rank 0 passes them) on `hosts` (host of each rank) and checks
 /// every rank's result.
+#[allow(clippy::too_many_arguments)]
 fn check(
+    shard_min: usize,
     hosts: &[usize],
     kind: OpKind,
     t: DataType,
@@ -383,7 +385,7 @@ fn check(
             let call = RawOp::new(kind, t, count)
                 .with_op(op_of(op, r))
                 .with_root(root);
-            let p = plan(&layout, r, &call, in_place);
+            let p = plan(&layout, r, &call, in_place, shard_min);
             bufs[r].scratch = vec![SENTINEL; p.scratch_bytes];
             p
         })
@@ -469,7 +471,9 @@ fn every_collective_on_fixed_layouts() {
                     for count in [0, 1, 2, 5, 13] {
                         for in_place in [false, true] {
                             for root in [0, hosts.len() - 1] {
-                                check(hosts, kind, t, op, count, root, in_place);
+                                for shard_min in [0, usize::MAX] {
+                                    check(shard_min, hosts, kind, t, op, count, root, in_place);
+                                }
                             }
                         }
                     }
@@ -483,7 +487,7 @@ fn every_collective_on_fixed_layouts() {
 fn uniform_layouts_take_the_hierarchical_forms() {
     let layout = TwoTier::new(&[0, 1, 0, 1]);
     let call = RawOp::new(OpKind::AllReduce, DataType::Float32, 10);
-    let p = plan(&layout, 1, &call, false);
+    let p = plan(&layout, 1, &call, false, 0);
     let tiers: Vec<_> = p
         .stages
         .iter()
@@ -501,6 +505,32 @@ fn uniform_layouts_take_the_hierarchical_forms() {
             (Tier::Local, OpKind::AllGather, 5)
         ]
     );
+    // Below the sharding threshold: one exchange across hosts, by local ranks 0.
+    let small = |rank| {
+        plan(&layout, rank, &call, false, usize::MAX)
+            .stages
+            .iter()
+            .filter_map(|s| match s {
+                Stage::Collective { tier, op, .. } => Some((*tier, op.kind)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        small(0),
+        [
+            (Tier::Local, OpKind::Reduce),
+            (Tier::Cross, OpKind::AllReduce),
+            (Tier::Local, OpKind::Broadcast)
+        ]
+    );
+    assert_eq!(
+        small(2),
+        [
+            (Tier::Local, OpKind::Reduce),
+            (Tier::Local, OpKind::Broadcast)
+        ]
+    );
     // All-gather's permutation: ranks dealt over the hosts in turn are already in local-major
     // order (one merged copy); hosts holding consecutive ranks need a copy per rank.
     let copies = |hosts: &[usize]| {
@@ -509,6 +539,7 @@ fn uniform_layouts_take_the_hierarchical_forms() {
             0,
             &RawOp::new(OpKind::AllGather, DataType::Float32, 3),
             false,
+            0,
         );
         ag.stages
             .iter()
@@ -531,9 +562,10 @@ proptest! {
         count in prop::sample::select(vec![0usize, 1, 3, 4, 7, 9, 16, 37]),
         root_pick in 0usize..9,
         in_place in any::<bool>(),
+        shard_min in prop::sample::select(vec![0usize, 16, usize::MAX]),
     ) {
         let root = root_pick % hosts.len();
         let op = if kind.has_reduction() { op } else { ReduceOp::Sum };
-        check(&hosts, kind, t, op, count, root, in_place);
+        check(shard_min, &hosts, kind, t, op, count, root, in_place);
     }
 }

@@ -24,12 +24,13 @@
 //!
 //! Buffers must stay alive until the stream has passed the operation (as with NCCL).
 
-use crate::driver::check;
+use crate::driver::{check, has_symbol};
 use crate::error::DeviceArgError;
 use crate::error::{CudaError, Result};
 use crate::group::DeviceGroup;
 use crate::ipc::{BufferMap, IpcPeers};
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
+use crate::tiered::Tiers;
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
@@ -37,6 +38,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan};
 use weftcc_collectives::schedule::p2p;
+use weftcc_collectives::tiers::TwoTier;
 use weftcc_collectives::{
     schedule, Algorithm, Combiner, DataType, Element, OpKind, RawOp, ReduceOp,
 };
@@ -50,10 +52,16 @@ pub enum Transport {
     Ipc,
     /// Staging through pinned host memory into the host communicator.
     Staged,
+    /// Ranks on several hosts: CUDA IPC between the ranks of a host, staged through pinned host
+    /// memory into the host network between hosts, hierarchical collectives (`tiered.rs`).
+    Hierarchical,
 }
 
 /// `WEFT_CUDA_IPC=0` forces the staged transport.
 pub const IPC_ENV: &str = "WEFT_CUDA_IPC";
+/// `WEFT_CUDA_HIERARCHICAL=0` stages every operation of ranks on several hosts instead of
+/// using CUDA IPC inside each host.
+pub const HIERARCHICAL_ENV: &str = "WEFT_CUDA_HIERARCHICAL";
 /// Bytes per IPC slot (the largest message of a pipelined transfer); default
 /// [`DEFAULT_SLOT_BYTES`].
 pub const SLOT_ENV: &str = "WEFT_CUDA_SLOT_BYTES";
@@ -71,6 +79,11 @@ pub const DEFAULT_DEPTH: usize = 2;
 /// Largest all-reduce (bytes) that runs recursive doubling instead of the ring over IPC; 0
 /// always uses the ring. Default [`DEFAULT_RD_MAX`].
 pub const RD_MAX_ENV: &str = "WEFT_CUDA_RD_MAX";
+/// Smallest all-reduce (bytes) of the hierarchical transport that is sharded across hosts
+/// (reduce-scatter inside the host, all-reduce of each shard across, all-gather); smaller ones
+/// reduce to local rank 0, all-reduce among local ranks 0, broadcast inside the host. 0 always
+/// shards. Default `weftcc_collectives::tiers::DEFAULT_SHARD_MIN` (128 KiB).
+pub const SHARD_MIN_ENV: &str = "WEFT_CUDA_SHARD_MIN";
 /// Default for [`RD_MAX_ENV`]. Each message on the IPC path costs a fixed ~15–20 µs of stream
 /// operations, and the ring's `2 (n - 1)` dependent steps pay it in series where recursive
 /// doubling's `log2 n` rounds (two more when `n` is not a power of two) move the whole buffer
@@ -78,18 +91,6 @@ pub const RD_MAX_ENV: &str = "WEFT_CUDA_RD_MAX";
 /// MPS) recursive doubling was faster up to 2 MiB with 2 ranks (8 B 31–39 vs 45–48 µs) and up
 /// to 16 MiB with 4 (70 vs 122–215 µs below 2 MiB), the ring from 16 MiB and 128 MiB.
 pub const DEFAULT_RD_MAX: usize = 4 << 20;
-
-/// True when the loaded driver exports `name` (resolving a missing symbol through cudarc would
-/// panic).
-fn has_symbol(name: &str) -> bool {
-    // SAFETY: only reached after ensure_driver succeeded (a Context exists), so culib() finds the
-    // library; we only look the symbol up, never call it through this type.
-    unsafe {
-        sys::culib()
-            .get::<unsafe extern "C" fn()>(name.as_bytes())
-            .is_ok()
-    }
-}
 
 /// Whether `cuStreamWaitValue32_v2`/`cuStreamWriteValue32_v2` exist and work on this device.
 fn stream_mem_ops(ctx: &Context) -> bool {
@@ -115,7 +116,7 @@ fn stream_mem_ops(ctx: &Context) -> bool {
 }
 
 /// A size from the environment where 0 is a valid value (unset or unparsable: `default`).
-fn env_bytes(name: &str, default: usize) -> usize {
+pub(crate) fn env_bytes(name: &str, default: usize) -> usize {
     env_size(name).unwrap_or(default)
 }
 
@@ -138,7 +139,7 @@ pub(crate) struct DevSpan {
 }
 
 /// What a staged job moves.
-enum Work {
+pub(crate) enum Work {
     Collective {
         op: RawOp,
         send: Option<DevSpan>,
@@ -174,8 +175,11 @@ struct Job {
     seq: u64,
     ticket: u32,
     work: Work,
-    /// Recorded on the caller's stream: the inputs are ready once it has completed.
+    /// Recorded on the caller's stream after the copies into `input`/`output`: the host side
+    /// may start once it has completed.
     ready: Event,
+    input: Arc<PinnedBuffer>,
+    output: Arc<PinnedBuffer>,
     done: Arc<(Mutex<Option<Result<()>>>, Condvar)>,
 }
 
@@ -185,6 +189,8 @@ struct Proxy {
     /// The release counter the caller's streams wait on (host-mapped, pinned).
     flag: Arc<PinnedBuffer>,
     flag_dev: u64,
+    /// Tickets and staging, taken for a whole enqueue: tickets reach the proxy in order.
+    staging: Mutex<Staging>,
     tickets: AtomicU32,
     mem_ops: bool,
 }
@@ -227,6 +233,8 @@ pub struct DeviceComm {
     /// All-reduces of at most this many bytes use recursive doubling on the IPC path.
     rd_max: usize,
     proxy: Option<Proxy>,
+    /// The hierarchical transport's tiers.
+    tiers: Option<Box<Tiers>>,
     seq: AtomicU64,
     /// Wire code of the last operation enqueued (named in timeouts).
     last_op: AtomicU8,
@@ -284,22 +292,28 @@ impl DeviceComm {
             let end = s.iter().position(|&c| c == 0).unwrap_or(s.len());
             String::from_utf8_lossy(&s[..end]).into_owned()
         };
-        let one_host = (0..size).all(|r| field(r, 0, 64) == field(0, 0, 64));
+        let hosts: Vec<String> = (0..size).map(|r| field(r, 0, 64)).collect();
+        let layout = TwoTier::new(&hosts);
+        let one_host = layout.hosts() == 1;
         let my_bus = info.pci_bus_id.clone();
         let mut sharing = false;
-        let mut p2p_ok = true;
+        // Whether this GPU reaches the GPUs of every other rank, and of every rank of its host.
+        let (mut p2p_ok, mut p2p_host_ok) = (true, true);
         for r in 0..size {
             if r == rank {
                 continue;
             }
             let bus = field(r, 64, 112);
-            if bus.eq_ignore_ascii_case(&my_bus) {
+            let reachable = bus.eq_ignore_ascii_case(&my_bus) || peer_reachable(&ctx, &bus);
+            if bus.eq_ignore_ascii_case(&my_bus) && hosts[r] == hosts[rank] {
                 sharing = true;
-                continue;
             }
-            p2p_ok &= peer_reachable(&ctx, &bus);
+            p2p_ok &= reachable;
+            if hosts[r] == hosts[rank] {
+                p2p_host_ok &= reachable;
+            }
         }
-        if sharing && one_host {
+        if sharing {
             SHARED_GPU_WARNING.call_once(|| {
                 // Measured on an H100: ~4 ms per operation of any size without MPS (the driver
                 // time-slices the processes' contexts), 31 µs at 8 B with it.
@@ -314,13 +328,39 @@ impl DeviceComm {
             });
         }
         let all_flags = (0..size).all(|r| all[r * REC + 120] == 1 && all[r * REC + 121] == 1);
-        let mut vote = [u8::from(one_host && p2p_ok && all_flags)];
+        // Hierarchical only where some host has several ranks (else it is staging with extra
+        // steps; it also keeps the tiers, made by this function, from recursing).
+        let tiers_allowed = std::env::var(HIERARCHICAL_ENV).map_or(true, |v| v != "0");
+        let mut vote = [
+            u8::from(one_host && p2p_ok && all_flags),
+            u8::from(!one_host && layout.widest() > 1 && p2p_host_ok && all_flags && tiers_allowed),
+        ];
         host.all_reduce_in_place(&mut vote[..], ReduceOp::Min)?;
         // Kernels are needed by the IPC path and by nothing else; report them only then.
         let transport = if vote[0] == 1 || (size == 1 && kernels_ok.is_ok()) {
             Transport::Ipc
+        } else if vote[1] == 1 {
+            Transport::Hierarchical
         } else {
             Transport::Staged
+        };
+        // The tiers are communicators of their own, split from the host one (collective: every
+        // rank makes its host's first, then its local index's).
+        let tiers = match transport {
+            Transport::Hierarchical => {
+                let (h, l) = (layout.host(rank), layout.local(rank));
+                let split = |color: usize, key: usize| -> Result<Communicator> {
+                    host.split(Some(color as u32), key as i64)?
+                        .ok_or_else(|| CudaError::Other("split without a communicator".into()))
+                };
+                let local_host = split(h, rank)?;
+                let cross_host = split(l, h)?;
+                let local = DeviceComm::new(local_host, ctx.clone())?;
+                let cross = DeviceComm::new(cross_host, ctx.clone())?;
+                log_paths(rank, &layout, &local, &cross);
+                Some(Box::new(Tiers::new(layout, local, cross)))
+            }
+            _ => None,
         };
         let host = Arc::new(host);
         let shared = Arc::new(Shared {
@@ -336,7 +376,9 @@ impl DeviceComm {
                     None,
                 )
             }
-            Transport::Staged => (None, Some(Proxy::start(&ctx, &host, &shared, mem_ops)?)),
+            Transport::Staged | Transport::Hierarchical => {
+                (None, Some(Proxy::start(&ctx, &host, &shared, mem_ops)?))
+            }
         };
         tracing::info!(target: "weftcc::cuda", rank, size, device = ctx.ordinal(), ?transport, "device communicator ready");
         Ok(DeviceComm {
@@ -349,6 +391,7 @@ impl DeviceComm {
             ipc,
             rd_max: env_bytes(RD_MAX_ENV, DEFAULT_RD_MAX),
             proxy,
+            tiers,
             seq: AtomicU64::new(0),
             last_op: AtomicU8::new(OpKind::AllReduce as u8),
         })
@@ -380,9 +423,26 @@ impl DeviceComm {
         &self.host
     }
 
-    /// The first fatal error, if any.
+    /// The first fatal error, if any (a tier's included).
     pub fn error(&self) -> Option<CudaError> {
+        self.tier_failure();
         lock(&self.shared.error).clone()
+    }
+
+    /// Poisons this communicator with the first error of a tier, if one failed.
+    fn tier_failure(&self) {
+        if let Some(detail) = self.tiers.as_ref().and_then(|t| t.error()) {
+            self.shared.poison(&CudaError::Collective {
+                rank: self.rank,
+                op: self.last_kind(),
+                seq: self.seq.load(Ordering::Relaxed).saturating_sub(1),
+                detail,
+            });
+        }
+    }
+
+    fn last_kind(&self) -> OpKind {
+        OpKind::from_code(self.last_op.load(Ordering::Relaxed)).unwrap_or(OpKind::AllReduce)
     }
 
     /// Waits for everything enqueued on `stream` (at most the host communicator's timeout) and
@@ -394,8 +454,7 @@ impl DeviceComm {
             tracing::error!(target: "weftcc::cuda", rank = self.rank, "{e}");
             let e = CudaError::Timeout {
                 rank: self.rank,
-                op: OpKind::from_code(self.last_op.load(Ordering::Relaxed))
-                    .unwrap_or(OpKind::AllReduce),
+                op: self.last_kind(),
                 seq: self.seq.load(Ordering::Relaxed).saturating_sub(1),
                 after: timeout,
             };
@@ -403,6 +462,7 @@ impl DeviceComm {
             self.abort();
             return Err(e);
         }
+        self.tier_failure();
         self.shared.check()
     }
 
@@ -417,6 +477,9 @@ impl DeviceComm {
         if let Some(ipc) = &self.ipc {
             let g = lock(ipc);
             let _ = g.release_all();
+        }
+        if let Some(t) = &self.tiers {
+            t.abort();
         }
         self.host.abort();
     }
@@ -469,7 +532,7 @@ impl DeviceComm {
         )
     }
 
-    fn enqueue(
+    pub(crate) fn enqueue(
         &self,
         call: RawOp,
         send: Option<DevSpan>,
@@ -488,9 +551,12 @@ impl DeviceComm {
             .map_err(|r| self.invalid(call.kind, r))?;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.last_op.store(call.kind as u8, Ordering::Relaxed);
-        let r = match self.transport {
-            Transport::Ipc => self.enqueue_ipc(&call, send, recv, &plan, stream),
-            Transport::Staged => self.enqueue_staged(
+        let r = match (self.transport, &self.tiers) {
+            (Transport::Hierarchical, Some(t)) => {
+                self.enqueue_tiered(t, seq, &call, send, recv, stream)
+            }
+            (Transport::Ipc, _) => self.enqueue_ipc(&call, send, recv, &plan, stream),
+            _ => self.enqueue_staged(
                 seq,
                 Work::Collective {
                     op: call,
@@ -520,6 +586,10 @@ impl DeviceComm {
             if let Some(ipc) = &self.ipc {
                 let g = lock(ipc);
                 let _ = g.release_all();
+            }
+            // Stages already enqueued may wait for peers that wait for the stage that failed.
+            if let Some(t) = &self.tiers {
+                t.abort();
             }
         }
         e
@@ -569,9 +639,12 @@ impl DeviceComm {
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.last_op.store(kind as u8, Ordering::Relaxed);
-        let r = match self.transport {
-            Transport::Ipc => self.enqueue_group_ipc(&sends, &recvs, stream),
-            Transport::Staged => self.enqueue_staged(seq, Work::Group { sends, recvs }, stream),
+        let r = match (self.transport, &self.tiers) {
+            (Transport::Hierarchical, Some(t)) => {
+                self.enqueue_group_tiered(t, seq, sends, recvs, stream)
+            }
+            (Transport::Ipc, _) => self.enqueue_group_ipc(&sends, &recvs, stream),
+            _ => self.enqueue_staged(seq, Work::Group { sends, recvs }, stream),
         };
         r.map_err(|e| self.failed(kind, seq, e))
     }
@@ -666,18 +739,43 @@ impl DeviceComm {
         Ok(())
     }
 
-    fn enqueue_staged(&self, seq: u64, work: Work, stream: &Stream) -> Result<()> {
+    /// Stages `work` through pinned host memory. Every GPU step is on the caller's stream:
+    /// copies into pinned memory, an event the proxy waits for, a wait for the proxy's release
+    /// flag, copies back. The proxy only runs the host collective: no GPU work of this context
+    /// ever waits behind a stream that waits for the proxy (the CUDA driver does not see that
+    /// dependency, and under MPS such a pair deadlocked on an H200).
+    pub(crate) fn enqueue_staged(&self, seq: u64, work: Work, stream: &Stream) -> Result<()> {
         let proxy = self
             .proxy
             .as_ref()
             .ok_or_else(|| CudaError::Other("staged transport without proxy".into()))?;
+        let mut staging = lock(&proxy.staging);
+        let (in_bytes, out_bytes) = work.staged_bytes();
+        staging.reserve(&self.ctx, in_bytes, out_bytes)?;
+        // The previous staged operation must be done with the pinned buffers.
+        if let Some(prev) = &staging.done {
+            stream.wait_event(prev)?;
+        }
+        let (input, output) = (staging.input.clone(), staging.output.clone());
+        match &work {
+            Work::Collective { send, recv, .. } => match send {
+                Some(s) => copy_to_pinned(&input, 0, *s, stream)?,
+                None => copy_to_pinned(&output, 0, *recv, stream)?,
+            },
+            Work::Group { sends, .. } => {
+                let mut at = 0;
+                for (_, s) in sends {
+                    copy_to_pinned(&input, at, *s, stream)?;
+                    at += s.bytes;
+                }
+            }
+        }
         let ready = self.ctx.event(false)?;
         ready.record(stream)?;
         let ticket = proxy
             .tickets
             .fetch_add(1, Ordering::Relaxed)
             .wrapping_add(1);
-        let done = Arc::new((Mutex::new(None), Condvar::new()));
         if proxy.mem_ops {
             // SAFETY: flag_dev maps the pinned release counter, alive as long as the proxy (the
             // Drop of DeviceComm releases all tickets before freeing it).
@@ -690,21 +788,44 @@ impl DeviceComm {
                 )
             })?;
         }
+        let done = Arc::new((Mutex::new(None), Condvar::new()));
+        let copies_back: Vec<(DevSpan, usize)> = match &work {
+            Work::Collective { op, recv, .. } => {
+                if op.kind == OpKind::Reduce && op.root != self.rank {
+                    Vec::new()
+                } else {
+                    vec![(*recv, 0)]
+                }
+            }
+            Work::Group { recvs, .. } => {
+                let mut at = 0;
+                recvs
+                    .iter()
+                    .map(|(_, r)| {
+                        at += r.bytes;
+                        (*r, at - r.bytes)
+                    })
+                    .collect()
+            }
+        };
         let job = Job {
             seq,
             ticket,
             work,
             ready,
+            input,
+            output: output.clone(),
             done: done.clone(),
         };
-        let tx = lock(&proxy.tx);
-        tx.as_ref()
-            .ok_or_else(|| CudaError::Other("proxy thread stopped".into()))?
-            .send(job)
-            .map_err(|_| CudaError::Other("proxy thread stopped".into()))?;
-        drop(tx);
+        {
+            let tx = lock(&proxy.tx);
+            tx.as_ref()
+                .ok_or_else(|| CudaError::Other("proxy thread stopped".into()))?
+                .send(job)
+                .map_err(|_| CudaError::Other("proxy thread stopped".into()))?;
+        }
         if !proxy.mem_ops {
-            // No stream memory operations: complete the operation before returning.
+            // No stream memory operations: complete the host side before copying back.
             let (m, cv) = &*done;
             let timeout = self.host.timeout() * 2;
             let g = lock(m);
@@ -716,8 +837,40 @@ impl DeviceComm {
                 None => return Err(CudaError::Other("proxy did not answer".into())),
             }
         }
+        for (dst, at) in copies_back {
+            copy_from_pinned(dst, &output, at, stream)?;
+        }
+        let finished = self.ctx.event(false)?;
+        finished.record(stream)?;
+        staging.done = Some(finished);
+        if !proxy.mem_ops {
+            // Not asynchronous without stream memory operations: as before, the call returns
+            // once the operation is complete.
+            stream.synchronize(self.host.timeout())?;
+        }
         Ok(())
     }
+}
+
+/// Says at INFO (`WEFT_DEBUG=INFO`) how this rank reaches each peer of a hierarchical
+/// communicator.
+fn log_paths(rank: usize, layout: &TwoTier, local: &DeviceComm, cross: &DeviceComm) {
+    let host = layout.host(rank);
+    let (near, far): (Vec<usize>, Vec<usize>) = (0..layout.size())
+        .filter(|&q| q != rank)
+        .partition(|&q| layout.host(q) == host);
+    tracing::info!(
+        target: "weftcc::cuda",
+        rank,
+        hosts = layout.hosts(),
+        host,
+        local_rank = layout.local(rank),
+        "hierarchical: ranks {near:?} of this host over {:?} (CUDA IPC), ranks {far:?} of other hosts staged through pinned host memory over the host network ({:?}; GPUDirect RDMA: not built); across hosts as rank {} of {}",
+        local.transport(),
+        cross.transport(),
+        cross.rank(),
+        cross.size()
+    );
 }
 
 /// Checks that a GPU with PCI bus id `bus` can be reached from `ctx`'s GPU by peer access.
@@ -756,6 +909,7 @@ impl Proxy {
             thread: Some(thread),
             flag,
             flag_dev,
+            staging: Mutex::new(Staging::new(ctx)?),
             tickets: AtomicU32::new(0),
             mem_ops,
         })
@@ -777,13 +931,12 @@ fn proxy_loop(
     flag: Arc<PinnedBuffer>,
     rx: mpsc::Receiver<Job>,
 ) {
-    let mut staging: Option<Staging> = None;
-    let stream = ctx.bind().and_then(|_| ctx.stream());
+    let bound = ctx.bind();
     for job in rx {
-        let r = match (&stream, shared.check()) {
+        let r = match (&bound, shared.check()) {
             (_, Err(e)) => Err(e),
             (Err(e), _) => Err(e.clone()),
-            (Ok(s), Ok(())) => run_staged(&ctx, &host, s, &mut staging, &job),
+            (Ok(()), Ok(())) => run_staged(&host, &job),
         };
         let r = r.map_err(|e| match e {
             e @ CudaError::Poisoned { .. } => e,
@@ -806,27 +959,32 @@ fn proxy_loop(
     }
 }
 
-/// The proxy's pinned staging buffers.
+/// The staged transport's pinned buffers, filled and emptied by the caller's stream.
 ///
-/// Outgrown buffers are kept until the proxy stops instead of being freed: `cuMemFreeHost`
-/// waits for the context's streams, and the caller's stream may be waiting for this very proxy
-/// to raise its release flag, so a free here deadlocks (seen on an H100 with the first
-/// operation larger than the initial 1 MiB). Sizes grow by powers of two, so what is kept is
-/// less than the current buffers.
+/// Outgrown buffers are kept until the communicator is dropped instead of being freed:
+/// `cuMemFreeHost` waits for the context's streams, and a caller's stream may be waiting for
+/// the proxy (seen as a deadlock on an H100 when the proxy freed them). Sizes grow by powers of
+/// two, so what is kept is less than the current buffers.
 struct Staging {
-    input: PinnedBuffer,
-    output: PinnedBuffer,
-    outgrown: Vec<PinnedBuffer>,
+    input: Arc<PinnedBuffer>,
+    output: Arc<PinnedBuffer>,
+    outgrown: Vec<Arc<PinnedBuffer>>,
+    /// Recorded after the last operation's copies back: the next may reuse the buffers.
+    done: Option<Event>,
 }
 
 impl Staging {
     const INITIAL_BYTES: usize = 1 << 20;
 
     fn new(ctx: &Context) -> Result<Staging> {
+        let pinned = || -> Result<Arc<PinnedBuffer>> {
+            Ok(Arc::new(PinnedBuffer::new(ctx, Self::INITIAL_BYTES)?))
+        };
         Ok(Staging {
-            input: PinnedBuffer::new(ctx, Self::INITIAL_BYTES)?,
-            output: PinnedBuffer::new(ctx, Self::INITIAL_BYTES)?,
+            input: pinned()?,
+            output: pinned()?,
             outgrown: Vec::new(),
+            done: None,
         })
     }
 
@@ -835,55 +993,27 @@ impl Staging {
         for (buf, bytes) in [(&mut self.input, input), (&mut self.output, output)] {
             if buf.len() < bytes {
                 let size = bytes.checked_next_power_of_two().unwrap_or(bytes);
-                let old = std::mem::replace(buf, PinnedBuffer::new(ctx, size)?);
-                self.outgrown.push(old);
+                let fresh = Arc::new(PinnedBuffer::new(ctx, size)?);
+                self.outgrown.push(std::mem::replace(buf, fresh));
             }
         }
         Ok(())
     }
 }
 
-fn run_staged(
-    ctx: &Context,
-    host: &Communicator,
-    stream: &Stream,
-    staging: &mut Option<Staging>,
-    job: &Job,
-) -> Result<()> {
-    let timeout = host.timeout();
-    job.ready.synchronize(timeout)?;
-    let staging = match staging {
-        Some(s) => s,
-        None => staging.insert(Staging::new(ctx)?),
-    };
+/// The host side of a staged job: waits until the caller's stream has filled the pinned
+/// buffers, then runs the host collective or group on them.
+fn run_staged(host: &Communicator, job: &Job) -> Result<()> {
+    job.ready.synchronize(host.timeout())?;
     let (in_bytes, out_bytes) = job.work.staged_bytes();
-    staging.reserve(ctx, in_bytes, out_bytes)?;
-    let Staging { input, output, .. } = staging;
-    let input = &mut input.as_mut_slice()[..in_bytes];
-    let output = &mut output.as_mut_slice()[..out_bytes];
-    ctx.bind()?;
+    let input = pinned_bytes(&job.input, in_bytes)?;
+    let output = pinned_bytes(&job.output, out_bytes)?;
     match &job.work {
-        Work::Collective { op, send, recv } => {
-            match send {
-                Some(s) => copy_to_host(input, *s, stream)?,
-                None => copy_to_host(output, *recv, stream)?,
-            }
-            stream.synchronize(timeout)?;
-            match send {
-                Some(_) => host.execute_raw(*op, Some(input), output)?,
-                None => host.execute_raw(*op, None, output)?,
-            }
-            if !(op.kind == OpKind::Reduce && op.root != host.rank()) {
-                copy_to_device(*recv, output, stream)?;
-            }
-        }
+        Work::Collective { op, send, .. } => match send {
+            Some(_) => host.execute_raw(*op, Some(input), output)?,
+            None => host.execute_raw(*op, None, output)?,
+        },
         Work::Group { sends, recvs } => {
-            let mut at = 0;
-            for (_, s) in sends {
-                copy_to_host(&mut input[at..], *s, stream)?;
-                at += s.bytes;
-            }
-            stream.synchronize(timeout)?;
             let mut group = host.group();
             let mut rest: &[u8] = input;
             for (peer, s) in sends {
@@ -898,42 +1028,63 @@ fn run_staged(
                 rest = tail;
             }
             group.run()?;
-            let mut at = 0;
-            for (_, r) in recvs {
-                copy_to_device(*r, &output[at..], stream)?;
-                at += r.bytes;
-            }
         }
     }
-    stream.synchronize(timeout)
+    Ok(())
 }
 
-/// Enqueues a copy of device memory `src` into the start of `dst` (pinned host memory).
-fn copy_to_host(dst: &mut [u8], src: DevSpan, stream: &Stream) -> Result<()> {
+/// The first `len` bytes of a staging buffer, for the proxy's host collective.
+///
+/// The caller's stream writes these buffers by DMA before the job's `ready` event and reads
+/// them after the proxy raised the job's release flag, and the next job's copies wait for this
+/// one's copies back (`Staging::done`): while the proxy holds this slice nothing else touches
+/// the memory.
+#[allow(clippy::mut_from_ref)]
+fn pinned_bytes(buf: &PinnedBuffer, len: usize) -> Result<&mut [u8]> {
+    if len > buf.len() {
+        return Err(CudaError::Other("staging buffer too small".into()));
+    }
+    // SAFETY: `buf` holds at least `len` bytes of pinned host memory, alive as long as the
+    // borrow of `buf`; by the ordering above this is the only access while the slice lives.
+    Ok(unsafe { std::slice::from_raw_parts_mut(buf.host_ptr(), len) })
+}
+
+/// Enqueues a copy of device memory `src` into `dst` (pinned) at byte `at`.
+fn copy_to_pinned(dst: &PinnedBuffer, at: usize, src: DevSpan, stream: &Stream) -> Result<()> {
     if src.bytes == 0 {
         return Ok(());
     }
-    if dst.len() < src.bytes {
+    if at.checked_add(src.bytes).is_none_or(|end| end > dst.len()) {
         return Err(CudaError::Other("staging buffer too small".into()));
     }
-    // SAFETY: `dst` is pinned host memory of at least src.bytes (checked) that the caller keeps
-    // until it has synchronised `stream`; `src` is device memory valid per the enqueue contract.
+    // SAFETY: `dst` holds at least at + src.bytes bytes of pinned memory (checked), kept alive
+    // by the job until the proxy stops; `src` is device memory valid per the enqueue contract.
     check("cuMemcpyDtoHAsync", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src.ptr, src.bytes, stream.as_raw())
+        sys::cuMemcpyDtoHAsync_v2(
+            dst.host_ptr().add(at).cast(),
+            src.ptr,
+            src.bytes,
+            stream.as_raw(),
+        )
     })
 }
 
-/// Enqueues a copy of the start of `src` (pinned host memory) into device memory `dst`.
-fn copy_to_device(dst: DevSpan, src: &[u8], stream: &Stream) -> Result<()> {
+/// Enqueues a copy of `src` (pinned) from byte `at` into device memory `dst`.
+fn copy_from_pinned(dst: DevSpan, src: &PinnedBuffer, at: usize, stream: &Stream) -> Result<()> {
     if dst.bytes == 0 {
         return Ok(());
     }
-    if src.len() < dst.bytes {
+    if at.checked_add(dst.bytes).is_none_or(|end| end > src.len()) {
         return Err(CudaError::Other("staging buffer too small".into()));
     }
-    // SAFETY: as in copy_to_host, in the other direction.
+    // SAFETY: as in copy_to_pinned, in the other direction.
     check("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr().cast(), dst.bytes, stream.as_raw())
+        sys::cuMemcpyHtoDAsync_v2(
+            dst.ptr,
+            src.host_ptr().add(at).cast(),
+            dst.bytes,
+            stream.as_raw(),
+        )
     })
 }
 

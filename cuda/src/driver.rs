@@ -144,6 +144,43 @@ fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
     Ok(v)
 }
 
+/// True when the loaded driver exports `name` (resolving a missing symbol through cudarc would
+/// panic). Call only after [`ensure_driver`] succeeded.
+pub(crate) fn has_symbol(name: &str) -> bool {
+    if ensure_driver().is_err() {
+        return false;
+    }
+    // SAFETY: the driver library is loaded (ensure_driver succeeded), so culib() finds it; we
+    // only look the symbol up, never call it through this type.
+    unsafe {
+        sys::culib()
+            .get::<unsafe extern "C" fn()>(name.as_bytes())
+            .is_ok()
+    }
+}
+
+/// What device `ordinal` offers a network card for GPUDirect RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrSupport {
+    /// The device supports GPUDirect RDMA (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`; the
+    /// NIC's driver must also take the memory, through dmabuf or nvidia-peermem).
+    pub rdma: bool,
+    /// Device memory can be exported as a dmabuf (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` and
+    /// `cuMemGetHandleForAddressRange` present), for `ibv_reg_dmabuf_mr`.
+    pub dmabuf: bool,
+}
+
+/// GPUDirect RDMA and dmabuf support of device `ordinal`.
+pub fn gdr_support(ordinal: usize) -> Result<GdrSupport> {
+    let dev = device_handle(ordinal)?;
+    use sys::CUdevice_attribute as A;
+    Ok(GdrSupport {
+        rdma: attribute(dev, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? == 1,
+        dmabuf: attribute(dev, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)? == 1
+            && has_symbol("cuMemGetHandleForAddressRange"),
+    })
+}
+
 /// Name, PCI bus id, compute capability, memory and SM count of device `ordinal`.
 pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
     let dev = device_handle(ordinal)?;

@@ -148,7 +148,7 @@ fn write_flag(stream: &Stream, addr: u64, value: u32) -> Result<()> {
     })
 }
 
-fn copy_d2d(stream: &Stream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+pub(crate) fn copy_d2d(stream: &Stream, dst: u64, src: u64, bytes: usize) -> Result<()> {
     // SAFETY: callers resolve both addresses from regions checked against the buffers' sizes
     // (user buffers, scratch, our inbox or a peer's IPC-mapped inbox slot).
     check("cuMemcpyDtoDAsync", unsafe {

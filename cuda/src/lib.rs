@@ -22,11 +22,12 @@ pub mod group;
 pub mod ipc;
 pub mod kernels;
 pub mod memory;
+mod tiered;
 
 pub use comm::{DeviceComm, Transport};
 pub use driver::{
-    device_count, device_info, devices, driver_present, driver_version, ensure_driver, p2p_matrix,
-    p2p_report, DeviceInfo, P2pLink,
+    device_count, device_info, devices, driver_present, driver_version, ensure_driver, gdr_support,
+    p2p_matrix, p2p_report, DeviceInfo, GdrSupport, P2pLink,
 };
 pub use error::{CudaError, DeviceArgError, Result};
 pub use group::DeviceGroup;

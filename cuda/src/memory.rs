@@ -408,6 +408,51 @@ impl<T: Element> DeviceBuffer<T> {
         &self.ctx
     }
 
+    /// Exports the buffer's memory as a dmabuf file descriptor (`cuMemGetHandleForAddressRange`),
+    /// what `ibv_reg_dmabuf_mr` registers with a network card for GPUDirect RDMA. The address
+    /// and length must be multiples of the host page size; the buffer must outlive every
+    /// registration made from the descriptor.
+    pub fn export_dmabuf(&self) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        let support = crate::driver::gdr_support(self.ctx.ordinal())?;
+        if !support.dmabuf {
+            return Err(CudaError::Other(format!(
+                "device {} cannot export memory as a dmabuf (needs CUDA 11.7+, an open kernel \
+                 module and CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)",
+                self.ctx.ordinal()
+            )));
+        }
+        let page = weftcc_transports::shm::page_size() as u64;
+        let bytes = self.byte_len() as u64;
+        if bytes == 0 || !self.ptr.is_multiple_of(page) || !bytes.is_multiple_of(page) {
+            return Err(CudaError::Other(format!(
+                "dmabuf export needs page-aligned memory: address {:#x}, {bytes} bytes, page {page}",
+                self.ptr
+            )));
+        }
+        self.ctx.bind()?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is an out pointer of the size the dmabuf handle type writes (an int); the
+        // range lies inside this live allocation and is page aligned (checked above); the symbol
+        // exists (gdr_support checked it).
+        check("cuMemGetHandleForAddressRange", unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                self.ptr,
+                self.byte_len(),
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(CudaError::Other(
+                "dmabuf export returned no descriptor".into(),
+            ));
+        }
+        // SAFETY: the driver just opened `fd` for us and nothing else owns it.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
     /// Copies `src` (same length) into the buffer; blocking.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         if src.len() != self.len {

@@ -47,6 +47,14 @@ fn free_port() -> u16 {
 
 /// Runs `case` on `n` rank processes and fails if any of them fails.
 fn run_ranks(case: &str, n: usize, env: &[(&str, &str)]) {
+    run_ranks_on(case, &vec![0; n], env)
+}
+
+/// Runs `case` on one rank process per entry of `hosts`, rank r on the "host" `hosts[r]`
+/// (`WEFT_HOST_ID`: ranks of one host reach each other by CUDA IPC and shared memory, others by
+/// TCP, as between machines), and fails if any of them fails.
+fn run_ranks_on(case: &str, hosts: &[usize], env: &[(&str, &str)]) {
+    let n = hosts.len();
     let exe = std::env::current_exe().expect("test binary");
     let addr = format!("127.0.0.1:{}", free_port());
     let mut kids: Vec<_> = (0..n)
@@ -57,6 +65,7 @@ fn run_ranks(case: &str, n: usize, env: &[(&str, &str)]) {
                 .env("WEFT_TEST_RANK", r.to_string())
                 .env("WEFT_TEST_SIZE", n.to_string())
                 .env("WEFT_TEST_ADDR", &addr)
+                .env("WEFT_HOST_ID", format!("gpu-test-host-{}", hosts[r]))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in env {
@@ -65,7 +74,7 @@ fn run_ranks(case: &str, n: usize, env: &[(&str, &str)]) {
             c.spawn().expect("spawn a rank")
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(900);
+    let deadline = Instant::now() + Duration::from_secs(600);
     let mut failed = Vec::new();
     for (r, kid) in kids.iter_mut().enumerate() {
         loop {
@@ -96,9 +105,16 @@ fn run_ranks(case: &str, n: usize, env: &[(&str, &str)]) {
     }
     assert!(
         failed.is_empty(),
-        "{case} with {n} ranks: ranks {failed:?} failed\n{report}"
+        "{case} with {n} ranks on hosts {hosts:?}: ranks {failed:?} failed\n{report}"
     );
-    println!("{case} with {n} ranks: ok");
+    // What the failure cases measured (how long each survivor took to get its error).
+    for line in report
+        .lines()
+        .filter(|l| l.contains("failed after") || l.contains("exiting"))
+    {
+        println!("{line}");
+    }
+    println!("{case} with {n} ranks on hosts {hosts:?}: ok");
 }
 
 #[test]
@@ -132,6 +148,23 @@ fn child() {
         "staged-matrix" => {
             assert_eq!(comm.transport(), Transport::Staged);
             matrix(&comm, &ctx, &stream, false);
+        }
+        "hier-matrix" => {
+            assert_eq!(
+                comm.transport(),
+                Transport::Hierarchical,
+                "expected the hierarchical transport"
+            );
+            matrix(
+                &comm,
+                &ctx,
+                &stream,
+                std::env::var("WEFT_TEST_FULL").is_ok(),
+            );
+        }
+        "hier-kill" => {
+            // Returns without the final barrier: the job has lost a rank.
+            return rank_killed_mid_operation(&comm, &ctx, &stream);
         }
         "stream-order" => stream_order(&comm, &ctx, &stream),
         "p2p" => p2p(&comm, &ctx, &stream),
@@ -452,6 +485,37 @@ fn stream_order(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
     }
 }
 
+/// The last rank exits in the middle of its fourth all-reduce (no destructor runs: to its peers
+/// it is a killed process); every other rank must get an error, not a stream that never
+/// drains, within a few of the host timeouts (WEFT_TIMEOUT).
+fn rank_killed_mid_operation(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
+    let (n, me) = (comm.size(), comm.rank());
+    assert_eq!(comm.transport(), Transport::Hierarchical);
+    let mut buf = ctx.upload(&vec![1.0f32; 1 << 20]).expect("upload");
+    let t0 = Instant::now();
+    for i in 0..100 {
+        let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, stream);
+        if me == n - 1 && i == 3 {
+            println!("rank {me}: exiting in the middle of all-reduce {i}");
+            std::process::exit(0);
+        }
+        if let Err(e) = r.and_then(|_| comm.synchronize(stream)) {
+            let took = t0.elapsed();
+            println!("rank {me}: all-reduce {i} failed after {took:.1?}: {e}");
+            assert!(
+                took < Duration::from_secs(40),
+                "rank {me}: the error took {took:?}"
+            );
+            assert!(
+                comm.error().is_some(),
+                "rank {me}: error() is empty after a failure"
+            );
+            return;
+        }
+    }
+    panic!("rank {me}: 100 all-reduces with a dead rank and no error");
+}
+
 /// Distinct values for (rank, message, element).
 fn p2p_values(rank: usize, msg: usize, len: usize) -> Vec<u32> {
     (0..len)
@@ -650,6 +714,77 @@ fn results_follow_stream_order() {
     }
     run_ranks("stream-order", 2, &[]);
     run_ranks("stream-order", 3, &[("WEFT_CUDA_IPC", "0")]);
+}
+
+/// Two "hosts" of two ranks each (ranks 0, 1 on one, 2, 3 on the other): CUDA IPC inside each,
+/// TCP between them; every collective, type and reduction, in and out of place.
+#[test]
+fn hierarchical_matrix_two_hosts() {
+    if skip() {
+        return;
+    }
+    run_ranks_on("hier-matrix", &[0, 0, 1, 1], &[("WEFT_TEST_FULL", "1")]);
+}
+
+/// Other layouts, fewer types: ranks dealt over the hosts in turn, a host with three ranks
+/// beside one with one (not uniform: reduce, broadcast, all-gather and reduce-scatter run on
+/// the whole communicator, all-reduce by local rank 0), three hosts; send/recv and stream order
+/// across hosts.
+#[test]
+fn hierarchical_other_layouts_send_recv_and_stream_order() {
+    if skip() {
+        return;
+    }
+    run_ranks_on("hier-matrix", &[0, 1, 0, 1], &[]);
+    run_ranks_on("hier-matrix", &[0, 0, 0, 1], &[]);
+    run_ranks_on(
+        "hier-matrix",
+        &[0, 1, 2, 0, 1, 2],
+        &[("WEFT_CUDA_SLOT_BYTES", "1M")],
+    );
+    run_ranks_on("p2p", &[0, 0, 1, 1], &[]);
+    run_ranks_on("stream-order", &[0, 1, 1, 0], &[]);
+}
+
+/// A rank killed mid-operation: every other rank's stream drains and each gets an error.
+#[test]
+fn hierarchical_rank_killed_mid_operation() {
+    if skip() {
+        return;
+    }
+    run_ranks_on("hier-kill", &[0, 0, 1, 1], &[("WEFT_TIMEOUT", "5")]);
+}
+
+/// Device memory exported as a dmabuf (what `ibv_reg_dmabuf_mr` registers for GPUDirect RDMA;
+/// the registration itself needs an RDMA device).
+#[test]
+fn dmabuf_export_of_device_memory() {
+    if skip() {
+        return;
+    }
+    let support = weftcc_cuda::gdr_support(0).expect("attributes");
+    println!("device 0: {support:?}");
+    let ctx = Context::new(0).expect("context");
+    let buf = ctx.alloc::<u8>(4 << 20).expect("alloc");
+    match buf.export_dmabuf() {
+        Ok(fd) => {
+            use std::os::fd::AsRawFd;
+            let st = nix::sys::stat::fstat(fd.as_raw_fd()).expect("fstat of the dmabuf");
+            println!(
+                "dmabuf fd {} of 4 MiB: st_size {}",
+                fd.as_raw_fd(),
+                st.st_size
+            );
+            assert!(support.dmabuf);
+        }
+        Err(e) => {
+            assert!(
+                !support.dmabuf,
+                "dmabuf export failed on a device that supports it: {e}"
+            );
+            println!("skipped: this device exports no dmabuf ({e})");
+        }
+    }
 }
 
 #[test]

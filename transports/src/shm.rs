@@ -301,7 +301,8 @@ pub fn remove_orphan_segments(token: &str, no_user_left: bool) -> Vec<String> {
     removed
 }
 
-fn page_size() -> usize {
+/// The host's page size (at least 4 KiB).
+pub fn page_size() -> usize {
     // SAFETY: sysconf takes an integer constant and touches no memory.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 && (p as usize).is_power_of_two() {
