@@ -66,6 +66,13 @@ typedef int weftDataType_t;
 // Where a [`weftRedOpCreatePreMulSum`] scalar lives (NCCL's `ncclScalarResidence_t`).
 typedef int weftScalarResidence_t;
 
+// A `cudaStream_t` (equally a driver `CUstream`) of the buffers' device. NULL: the buffers are
+// host memory and the call returns once the operation completed on this rank. Otherwise the
+// buffers are device memory and the call enqueues the operation on the stream and returns
+// (NCCL's semantics): work enqueued on the stream afterwards sees the result; errors of the
+// operation itself are reported by [`weftCommGetAsyncError`].
+typedef void *weftStream_t;
+
 #define weftSuccess 0
 
 #define weftUnhandledCudaError 1
@@ -249,7 +256,8 @@ weftResult_t weftAllReduce(const void *sendbuff,
                            size_t count,
                            weftDataType_t datatype,
                            weftRedOp_t op,
-                           weftComm_t comm);
+                           weftComm_t comm,
+                           weftStream_t stream);
 
 // Broadcast of `count` elements from `root`'s `sendbuff` into every `recvbuff`; in place when
 // equal. Only the root reads `sendbuff` (others may pass anything, NULL included).
@@ -261,7 +269,8 @@ weftResult_t weftBroadcast(const void *sendbuff,
                            size_t count,
                            weftDataType_t datatype,
                            int root,
-                           weftComm_t comm);
+                           weftComm_t comm,
+                           weftStream_t stream);
 
 // Reduce of `count` elements into `root`'s `recvbuff`; in place when equal. Only the root
 // writes `recvbuff` (others may pass anything, NULL included).
@@ -274,7 +283,8 @@ weftResult_t weftReduce(const void *sendbuff,
                         weftDataType_t datatype,
                         weftRedOp_t op,
                         int root,
-                        weftComm_t comm);
+                        weftComm_t comm,
+                        weftStream_t stream);
 
 // All-gather: `recvbuff` (nranks × `sendcount`) holds every rank's `sendbuff` in rank order; in
 // place when `sendbuff == recvbuff + rank × sendcount` elements.
@@ -285,7 +295,8 @@ weftResult_t weftAllGather(const void *sendbuff,
                            void *recvbuff,
                            size_t sendcount,
                            weftDataType_t datatype,
-                           weftComm_t comm);
+                           weftComm_t comm,
+                           weftStream_t stream);
 
 // Reduce-scatter: rank r's `recvbuff` (`recvcount`) holds block r of the reduction of every
 // `sendbuff` (nranks × `recvcount`); in place when `recvbuff == sendbuff + rank × recvcount`
@@ -299,7 +310,8 @@ weftResult_t weftReduceScatter(const void *sendbuff,
                                size_t recvcount,
                                weftDataType_t datatype,
                                weftRedOp_t op,
-                               weftComm_t comm);
+                               weftComm_t comm,
+                               weftStream_t stream);
 
 // All-to-all: block j (`count` elements) of `sendbuff` goes to rank j, block i of `recvbuff`
 // comes from rank i; in place when equal.
@@ -310,7 +322,8 @@ weftResult_t weftAllToAll(const void *sendbuff,
                           void *recvbuff,
                           size_t count,
                           weftDataType_t datatype,
-                          weftComm_t comm);
+                          weftComm_t comm,
+                          weftStream_t stream);
 
 // Blocks until every rank called it.
 //
@@ -336,7 +349,8 @@ weftResult_t weftSend(const void *sendbuff,
                       size_t count,
                       weftDataType_t datatype,
                       int peer,
-                      weftComm_t comm);
+                      weftComm_t comm,
+                      weftStream_t stream);
 
 // Receives `count` elements from `peer` into `recvbuff` (see [`weftSend`]).
 //
@@ -346,7 +360,8 @@ weftResult_t weftRecv(void *recvbuff,
                       size_t count,
                       weftDataType_t datatype,
                       int peer,
-                      weftComm_t comm);
+                      weftComm_t comm,
+                      weftStream_t stream);
 
 #ifdef __cplusplus
 }  // extern "C"

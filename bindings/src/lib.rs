@@ -9,9 +9,12 @@
 //! per call and `weftGetLastError` for the message. Data types and reduction operations use
 //! NCCL's numbering.
 //!
-//! Buffers are host memory and calls block until the operation completed on this rank (the
-//! host communicator's semantics). Device buffers are served by the Rust API of
-//! `weftcc-cuda`; they have no C entry points yet.
+//! Every collective and send/recv takes a last `weftStream_t` (NCCL's `cudaStream_t`): NULL for
+//! host buffers, the call then blocking until the operation completed on this rank (the host
+//! communicator's semantics); a stream for device buffers, the call enqueuing the operation on
+//! it (`weftcc-cuda`'s `DeviceComm`, made by the first such call on the buffer's GPU, over CUDA
+//! IPC, staged, or both across hosts). The library always has the device path: libcuda is
+//! loaded at run time, and without it a call with a stream returns `weftUnhandledCudaError`.
 //!
 //! Every entry point rejects null pointers, unknown types, operations and ranks, and
 //! overlapping buffers with `weftInvalidArgument` instead of crashing; a Rust panic never
@@ -24,8 +27,10 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::str::FromStr;
+use std::sync::Arc;
 use weftcc_collectives::{CallError, DataType, OpKind, RawOp, ReduceOp};
 use weftcc_comm::{CommConfig, Communicator, Error, SeenBy, UniqueId};
+use weftcc_cuda::{Context, CudaError, DeviceComm, Stream};
 
 /// Result of every call (NCCL's codes 0–7, then weftcc's own). The three enumerations are plain
 /// `int`s with named values, so a value C passes in that is not one of them is an error, not
@@ -100,7 +105,16 @@ pub struct weftComm {
     /// Scalars of the reductions made by [`weftRedOpCreatePreMulSum`], by `op - weftNumOps`;
     /// `None` once destroyed.
     premul: std::sync::Mutex<Vec<Option<f64>>>,
+    /// The device communicator behind calls with a stream, made by the first of them.
+    device: std::sync::Mutex<Option<Arc<DeviceComm>>>,
 }
+
+/// A `cudaStream_t` (equally a driver `CUstream`) of the buffers' device. NULL: the buffers are
+/// host memory and the call returns once the operation completed on this rank. Otherwise the
+/// buffers are device memory and the call enqueues the operation on the stream and returns
+/// (NCCL's semantics): work enqueued on the stream afterwards sees the result; errors of the
+/// operation itself are reported by [`weftCommGetAsyncError`].
+pub type weftStream_t = *mut c_void;
 
 /// Handle to a communicator.
 pub type weftComm_t = *mut weftComm;
@@ -125,6 +139,8 @@ struct P2p {
     ptr: usize,
     bytes: usize,
     peer: usize,
+    /// The caller's `weftStream_t` (0: host buffers).
+    stream: usize,
 }
 
 fn set_last_error(msg: &str) {
@@ -155,6 +171,26 @@ fn code_of(e: &Error) -> weftResult_t {
         Error::Transport { .. } | Error::Bootstrap { .. } => weftSystemError,
         Error::Internal { .. } => weftInternalError,
     }
+}
+
+/// The result code of a device-path error.
+fn cuda_code(e: &CudaError) -> weftResult_t {
+    match e {
+        CudaError::InvalidArgument { .. } => weftInvalidArgument,
+        CudaError::Host(e) => code_of(e),
+        CudaError::Timeout { .. } => weftTimeout,
+        // The first failure of the communicator (a peer's included) or an operation's.
+        CudaError::Poisoned { .. } | CudaError::Collective { .. } => weftRemoteError,
+        CudaError::NoDriver(_)
+        | CudaError::NoNvrtc(_)
+        | CudaError::Driver { .. }
+        | CudaError::Compile(_) => weftUnhandledCudaError,
+        CudaError::Other(_) => weftInternalError,
+    }
+}
+
+fn cuda_fail(e: &CudaError) -> weftResult_t {
+    fail(cuda_code(e), &e.to_string())
 }
 
 fn from_lib(r: Result<(), Error>) -> Outcome {
@@ -330,6 +366,7 @@ unsafe fn publish(
     let handle = Box::into_raw(Box::new(weftComm {
         comm: c,
         premul: Default::default(),
+        device: Default::default(),
     }));
     // SAFETY: per the contract.
     unsafe { write_out(comm, handle, call) }
@@ -612,6 +649,7 @@ pub unsafe extern "C" fn weftCommSplit(
             Box::into_raw(Box::new(weftComm {
                 comm: c,
                 premul: Default::default(),
+                device: Default::default(),
             }))
         });
         // SAFETY: per the contract.
@@ -646,7 +684,11 @@ pub unsafe extern "C" fn weftCommDestroy(comm: weftComm_t) -> weftResult_t {
 pub unsafe extern "C" fn weftCommAbort(comm: weftComm_t) -> weftResult_t {
     entry(|| {
         // SAFETY: per the contract.
-        unsafe { comm_ref(comm) }?.abort();
+        let h = unsafe { handle_ref(comm) }?;
+        if let Some(d) = &*h.device.lock().unwrap_or_else(|e| e.into_inner()) {
+            d.abort();
+        }
+        h.comm.abort();
         Ok(weftSuccess)
     })
 }
@@ -691,9 +733,12 @@ pub unsafe extern "C" fn weftCommGetAsyncError(
 ) -> weftResult_t {
     entry(|| {
         // SAFETY: per the contract.
-        let code = match unsafe { comm_ref(comm) }?.error() {
-            Some(e) => fail(code_of(&e), &e.to_string()),
-            None => weftSuccess,
+        let h = unsafe { handle_ref(comm) }?;
+        let device = h.device.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let code = match (h.comm.error(), device.and_then(|d| d.error())) {
+            (Some(e), _) => fail(code_of(&e), &e.to_string()),
+            (None, Some(e)) => cuda_fail(&e),
+            (None, None) => weftSuccess,
         };
         // SAFETY: per the contract.
         unsafe { write_out(result, code, "weftCommGetAsyncError") }
@@ -740,14 +785,17 @@ struct Call {
     in_place_offset: Option<usize>,
 }
 
-/// Runs a collective on raw host buffers.
+/// Runs a collective on raw host buffers (`stream` NULL) or enqueues it on `stream` (device
+/// buffers).
 ///
 /// # Safety
 /// `call.send` is readable for `send_bytes` and `call.recv` writable for `recv_bytes` (unless
-/// null with zero bytes); `comm` is null or live.
-unsafe fn collective(comm: weftComm_t, call: Call) -> Outcome {
+/// null with zero bytes), host memory without a stream, device memory of the stream's device
+/// (valid until the stream passed the call) with one; `comm` is null or live.
+unsafe fn collective(comm: weftComm_t, call: Call, stream: weftStream_t) -> Outcome {
     // SAFETY: per the contract.
-    let c = unsafe { comm_ref(comm) }?;
+    let h = unsafe { handle_ref(comm) }?;
+    let c = &h.comm;
     let name = call.op.kind;
     let (send_bytes, recv_bytes) = (call.send_bytes, call.recv_bytes);
     if call.send.is_null() && send_bytes > 0 {
@@ -765,6 +813,12 @@ unsafe fn collective(comm: weftComm_t, call: Call) -> Outcome {
     let overlap = s < r.saturating_add(recv_bytes) && r < s.saturating_add(send_bytes);
     if !in_place && overlap {
         return Err(arg_error(c, name, CallError::Overlap));
+    }
+    if !stream.is_null() {
+        let send = (!in_place).then_some((call.send as u64, send_bytes));
+        let recv = (call.recv as u64, recv_bytes);
+        // SAFETY: per the contract.
+        return unsafe { device_collective(h, call.op, send, recv, stream) };
     }
     let recv: &mut [u8] = if recv_bytes == 0 {
         &mut []
@@ -785,6 +839,111 @@ unsafe fn collective(comm: weftComm_t, call: Call) -> Outcome {
     from_lib(c.execute_raw(call.op, Some(send), recv))
 }
 
+/// The device communicator of `h`, made by the first call with a stream (collective: every
+/// rank's first device call is the same call, as for any collective) on the device that
+/// `buffer` lies on: a split of the host communicator, so that host and device calls never
+/// share a sequence of operations.
+fn device_comm(h: &weftComm, kind: OpKind, buffer: u64) -> Result<Arc<DeviceComm>, weftResult_t> {
+    let mut slot = h.device.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = &*slot {
+        return Ok(d.clone());
+    }
+    let c = &h.comm;
+    let ordinal = device_of(c, kind, buffer)?;
+    let ctx = Context::new(ordinal).map_err(|e| cuda_fail(&e))?;
+    let own = c
+        .split(Some(0), c.rank() as i64)
+        .map_err(|e| fail(code_of(&e), &e.to_string()))?
+        .ok_or_else(|| {
+            fail(
+                weftInternalError,
+                "split with a colour gave no communicator",
+            )
+        })?;
+    let d = Arc::new(DeviceComm::new(own, ctx).map_err(|e| cuda_fail(&e))?);
+    *slot = Some(d.clone());
+    Ok(d)
+}
+
+/// The GPU that `buffer` lies on; an invalid argument if it is not device memory.
+fn device_of(c: &Communicator, kind: OpKind, buffer: u64) -> Result<usize, weftResult_t> {
+    weftcc_cuda::device_of(buffer)
+        .map_err(|e| cuda_fail(&e))?
+        .ok_or_else(|| {
+            bad_arg(format!(
+                "rank {}: invalid argument to {kind}: a stream was given but the buffer at \
+                 {buffer:#x} is not device memory",
+                c.rank()
+            ))
+        })
+}
+
+/// Checks that every non-empty buffer of a device call lies on `d`'s GPU (a host pointer
+/// handed to the GPU would fault there, not fail here).
+fn check_on_device(
+    h: &weftComm,
+    d: &DeviceComm,
+    kind: OpKind,
+    buffers: &[(u64, usize)],
+) -> Result<(), weftResult_t> {
+    let mine = d.context().ordinal();
+    for &(ptr, _) in buffers.iter().filter(|b| b.1 > 0) {
+        let on = device_of(&h.comm, kind, ptr)?;
+        if on != mine {
+            return Err(bad_arg(format!(
+                "rank {}: invalid argument to {kind}: the buffer at {ptr:#x} is on GPU {on}, \
+                 the communicator's device calls use GPU {mine}",
+                h.comm.rank()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The caller's stream, borrowed for one call.
+///
+/// # Safety
+/// `stream` is a live stream of `d`'s device.
+unsafe fn borrow_stream(d: &DeviceComm, stream: weftStream_t) -> Stream {
+    // SAFETY: per the contract; the value lives only for the call.
+    unsafe { Stream::borrow_raw(d.context(), stream.cast()) }
+}
+
+/// Enqueues a checked collective on device buffers (`send: None` in place).
+///
+/// # Safety
+/// As [`collective`] with a stream.
+unsafe fn device_collective(
+    h: &weftComm,
+    op: RawOp,
+    send: Option<(u64, usize)>,
+    recv: (u64, usize),
+    stream: weftStream_t,
+) -> Outcome {
+    if recv.1 == 0 && send.is_none_or(|s| s.1 == 0) {
+        // Nothing to move (NCCL allows null buffers here), and no device to learn it from.
+        return Ok(weftSuccess);
+    }
+    // A reduce's non-root may pass no receive buffer: learn the device from the send buffer.
+    let probe = if recv.0 != 0 {
+        recv.0
+    } else {
+        send.map_or(0, |s| s.0)
+    };
+    let d = device_comm(h, op.kind, probe)?;
+    // A reduce's non-root and a broadcast's non-root pass buffers nobody reads or writes.
+    let used_send = send.filter(|_| !(op.kind == OpKind::Broadcast && op.root != h.comm.rank()));
+    let used_recv = Some(recv).filter(|_| !(op.kind == OpKind::Reduce && op.root != h.comm.rank()));
+    let buffers: Vec<(u64, usize)> = used_send.into_iter().chain(used_recv).collect();
+    check_on_device(h, &d, op.kind, &buffers)?;
+    // SAFETY: per the contract.
+    let s = unsafe { borrow_stream(&d, stream) };
+    // SAFETY: device buffers valid until the stream passed the call, per the contract.
+    unsafe { d.enqueue_raw(op, send, recv, &s) }
+        .map(|()| weftSuccess)
+        .map_err(|e| cuda_fail(&e))
+}
+
 /// All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
 ///
 /// # Safety
@@ -797,6 +956,7 @@ pub unsafe extern "C" fn weftAllReduce(
     datatype: weftDataType_t,
     op: weftRedOp_t,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::AllReduce;
@@ -815,7 +975,7 @@ pub unsafe extern "C" fn weftAllReduce(
             in_place_offset: Some(0),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call) }
+        unsafe { collective(comm, call, stream) }
     })
 }
 
@@ -832,6 +992,7 @@ pub unsafe extern "C" fn weftBroadcast(
     datatype: weftDataType_t,
     root: c_int,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::Broadcast;
@@ -855,7 +1016,7 @@ pub unsafe extern "C" fn weftBroadcast(
             in_place_offset: Some(0),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call) }
+        unsafe { collective(comm, call, stream) }
     })
 }
 
@@ -873,6 +1034,7 @@ pub unsafe extern "C" fn weftReduce(
     op: weftRedOp_t,
     root: c_int,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::Reduce;
@@ -901,7 +1063,7 @@ pub unsafe extern "C" fn weftReduce(
             in_place_offset: Some(0),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call) }
+        unsafe { collective(comm, call, stream) }
     })
 }
 
@@ -917,6 +1079,7 @@ pub unsafe extern "C" fn weftAllGather(
     sendcount: usize,
     datatype: weftDataType_t,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::AllGather;
@@ -934,7 +1097,7 @@ pub unsafe extern "C" fn weftAllGather(
             in_place_offset: Some(c.rank() * block),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call) }
+        unsafe { collective(comm, call, stream) }
     })
 }
 
@@ -953,6 +1116,7 @@ pub unsafe extern "C" fn weftReduceScatter(
     datatype: weftDataType_t,
     op: weftRedOp_t,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::ReduceScatter;
@@ -986,7 +1150,7 @@ pub unsafe extern "C" fn weftReduceScatter(
             }
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call) }
+        unsafe { collective(comm, call, stream) }
     })
 }
 
@@ -1002,6 +1166,7 @@ pub unsafe extern "C" fn weftAllToAll(
     count: usize,
     datatype: weftDataType_t,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     entry(|| {
         let kind = OpKind::AllToAll;
@@ -1018,7 +1183,7 @@ pub unsafe extern "C" fn weftAllToAll(
             in_place_offset: Some(0),
         };
         // SAFETY: per the contract.
-        unsafe { collective(comm, call) }
+        unsafe { collective(comm, call, stream) }
     })
 }
 
@@ -1095,6 +1260,10 @@ unsafe fn run_group(comm: weftComm_t, ops: &[&P2p]) -> Outcome {
             }
         }
     }
+    if let Some(first) = ops.iter().find(|op| op.stream != 0) {
+        // SAFETY: per the contract.
+        return unsafe { run_device_group(comm, ops, first.stream) };
+    }
     let mut group = c.group();
     for op in ops {
         group = match (op.send, op.bytes) {
@@ -1115,6 +1284,44 @@ unsafe fn run_group(comm: weftComm_t, ops: &[&P2p]) -> Outcome {
     from_lib(group.run())
 }
 
+/// Enqueues one communicator's collected sends and receives on device buffers on `stream`.
+///
+/// # Safety
+/// As [`run_group`], with device buffers of the stream's device.
+unsafe fn run_device_group(comm: weftComm_t, ops: &[&P2p], stream: usize) -> Outcome {
+    // SAFETY: per the contract.
+    let h = unsafe { handle_ref(comm) }?;
+    if ops.iter().any(|op| op.stream != stream) {
+        return Err(fail(
+            weftInvalidUsage,
+            &format!(
+                "rank {}: the sends and receives of one communicator in a group must all use \
+                 the same stream (or all none)",
+                h.comm.rank()
+            ),
+        ));
+    }
+    let Some(probe) = ops.iter().find(|op| op.bytes > 0 && op.ptr != 0) else {
+        return Ok(weftSuccess);
+    };
+    let d = device_comm(h, OpKind::SendRecv, probe.ptr as u64)?;
+    let buffers: Vec<(u64, usize)> = ops.iter().map(|op| (op.ptr as u64, op.bytes)).collect();
+    check_on_device(h, &d, OpKind::SendRecv, &buffers)?;
+    let list = |send: bool| -> Vec<(usize, u64, usize)> {
+        ops.iter()
+            .filter(|op| op.send == send)
+            .map(|op| (op.peer, op.ptr as u64, op.bytes))
+            .collect()
+    };
+    // SAFETY: per the contract.
+    let s = unsafe { borrow_stream(&d, stream as weftStream_t) };
+    // SAFETY: device buffers valid until the stream passed the group, receive buffers not
+    // overlapping another (checked by run_group), per the contract.
+    unsafe { d.enqueue_group_raw(&list(true), &list(false), &s) }
+        .map(|()| weftSuccess)
+        .map_err(|e| cuda_fail(&e))
+}
+
 /// Sends `count` elements to `peer`, which must post a matching `weftRecv`. Outside a group it
 /// runs at once; inside one it runs at `weftGroupEnd`.
 ///
@@ -1127,9 +1334,20 @@ pub unsafe extern "C" fn weftSend(
     datatype: weftDataType_t,
     peer: c_int,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     // SAFETY: per the contract.
-    entry(|| unsafe { point_to_point(true, sendbuff as *mut c_void, count, datatype, peer, comm) })
+    entry(|| unsafe {
+        point_to_point(
+            true,
+            sendbuff as *mut c_void,
+            count,
+            datatype,
+            peer,
+            comm,
+            stream,
+        )
+    })
 }
 
 /// Receives `count` elements from `peer` into `recvbuff` (see [`weftSend`]).
@@ -1143,9 +1361,10 @@ pub unsafe extern "C" fn weftRecv(
     datatype: weftDataType_t,
     peer: c_int,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> weftResult_t {
     // SAFETY: per the contract.
-    entry(|| unsafe { point_to_point(false, recvbuff, count, datatype, peer, comm) })
+    entry(|| unsafe { point_to_point(false, recvbuff, count, datatype, peer, comm, stream) })
 }
 
 /// # Safety
@@ -1157,6 +1376,7 @@ unsafe fn point_to_point(
     datatype: weftDataType_t,
     peer: c_int,
     comm: weftComm_t,
+    stream: weftStream_t,
 ) -> Outcome {
     let kind = OpKind::SendRecv;
     // SAFETY: per the contract.
@@ -1173,6 +1393,7 @@ unsafe fn point_to_point(
         ptr: buf as usize,
         bytes,
         peer,
+        stream: stream as usize,
     };
     let now = GROUP.with(move |g| {
         let mut g = g.borrow_mut();

@@ -42,8 +42,16 @@ fn the_config_timeout_applies_and_each_rank_gets_the_code_of_what_it_saw() {
                 let mut byte = 0i8;
                 // Both receive, nobody sends.
                 // SAFETY: `byte` is one writable int8; `comm` is live.
-                let code =
-                    unsafe { weftRecv((&mut byte as *mut i8).cast(), 1, weftInt8, 1 - rank, comm) };
+                let code = unsafe {
+                    weftRecv(
+                        (&mut byte as *mut i8).cast(),
+                        1,
+                        weftInt8,
+                        1 - rank,
+                        comm,
+                        std::ptr::null_mut(),
+                    )
+                };
                 let took = start.elapsed();
                 // SAFETY: the message is NUL-terminated and owned by this thread.
                 let msg = unsafe { CStr::from_ptr(weftGetLastError(comm)) }

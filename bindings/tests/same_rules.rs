@@ -72,7 +72,7 @@ fn host_device_and_c_abi_give_the_same_reasons() {
     let want = CallError::RootOutOfRange { root: 3, nranks: 1 };
     assert_eq!(host_reason(host.broadcast(&x, &mut y, 3)), want);
     // SAFETY: buffers of 4 floats, a live communicator.
-    let rc = unsafe { weftBroadcast(xp, yp, 4, weftFloat32, 3, comm) };
+    let rc = unsafe { weftBroadcast(xp, yp, 4, weftFloat32, 3, comm, std::ptr::null_mut()) };
     assert_eq!(rc, weftInvalidArgument);
     assert!(
         c_last_error(comm).ends_with(&want.to_string()),
@@ -81,7 +81,18 @@ fn host_device_and_c_abi_give_the_same_reasons() {
     );
     assert_eq!(host_reason(host.reduce(&x, &mut y, ReduceOp::Sum, 3)), want);
     // SAFETY: as above.
-    let rc = unsafe { weftReduce(xp, yp, 4, weftFloat32, weftSum, 3, comm) };
+    let rc = unsafe {
+        weftReduce(
+            xp,
+            yp,
+            4,
+            weftFloat32,
+            weftSum,
+            3,
+            comm,
+            std::ptr::null_mut(),
+        )
+    };
     assert_eq!(rc, weftInvalidArgument);
     assert!(c_last_error(comm).ends_with(&want.to_string()));
     if let Some(r) = device_reason(|d| {
@@ -100,7 +111,7 @@ fn host_device_and_c_abi_give_the_same_reasons() {
     ] {
         assert_eq!(host_reason(host.send(&x, peer)), want);
         // SAFETY: a buffer of 4 floats, a live communicator.
-        let rc = unsafe { weftSend(xp, 4, weftFloat32, peer as i32, comm) };
+        let rc = unsafe { weftSend(xp, 4, weftFloat32, peer as i32, comm, std::ptr::null_mut()) };
         assert_eq!(rc, weftInvalidArgument);
         assert!(
             c_last_error(comm).ends_with(&want.to_string()),

@@ -532,6 +532,27 @@ impl DeviceComm {
         )
     }
 
+    /// Enqueues a group of sends and receives with raw device addresses: `(peer, address,
+    /// bytes)` each, run like [`DeviceGroup::run`].
+    ///
+    /// # Safety
+    /// Every address is device memory of this communicator's device, valid for its bytes until
+    /// `stream` has passed the group (receive buffers written, and not overlapping any other
+    /// buffer of the group); `stream` is a stream of this context.
+    pub unsafe fn enqueue_group_raw(
+        &self,
+        sends: &[(usize, u64, usize)],
+        recvs: &[(usize, u64, usize)],
+        stream: &Stream,
+    ) -> Result<()> {
+        let spans = |list: &[(usize, u64, usize)]| -> Vec<(usize, DevSpan)> {
+            list.iter()
+                .map(|&(peer, ptr, bytes)| (peer, DevSpan { ptr, bytes }))
+                .collect()
+        };
+        self.enqueue_group(spans(sends), spans(recvs), stream)
+    }
+
     pub(crate) fn enqueue(
         &self,
         call: RawOp,

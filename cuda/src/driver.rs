@@ -159,6 +159,36 @@ pub(crate) fn has_symbol(name: &str) -> bool {
     }
 }
 
+/// The ordinal of the device whose memory `ptr` points into, or `None` for memory that is not
+/// device memory (host memory, or an address the driver does not know).
+pub fn device_of(ptr: u64) -> Result<Option<usize>> {
+    ensure_driver()?;
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: driver initialised; `ordinal` is an out pointer of the int this attribute writes;
+    // the driver only looks the address up.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut std::ffi::c_int).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || ordinal < 0 {
+        return Ok(None);
+    }
+    let mut kind: std::ffi::c_uint = 0;
+    // SAFETY: as above, for the memory type (an unsigned int).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut kind as *mut std::ffi::c_uint).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr,
+        )
+    };
+    let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as std::ffi::c_uint;
+    Ok((r == sys::CUresult::CUDA_SUCCESS && kind == device).then_some(ordinal as usize))
+}
+
 /// What device `ordinal` offers a network card for GPUDirect RDMA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GdrSupport {

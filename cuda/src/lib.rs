@@ -26,8 +26,8 @@ mod tiered;
 
 pub use comm::{DeviceComm, Transport};
 pub use driver::{
-    device_count, device_info, devices, driver_present, driver_version, ensure_driver, gdr_support,
-    p2p_matrix, p2p_report, DeviceInfo, GdrSupport, P2pLink,
+    device_count, device_info, device_of, devices, driver_present, driver_version, ensure_driver,
+    gdr_support, p2p_matrix, p2p_report, DeviceInfo, GdrSupport, P2pLink,
 };
 pub use error::{CudaError, DeviceArgError, Result};
 pub use group::DeviceGroup;

@@ -131,6 +131,7 @@ impl Context {
         Ok(Stream {
             ctx: self.clone(),
             raw,
+            owned: true,
         })
     }
 
@@ -199,6 +200,8 @@ pub(crate) fn raw_free(ctx: &Context, ptr: u64) {
 pub struct Stream {
     ctx: Context,
     raw: sys::CUstream,
+    /// Destroyed on drop (false for a caller's stream borrowed by [`Stream::borrow_raw`]).
+    owned: bool,
 }
 
 // SAFETY: streams are driver handles usable from any thread.
@@ -215,6 +218,19 @@ impl std::fmt::Debug for Stream {
 }
 
 impl Stream {
+    /// A caller's stream (a `CUstream` or `cudaStream_t` of `ctx`'s device), not destroyed on
+    /// drop.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `ctx`'s device (its primary context) and outlives the value.
+    pub unsafe fn borrow_raw(ctx: &Context, raw: sys::CUstream) -> Stream {
+        Stream {
+            ctx: ctx.clone(),
+            raw,
+            owned: false,
+        }
+    }
+
     /// The raw `CUstream`, for interoperation with other CUDA code.
     pub fn as_raw(&self) -> sys::CUstream {
         self.raw
@@ -255,7 +271,7 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.ctx.bind().is_ok() {
+        if self.owned && self.ctx.bind().is_ok() {
             // SAFETY: created by cuStreamCreate and destroyed once; pending work still completes.
             let _ = unsafe { sys::cuStreamDestroy_v2(self.raw) };
         }

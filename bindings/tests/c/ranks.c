@@ -47,8 +47,8 @@ static void all_reduce(weftComm_t comm, int n, size_t count) {
     recv[i] = -1.0f;
     buf[i] = (int64_t)value(me, i);
   }
-  OK(weftAllReduce(send, recv, count, weftFloat32, weftSum, comm));
-  OK(weftAllReduce(buf, buf, count, weftInt64, weftMax, comm)); /* in place */
+  OK(weftAllReduce(send, recv, count, weftFloat32, weftSum, comm, NULL));
+  OK(weftAllReduce(buf, buf, count, weftInt64, weftMax, comm, NULL)); /* in place */
   for (size_t i = 0; i < count; i++) {
     double sum = 0, max = 0;
     for (int r = 0; r < n; r++) {
@@ -74,7 +74,7 @@ static void rooted(weftComm_t comm, int n) {
     out[i] = -1;
   }
   /* Only the root's send buffer is read: the others pass NULL, as NCCL allows. */
-  OK(weftBroadcast(me == root ? data : NULL, out, count, weftFloat64, root, comm));
+  OK(weftBroadcast(me == root ? data : NULL, out, count, weftFloat64, root, comm, NULL));
   for (size_t i = 0; i < count; i++)
     CHECK(out[i] == value(root, i), "broadcast[%zu] = %g", i, out[i]);
   /* Only the root's receive buffer is written: the others pass NULL. */
@@ -84,7 +84,7 @@ static void rooted(weftComm_t comm, int n) {
     in[i] = (int32_t)value(me, i);
     red[i] = -1;
   }
-  OK(weftReduce(in, me == 0 ? red : NULL, count, weftInt32, weftProd, 0, comm));
+  OK(weftReduce(in, me == 0 ? red : NULL, count, weftInt32, weftProd, 0, comm, NULL));
   if (me == 0)
     for (size_t i = 0; i < count; i++) {
       double p = 1;
@@ -102,14 +102,14 @@ static void gather_scatter(weftComm_t comm, int n) {
   uint8_t mine[7];
   uint8_t *all = malloc(n * count);
   for (size_t i = 0; i < count; i++) mine[i] = (uint8_t)value(me, i);
-  OK(weftAllGather(mine, all, count, weftUint8, comm));
+  OK(weftAllGather(mine, all, count, weftUint8, comm, NULL));
   for (int r = 0; r < n; r++)
     for (size_t i = 0; i < count; i++)
       CHECK(all[r * count + i] == (uint8_t)value(r, i), "all-gather[%d][%zu]", r, i);
   /* In place: this rank's block already sits at its place in the output. */
   memset(all, 0, n * count);
   memcpy(all + me * count, mine, count);
-  OK(weftAllGather(all + me * count, all, count, weftUint8, comm));
+  OK(weftAllGather(all + me * count, all, count, weftUint8, comm, NULL));
   for (int r = 0; r < n; r++)
     for (size_t i = 0; i < count; i++)
       CHECK(all[r * count + i] == (uint8_t)value(r, i), "in-place all-gather[%d][%zu]", r, i);
@@ -117,14 +117,14 @@ static void gather_scatter(weftComm_t comm, int n) {
   int32_t *send = malloc(n * count * sizeof(int32_t));
   int32_t recv[7];
   for (size_t j = 0; j < n * count; j++) send[j] = (int32_t)value(me, j);
-  OK(weftReduceScatter(send, recv, count, weftInt32, weftSum, comm));
+  OK(weftReduceScatter(send, recv, count, weftInt32, weftSum, comm, NULL));
   for (size_t i = 0; i < count; i++) {
     double sum = 0;
     for (int r = 0; r < n; r++) sum += value(r, me * count + i);
     CHECK(recv[i] == (int32_t)sum, "reduce-scatter[%zu] = %d, want %g", i, recv[i], sum);
   }
   /* In place: the result lands in this rank's block of the send buffer. */
-  OK(weftReduceScatter(send, send + me * count, count, weftInt32, weftMin, comm));
+  OK(weftReduceScatter(send, send + me * count, count, weftInt32, weftMin, comm, NULL));
   for (size_t i = 0; i < count; i++) {
     double min = 1e9;
     for (int r = 0; r < n; r++)
@@ -136,7 +136,7 @@ static void gather_scatter(weftComm_t comm, int n) {
   uint64_t *got = malloc(n * count * sizeof(uint64_t));
   for (int p = 0; p < n; p++)
     for (size_t i = 0; i < count; i++) a2a[p * count + i] = (uint64_t)(me * 1000 + p * 10 + i);
-  OK(weftAllToAll(a2a, got, count, weftUint64, comm));
+  OK(weftAllToAll(a2a, got, count, weftUint64, comm, NULL));
   for (int p = 0; p < n; p++)
     for (size_t i = 0; i < count; i++)
       CHECK(got[p * count + i] == (uint64_t)(p * 1000 + me * 10 + i), "all-to-all[%d][%zu]", p, i);
@@ -156,8 +156,8 @@ static void point_to_point(weftComm_t comm, int n) {
   }
   /* A ring shift: every rank sends and receives, so the calls must run as one group. */
   OK(weftGroupStart());
-  OK(weftSend(out, count, weftInt8, next, comm));
-  OK(weftRecv(in, count, weftInt8, prev, comm));
+  OK(weftSend(out, count, weftInt8, next, comm, NULL));
+  OK(weftRecv(in, count, weftInt8, prev, comm, NULL));
   OK(weftGroupEnd());
   for (size_t i = 0; i < count; i++)
     CHECK(in[i] == (int8_t)(prev * 7 + i), "ring shift[%zu] = %d", i, in[i]);
@@ -189,7 +189,7 @@ static void split(weftComm_t comm, int n) {
     if (r % 2 == me % 2 && !alone(r, n)) above++;
   CHECK(rank == above, "split rank %d, want %d", rank, above);
   int64_t v = me, sum = 0;
-  OK(weftAllReduce(&v, &sum, 1, weftInt64, weftSum, sub));
+  OK(weftAllReduce(&v, &sum, 1, weftInt64, weftSum, sub, NULL));
   int64_t want = 0;
   for (int r = 0; r < n; r++)
     if (r % 2 == me % 2 && !alone(r, n)) want += r;
@@ -201,25 +201,31 @@ static void split(weftComm_t comm, int n) {
  * communicator usable. */
 static void errors(weftComm_t comm, int n) {
   float x[4] = {1, 2, 3, 4}, y[4];
-  CHECK(weftAllReduce(x, y, 4, weftFloat32, weftSum, NULL) == weftInvalidArgument, "null comm");
-  CHECK(weftAllReduce(x, y, 4, 42, weftSum, comm) == weftInvalidArgument, "bad type");
+  CHECK(weftAllReduce(x, y, 4, weftFloat32, weftSum, NULL, NULL) == weftInvalidArgument, "null comm");
+  CHECK(weftAllReduce(x, y, 4, 42, weftSum, comm, NULL) == weftInvalidArgument, "bad type");
   CHECK(strstr(weftGetLastError(comm), "data type 42") != NULL, "message: %s",
         weftGetLastError(comm));
   /* In the core's form: the rank and the operation. */
   char want[64];
   snprintf(want, sizeof want, "rank %d: invalid argument to all-reduce", me);
   CHECK(strstr(weftGetLastError(comm), want) != NULL, "message: %s", weftGetLastError(comm));
-  CHECK(weftBroadcast(x, y, 4, weftFloat32, -1, comm) == weftInvalidArgument, "negative root");
+  CHECK(weftBroadcast(x, y, 4, weftFloat32, -1, comm, NULL) == weftInvalidArgument, "negative root");
   CHECK(strstr(weftGetLastError(comm), "root -1 is not a rank") != NULL, "message: %s",
         weftGetLastError(comm));
-  CHECK(weftAllReduce(x, y, 4, weftFloat32, 17, comm) == weftInvalidArgument, "bad op");
-  CHECK(weftAllReduce(x, x + 1, 3, weftFloat32, weftSum, comm) == weftInvalidArgument,
+  CHECK(weftAllReduce(x, y, 4, weftFloat32, 17, comm, NULL) == weftInvalidArgument, "bad op");
+  CHECK(weftAllReduce(x, x + 1, 3, weftFloat32, weftSum, comm, NULL) == weftInvalidArgument,
         "overlapping buffers");
-  CHECK(weftBroadcast(x, y, 4, weftFloat32, n, comm) == weftInvalidArgument, "root out of range");
+  CHECK(weftBroadcast(x, y, 4, weftFloat32, n, comm, NULL) == weftInvalidArgument, "root out of range");
   CHECK(strstr(weftGetLastError(comm), "root") != NULL, "message: %s", weftGetLastError(comm));
-  CHECK(weftAllReduce(NULL, y, 4, weftFloat32, weftSum, comm) == weftInvalidArgument, "null buf");
-  CHECK(weftSend(x, 4, weftFloat32, me, comm) == weftInvalidArgument, "send to self");
+  CHECK(weftAllReduce(NULL, y, 4, weftFloat32, weftSum, comm, NULL) == weftInvalidArgument, "null buf");
+  CHECK(weftSend(x, 4, weftFloat32, me, comm, NULL) == weftInvalidArgument, "send to self");
   CHECK(weftGroupEnd() == weftInvalidUsage, "group end without start");
+  /* A stream with host buffers: without a CUDA driver the device path says so; with one, the
+   * buffer is not device memory. Either way nothing was sent. */
+  weftResult_t dr = weftAllReduce(x, y, 4, weftFloat32, weftSum, comm, (weftStream_t)0x1);
+  CHECK((dr == weftUnhandledCudaError && strstr(weftGetLastError(comm), "no CUDA driver")) ||
+            (dr == weftInvalidArgument && strstr(weftGetLastError(comm), "not device memory")),
+        "stream with host buffers: %d %s", dr, weftGetLastError(comm));
   CHECK(weftGetErrorString(weftTimeout) != NULL && weftGetErrorString(12345) != NULL,
         "error strings");
   int count = 0, rank = -1;
@@ -241,7 +247,7 @@ static void premulsum(weftComm_t comm, int n) {
   CHECK(op >= weftNumOps, "premulsum code %d is a built-in's", op);
   float in[7], out[7];
   for (int i = 0; i < 7; i++) in[i] = (float)(i + 1);
-  OK(weftAllReduce(in, out, 7, weftFloat32, op, comm));
+  OK(weftAllReduce(in, out, 7, weftFloat32, op, comm, NULL));
   double factor = 0; /* sum over ranks of 0.5 * (r + 1) */
   for (int r = 0; r < n; r++) factor += 0.5 * (r + 1);
   for (int i = 0; i < 7; i++)
@@ -254,7 +260,7 @@ static void premulsum(weftComm_t comm, int n) {
             weftInvalidArgument,
         "a device scalar without CUDA was accepted");
   OK(weftRedOpDestroy(op, comm));
-  CHECK(weftAllReduce(in, out, 7, weftFloat32, op, comm) == weftInvalidArgument,
+  CHECK(weftAllReduce(in, out, 7, weftFloat32, op, comm, NULL) == weftInvalidArgument,
         "a destroyed reduction was accepted");
   char want[64];
   snprintf(want, sizeof want, "reduction %d is not", op);
@@ -272,12 +278,12 @@ static void abort_last(weftComm_t comm, int n) {
   int8_t token = 1, got[8];
   if (me == n - 1) {
     OK(weftGroupStart());
-    for (int r = 0; r < n - 1; r++) OK(weftRecv(&got[r], 1, weftInt8, r, comm));
+    for (int r = 0; r < n - 1; r++) OK(weftRecv(&got[r], 1, weftInt8, r, comm, NULL));
     OK(weftGroupEnd());
     OK(weftCommAbort(comm));
     CHECK(weftBarrier(comm) == weftAborted, "barrier after abort: %s", weftGetLastError(comm));
   } else {
-    weftResult_t s = weftSend(&token, 1, weftInt8, n - 1, comm);
+    weftResult_t s = weftSend(&token, 1, weftInt8, n - 1, comm, NULL);
     CHECK(s == weftSuccess || s == weftRemoteError, "send -> %d", s);
     weftResult_t r = weftBarrier(comm);
     CHECK(r == weftRemoteError, "barrier with an aborted rank -> %d: %s", r,
