@@ -270,6 +270,9 @@ impl DeviceComm {
     /// ranks, and sets it up.
     pub fn new(host: Communicator, ctx: Context) -> Result<DeviceComm> {
         let (rank, size) = (host.rank(), host.size());
+        // Checked before any communication, like the other settings.
+        let gdr_level = weftcc_topology::netpath::gdr_level_from_env()
+            .map_err(|e| CudaError::Other(e.to_string()))?;
         ctx.bind()?;
         // Local facts: host, GPU, and whether this rank can take part in IPC.
         let info = crate::driver::device_info(ctx.ordinal())?;
@@ -357,7 +360,7 @@ impl DeviceComm {
                 let cross_host = split(l, h)?;
                 let local = DeviceComm::new(local_host, ctx.clone())?;
                 let cross = DeviceComm::new(cross_host, ctx.clone())?;
-                log_paths(rank, &layout, &local, &cross);
+                log_paths(rank, &layout, &local, &cross, gdr_level);
                 Some(Box::new(Tiers::new(layout, local, cross)))
             }
             _ => None,
@@ -875,7 +878,18 @@ impl DeviceComm {
 
 /// Says at INFO (`WEFT_DEBUG=INFO`) how this rank reaches each peer of a hierarchical
 /// communicator.
-fn log_paths(rank: usize, layout: &TwoTier, local: &DeviceComm, cross: &DeviceComm) {
+fn log_paths(
+    rank: usize,
+    layout: &TwoTier,
+    local: &DeviceComm,
+    cross: &DeviceComm,
+    gdr_level: weftcc_topology::PathClass,
+) {
+    let gdr = if gdr_level == weftcc_topology::PathClass::Loc {
+        "off (WEFT_NET_GDR_LEVEL=LOC)"
+    } else {
+        "not built"
+    };
     let host = layout.host(rank);
     let (near, far): (Vec<usize>, Vec<usize>) = (0..layout.size())
         .filter(|&q| q != rank)
@@ -886,7 +900,7 @@ fn log_paths(rank: usize, layout: &TwoTier, local: &DeviceComm, cross: &DeviceCo
         hosts = layout.hosts(),
         host,
         local_rank = layout.local(rank),
-        "hierarchical: ranks {near:?} of this host over {:?} (CUDA IPC), ranks {far:?} of other hosts staged through pinned host memory over the host network ({:?}; GPUDirect RDMA: not built); across hosts as rank {} of {}",
+        "hierarchical: ranks {near:?} of this host over {:?} (CUDA IPC), ranks {far:?} of other hosts staged through pinned host memory over the host network ({:?}; GPUDirect RDMA: {gdr}); across hosts as rank {} of {}",
         local.transport(),
         cross.transport(),
         cross.rank(),

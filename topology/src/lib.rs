@@ -10,6 +10,8 @@
 //!   allow) and the double binary tree across hosts.
 //! * [`tuner`]: the α-β cost model per (algorithm, protocol) and the `WEFT_ALGO` / `WEFT_PROTO`
 //!   override syntax.
+//! * [`netpath`]: the NIC each GPU uses between hosts and the GPUDirect RDMA distance limit
+//!   (`WEFT_NET_GDR_LEVEL`, NCCL's syntax).
 //! * [`report`]: warnings and the text / JSON / DOT / SVG renderings used by `weft topo`.
 //!
 //! Nothing here panics on malformed input: every parser returns a [`TopoError`].
@@ -20,6 +22,7 @@ pub mod discover;
 pub mod error;
 mod graph;
 pub mod model;
+pub mod netpath;
 pub mod nvml;
 pub mod nvsmi;
 pub mod report;

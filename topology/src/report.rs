@@ -2,6 +2,7 @@
 //! collective, and warnings a user can act on; as text, JSON, Graphviz DOT or SVG.
 
 use crate::model::{class_rank, LinkKind, LinkSpeeds, NodeKind, PathClass, Topology};
+use crate::netpath::{nic_pairs, NicPair};
 use crate::search::{double_binary_tree, host_chain, network_order, rings, RingPlan, Tree};
 use crate::tuner::{Algorithm, Calibration, Collective, Model, ModelInput, Protocol, Selection};
 use serde::{Deserialize, Serialize};
@@ -27,6 +28,8 @@ pub struct ReportOptions {
     pub protos: Selection<Protocol>,
     /// Message sizes to predict.
     pub sizes: Vec<u64>,
+    /// The GPUDirect RDMA distance limit (`WEFT_NET_GDR_LEVEL`).
+    pub gdr_level: PathClass,
 }
 
 impl Default for ReportOptions {
@@ -40,6 +43,7 @@ impl Default for ReportOptions {
             algos: Selection::default(),
             protos: Selection::default(),
             sizes: vec![8, 64 << 10, 1 << 20, 16 << 20, 256 << 20],
+            gdr_level: crate::netpath::DEFAULT_GDR_LEVEL,
         }
     }
 }
@@ -99,6 +103,16 @@ pub struct Report {
     pub predictions: Vec<PredictionRow>,
     /// Warnings.
     pub warnings: Vec<Warning>,
+    /// The NIC each GPU uses between hosts, and whether GPUDirect RDMA applies.
+    #[serde(default)]
+    pub nic_pairs: Vec<NicPair>,
+    /// The GPUDirect RDMA distance limit the pairs were judged with.
+    #[serde(default = "default_gdr_level")]
+    pub gdr_level: PathClass,
+}
+
+fn default_gdr_level() -> PathClass {
+    crate::netpath::DEFAULT_GDR_LEVEL
 }
 
 fn list(v: &[usize]) -> String {
@@ -286,6 +300,8 @@ pub fn build(topo: &Topology, opts: &ReportOptions) -> Report {
         model: model.input,
         predictions,
         warnings: warnings(topo, opts, rph),
+        nic_pairs: nic_pairs(topo, opts.gdr_level),
+        gdr_level: opts.gdr_level,
     }
 }
 
@@ -298,6 +314,32 @@ fn ring_text(topo: &Topology, order: &[usize]) -> String {
         s.push(f);
     }
     s.join(" > ")
+}
+
+/// What a GPU–NIC pair allows, for people.
+fn gdr_verdict(r: &Report, p: &NicPair) -> String {
+    let rdma = r
+        .topology
+        .nics
+        .get(p.nic)
+        .is_some_and(|n| n.kind == crate::model::NicKind::Ib);
+    let level = if r.gdr_level == PathClass::Loc {
+        "LOC".to_string()
+    } else {
+        r.gdr_level.label()
+    };
+    if p.gdr {
+        format!("GPUDirect RDMA possible (within WEFT_NET_GDR_LEVEL={level})")
+    } else if !rdma {
+        "no RDMA: staged through host memory".into()
+    } else if r.gdr_level == PathClass::Loc {
+        "GPUDirect RDMA off (WEFT_NET_GDR_LEVEL=LOC)".into()
+    } else {
+        format!(
+            "staged through host memory ({} is beyond WEFT_NET_GDR_LEVEL={level})",
+            p.class.label()
+        )
+    }
 }
 
 /// Plain-text rendering.
@@ -378,6 +420,23 @@ pub fn render_text(r: &Report) -> String {
     }
     if let Some(shm) = t.shm_bytes {
         let _ = writeln!(o, "/dev/shm: {}", human_bytes(shm));
+    }
+    for p in &r.nic_pairs {
+        let gpu = t.gpus.get(p.gpu).map_or(p.gpu as u32, |g| g.index);
+        let nic = t.nics.get(p.nic).map_or("?", |n| n.name.as_str());
+        let _ = writeln!(
+            o,
+            "network: GPU{gpu} -> {nic} ({}): {}",
+            p.class.label(),
+            gdr_verdict(r, p)
+        );
+    }
+    if r.nic_pairs.iter().any(|p| p.gdr) {
+        let _ = writeln!(
+            o,
+            "  (weftcc's device path stages through pinned host memory between hosts today: its \
+             GPUDirect RDMA registration is not built)"
+        );
     }
     let nd = t.ndevices();
     if nd > 0 {

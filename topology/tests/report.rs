@@ -5,7 +5,7 @@ use common::topology;
 use weftcc_topology::report::{
     build, render_dot, render_json, render_svg, render_text, ReportOptions,
 };
-use weftcc_topology::Topology;
+use weftcc_topology::{PathClass, Topology};
 
 fn codes(t: &Topology, opts: &ReportOptions) -> Vec<String> {
     build(t, opts)
@@ -68,6 +68,49 @@ fn warnings_users_can_act_on() {
     assert!(!codes(&t, &o).contains(&"shm_small".to_string()));
 
     assert_eq!(codes(&Topology::default(), &o), vec!["no_gpu".to_string()]);
+}
+
+/// DGX A100: each GPU takes the NIC on its own PCIe switch (mlx5_4/5, the storage pair on a
+/// switch of their own, are nobody's), and GPUDirect RDMA applies at the default level but not
+/// with WEFT_NET_GDR_LEVEL=LOC.
+#[test]
+fn each_gpu_gets_the_nic_on_its_switch() {
+    let t = topology("dgx_a100.txt");
+    let r = build(&t, &ReportOptions::default());
+    let pairs: Vec<(usize, &str)> = r
+        .nic_pairs
+        .iter()
+        .map(|p| (p.gpu, t.nics[p.nic].name.as_str()))
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            (0, "mlx5_0"),
+            (1, "mlx5_1"),
+            (2, "mlx5_2"),
+            (3, "mlx5_3"),
+            (4, "mlx5_6"),
+            (5, "mlx5_7"),
+            (6, "mlx5_8"),
+            (7, "mlx5_9")
+        ]
+    );
+    assert!(r
+        .nic_pairs
+        .iter()
+        .all(|p| p.gdr && p.class == PathClass::Pix));
+    let text = render_text(&r);
+    assert!(
+        text.contains("network: GPU4 -> mlx5_6 (PIX): GPUDirect RDMA possible (within WEFT_NET_GDR_LEVEL=PXB)"),
+        "{text}"
+    );
+    let off = ReportOptions {
+        gdr_level: PathClass::Loc,
+        ..ReportOptions::default()
+    };
+    let r = build(&t, &off);
+    assert!(r.nic_pairs.iter().all(|p| !p.gdr));
+    assert!(render_text(&r).contains("GPUDirect RDMA off (WEFT_NET_GDR_LEVEL=LOC)"));
 }
 
 #[test]

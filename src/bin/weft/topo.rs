@@ -253,6 +253,7 @@ fn run(args: TopoArgs) -> Result<(), String> {
         ranks_per_host: args.ranks.map(|r| r as usize),
         algos: Selection::from_env("WEFT_ALGO").map_err(|e| e.to_string())?,
         protos: Selection::from_env("WEFT_PROTO").map_err(|e| e.to_string())?,
+        gdr_level: weftcc_topology::netpath::gdr_level_from_env().map_err(|e| e.to_string())?,
         ..ReportOptions::default()
     };
     if let Ok(v) = std::env::var("WEFT_BUFFSIZE") {
