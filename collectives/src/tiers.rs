@@ -30,101 +30,14 @@
 use crate::call::RawOp;
 use crate::dtype::DataType;
 use crate::op::{OpKind, ReduceOp};
+use crate::schedule::hierarchical::HostLayout;
 
-/// Which host every rank is on; hosts are numbered in the order of their first rank, and the
-/// ranks of a host are its local ranks in rank order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TwoTier {
-    host_of: Vec<usize>,
-    local_of: Vec<usize>,
-    members: Vec<Vec<usize>>,
-}
-
-impl TwoTier {
-    /// The layout of ranks whose hosts are named by `keys` (one per rank; equal keys = one host).
-    pub fn new<K: PartialEq>(keys: &[K]) -> TwoTier {
-        let mut firsts: Vec<&K> = Vec::new();
-        let mut host_of = Vec::with_capacity(keys.len());
-        let mut local_of = Vec::with_capacity(keys.len());
-        let mut members: Vec<Vec<usize>> = Vec::new();
-        for (rank, key) in keys.iter().enumerate() {
-            let h = match firsts.iter().position(|k| *k == key) {
-                Some(h) => h,
-                None => {
-                    firsts.push(key);
-                    members.push(Vec::new());
-                    firsts.len() - 1
-                }
-            };
-            host_of.push(h);
-            local_of.push(members[h].len());
-            members[h].push(rank);
-        }
-        TwoTier {
-            host_of,
-            local_of,
-            members,
-        }
-    }
-
-    /// Number of ranks.
-    pub fn size(&self) -> usize {
-        self.host_of.len()
-    }
-
-    /// Number of hosts.
-    pub fn hosts(&self) -> usize {
-        self.members.len()
-    }
-
-    /// The host of `rank`.
-    pub fn host(&self, rank: usize) -> usize {
-        self.host_of[rank]
-    }
-
-    /// The local rank of `rank` (its index among its host's ranks).
-    pub fn local(&self, rank: usize) -> usize {
-        self.local_of[rank]
-    }
-
-    /// The ranks of host `h`, in rank order.
-    pub fn members(&self, h: usize) -> &[usize] {
-        &self.members[h]
-    }
-
-    /// The most ranks any host has.
-    pub fn widest(&self) -> usize {
-        self.members.iter().map(Vec::len).max().unwrap_or(0)
-    }
-
-    /// Ranks per host when every host has as many.
-    pub fn uniform(&self) -> Option<usize> {
-        let l = self.members.first()?.len();
-        self.members.iter().all(|m| m.len() == l).then_some(l)
-    }
-
-    /// The rank that is local rank `l` of host `h`.
-    pub fn rank_at(&self, h: usize, l: usize) -> usize {
-        self.members[h][l]
-    }
-
-    /// The cross communicator of local index `l`: its members (one per host that has a local
-    /// rank `l`, in host order). A rank's place in it is its host's place in this list.
-    pub fn cross_members(&self, l: usize) -> Vec<usize> {
-        self.members
-            .iter()
-            .filter_map(|m| m.get(l).copied())
-            .collect()
-    }
-
-    /// `rank`'s index in its cross communicator (= its host when the layout is uniform).
-    pub fn cross_index(&self, rank: usize) -> usize {
-        let l = self.local(rank);
-        self.members[..self.host(rank)]
-            .iter()
-            .filter(|m| m.len() > l)
-            .count()
-    }
+/// Host and local rank of `rank` (a rank of `layout`: [`plan`] checks it).
+fn place(layout: &HostLayout, rank: usize) -> (usize, usize) {
+    (
+        layout.host_of(rank).unwrap_or(0),
+        layout.local_index(rank).unwrap_or(0),
+    )
 }
 
 /// A sub-communicator of the plan, as seen by the rank running it.
@@ -218,17 +131,17 @@ pub const DEFAULT_SHARD_MIN: usize = 128 << 10;
 /// the call has only a receive buffer (NCCL's in-place layout); all-reduces of at least
 /// `shard_min` bytes are sharded across hosts (see the module documentation).
 pub fn plan(
-    layout: &TwoTier,
+    layout: &HostLayout,
     rank: usize,
     call: &RawOp,
     in_place: bool,
     shard_min: usize,
 ) -> TierPlan {
     let mut p = TierPlan::default();
-    if call.count == 0 {
+    let n = layout.nranks();
+    if call.count == 0 || rank >= n || (call.has_root() && call.root >= n) {
         return p;
     }
-    let n = layout.size();
     let es = call.dtype.size();
     let block = call.count * es;
     let whole = |blocks: usize| Region::new(Buf::Recv, 0, blocks * block);
@@ -236,7 +149,7 @@ pub fn plan(
         true => whole(blocks),
         false => Region::new(Buf::Send, 0, blocks * block),
     };
-    let uniform = layout.uniform();
+    let uniform = layout.ranks_per_host();
     match call.kind {
         OpKind::AllReduce => {
             let sharded = block >= shard_min;
@@ -294,7 +207,7 @@ pub fn plan(
 
 fn all_reduce(
     p: &mut TierPlan,
-    layout: &TwoTier,
+    layout: &HostLayout,
     rank: usize,
     call: &RawOp,
     sharded: bool,
@@ -304,9 +217,9 @@ fn all_reduce(
     let es = call.dtype.size();
     let (first, later) = stage_ops(call.op);
     let at = |count| RawOp::new(OpKind::AllReduce, call.dtype, count);
-    let l = layout.local(rank);
+    let l = place(layout, rank).1;
     // Elements carried by the shards of a uniform layout; the rest goes the generic way.
-    let (local_size, shard) = match layout.uniform() {
+    let (local_size, shard) = match layout.ranks_per_host() {
         Some(ls) if sharded => (ls, call.count / ls),
         _ => (1, 0),
     };
@@ -377,11 +290,11 @@ fn all_reduce(
 }
 
 /// Uniform layouts only.
-fn reduce(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) {
+fn reduce(p: &mut TierPlan, layout: &HostLayout, rank: usize, call: &RawOp, in_place: bool) {
     let bytes = call.count * call.dtype.size();
     let (first, later) = stage_ops(call.op);
-    let (root_host, root_local) = (layout.host(call.root), layout.local(call.root));
-    let (h, l) = (layout.host(rank), layout.local(rank));
+    let (root_host, root_local) = place(layout, call.root);
+    let (h, l) = place(layout, rank);
     let output = Region::new(Buf::Recv, 0, bytes);
     let input = match in_place {
         true => output,
@@ -414,12 +327,12 @@ fn reduce(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_plac
 }
 
 /// Uniform layouts only.
-fn broadcast(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) {
+fn broadcast(p: &mut TierPlan, layout: &HostLayout, rank: usize, call: &RawOp, in_place: bool) {
     let bytes = call.count * call.dtype.size();
-    let (root_host, root_local) = (layout.host(call.root), layout.local(call.root));
+    let (root_host, root_local) = place(layout, call.root);
     let output = Region::new(Buf::Recv, 0, bytes);
     let op = RawOp::new(OpKind::Broadcast, call.dtype, call.count);
-    if layout.local(rank) == root_local {
+    if place(layout, rank).1 == root_local {
         p.stages.push(Stage::Collective {
             tier: Tier::Cross,
             op: op.with_root(root_host),
@@ -438,19 +351,22 @@ fn broadcast(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_p
 /// The copies that move block `(h, l)` between `local_major` (blocks ordered local rank first,
 /// then host) and `ranked` (blocks in rank order), merged where both sides run on.
 fn permutation(
-    layout: &TwoTier,
+    layout: &HostLayout,
     block: usize,
     local_major: Region,
     ranked: Region,
     to_rank_order: bool,
 ) -> Vec<Stage> {
     let hosts = layout.hosts();
-    let local_size = layout.uniform().unwrap_or(1);
+    let local_size = layout.ranks_per_host().unwrap_or(1);
     let mut stages: Vec<Stage> = Vec::new();
     for l in 0..local_size {
         for h in 0..hosts {
             let a = local_major.part((l * hosts + h) * block, block);
-            let b = ranked.part(layout.rank_at(h, l) * block, block);
+            let Some(&rank) = layout.members(h).get(l) else {
+                continue;
+            };
+            let b = ranked.part(rank * block, block);
             let (src, dst) = if to_rank_order { (a, b) } else { (b, a) };
             if let Some(Stage::Copy { src: s, dst: d }) = stages.last_mut() {
                 if s.offset + s.len == src.offset && d.offset + d.len == dst.offset {
@@ -467,9 +383,9 @@ fn permutation(
 
 /// Uniform layouts only: across hosts among equal local indices, inside the host, then into
 /// rank order.
-fn all_gather(p: &mut TierPlan, layout: &TwoTier, call: &RawOp, own: Region, output: Region) {
+fn all_gather(p: &mut TierPlan, layout: &HostLayout, call: &RawOp, own: Region, output: Region) {
     let block = call.count * call.dtype.size();
-    let (hosts, n) = (layout.hosts(), layout.size());
+    let (hosts, n) = (layout.hosts(), layout.nranks());
     let across = Region::new(Buf::Scratch, 0, hosts * block);
     let gathered = Region::new(Buf::Scratch, hosts * block, n * block);
     p.scratch_bytes = (hosts + n) * block;
@@ -490,9 +406,15 @@ fn all_gather(p: &mut TierPlan, layout: &TwoTier, call: &RawOp, own: Region, out
 }
 
 /// Uniform layouts only: into local-major order, inside the host, then across hosts.
-fn reduce_scatter(p: &mut TierPlan, layout: &TwoTier, call: &RawOp, input: Region, output: Region) {
+fn reduce_scatter(
+    p: &mut TierPlan,
+    layout: &HostLayout,
+    call: &RawOp,
+    input: Region,
+    output: Region,
+) {
     let block = call.count * call.dtype.size();
-    let (hosts, n) = (layout.hosts(), layout.size());
+    let (hosts, n) = (layout.hosts(), layout.nranks());
     let (first, later) = stage_ops(call.op);
     let ordered = Region::new(Buf::Scratch, 0, n * block);
     let partial = Region::new(Buf::Scratch, n * block, hosts * block);
@@ -515,9 +437,9 @@ fn reduce_scatter(p: &mut TierPlan, layout: &TwoTier, call: &RawOp, input: Regio
 
 /// Any layout: this rank's own block copied, the other blocks sent and received over each
 /// peer's tier (in place: from a copy of the input).
-fn all_to_all(p: &mut TierPlan, layout: &TwoTier, rank: usize, call: &RawOp, in_place: bool) {
+fn all_to_all(p: &mut TierPlan, layout: &HostLayout, rank: usize, call: &RawOp, in_place: bool) {
     let block = call.count * call.dtype.size();
-    let n = layout.size();
+    let n = layout.nranks();
     let output = Region::new(Buf::Recv, 0, n * block);
     let input = if in_place {
         let copy = Region::new(Buf::Scratch, 0, n * block);
@@ -578,18 +500,19 @@ pub struct Routed<T> {
 /// Splits sends and receives (peers as ranks of the whole communicator) by tier, keeping their
 /// order: a group runs as a group on the local tier, then one on the flat tier.
 pub fn route<T>(
-    layout: &TwoTier,
+    layout: &HostLayout,
     rank: usize,
     sends: Vec<(usize, T)>,
     recvs: Vec<(usize, T)>,
 ) -> Routed<T> {
-    let host = layout.host(rank);
+    let host = layout.host_of(rank);
     let split = |list: Vec<(usize, T)>| {
-        let (near, far): (Vec<_>, Vec<_>) =
-            list.into_iter().partition(|(q, _)| layout.host(*q) == host);
+        let (near, far): (Vec<_>, Vec<_>) = list
+            .into_iter()
+            .partition(|(q, _)| layout.host_of(*q) == host);
         let near: Vec<_> = near
             .into_iter()
-            .map(|(q, x)| (layout.local(q), x))
+            .map(|(q, x)| (place(layout, q).1, x))
             .collect();
         (near, far)
     };

@@ -6,7 +6,8 @@
 
 use proptest::prelude::*;
 use weftcc_collectives::reduce;
-use weftcc_collectives::tiers::{plan, Buf, Region, Stage, Tier, TierPlan, TwoTier};
+use weftcc_collectives::schedule::hierarchical::HostLayout;
+use weftcc_collectives::tiers::{plan, Buf, Region, Stage, Tier, TierPlan};
 use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
 
 /// A byte every result differs from (inputs are small non-negative integers).
@@ -136,11 +137,11 @@ impl Bufs {
 }
 
 /// The members of `rank`'s communicator of `tier`, in their order in it.
-fn members(layout: &TwoTier, rank: usize, tier: Tier) -> Vec<usize> {
+fn members(layout: &HostLayout, rank: usize, tier: Tier) -> Vec<usize> {
     match tier {
-        Tier::Local => layout.members(layout.host(rank)).to_vec(),
-        Tier::Cross => layout.cross_members(layout.local(rank)),
-        Tier::Flat => (0..layout.size()).collect(),
+        Tier::Local => layout.members(layout.host_of(rank).expect("rank")).to_vec(),
+        Tier::Cross => layout.cross_members(layout.local_index(rank).expect("rank")),
+        Tier::Flat => (0..layout.nranks()).collect(),
     }
 }
 
@@ -227,8 +228,8 @@ fn collective(bufs: &mut [Bufs], who: &[usize], stages: &[(RawOp, Option<Region>
 }
 
 /// Runs every rank's plan; panics on a deadlock.
-fn execute(layout: &TwoTier, plans: &[TierPlan], bufs: &mut [Bufs]) {
-    let n = layout.size();
+fn execute(layout: &HostLayout, plans: &[TierPlan], bufs: &mut [Bufs]) {
+    let n = layout.nranks();
     let mut pc = vec![0usize; n];
     // Messages in flight per (tier, sender, receiver) as ranks, and which groups have posted.
     let mut mail: std::collections::HashMap<(usize, usize), std::collections::VecDeque<Vec<u8>>> =
@@ -338,7 +339,7 @@ fn check(
     root: usize,
     in_place: bool,
 ) {
-    let layout = TwoTier::new(hosts);
+    let layout = HostLayout::from_labels(hosts);
     let n = hosts.len();
     let es = t.size();
     let all = count * n;
@@ -408,14 +409,13 @@ fn check(
     }
 }
 
-const KINDS: [OpKind; 6] = [
-    OpKind::AllReduce,
-    OpKind::Reduce,
-    OpKind::Broadcast,
-    OpKind::AllGather,
-    OpKind::ReduceScatter,
-    OpKind::AllToAll,
-];
+/// The collectives (every kind but send/recv and barrier).
+fn kinds() -> Vec<OpKind> {
+    OpKind::ALL
+        .into_iter()
+        .filter(|k| !matches!(k, OpKind::SendRecv | OpKind::Barrier))
+        .collect()
+}
 
 fn ops() -> Vec<ReduceOp> {
     vec![
@@ -430,23 +430,26 @@ fn ops() -> Vec<ReduceOp> {
 
 #[test]
 fn layouts_number_hosts_and_local_ranks() {
-    let l = TwoTier::new(&["b", "a", "b", "c", "a", "b"]);
+    let l = HostLayout::from_labels(&["b", "a", "b", "c", "a", "b"]);
     assert_eq!(l.hosts(), 3);
     assert_eq!(
-        (0..6).map(|r| l.host(r)).collect::<Vec<_>>(),
-        [0, 1, 0, 2, 1, 0]
+        (0..6).map(|r| l.host_of(r)).collect::<Vec<_>>(),
+        [0, 1, 0, 2, 1, 0].map(Some)
     );
     assert_eq!(
-        (0..6).map(|r| l.local(r)).collect::<Vec<_>>(),
-        [0, 0, 1, 0, 1, 2]
+        (0..6).map(|r| l.local_index(r)).collect::<Vec<_>>(),
+        [0, 0, 1, 0, 1, 2].map(Some)
     );
-    assert_eq!(l.uniform(), None);
-    assert_eq!(l.widest(), 3);
+    assert_eq!(l.ranks_per_host(), None);
+    assert_eq!(l.max_local(), 3);
     assert_eq!(l.cross_members(1), [2, 4]);
     assert_eq!(l.cross_members(2), [5]);
-    assert_eq!(l.cross_index(4), 1);
-    assert_eq!(l.cross_index(3), 2);
-    assert_eq!(TwoTier::new(&[1, 2, 1, 2]).uniform(), Some(2));
+    assert_eq!(l.cross_index(4), Some(1));
+    assert_eq!(l.cross_index(3), Some(2));
+    assert_eq!(
+        HostLayout::from_labels(&[1, 2, 1, 2]).ranks_per_host(),
+        Some(2)
+    );
 }
 
 #[test]
@@ -460,7 +463,7 @@ fn every_collective_on_fixed_layouts() {
         &[3, 3, 3],
     ];
     for hosts in layouts {
-        for kind in KINDS {
+        for kind in kinds() {
             for t in [DataType::Float32, DataType::Int32, DataType::Uint8] {
                 let ops = if kind.has_reduction() {
                     ops()
@@ -485,7 +488,7 @@ fn every_collective_on_fixed_layouts() {
 
 #[test]
 fn uniform_layouts_take_the_hierarchical_forms() {
-    let layout = TwoTier::new(&[0, 1, 0, 1]);
+    let layout = HostLayout::from_labels(&[0, 1, 0, 1]);
     let call = RawOp::new(OpKind::AllReduce, DataType::Float32, 10);
     let p = plan(&layout, 1, &call, false, 0);
     let tiers: Vec<_> = p
@@ -535,7 +538,7 @@ fn uniform_layouts_take_the_hierarchical_forms() {
     // order (one merged copy); hosts holding consecutive ranks need a copy per rank.
     let copies = |hosts: &[usize]| {
         let ag = plan(
-            &TwoTier::new(hosts),
+            &HostLayout::from_labels(hosts),
             0,
             &RawOp::new(OpKind::AllGather, DataType::Float32, 3),
             false,
@@ -556,7 +559,7 @@ proptest! {
     #[test]
     fn random_layouts_give_the_direct_result(
         hosts in prop::collection::vec(0usize..4, 1..=9),
-        kind in prop::sample::select(KINDS.to_vec()),
+        kind in prop::sample::select(kinds()),
         t in prop::sample::select(vec![DataType::Float32, DataType::Float64, DataType::Int32, DataType::Uint8]),
         op in prop::sample::select(ops()),
         count in prop::sample::select(vec![0usize, 1, 3, 4, 7, 9, 16, 37]),

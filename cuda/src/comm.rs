@@ -37,8 +37,8 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan};
+use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_collectives::schedule::p2p;
-use weftcc_collectives::tiers::TwoTier;
 use weftcc_collectives::{
     schedule, Algorithm, Combiner, DataType, Element, OpKind, RawOp, ReduceOp,
 };
@@ -296,7 +296,7 @@ impl DeviceComm {
             String::from_utf8_lossy(&s[..end]).into_owned()
         };
         let hosts: Vec<String> = (0..size).map(|r| field(r, 0, 64)).collect();
-        let layout = TwoTier::new(&hosts);
+        let layout = HostLayout::from_labels(&hosts);
         let one_host = layout.hosts() == 1;
         let my_bus = info.pci_bus_id.clone();
         let mut sharing = false;
@@ -336,7 +336,9 @@ impl DeviceComm {
         let tiers_allowed = std::env::var(HIERARCHICAL_ENV).map_or(true, |v| v != "0");
         let mut vote = [
             u8::from(one_host && p2p_ok && all_flags),
-            u8::from(!one_host && layout.widest() > 1 && p2p_host_ok && all_flags && tiers_allowed),
+            u8::from(
+                !one_host && layout.max_local() > 1 && p2p_host_ok && all_flags && tiers_allowed,
+            ),
         ];
         host.all_reduce_in_place(&mut vote[..], ReduceOp::Min)?;
         // Kernels are needed by the IPC path and by nothing else; report them only then.
@@ -351,7 +353,10 @@ impl DeviceComm {
         // rank makes its host's first, then its local index's).
         let tiers = match transport {
             Transport::Hierarchical => {
-                let (h, l) = (layout.host(rank), layout.local(rank));
+                let (h, l) = layout
+                    .host_of(rank)
+                    .zip(layout.local_index(rank))
+                    .ok_or_else(|| CudaError::Other("rank outside its own layout".into()))?;
                 let split = |color: usize, key: usize| -> Result<Communicator> {
                     host.split(Some(color as u32), key as i64)?
                         .ok_or_else(|| CudaError::Other("split without a communicator".into()))
@@ -880,7 +885,7 @@ impl DeviceComm {
 /// communicator.
 fn log_paths(
     rank: usize,
-    layout: &TwoTier,
+    layout: &HostLayout,
     local: &DeviceComm,
     cross: &DeviceComm,
     gdr_level: weftcc_topology::PathClass,
@@ -890,16 +895,16 @@ fn log_paths(
     } else {
         "not built"
     };
-    let host = layout.host(rank);
-    let (near, far): (Vec<usize>, Vec<usize>) = (0..layout.size())
+    let host = layout.host_of(rank);
+    let (near, far): (Vec<usize>, Vec<usize>) = (0..layout.nranks())
         .filter(|&q| q != rank)
-        .partition(|&q| layout.host(q) == host);
+        .partition(|&q| layout.host_of(q) == host);
     tracing::info!(
         target: "weftcc::cuda",
         rank,
         hosts = layout.hosts(),
-        host,
-        local_rank = layout.local(rank),
+        host = ?host,
+        local_rank = ?layout.local_index(rank),
         "hierarchical: ranks {near:?} of this host over {:?} (CUDA IPC), ranks {far:?} of other hosts staged through pinned host memory over the host network ({:?}; GPUDirect RDMA: {gdr}); across hosts as rank {} of {}",
         local.transport(),
         cross.transport(),

@@ -15,13 +15,14 @@ use crate::error::{CudaError, Result};
 use crate::ipc::copy_d2d;
 use crate::memory::{Context, DeviceBuffer, Event, Stream};
 use std::sync::Mutex;
-use weftcc_collectives::tiers::{self, Buf, Region, Stage, Tier, TwoTier};
+use weftcc_collectives::schedule::hierarchical::HostLayout;
+use weftcc_collectives::tiers::{self, Buf, Region, Stage, Tier};
 use weftcc_collectives::RawOp;
 use weftcc_transports::lock;
 
 /// The two tiers of a hierarchical device communicator.
 pub(crate) struct Tiers {
-    pub(crate) layout: TwoTier,
+    pub(crate) layout: HostLayout,
     /// All-reduces of at least this many bytes are sharded across hosts.
     shard_min: usize,
     /// The ranks of this host (CUDA IPC).
@@ -41,7 +42,7 @@ struct TierState {
 }
 
 impl Tiers {
-    pub(crate) fn new(layout: TwoTier, local: DeviceComm, cross: DeviceComm) -> Tiers {
+    pub(crate) fn new(layout: HostLayout, local: DeviceComm, cross: DeviceComm) -> Tiers {
         Tiers {
             layout,
             shard_min: env_bytes(SHARD_MIN_ENV, tiers::DEFAULT_SHARD_MIN),

@@ -92,6 +92,33 @@ impl HostLayout {
     pub fn is_uniform(&self) -> bool {
         self.members.windows(2).all(|w| w[0].len() == w[1].len())
     }
+
+    /// The index of `rank` among its host's ranks (its local rank).
+    pub fn local_index(&self, rank: usize) -> Option<usize> {
+        self.local_index.get(rank).copied()
+    }
+
+    /// Ranks per host when every host holds as many.
+    pub fn ranks_per_host(&self) -> Option<usize> {
+        self.is_uniform()
+            .then(|| self.members.first().map_or(0, Vec::len))
+    }
+
+    /// The ranks with local index `l`, one per host that has one, in host order: the ranks that
+    /// meet across hosts in a two-tier collective.
+    pub fn cross_members(&self, l: usize) -> Vec<usize> {
+        self.members
+            .iter()
+            .filter_map(|m| m.get(l).copied())
+            .collect()
+    }
+
+    /// `rank`'s place among the [`HostLayout::cross_members`] of its local index (its host's
+    /// index when the layout is uniform).
+    pub fn cross_index(&self, rank: usize) -> Option<usize> {
+        let (h, l) = (self.host_of(rank)?, self.local_index(rank)?);
+        Some(self.members[..h].iter().filter(|m| m.len() > l).count())
+    }
 }
 
 /// The chunk (of `m` even chunks of `count`) that contains element `e < count`.
