@@ -17,10 +17,36 @@ fn tmpdir(name: &str) -> PathBuf {
 /// Runs `weft run -n 2 [--max-restarts R] -- weft train <common args> <extra>`; returns
 /// (exit code, combined output).
 fn run_job(restarts: u32, extra: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let mut all = vec!["--bucket-mb", "0.01", "--first-bucket-mb", "0.004"];
+    all.extend_from_slice(extra);
+    run_job_on(2, 0, restarts, &all, env)
+}
+
+/// `run_job` with `n` ranks, dealt over `hosts` "hosts" (`WEFT_HOST_ID=h<rank mod hosts>`; 0:
+/// the machine's own id).
+fn run_job_on(
+    n: usize,
+    hosts: usize,
+    restarts: u32,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (i32, String) {
     let mut cmd = Command::new(WEFT);
-    cmd.args(["run", "-n", "2", "--master-port", "0", "--max-restarts"])
-        .arg(restarts.to_string())
-        .args(["--", WEFT, "train", "--no-progress"])
+    cmd.args([
+        "run",
+        "-n",
+        &n.to_string(),
+        "--master-port",
+        "0",
+        "--max-restarts",
+    ])
+    .arg(restarts.to_string())
+    .arg("--");
+    if hosts > 0 {
+        let script = format!("WEFT_HOST_ID=h$((WEFT_RANK % {hosts})) exec \"$0\" \"$@\"");
+        cmd.args(["sh", "-c", &script]);
+    }
+    cmd.args([WEFT, "train", "--no-progress"])
         .args([
             "--samples",
             "4096",
@@ -46,10 +72,6 @@ fn run_job(restarts: u32, extra: &[&str], env: &[(&str, &str)]) -> (i32, String)
             "10",
             "--seed",
             "42",
-            "--bucket-mb",
-            "0.01",
-            "--first-bucket-mb",
-            "0.004",
         ])
         .args(extra)
         .env("WEFT_TIMEOUT", "60");
@@ -114,4 +136,45 @@ fn killed_worker_restarts_and_resumes_bit_identically() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `weft train --deterministic` on 3 ranks: WEFT_ALGO ring on one host with 1 MB buckets, tree
+/// with 10 KB buckets on three "hosts" (TCP between them), rd with 4 KB buckets on two: the
+/// final parameters are byte-identical. Without the flag the first two differ (3 ranks: the
+/// order of a sum matters), so the comparison can fail.
+#[test]
+fn deterministic_training_is_byte_identical_across_algorithms_buckets_and_placements() {
+    let dir = tmpdir("deterministic");
+    let runs: [(&str, usize, &str, &str, bool); 4] = [
+        ("a", 0, "ring", "1", true),
+        ("b", 3, "tree", "0.01", true),
+        ("c", 2, "rd", "0.004", true),
+        ("d", 3, "tree", "0.01", false),
+    ];
+    let mut params = Vec::new();
+    for (name, hosts, algo, bucket, det) in runs {
+        let path = dir.join(format!("{name}.bin"));
+        let mut extra = vec![
+            "--save-params",
+            path.to_str().unwrap(),
+            "--bucket-mb",
+            bucket,
+            "--first-bucket-mb",
+            bucket,
+        ];
+        if det {
+            extra.push("--deterministic");
+        }
+        let (code, out) = run_job_on(3, hosts, 0, &extra, &[("WEFT_ALGO", algo)]);
+        assert_eq!(code, 0, "run {name} failed:\n{out}");
+        params.push(read(&path));
+    }
+    assert!(!params[0].is_empty());
+    assert!(params[0] == params[1], "ring/1 host vs tree/3 hosts differ");
+    assert!(params[0] == params[2], "ring/1 host vs rd/2 hosts differ");
+    assert!(
+        params[3] != params[0],
+        "without --deterministic tree on 3 hosts matched the deterministic run: the test could not fail"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

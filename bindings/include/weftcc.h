@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 /* A weftConfig_t with every setting left to the environment: `weftConfig_t c = WEFT_CONFIG_INITIALIZER;` */
-#define WEFT_CONFIG_INITIALIZER { sizeof(weftConfig_t), WEFT_CONFIG_MAGIC, WEFT_CONFIG_VERSION, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT }
+#define WEFT_CONFIG_INITIALIZER { sizeof(weftConfig_t), WEFT_CONFIG_MAGIC, WEFT_CONFIG_VERSION, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT }
 
 
 // Bytes of a [`weftUniqueId`].
@@ -16,7 +16,7 @@
 #define WEFT_CONFIG_MAGIC 2003134068
 
 // [`weftConfig_t::version`] of this header.
-#define WEFT_CONFIG_VERSION 1
+#define WEFT_CONFIG_VERSION 2
 
 // A config field left undefined: the `WEFT_*` variable (or the built-in default) decides.
 #define WEFT_CONFIG_UNDEF_INT INT64_MIN
@@ -55,6 +55,10 @@ typedef struct {
   int64_t timeoutMs;
   // 1: communicators split from this one share its connections (`WEFT_SPLIT_SHARE`).
   int64_t splitShare;
+  // 1: deterministic reductions (`WEFT_DETERMINISTIC`): floating-point all-reduce, reduce and
+  // reduce-scatter fold every element in rank order, so results are bitwise identical
+  // whatever the algorithm, slice size, host layout, transport or device. Version 2.
+  int64_t deterministic;
 } weftConfig_t;
 
 // Reduction operations (NCCL's numbering).

@@ -439,7 +439,7 @@ pub unsafe extern "C" fn weftCommInitFromEnv(comm: *mut weftComm_t) -> weftResul
 /// [`weftConfig_t::magic`]: says the struct was set up with `WEFT_CONFIG_INITIALIZER`.
 pub const WEFT_CONFIG_MAGIC: u32 = 0x7765_6674;
 /// [`weftConfig_t::version`] of this header.
-pub const WEFT_CONFIG_VERSION: u32 = 1;
+pub const WEFT_CONFIG_VERSION: u32 = 2;
 /// A config field left undefined: the `WEFT_*` variable (or the built-in default) decides.
 pub const WEFT_CONFIG_UNDEF_INT: i64 = i64::MIN;
 
@@ -459,7 +459,15 @@ pub struct weftConfig_t {
     pub timeoutMs: i64,
     /// 1: communicators split from this one share its connections (`WEFT_SPLIT_SHARE`).
     pub splitShare: i64,
+    /// 1: deterministic reductions (`WEFT_DETERMINISTIC`): floating-point all-reduce, reduce and
+    /// reduce-scatter fold every element in rank order, so results are bitwise identical
+    /// whatever the algorithm, slice size, host layout, transport or device. Version 2.
+    pub deterministic: i64,
 }
+
+/// The size of a version-1 [`weftConfig_t`] (before `deterministic`): programs built against
+/// that header keep working.
+const CONFIG_V1_BYTES: usize = std::mem::offset_of!(weftConfig_t, deterministic);
 
 /// The communicator settings of `config` (null: the environment's).
 ///
@@ -483,14 +491,32 @@ unsafe fn config_of(config: *const weftConfig_t) -> Result<CommConfig, weftResul
             "version {version}; this library knows 1..={WEFT_CONFIG_VERSION}"
         )));
     }
-    if size < std::mem::size_of::<weftConfig_t>() {
+    let needed = match version {
+        1 => CONFIG_V1_BYTES,
+        _ => std::mem::size_of::<weftConfig_t>(),
+    };
+    if size < needed {
         return Err(bad(format!(
-            "size {size} is smaller than this version's {}",
-            std::mem::size_of::<weftConfig_t>()
+            "size {size} is smaller than version {version}'s {needed}"
         )));
     }
-    // SAFETY: the whole struct is readable: size checked above, per the contract.
-    let c = unsafe { *config };
+    // SAFETY: the version-1 fields are readable (size checked above, per the contract); the
+    // fields are read one by one, never beyond what the stated version has.
+    let (timeout_ms, split_share) = unsafe { ((*config).timeoutMs, (*config).splitShare) };
+    let deterministic = if version >= 2 {
+        // SAFETY: version 2 and size at least this struct's: the field is readable.
+        unsafe { (*config).deterministic }
+    } else {
+        WEFT_CONFIG_UNDEF_INT
+    };
+    let c = weftConfig_t {
+        size,
+        magic,
+        version,
+        timeoutMs: timeout_ms,
+        splitShare: split_share,
+        deterministic,
+    };
     if c.timeoutMs != WEFT_CONFIG_UNDEF_INT {
         let ms = u64::try_from(c.timeoutMs)
             .ok()
@@ -502,6 +528,11 @@ unsafe fn config_of(config: *const weftConfig_t) -> Result<CommConfig, weftResul
         WEFT_CONFIG_UNDEF_INT => {}
         0 | 1 => out.split_share = c.splitShare == 1,
         v => return Err(bad(format!("splitShare {v} is neither 0 nor 1"))),
+    }
+    match c.deterministic {
+        WEFT_CONFIG_UNDEF_INT => {}
+        0 | 1 => out.deterministic = c.deterministic == 1,
+        v => return Err(bad(format!("deterministic {v} is neither 0 nor 1"))),
     }
     Ok(out)
 }

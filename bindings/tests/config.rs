@@ -17,6 +17,7 @@ fn config(timeout_ms: i64) -> weftConfig_t {
         version: WEFT_CONFIG_VERSION,
         timeoutMs: timeout_ms,
         splitShare: WEFT_CONFIG_UNDEF_INT,
+        deterministic: WEFT_CONFIG_UNDEF_INT,
     }
 }
 
@@ -87,7 +88,18 @@ fn a_config_that_is_not_one_is_refused_before_joining() {
     future.version = WEFT_CONFIG_VERSION + 1;
     let mut share = config(100);
     share.splitShare = 2;
-    for (what, cfg) in [("size", short), ("version", future), ("splitShare", share)] {
+    let mut det = config(100);
+    det.deterministic = 2;
+    // Version 2 with version 1's size: the deterministic field is missing.
+    let mut cut = config(100);
+    cut.size = std::mem::offset_of!(weftConfig_t, deterministic);
+    for (what, cfg) in [
+        ("size", short),
+        ("version", future),
+        ("splitShare", share),
+        ("deterministic", det),
+        ("size", cut),
+    ] {
         // SAFETY: `comm` is writable and `cfg` a whole struct.
         let code = unsafe { weftCommInitRankConfig(&mut comm, 1, id, 0, &cfg) };
         assert_eq!(code, weft::weftInvalidArgument, "{what}");
@@ -95,5 +107,32 @@ fn a_config_that_is_not_one_is_refused_before_joining() {
         let msg = unsafe { CStr::from_ptr(weftGetLastError(std::ptr::null_mut())) };
         assert!(msg.to_string_lossy().contains(what), "{what}: {msg:?}");
         assert!(comm.is_null());
+    }
+}
+
+/// A program built against the version-1 header (no `deterministic` field) still gets its
+/// communicator; a version-2 config may ask for deterministic reductions.
+#[test]
+fn version_1_configs_are_accepted_and_version_2_sets_deterministic() {
+    for (version, size, deterministic) in [
+        (1, std::mem::offset_of!(weftConfig_t, deterministic), 7),
+        (2, std::mem::size_of::<weftConfig_t>(), 1),
+    ] {
+        let mut id = weftUniqueId {
+            internal: [0; weft::WEFT_UNIQUE_ID_BYTES],
+        };
+        // SAFETY: `id` is a writable out-parameter.
+        assert_eq!(unsafe { weftGetUniqueId(&mut id) }, 0);
+        let mut cfg = config(5_000);
+        cfg.version = version;
+        cfg.size = size;
+        // Not read in version 1 (an invalid value there proves it).
+        cfg.deterministic = deterministic;
+        let mut comm: weftComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is writable and `cfg` holds at least `size` bytes.
+        let code = unsafe { weftCommInitRankConfig(&mut comm, 1, id, 0, &cfg) };
+        assert_eq!(code, 0, "version {version}");
+        // SAFETY: a live handle, destroyed once.
+        assert_eq!(unsafe { weftCommDestroy(comm) }, 0);
     }
 }

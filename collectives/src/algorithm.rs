@@ -19,6 +19,10 @@ pub enum Algorithm {
     /// Hierarchical all-reduce across hosts: reduce-scatter inside each host, all-reduce of each
     /// shard across hosts, all-gather inside each host.
     Hier,
+    /// Deterministic mode's reductions: every element folded in rank order
+    /// ([`crate::schedule::ordered`]). Not one of the tuner's choices ([`Algorithm::ALL`]) nor a
+    /// `WEFT_ALGO` value: `WEFT_DETERMINISTIC=1` selects it for floating-point reductions.
+    Ordered,
 }
 
 impl Algorithm {
@@ -37,6 +41,7 @@ impl Algorithm {
             Algorithm::Tree => "tree",
             Algorithm::Rd => "rd",
             Algorithm::Hier => "hier",
+            Algorithm::Ordered => "ordered",
         }
     }
 }

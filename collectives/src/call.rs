@@ -148,6 +148,13 @@ impl RawOp {
         self.kind.has_reduction()
     }
 
+    /// Whether the result depends on the order in which ranks' values are combined: the
+    /// floating-point reductions (integer ones are exact in any order). Deterministic mode folds
+    /// these in rank order ([`crate::Algorithm::Ordered`]).
+    pub fn order_sensitive(&self) -> bool {
+        self.has_reduction() && self.dtype.is_float()
+    }
+
     /// Whether the call has a root (its `root` matters).
     pub fn has_root(&self) -> bool {
         self.kind.has_root()

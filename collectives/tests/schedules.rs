@@ -58,6 +58,39 @@ fn gen_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> Vec
     out
 }
 
+/// A rank's input for the reducing checks: [`mixed_data`] or [`gen_data`].
+fn input_data(p: &Params, rng: &mut Rng, elems: usize) -> Vec<u8> {
+    if p.mixed {
+        mixed_data(rng, p.dtype, p.comb, elems)
+    } else {
+        gen_data(rng, p.dtype, p.comb, elems)
+    }
+}
+
+/// Floats of mixed magnitudes and signs: `±m × 2^e`, `m` in [1, 2) with a random mantissa, `e`
+/// within ±12 (±6 for f16 and bf16, ±1 for products), so that sums and products depend on the
+/// order of their terms while staying finite and exact in the reference's `f64`.
+fn mixed_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> Vec<u8> {
+    let span: i32 = match (comb, dtype) {
+        (Combiner::Prod, _) => 1,
+        (_, DataType::Float16 | DataType::Bfloat16) => 6,
+        _ => 12,
+    };
+    let mut out = Vec::with_capacity(elems * dtype.size());
+    for _ in 0..elems {
+        let m = 1.0 + (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let e = rng.below(2 * span as usize + 1) as i32 - span;
+        let v = if rng.below(2) == 0 { m } else { -m } * 2f64.powi(e);
+        match dtype {
+            DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
+            DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+            DataType::Float32 => out.extend((v as f32).to_le_bytes()),
+            _ => out.extend(v.to_le_bytes()),
+        }
+    }
+    out
+}
+
 /// `acc = acc ⊕ x` element by element, written directly (independent of the kernels in
 /// `reduce.rs`): integers in `i128` (sign- or zero-extended, the result truncated back to the
 /// type's width, which is the type's wrapping arithmetic), floats in `f64` rounded to the type.
@@ -120,6 +153,9 @@ struct Params {
     cap: Option<usize>,
     in_place: bool,
     root: usize,
+    /// Floats of mixed magnitudes and signs, whose sums depend on the order ([`mixed_data`]),
+    /// instead of [`gen_data`]'s exact ones.
+    mixed: bool,
 }
 
 fn params(max_count: usize) -> impl Strategy<Value = Params> {
@@ -149,6 +185,7 @@ fn params(max_count: usize) -> impl Strategy<Value = Params> {
                 cap,
                 in_place,
                 root: root % n,
+                mixed: false,
             },
         )
 }
@@ -243,9 +280,7 @@ fn sim_ok(r: Result<(), SimError>) -> Result<(), TestCaseError> {
 fn check_all_reduce_with(p: &Params, builder: impl Build) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
-    let inputs: Vec<Vec<u8>> = (0..p.n)
-        .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
-        .collect();
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| input_data(p, &mut rng, p.count)).collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
     check_slices(&scheds, p.slice)?;
     let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
@@ -291,7 +326,7 @@ fn check_reduce_scatter_with(p: &Params, builder: BlockBuilder) -> Result<(), Te
     let mut rng = Rng(p.seed);
     let block = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n)
-        .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.n * p.count))
+        .map(|_| input_data(p, &mut rng, p.n * p.count))
         .collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
     let mut mem: Vec<RankMemory> = inputs
@@ -369,9 +404,7 @@ fn check_broadcast_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCa
 fn check_reduce_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
-    let inputs: Vec<Vec<u8>> = (0..p.n)
-        .map(|_| gen_data(&mut rng, p.dtype, p.comb, p.count))
-        .collect();
+    let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| input_data(p, &mut rng, p.count)).collect();
     let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
     check_slices(&scheds, p.slice)?;
     let sentinels: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
@@ -595,6 +628,80 @@ proptest! {
     fn barrier_completes_only_with_everyone(p in params(0)) {
         check_barrier(&p)?;
     }
+
+    /// Deterministic mode: on floats whose sums depend on the order, the ordered all-reduce,
+    /// reduce and reduce-scatter give exactly the rank-order fold, bit for bit, on every rank,
+    /// whatever the ranks (1–16), counts (uneven included), slice size, FIFO capacity and
+    /// interleaving. (With the default schedules the same check fails:
+    /// `default_schedules_change_the_bits`.)
+    #[test]
+    fn ordered_reductions_are_the_rank_order_fold(p in ordered_params()) {
+        check_all_reduce_with(&p, schedule::ordered::ordered_all_reduce)?;
+        check_reduce_with(&p, schedule::ordered::ordered_reduce)?;
+        check_reduce_scatter_with(&p, schedule::ordered::ordered_reduce_scatter)?;
+    }
+}
+
+/// Float types, any combiner, mixed-magnitude data.
+fn ordered_params() -> impl Strategy<Value = Params> {
+    (params(600), 0usize..4).prop_map(|(mut p, d)| {
+        p.dtype = [
+            DataType::Float32,
+            DataType::Float64,
+            DataType::Float16,
+            DataType::Bfloat16,
+        ][d];
+        p.mixed = true;
+        p
+    })
+}
+
+/// The property above fails for the default schedules: on the same kind of data, ring,
+/// recursive doubling and tree all-reduces, chain and tree reduces, and ring and recursive-halving
+/// reduce-scatters each miss the rank-order fold's bits for some case, and the ordered ones
+/// never do.
+#[test]
+fn default_schedules_change_the_bits() {
+    let case = |seed: u64, n: usize| Params {
+        n,
+        count: 64,
+        slice: 7,
+        seed,
+        dtype: DataType::Float32,
+        comb: Combiner::Sum,
+        cap: None,
+        in_place: false,
+        root: 1,
+        mixed: true,
+    };
+    let fails = |check: &dyn Fn(&Params) -> Result<(), TestCaseError>| {
+        (0..20).any(|seed| check(&case(seed, 8)).is_err())
+    };
+    assert!(fails(&|p| check_all_reduce_with(
+        p,
+        schedule::ring_all_reduce
+    )));
+    assert!(fails(&|p| check_all_reduce_with(
+        p,
+        schedule::recursive_doubling_all_reduce
+    )));
+    assert!(fails(&|p| check_all_reduce_with(p, tree::tree_all_reduce)));
+    assert!(fails(&|p| check_reduce_with(p, schedule::chain_reduce)));
+    assert!(fails(&|p| check_reduce_with(p, tree::tree_reduce)));
+    assert!(fails(&|p| check_reduce_scatter_with(
+        p,
+        schedule::ring_reduce_scatter
+    )));
+    assert!(fails(&|p| check_reduce_scatter_with(
+        p,
+        schedule::recursive_halving_reduce_scatter
+    )));
+    for seed in 0..20 {
+        let p = case(seed, 8);
+        check_all_reduce_with(&p, schedule::ordered::ordered_all_reduce).expect("ordered");
+        check_reduce_with(&p, schedule::ordered::ordered_reduce).expect("ordered");
+        check_reduce_scatter_with(&p, schedule::ordered::ordered_reduce_scatter).expect("ordered");
+    }
 }
 
 /// Params for every data type and combiner at each shape `(ranks, count, slice, FIFO cap)`, with
@@ -618,6 +725,7 @@ fn every_dtype_and_combiner_at(
                     cap,
                     in_place: false,
                     root,
+                    mixed: false,
                 };
                 all.push((i, j, p));
             }
@@ -729,6 +837,7 @@ fn inexact_float_sums_depend_on_order() {
         cap: None,
         in_place: false,
         root: 0,
+        mixed: false,
     };
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|r| inexact_data(&p, r)).collect();
     let mut reversed = inputs.clone();

@@ -37,6 +37,7 @@ impl Inner {
         // every algorithm's cost was an eighth of an 8-byte all-reduce).
         let choice = match st.choices.get(&(call.kind, user_bytes)) {
             _ if n == 1 => Algorithm::Ring,
+            _ if self.config.deterministic && call.order_sensitive() => Algorithm::Ordered,
             Some(&c) => {
                 tracing::debug!(target: "weftcc::tuning", rank = r, op = %call.kind, seq, bytes = user_bytes, algo = c.name(), "algorithm chosen (remembered)");
                 c

@@ -106,12 +106,18 @@ impl Communicator {
     /// Joins the job described by the launcher's environment: `weft run`, torchrun, SLURM or
     /// Open MPI variables (see [`LaunchInfo`]), with settings from `WEFT_*` variables.
     pub fn from_env() -> Result<Communicator> {
+        Communicator::from_env_with(CommConfig::from_env()?)
+    }
+
+    /// [`Communicator::from_env`] with explicit settings (e.g. the environment's with
+    /// [`CommConfig::deterministic`] set).
+    pub fn from_env_with(config: CommConfig) -> Result<Communicator> {
         let info = LaunchInfo::from_env()?;
         let id = UniqueId {
             addr: join_host_port(&info.master_addr, info.master_port),
             token: info.token.clone(),
         };
-        Communicator::init_with(info.rank, info.world_size, &id, CommConfig::from_env()?)
+        Communicator::init_with(info.rank, info.world_size, &id, config)
     }
 
     /// Joins the job identified by `id` as `rank` of `nranks`. Rank 0 serves the bootstrap
@@ -284,7 +290,13 @@ impl Communicator {
         } else {
             None
         };
-        tracing::info!(target: "weftcc::init", rank, nranks, "communicator ready");
+        tracing::info!(
+            target: "weftcc::init",
+            rank,
+            nranks,
+            deterministic = inner.config.deterministic,
+            "communicator ready"
+        );
         Ok(Communicator {
             inner,
             worker: Mutex::new(None),
@@ -322,6 +334,12 @@ impl Communicator {
     /// Per-operation timeout.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Whether floating-point reductions fold in rank order (`WEFT_DETERMINISTIC`,
+    /// [`CommConfig::deterministic`]): the device path follows the host's choice.
+    pub fn deterministic(&self) -> bool {
+        self.inner.config.deterministic
     }
 
     /// Changes the per-operation timeout for operations that start after this call.

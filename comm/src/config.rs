@@ -66,6 +66,12 @@ pub struct CommConfig {
     /// Measured link figures for the tuner (`WEFT_CALIBRATION=FILE`, as saved by
     /// `weft topo --save-calibration`); built-in figures otherwise.
     pub calibration: Option<Calibration>,
+    /// Deterministic reductions (`WEFT_DETERMINISTIC=1`): floating-point all-reduce, reduce and
+    /// reduce-scatter fold every element in rank order (`Algorithm::Ordered`), so results are
+    /// bitwise identical whatever the algorithm `WEFT_ALGO` or the tuner would pick, the slice
+    /// size, the host layout, the transport, or CPU or GPU execution. Integers are exact anyway
+    /// and keep the tuner's choice.
+    pub deterministic: bool,
     /// Operations kept by the flight recorder (`WEFT_TRACE_BUFFER_SIZE`, default
     /// [`crate::trace::DEFAULT_TRACE_BUFFER`]; 0 records nothing).
     pub trace_buffer: usize,
@@ -111,6 +117,7 @@ impl CommConfig {
                 _ => None,
             },
             split_share: env::flag("WEFT_SPLIT_SHARE"),
+            deterministic: env::flag("WEFT_DETERMINISTIC"),
             net: weftcc_transports::net::NetChoice::from_env()
                 .map_err(|e| Error::Config(e.to_string()))?,
             stripes: weftcc_transports::tcp_stripes::StripePlan::from_env()

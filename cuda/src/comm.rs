@@ -337,7 +337,13 @@ impl DeviceComm {
         let mut vote = [
             u8::from(one_host && p2p_ok && all_flags),
             u8::from(
-                !one_host && layout.max_local() > 1 && p2p_host_ok && all_flags && tiers_allowed,
+                // The tiers regroup the fold: deterministic mode stages (the host's order).
+                !one_host
+                    && layout.max_local() > 1
+                    && p2p_host_ok
+                    && all_flags
+                    && tiers_allowed
+                    && !host.deterministic(),
             ),
         ];
         host.all_reduce_in_place(&mut vote[..], ReduceOp::Min)?;
@@ -740,9 +746,11 @@ impl DeviceComm {
         if matches!(call.kind, OpKind::Barrier | OpKind::SendRecv) {
             return Err(self.invalid(call.kind, DeviceArgError::NotDeviceCollective));
         }
-        // Recursive doubling for small all-reduces, the ring and chain schedules otherwise.
-        let algorithm = if call.kind == OpKind::AllReduce && count.saturating_mul(es) <= self.rd_max
-        {
+        // Deterministic mode: the rank-order fold, as on the host (the same bits). Otherwise
+        // recursive doubling for small all-reduces, the ring and chain schedules.
+        let algorithm = if self.host.deterministic() && call.order_sensitive() {
+            Algorithm::Ordered
+        } else if call.kind == OpKind::AllReduce && count.saturating_mul(es) <= self.rd_max {
             Algorithm::Rd
         } else {
             Algorithm::Ring

@@ -167,6 +167,7 @@ fn child() {
             return rank_killed_mid_operation(&comm, &ctx, &stream);
         }
         "stream-order" => stream_order(&comm, &ctx, &stream),
+        "deterministic" => deterministic_bits(&comm, &ctx, &stream),
         "p2p" => p2p(&comm, &ctx, &stream),
         other => panic!("unknown case {other}"),
     }
@@ -516,6 +517,70 @@ fn rank_killed_mid_operation(comm: &DeviceComm, ctx: &Context, stream: &Stream) 
     panic!("rank {me}: 100 all-reduces with a dead rank and no error");
 }
 
+/// Deterministic mode (`WEFT_DETERMINISTIC=1`) on the GPU: all-reduce and reduce-scatter of
+/// floats whose sums depend on the order give the CPU's rank-order fold, bit for bit, over
+/// whichever transport the communicator chose (never the hierarchical one, which would regroup
+/// the fold).
+fn deterministic_bits(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
+    use weftcc_collectives::testing::rank_order_fold;
+    assert!(comm.host().deterministic(), "WEFT_DETERMINISTIC=1 expected");
+    assert_ne!(comm.transport(), Transport::Hierarchical);
+    let (n, me) = (comm.size(), comm.rank());
+    let value = |r: usize, i: usize| -> f64 {
+        let m = ((r * 7919 + i * 104_729) % 1000 + 1) as f64;
+        let sign = if (r + i).is_multiple_of(3) { -1.0 } else { 1.0 };
+        sign * m * 10f64.powi(((r * 3 + i) % 7) as i32 - 3)
+    };
+    for t in [DataType::Float32, DataType::Bfloat16] {
+        for (kind, count) in [
+            (OpKind::AllReduce, 300_007),
+            (OpKind::ReduceScatter, 70_001),
+        ] {
+            let elems = if kind == OpKind::ReduceScatter {
+                count * n
+            } else {
+                count
+            };
+            let inputs: Vec<Vec<u8>> = (0..n)
+                .map(|r| (0..elems).flat_map(|i| to_bytes(t, value(r, i))).collect())
+                .collect();
+            let want = rank_order_fold(t, ReduceOp::Sum, &inputs, &[]);
+            let es = t.size();
+            let want = match kind {
+                OpKind::ReduceScatter => want[me * count * es..(me + 1) * count * es].to_vec(),
+                _ => want,
+            };
+            let got = typed!(
+                t,
+                deterministic_case(comm, ctx, stream, kind, &inputs[me], count)
+            );
+            assert!(
+                got == want,
+                "rank {me}: {kind} {t} differs from the rank-order fold"
+            );
+        }
+    }
+}
+
+fn deterministic_case<T: Element>(
+    comm: &DeviceComm,
+    ctx: &Context,
+    stream: &Stream,
+    kind: OpKind,
+    mine: &[u8],
+    count: usize,
+) -> Vec<u8> {
+    let send = upload::<T>(ctx, mine);
+    let mut recv = ctx.alloc::<T>(count).expect("alloc");
+    let r = match kind {
+        OpKind::ReduceScatter => comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum, stream),
+        _ => comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream),
+    };
+    r.and_then(|_| comm.synchronize(stream))
+        .expect("deterministic case");
+    download(&recv)
+}
+
 /// Distinct values for (rank, message, element).
 fn p2p_values(rank: usize, msg: usize, len: usize) -> Vec<u32> {
     (0..len)
@@ -744,6 +809,20 @@ fn hierarchical_other_layouts_send_recv_and_stream_order() {
     );
     run_ranks_on("p2p", &[0, 0, 1, 1], &[]);
     run_ranks_on("stream-order", &[0, 1, 1, 0], &[]);
+}
+
+/// Deterministic mode on the device: the CPU's rank-order fold, over CUDA IPC (2 and 3 ranks),
+/// staged, and with ranks on two hosts (staged: the hierarchical transport is off in this mode).
+#[test]
+fn deterministic_mode_gives_the_cpu_bits() {
+    if skip() {
+        return;
+    }
+    let det = ("WEFT_DETERMINISTIC", "1");
+    run_ranks("deterministic", 2, &[det]);
+    run_ranks("deterministic", 3, &[det, ("WEFT_CUDA_SLOT_BYTES", "1M")]);
+    run_ranks("deterministic", 3, &[det, ("WEFT_CUDA_IPC", "0")]);
+    run_ranks_on("deterministic", &[0, 0, 1, 1], &[det]);
 }
 
 /// A rank killed mid-operation: every other rank's stream drains and each gets an error.

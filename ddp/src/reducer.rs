@@ -66,6 +66,11 @@ pub struct ReducerConfig {
     pub hook: CommHook,
     /// Rebuild buckets in the observed ready order after the first synchronised iteration.
     pub rebuild_buckets: bool,
+    /// Require deterministic reductions: [`Reducer::new`] refuses a communicator without
+    /// [`weftcc_comm::CommConfig::deterministic`] (`WEFT_DETERMINISTIC=1`). Every gradient element is
+    /// then reduced in rank order, so parameters come out byte-identical whatever the bucket
+    /// sizes, `WEFT_ALGO` or rank placement (same ranks, seed and data).
+    pub deterministic: bool,
 }
 
 impl Default for ReducerConfig {
@@ -75,6 +80,7 @@ impl Default for ReducerConfig {
             first_bucket_bytes: DEFAULT_FIRST_BUCKET_BYTES,
             hook: CommHook::Average,
             rebuild_buckets: true,
+            deterministic: false,
         }
     }
 }
@@ -288,6 +294,13 @@ impl<'c> Reducer<'c> {
             return Err(ReducerError::InvalidArgument(format!(
                 "parameter {p} has no elements"
             )));
+        }
+        if cfg.deterministic && !comm.deterministic() {
+            return Err(ReducerError::InvalidArgument(
+                "deterministic reduction needs a deterministic communicator \
+                 (WEFT_DETERMINISTIC=1 or CommConfig::deterministic)"
+                    .into(),
+            ));
         }
         if cfg.bucket_cap_bytes == 0 || cfg.first_bucket_bytes == 0 {
             return Err(ReducerError::InvalidArgument(

@@ -322,3 +322,27 @@ fn misuse_is_a_typed_error() {
         assert!(red.set_bucket_order(&[0, 0]).is_err());
     });
 }
+
+/// A reducer that must be deterministic refuses a communicator without the mode, and runs on
+/// one with it.
+#[test]
+fn deterministic_reducer_needs_a_deterministic_communicator() {
+    let want = ReducerConfig {
+        deterministic: true,
+        ..buckets(1024, 1024)
+    };
+    let mut cfg = common::config();
+    cfg.deterministic = false;
+    let refused = with_ranks_config(2, cfg.clone(), |_, comm| {
+        matches!(
+            Reducer::new(&comm, &[100], want.clone()),
+            Err(ReducerError::InvalidArgument(_))
+        )
+    });
+    assert_eq!(refused, [true, true]);
+    cfg.deterministic = true;
+    let accepted = with_ranks_config(2, cfg, |_, comm| {
+        Reducer::new(&comm, &[100], want.clone()).is_ok()
+    });
+    assert_eq!(accepted, [true, true]);
+}

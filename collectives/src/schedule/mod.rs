@@ -20,13 +20,14 @@
 //! The builders: the flat ones (`flat`: [`ring_all_reduce`] and the other ring schedules, the
 //! chains of the rooted collectives, recursive doubling and halving, the dissemination barrier,
 //! [`pairwise_all_to_all`]), [`tree`], [`hierarchical`],
-//! point-to-point groups ([`p2p`]); [`select`] maps an [`Algorithm`](crate::Algorithm) to them;
+//! point-to-point groups ([`p2p`]), the deterministic reductions ([`ordered`]); [`select`] maps an [`Algorithm`](crate::Algorithm) to them;
 //! [`layout`] maps a schedule's buffers onto memory; [`sim`] executes schedules in memory.
 
 mod build;
 mod flat;
 pub mod hierarchical;
 pub mod layout;
+pub mod ordered;
 pub mod p2p;
 pub mod select;
 pub mod sim;

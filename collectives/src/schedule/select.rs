@@ -2,6 +2,7 @@
 //! algorithm. The host runtime and the CUDA path both call [`select`].
 
 use super::hierarchical::{hierarchical_all_reduce, HostLayout};
+use super::ordered::{ordered_all_reduce, ordered_reduce, ordered_reduce_scatter};
 use super::tree::{tree_all_reduce, tree_broadcast, tree_reduce};
 use super::{
     chain_broadcast, chain_reduce, dissemination_barrier, pairwise_all_to_all,
@@ -30,7 +31,8 @@ pub struct Collective {
 /// The schedule `algorithm` gives `call`. An algorithm that has no schedule for the collective
 /// runs the ring (or chain) one: tree and rd for all-to-all, rd for all-gather and
 /// reduce-scatter on a number of ranks that is not a power of two, hier without a `hosts`
-/// layout or for anything but all-reduce. Point-to-point is not a collective
+/// layout or for anything but all-reduce, ordered for the collectives that combine nothing
+/// (their results do not depend on an order). Point-to-point is not a collective
 /// ([`ScheduleError::NotCollective`]; groups are built by [`super::p2p`]).
 pub fn select(
     call: &Collective,
@@ -47,6 +49,9 @@ pub fn select(
         in_place,
     } = *call;
     match (kind, algorithm) {
+        (OpKind::AllReduce, Algorithm::Ordered) => ordered_all_reduce(r, n, count, slice),
+        (OpKind::Reduce, Algorithm::Ordered) => ordered_reduce(r, n, root, count, slice),
+        (OpKind::ReduceScatter, Algorithm::Ordered) => ordered_reduce_scatter(r, n, count, slice),
         (OpKind::AllReduce, Algorithm::Rd) => recursive_doubling_all_reduce(r, n, count, slice),
         (OpKind::AllReduce, Algorithm::Tree) => tree_all_reduce(r, n, count, slice),
         (OpKind::AllReduce, Algorithm::Hier) => match hosts {

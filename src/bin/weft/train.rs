@@ -8,7 +8,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use weftcc::{Communicator, UniqueId};
+use weftcc::{CommConfig, Communicator, UniqueId};
 use weftcc_ddp::optim::OptimizerKind;
 use weftcc_ddp::trainer::DataSource;
 use weftcc_ddp::{train, CommHook, ReducerConfig, TrainConfig};
@@ -108,6 +108,10 @@ pub struct TrainArgs {
     /// Rank 0 writes per-epoch statistics here as JSON lines.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Deterministic gradient reduction (as WEFT_DETERMINISTIC=1): the final parameters are
+    /// byte-identical whatever WEFT_ALGO, the bucket sizes or the ranks' placement on hosts.
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 fn mib(x: f64) -> usize {
@@ -160,6 +164,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig, String> {
             first_bucket_bytes: mib(a.first_bucket_mb),
             hook: a.hook,
             rebuild_buckets: true,
+            deterministic: a.deterministic,
         },
         checkpoint_dir: a.checkpoint_dir.clone(),
         checkpoint_every: a.checkpoint_every,
@@ -190,11 +195,14 @@ pub fn main(args: TrainArgs) -> i32 {
     let Ok(cfg) = config(&args).map_err(|e| eprintln!("weft train: {e}")) else {
         return 2;
     };
-    let comm = if launched() {
-        Communicator::from_env()
-    } else {
-        UniqueId::new().and_then(|id| Communicator::init(0, 1, &id))
-    };
+    let comm = CommConfig::from_env().and_then(|mut settings| {
+        settings.deterministic |= args.deterministic;
+        if launched() {
+            Communicator::from_env_with(settings)
+        } else {
+            UniqueId::new().and_then(|id| Communicator::init_with(0, 1, &id, settings))
+        }
+    });
     let comm = match comm {
         Ok(c) => c,
         Err(e) => {

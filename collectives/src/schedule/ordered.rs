@@ -1,0 +1,215 @@
+//! Deterministic reductions: every element is folded in rank order,
+//!
+//! ```text
+//! v = x[n-1] ⊕ ( … ⊕ (x[2] ⊕ (x[1] ⊕ x[0])) … )
+//! ```
+//!
+//! (each rank's own value on the left of `⊕`, as a `RecvReduce` step combines `local ⊕
+//! received`), whatever the slice size, the transport, the placement of ranks on hosts or the
+//! device that executes the schedule: floating-point sums come out with the same bits for a
+//! given number of ranks and inputs. Min and max follow the same order, so which of `-0.0` and
+//! `+0.0`, and which NaN, survives is fixed too.
+//!
+//! The fold is a pipelined chain `0 → 1 → … → n-1`: rank 0 sends its Input slice by slice,
+//! rank k combines each slice it receives with its own Input into Scratch and forwards it, rank
+//! n-1 holds the result. Then:
+//! * all-reduce: a pipelined chain broadcast `n-1 → 0 → 1 → … → n-2` of the result;
+//! * reduce: rank n-1 sends the result to the root (nothing more when it is the root);
+//! * reduce-scatter: the chain folds all `n` blocks; rank n-1 sends block j to rank j.
+//!
+//! Compared with the ring, the chain has `n - 1` dependent hops before the first result instead
+//! of one round of `n - 1` steps in parallel, and moves about as many bytes per link; see
+//! `docs/performance.md` for what it costs.
+
+use super::build::{before, check_rank, check_root, slices, total, Builder};
+use super::{BufId, Region, Schedule, ScheduleError, StepId};
+
+/// The fold of `Input[from .. from + count]` along the chain `0 → … → n-1`: returns, per slice,
+/// the step that last touched the Input slice on this rank (to order a later write of the same
+/// memory after it) and, on rank n-1, the step that wrote the result slice into `result(o, l)`.
+/// Middle ranks keep partial values in Scratch at the same offsets.
+fn fold(
+    b: &mut Builder,
+    rank: usize,
+    n: usize,
+    from: usize,
+    count: usize,
+    slice_elems: usize,
+    result: &dyn Fn(usize, usize) -> Region,
+) -> Vec<(usize, usize, StepId)> {
+    let mut done = Vec::new();
+    for (o, l) in slices(from, count, slice_elems) {
+        let input = Region::new(BufId::Input, o, l);
+        let id = if rank == 0 {
+            b.send(1, input, Vec::new())
+        } else if rank + 1 < n {
+            let partial = Region::new(BufId::Scratch, o, l);
+            let r = b.recv_reduce(rank - 1, input, partial, Vec::new());
+            b.send(rank + 1, partial, vec![r]);
+            r
+        } else {
+            b.recv_reduce(rank - 1, input, result(o, l), Vec::new())
+        };
+        done.push((o, l, id));
+    }
+    done
+}
+
+/// Deterministic all-reduce: the fold to rank n-1, then a chain broadcast `n-1 → 0 → … → n-2`.
+/// Input and Output hold `count` elements each and may be the same memory. Ranks other than
+/// the ends need `scratch_elems = count`.
+pub fn ordered_all_reduce(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    if n == 1 {
+        return Ok(Builder::single_rank(count));
+    }
+    let mut b = Builder::default();
+    let output = |o: usize, l: usize| Region::new(BufId::Output, o, l);
+    let folded = fold(&mut b, rank, n, 0, count, slice_elems, &output);
+    // The broadcast chain n-1 → 0 → … → n-2 uses the same links as the fold.
+    let next = (rank + 1) % n;
+    let prev = before(rank, 1, n);
+    for (o, l, touched) in folded {
+        if rank == n - 1 {
+            b.send(next, output(o, l), vec![touched]);
+        } else {
+            // Output may be the Input this rank folded in (in place): overwrite it after.
+            let r = b.recv_copy(prev, output(o, l), vec![touched]);
+            if rank + 2 < n {
+                b.send(next, output(o, l), vec![r]);
+            }
+        }
+    }
+    let scratch = if rank > 0 && rank + 1 < n { count } else { 0 };
+    Ok(b.finish(vec![next], vec![prev], scratch))
+}
+
+/// Deterministic reduce: the fold to rank n-1, which then sends the result to `root` unless it
+/// is the root. Non-root ranks never write Output; ranks other than rank 0 and the root need
+/// `scratch_elems = count`.
+pub fn ordered_reduce(
+    rank: usize,
+    nranks: usize,
+    root: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    check_root(root, nranks)?;
+    let n = nranks;
+    if n == 1 {
+        return Ok(Builder::single_rank(count));
+    }
+    let last = n - 1;
+    let mut b = Builder::default();
+    let result = |o: usize, l: usize| {
+        let buf = if root == last {
+            BufId::Output
+        } else {
+            BufId::Scratch
+        };
+        Region::new(buf, o, l)
+    };
+    let folded = fold(&mut b, rank, n, 0, count, slice_elems, &result);
+    let mut send_peers = Vec::new();
+    let mut recv_peers = Vec::new();
+    if rank + 1 < n {
+        send_peers.push(rank + 1);
+    }
+    if rank > 0 {
+        recv_peers.push(rank - 1);
+    }
+    if root != last {
+        if rank == last {
+            for &(o, l, r) in &folded {
+                b.send(root, result(o, l), vec![r]);
+            }
+            send_peers.push(root);
+        } else if rank == root {
+            for &(o, l, touched) in &folded {
+                b.recv_copy(last, Region::new(BufId::Output, o, l), vec![touched]);
+            }
+            recv_peers.push(last);
+        }
+    }
+    let scratch = if rank > 0 && (rank + 1 < n || root != last) {
+        count
+    } else {
+        0
+    };
+    Ok(b.finish(send_peers, recv_peers, scratch))
+}
+
+/// Deterministic reduce-scatter (`count` elements per block, Input `nranks × count`): the fold
+/// of the whole Input to rank n-1, which keeps its block and sends block j to rank j. Output may
+/// be block `rank` of the Input (in place). Ranks but rank 0 need `scratch_elems = nranks ×
+/// count`.
+pub fn ordered_reduce_scatter(
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    slice_elems: usize,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    let n = nranks;
+    let all = total(count, n)?;
+    if n == 1 {
+        return Ok(Builder::single_rank(count));
+    }
+    let last = n - 1;
+    let mut b = Builder::default();
+    // Rank n-1 folds its own block straight into Output, the others' into Scratch.
+    let own = last * count;
+    let result = |o: usize, l: usize| {
+        if (own..own + count).contains(&o) {
+            Region::new(BufId::Output, o - own, l)
+        } else {
+            Region::new(BufId::Scratch, o, l)
+        }
+    };
+    let mut folded = Vec::new();
+    for j in 0..n {
+        folded.extend(fold(
+            &mut b,
+            rank,
+            n,
+            j * count,
+            count,
+            slice_elems,
+            &result,
+        ));
+    }
+    let mut send_peers = Vec::new();
+    let mut recv_peers = Vec::new();
+    if rank + 1 < n {
+        send_peers.push(rank + 1);
+    }
+    if rank > 0 {
+        recv_peers.push(rank - 1);
+    }
+    let block_of = |o: usize| o.checked_div(count).unwrap_or(0);
+    if rank == last {
+        for &(o, l, r) in &folded {
+            let j = block_of(o);
+            if j != last {
+                b.send(j, result(o, l), vec![r]);
+            }
+        }
+        send_peers.extend(0..last);
+    } else {
+        let mine = rank * count;
+        // The folds that read this rank's block of the Input (Output in place) come first.
+        for &(o, l, touched) in folded.iter().filter(|f| block_of(f.0) == rank) {
+            b.recv_copy(last, Region::new(BufId::Output, o - mine, l), vec![touched]);
+        }
+        recv_peers.push(last);
+    }
+    let scratch = if rank > 0 { all } else { 0 };
+    Ok(b.finish(send_peers, recv_peers, scratch))
+}

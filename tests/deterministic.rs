@@ -1,0 +1,214 @@
+//! Deterministic reductions over real transports (`CommConfig::deterministic`, as
+//! `WEFT_DETERMINISTIC=1` sets it): ranks as threads of this process over shared memory and over
+//! TCP, on one "host" and spread over several (`host_id` per rank), with every `WEFT_ALGO` value
+//! and two slice sizes. Every floating-point all-reduce, reduce and reduce-scatter must come out
+//! with the same bits in every configuration, equal to the rank-order fold computed here; with
+//! the mode off the same data gives different bits under different algorithms (so the check
+//! can fail). The same fold in the simulator, across ranks, counts and interleavings:
+//! `collectives/tests/schedules.rs` (`ordered_reductions_are_the_rank_order_fold`).
+
+use weftcc::collectives::testing::rank_order_fold;
+use weftcc::collectives::{half, DataType, OpKind, RawOp, ReduceOp};
+use weftcc::comm::run_ranks;
+use weftcc::{CommConfig, Selection};
+
+/// Rank `r`'s element `i`: signs and magnitudes from 1e-3 to 1e6, so sums depend on the order.
+fn value(r: usize, i: usize) -> f64 {
+    let m = ((r * 7919 + i * 104_729) % 1000 + 1) as f64;
+    let e = ((r * 3 + i) % 7) as i32 - 3;
+    let sign = if (r + i).is_multiple_of(3) { -1.0 } else { 1.0 };
+    sign * m * 10f64.powi(e)
+}
+
+fn encode(t: DataType, v: f64) -> Vec<u8> {
+    match t {
+        DataType::Float16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+        DataType::Bfloat16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
+        DataType::Float32 => (v as f32).to_le_bytes().to_vec(),
+        _ => v.to_le_bytes().to_vec(),
+    }
+}
+
+fn input(t: DataType, r: usize, elems: usize) -> Vec<u8> {
+    (0..elems).flat_map(|i| encode(t, value(r, i))).collect()
+}
+
+fn factor(r: usize) -> f64 {
+    0.5 + r as f64 * 0.25
+}
+
+fn op_of(op: ReduceOp, r: usize) -> ReduceOp {
+    match op {
+        ReduceOp::PreMulSum(_) => ReduceOp::PreMulSum(factor(r)),
+        other => other,
+    }
+}
+
+/// The canonical order (`weftcc_collectives::testing::rank_order_fold`) of every rank's input.
+fn canonical(t: DataType, op: ReduceOp, n: usize, elems: usize) -> Vec<u8> {
+    let inputs: Vec<Vec<u8>> = (0..n).map(|r| input(t, r, elems)).collect();
+    let factors: Vec<f64> = (0..n).map(factor).collect();
+    rank_order_fold(t, op, &inputs, &factors)
+}
+
+/// One job's settings.
+#[derive(Debug, Clone)]
+struct Setup {
+    tcp: bool,
+    /// Ranks per host (ranks dealt over the hosts in turn); `n` = one host.
+    per_host: usize,
+    algo: Option<&'static str>,
+    slice_bytes: Option<usize>,
+    deterministic: bool,
+}
+
+/// Rank r's result of `kind` (reduce: root 1) for every type and reduction, in order.
+fn run(n: usize, s: &Setup, kind: OpKind, count: usize) -> Vec<Vec<Vec<u8>>> {
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Avg,
+        ReduceOp::PreMulSum(1.0),
+    ];
+    let types = [
+        DataType::Float32,
+        DataType::Float64,
+        DataType::Bfloat16,
+        DataType::Float16,
+    ];
+    let hosts = n.div_ceil(s.per_host.max(1));
+    run_ranks(
+        n,
+        |r| {
+            let mut c = CommConfig::from_env().expect("config");
+            c.deterministic = s.deterministic;
+            c.shm_disable = s.tcp;
+            c.host_id = format!("det-host-{}", r % hosts);
+            c.timeout = std::time::Duration::from_secs(60);
+            if let Some(a) = s.algo {
+                c.algo = Selection::parse(a).expect("algorithm");
+            }
+            if let Some(b) = s.slice_bytes {
+                c.slice_bytes = b;
+            }
+            c
+        },
+        |r, comm| {
+            let mut out = Vec::new();
+            for t in types {
+                for op in ops {
+                    let call = RawOp::new(kind, t, count)
+                        .with_op(op_of(op, r))
+                        .with_root(1);
+                    let (send_elems, recv_elems) = match kind {
+                        OpKind::ReduceScatter => (count * n, count),
+                        _ => (count, count),
+                    };
+                    let send = input(t, r, send_elems);
+                    let mut recv = vec![0u8; recv_elems * t.size()];
+                    comm.execute_raw(call, Some(&send), &mut recv)
+                        .unwrap_or_else(|e| panic!("rank {r}: {kind} {t} {op:?} {s:?}: {e}"));
+                    out.push(recv);
+                }
+            }
+            out
+        },
+    )
+    .expect("job")
+}
+
+/// What rank `r` must hold: the canonical fold (reduce: root 1 only, reduce-scatter: block r).
+fn expected(n: usize, r: usize, kind: OpKind, count: usize) -> Vec<Option<Vec<u8>>> {
+    let mut out = Vec::new();
+    for t in [
+        DataType::Float32,
+        DataType::Float64,
+        DataType::Bfloat16,
+        DataType::Float16,
+    ] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Prod,
+            ReduceOp::Avg,
+            ReduceOp::PreMulSum(1.0),
+        ] {
+            let es = t.size();
+            out.push(match kind {
+                OpKind::Reduce if r != 1 => None,
+                OpKind::ReduceScatter => Some(
+                    canonical(t, op, n, count * n)[r * count * es..(r + 1) * count * es].to_vec(),
+                ),
+                _ => Some(canonical(t, op, n, count)),
+            });
+        }
+    }
+    out
+}
+
+fn setups(deterministic: bool) -> Vec<Setup> {
+    let s = |tcp, per_host, algo, slice_bytes| Setup {
+        tcp,
+        per_host,
+        algo,
+        slice_bytes,
+        deterministic,
+    };
+    vec![
+        s(false, 8, None, None),
+        s(false, 8, Some("ring"), Some(4096)),
+        s(false, 8, Some("tree"), None),
+        s(true, 8, Some("rd"), Some(4096)),
+        s(true, 2, Some("hier"), None),
+        s(false, 1, Some("ring"), None),
+        s(false, 2, None, Some(512)),
+    ]
+}
+
+#[test]
+fn deterministic_reductions_have_the_same_bits_everywhere() {
+    for n in [3usize, 5] {
+        for kind in [OpKind::AllReduce, OpKind::Reduce, OpKind::ReduceScatter] {
+            let count = 1031;
+            for s in setups(true) {
+                let got = run(n, &s, kind, count);
+                for (r, results) in got.iter().enumerate() {
+                    for (k, (g, want)) in
+                        results.iter().zip(expected(n, r, kind, count)).enumerate()
+                    {
+                        if let Some(w) = want {
+                            assert!(
+                                *g == w,
+                                "{n} ranks, {kind}, case {k}, rank {r}, {s:?}: not the rank-order fold"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The same data with the mode off: ring, tree and recursive doubling all-reduces disagree in
+/// some bit (so the test above would catch an algorithm that slipped through).
+#[test]
+fn without_the_mode_the_algorithm_changes_the_bits() {
+    let n = 5;
+    let count = 1031;
+    let results: Vec<Vec<Vec<Vec<u8>>>> = ["ring", "tree", "rd"]
+        .into_iter()
+        .map(|a| {
+            let s = Setup {
+                tcp: false,
+                per_host: 8,
+                algo: Some(a),
+                slice_bytes: None,
+                deterministic: false,
+            };
+            run(n, &s, OpKind::AllReduce, count)
+        })
+        .collect();
+    assert!(
+        results[0] != results[1] || results[0] != results[2],
+        "ring, tree and rd gave identical bits: the data cannot tell orders apart"
+    );
+}
