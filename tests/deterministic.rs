@@ -1,12 +1,16 @@
 //! Deterministic reductions over real transports (`CommConfig::deterministic`, as
-//! `WEFT_DETERMINISTIC=1` sets it): ranks as threads of this process over shared memory and over
-//! TCP, on one "host" and spread over several (`host_id` per rank), with every `WEFT_ALGO` value
-//! and two slice sizes. Every floating-point all-reduce, reduce and reduce-scatter must come out
+//! `WEFT_DETERMINISTIC=1` sets it): ranks as threads of this process over shared memory, TCP
+//! and the network provider path (libfabric's tcp provider, every rank a host), on one "host"
+//! and spread over several (`host_id` per rank), with every `WEFT_ALGO` value and three slice
+//! sizes. Every floating-point all-reduce, reduce and reduce-scatter must come out
 //! with the same bits in every configuration, equal to the rank-order fold computed here; with
 //! the mode off the same data gives different bits under different algorithms (so the check
 //! can fail). The same fold in the simulator, across ranks, counts and interleavings:
 //! `collectives/tests/schedules.rs` (`ordered_reductions_are_the_rank_order_fold`).
 
+mod common;
+
+use common::Wire;
 use weftcc::collectives::testing::rank_order_fold;
 use weftcc::collectives::{half, DataType, OpKind, RawOp, ReduceOp};
 use weftcc::comm::run_ranks;
@@ -55,6 +59,8 @@ fn canonical(t: DataType, op: ReduceOp, n: usize, elems: usize) -> Vec<u8> {
 #[derive(Debug, Clone)]
 struct Setup {
     tcp: bool,
+    /// Every rank a host of its own over the network provider path (libfabric's tcp provider).
+    net: bool,
     /// Ranks per host (ranks dealt over the hosts in turn); `n` = one host.
     per_host: usize,
     algo: Option<&'static str>,
@@ -80,10 +86,15 @@ fn run(n: usize, s: &Setup, kind: OpKind, count: usize) -> Vec<Vec<Vec<u8>>> {
     run_ranks(
         n,
         |r| {
-            let mut c = CommConfig::from_env().expect("config");
+            let mut c = if s.net {
+                common::rank_config(Wire::Net, r)
+            } else {
+                let mut c = CommConfig::from_env().expect("config");
+                c.shm_disable = s.tcp;
+                c.host_id = format!("det-host-{}", r % hosts);
+                c
+            };
             c.deterministic = s.deterministic;
-            c.shm_disable = s.tcp;
-            c.host_id = format!("det-host-{}", r % hosts);
             c.timeout = std::time::Duration::from_secs(60);
             if let Some(a) = s.algo {
                 c.algo = Selection::parse(a).expect("algorithm");
@@ -148,6 +159,7 @@ fn expected(n: usize, r: usize, kind: OpKind, count: usize) -> Vec<Option<Vec<u8
 fn setups(deterministic: bool) -> Vec<Setup> {
     let s = |tcp, per_host, algo, slice_bytes| Setup {
         tcp,
+        net: false,
         per_host,
         algo,
         slice_bytes,
@@ -161,6 +173,10 @@ fn setups(deterministic: bool) -> Vec<Setup> {
         s(true, 2, Some("hier"), None),
         s(false, 1, Some("ring"), None),
         s(false, 2, None, Some(512)),
+        Setup {
+            net: true,
+            ..s(false, 1, Some("tree"), Some(4096))
+        },
     ]
 }
 
@@ -170,6 +186,9 @@ fn deterministic_reductions_have_the_same_bits_everywhere() {
         for kind in [OpKind::AllReduce, OpKind::Reduce, OpKind::ReduceScatter] {
             let count = 1031;
             for s in setups(true) {
+                if s.net && !common::net_available() {
+                    continue;
+                }
                 let got = run(n, &s, kind, count);
                 for (r, results) in got.iter().enumerate() {
                     for (k, (g, want)) in
@@ -199,6 +218,7 @@ fn without_the_mode_the_algorithm_changes_the_bits() {
         .map(|a| {
             let s = Setup {
                 tcp: false,
+                net: false,
                 per_host: 8,
                 algo: Some(a),
                 slice_bytes: None,
@@ -211,4 +231,53 @@ fn without_the_mode_the_algorithm_changes_the_bits() {
         results[0] != results[1] || results[0] != results[2],
         "ring, tree and rd gave identical bits: the data cannot tell orders apart"
     );
+}
+
+/// A repeated call reuses the last schedule when the shape matches: an integer all-reduce of
+/// the same element size and count must not hand its (tuner's) schedule to the float one that
+/// follows, nor the other way round.
+#[test]
+fn integer_calls_between_float_ones_do_not_lose_the_order() {
+    let n = 3;
+    let count = 1031;
+    let results = run_ranks(
+        n,
+        |_| {
+            let mut c = CommConfig::from_env().expect("config");
+            c.deterministic = true;
+            c.timeout = std::time::Duration::from_secs(60);
+            c
+        },
+        |r, comm| {
+            let mut got = Vec::new();
+            for (int, float) in [
+                (DataType::Int32, DataType::Float32),
+                (DataType::Int64, DataType::Float64),
+            ] {
+                for t in [int, float, int, float] {
+                    let call = RawOp::new(OpKind::AllReduce, t, count).with_op(ReduceOp::Sum);
+                    let send = match t {
+                        DataType::Int32 | DataType::Int64 => vec![1u8; count * t.size()],
+                        _ => input(t, r, count),
+                    };
+                    let mut recv = vec![0u8; count * t.size()];
+                    comm.execute_raw(call, Some(&send), &mut recv)
+                        .expect("all-reduce");
+                    if t == float {
+                        got.push((t, recv));
+                    }
+                }
+            }
+            got
+        },
+    )
+    .expect("job");
+    for (r, calls) in results.iter().enumerate() {
+        for (t, got) in calls {
+            assert!(
+                *got == canonical(*t, ReduceOp::Sum, n, count),
+                "rank {r}: {t} after an integer call is not the rank-order fold"
+            );
+        }
+    }
 }

@@ -9,6 +9,11 @@
 #define WEFT_CONFIG_INITIALIZER { sizeof(weftConfig_t), WEFT_CONFIG_MAGIC, WEFT_CONFIG_VERSION, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT }
 
 
+// The C API's version: 2 since every collective and `weftSend`/`weftRecv` take a trailing
+// [`weftStream_t`] (version 1 had none). A program checks that the library it runs with is the
+// one it was compiled for: `int v; weftGetVersion(&v); v == WEFT_API_VERSION`.
+#define WEFT_API_VERSION 2
+
 // Bytes of a [`weftUniqueId`].
 #define WEFT_UNIQUE_ID_BYTES 256
 
@@ -150,6 +155,12 @@ typedef void *weftStream_t;
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Writes [`WEFT_API_VERSION`] of this library (NCCL's `ncclGetVersion`).
+//
+// # Safety
+// `version` is null or writable.
+weftResult_t weftGetVersion(int *version);
 
 // Creates a new unique id and starts the job's bootstrap store in this process: call it on the
 // process that will be rank 0, then give the id to the other ranks.

@@ -88,6 +88,21 @@ pub const weftScalarDevice: weftScalarResidence_t = 0;
 /// In host memory, read once when the reduction is created.
 pub const weftScalarHostImmediate: weftScalarResidence_t = 1;
 
+/// The C API's version: 2 since every collective and `weftSend`/`weftRecv` take a trailing
+/// [`weftStream_t`] (version 1 had none). A program checks that the library it runs with is the
+/// one it was compiled for: `int v; weftGetVersion(&v); v == WEFT_API_VERSION`.
+pub const WEFT_API_VERSION: c_int = 2;
+
+/// Writes [`WEFT_API_VERSION`] of this library (NCCL's `ncclGetVersion`).
+///
+/// # Safety
+/// `version` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn weftGetVersion(version: *mut c_int) -> weftResult_t {
+    // SAFETY: per the contract.
+    entry(|| unsafe { write_out(version, WEFT_API_VERSION, "weftGetVersion") })
+}
+
 /// Bytes of a [`weftUniqueId`].
 pub const WEFT_UNIQUE_ID_BYTES: usize = 256;
 
@@ -191,6 +206,15 @@ fn cuda_code(e: &CudaError) -> weftResult_t {
 
 fn cuda_fail(e: &CudaError) -> weftResult_t {
     fail(cuda_code(e), &e.to_string())
+}
+
+/// A device call's failure on `h`: `weftAborted` after `weftCommAbort` here (the device
+/// communicator only knows it was poisoned), else the device error's own code.
+fn device_fail(h: &weftComm, e: &CudaError) -> weftResult_t {
+    match h.comm.error() {
+        Some(host) if code_of(&host) == weftAborted => fail(weftAborted, &e.to_string()),
+        _ => cuda_fail(e),
+    }
 }
 
 fn from_lib(r: Result<(), Error>) -> Outcome {
@@ -716,10 +740,14 @@ pub unsafe extern "C" fn weftCommAbort(comm: weftComm_t) -> weftResult_t {
     entry(|| {
         // SAFETY: per the contract.
         let h = unsafe { handle_ref(comm) }?;
-        if let Some(d) = &*h.device.lock().unwrap_or_else(|e| e.into_inner()) {
-            d.abort();
-        }
+        // The host communicator first: a device communicator being made (holding the lock)
+        // then fails at once instead of holding up this abort.
         h.comm.abort();
+        if let Ok(slot) = h.device.try_lock() {
+            if let Some(d) = &*slot {
+                d.abort();
+            }
+        }
         Ok(weftSuccess)
     })
 }
@@ -765,7 +793,8 @@ pub unsafe extern "C" fn weftCommGetAsyncError(
     entry(|| {
         // SAFETY: per the contract.
         let h = unsafe { handle_ref(comm) }?;
-        let device = h.device.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // Not waiting for a device communicator being made (it has no error of its own yet).
+        let device = h.device.try_lock().ok().and_then(|d| d.clone());
         let code = match (h.comm.error(), device.and_then(|d| d.error())) {
             (Some(e), _) => fail(code_of(&e), &e.to_string()),
             (None, Some(e)) => cuda_fail(&e),
@@ -851,6 +880,14 @@ unsafe fn collective(comm: weftComm_t, call: Call, stream: weftStream_t) -> Outc
         // SAFETY: per the contract.
         return unsafe { device_collective(h, call.op, send, recv, stream) };
     }
+    refuse_device_memory(
+        c,
+        name,
+        &[
+            (call.send as u64, send_bytes),
+            (call.recv as u64, recv_bytes),
+        ],
+    )?;
     let recv: &mut [u8] = if recv_bytes == 0 {
         &mut []
     } else {
@@ -931,13 +968,47 @@ fn check_on_device(
     Ok(())
 }
 
-/// The caller's stream, borrowed for one call.
+/// Refuses device memory given without a stream (the host path would read it from the CPU and
+/// crash): NCCL programs pass 0 for the default stream, which here means host buffers.
+fn refuse_device_memory(
+    c: &Communicator,
+    kind: OpKind,
+    buffers: &[(u64, usize)],
+) -> Result<(), weftResult_t> {
+    if !weftcc_cuda::driver_present() {
+        return Ok(());
+    }
+    for &(ptr, _) in buffers.iter().filter(|b| b.0 != 0 && b.1 > 0) {
+        if let Ok(Some(gpu)) = weftcc_cuda::device_of(ptr) {
+            return Err(bad_arg(format!(
+                "rank {}: invalid argument to {kind}: the buffer at {ptr:#x} is memory of GPU \
+                 {gpu} but no stream was given (NULL means host buffers; pass the cudaStream_t \
+                 to enqueue on)",
+                c.rank()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The caller's stream, borrowed for one call; an invalid argument if it is not a stream of the
+/// device communicator's GPU (its primary context, where the CUDA runtime makes streams).
 ///
 /// # Safety
-/// `stream` is a live stream of `d`'s device.
-unsafe fn borrow_stream(d: &DeviceComm, stream: weftStream_t) -> Stream {
+/// `stream` is a live stream.
+unsafe fn borrow_stream(
+    h: &weftComm,
+    d: &DeviceComm,
+    kind: OpKind,
+    stream: weftStream_t,
+) -> Result<Stream, weftResult_t> {
     // SAFETY: per the contract; the value lives only for the call.
-    unsafe { Stream::borrow_raw(d.context(), stream.cast()) }
+    unsafe { Stream::borrow_checked(d.context(), stream.cast()) }.map_err(|e| {
+        bad_arg(format!(
+            "rank {}: invalid argument to {kind}: {e}",
+            h.comm.rank()
+        ))
+    })
 }
 
 /// Enqueues a checked collective on device buffers (`send: None` in place).
@@ -968,11 +1039,11 @@ unsafe fn device_collective(
     let buffers: Vec<(u64, usize)> = used_send.into_iter().chain(used_recv).collect();
     check_on_device(h, &d, op.kind, &buffers)?;
     // SAFETY: per the contract.
-    let s = unsafe { borrow_stream(&d, stream) };
+    let s = unsafe { borrow_stream(h, &d, op.kind, stream) }?;
     // SAFETY: device buffers valid until the stream passed the call, per the contract.
     unsafe { d.enqueue_raw(op, send, recv, &s) }
         .map(|()| weftSuccess)
-        .map_err(|e| cuda_fail(&e))
+        .map_err(|e| device_fail(h, &e))
 }
 
 /// All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
@@ -1295,6 +1366,8 @@ unsafe fn run_group(comm: weftComm_t, ops: &[&P2p]) -> Outcome {
         // SAFETY: per the contract.
         return unsafe { run_device_group(comm, ops, first.stream) };
     }
+    let buffers: Vec<(u64, usize)> = ops.iter().map(|op| (op.ptr as u64, op.bytes)).collect();
+    refuse_device_memory(c, OpKind::SendRecv, &buffers)?;
     let mut group = c.group();
     for op in ops {
         group = match (op.send, op.bytes) {
@@ -1332,10 +1405,21 @@ unsafe fn run_device_group(comm: weftComm_t, ops: &[&P2p], stream: usize) -> Out
             ),
         ));
     }
-    let Some(probe) = ops.iter().find(|op| op.bytes > 0 && op.ptr != 0) else {
+    if ops.iter().all(|op| op.bytes == 0) {
         return Ok(weftSuccess);
+    }
+    // Made by a collective only: every rank takes part in making it, and a send/recv has two.
+    let existing = h.device.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let Some(d) = existing else {
+        return Err(fail(
+            weftInvalidUsage,
+            &format!(
+                "rank {}: the first call with a stream must be a collective (every rank makes \
+                 it; the device communicator is set up then), not a send or receive",
+                h.comm.rank()
+            ),
+        ));
     };
-    let d = device_comm(h, OpKind::SendRecv, probe.ptr as u64)?;
     let buffers: Vec<(u64, usize)> = ops.iter().map(|op| (op.ptr as u64, op.bytes)).collect();
     check_on_device(h, &d, OpKind::SendRecv, &buffers)?;
     let list = |send: bool| -> Vec<(usize, u64, usize)> {
@@ -1345,12 +1429,12 @@ unsafe fn run_device_group(comm: weftComm_t, ops: &[&P2p], stream: usize) -> Out
             .collect()
     };
     // SAFETY: per the contract.
-    let s = unsafe { borrow_stream(&d, stream as weftStream_t) };
+    let s = unsafe { borrow_stream(h, &d, OpKind::SendRecv, stream as weftStream_t) }?;
     // SAFETY: device buffers valid until the stream passed the group, receive buffers not
     // overlapping another (checked by run_group), per the contract.
     unsafe { d.enqueue_group_raw(&list(true), &list(false), &s) }
         .map(|()| weftSuccess)
-        .map_err(|e| cuda_fail(&e))
+        .map_err(|e| device_fail(h, &e))
 }
 
 /// Sends `count` elements to `peer`, which must post a matching `weftRecv`. Outside a group it

@@ -176,14 +176,25 @@ pub fn plan(
         // Not uniform: the whole call on the flat communicator, Avg and PreMulSum included.
         _ => {
             let blocks = |kind_blocks: bool| if kind_blocks { n } else { 1 };
-            p.stages.push(Stage::Collective {
-                tier: Tier::Flat,
-                op: *call,
-                send: (!in_place).then(|| input(blocks(call.kind == OpKind::ReduceScatter))),
-                recv: whole(blocks(
+            // Off the root, a broadcast reads no send buffer and a reduce writes no receive
+            // buffer: the caller may have passed none (RawOp::plan allows it).
+            let off_root = call.has_root() && rank != call.root && !in_place;
+            let send = match call.kind {
+                OpKind::Broadcast if off_root => Region::new(Buf::Send, 0, 0),
+                _ => input(blocks(call.kind == OpKind::ReduceScatter)),
+            };
+            let recv = match call.kind {
+                OpKind::Reduce if off_root => Region::new(Buf::Recv, 0, 0),
+                _ => whole(blocks(
                     call.kind == OpKind::AllGather
                         || (call.kind == OpKind::ReduceScatter && in_place),
                 )),
+            };
+            p.stages.push(Stage::Collective {
+                tier: Tier::Flat,
+                op: *call,
+                send: (!in_place).then_some(send),
+                recv,
             });
             return p;
         }

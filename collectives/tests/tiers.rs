@@ -174,6 +174,8 @@ fn collective(bufs: &mut [Bufs], who: &[usize], stages: &[(RawOp, Option<Region>
                 _ => block,
             };
             match send {
+                // Off the root a broadcast reads no send buffer (the plan may give it none).
+                Some(_) if op.kind == OpKind::Broadcast && i != op.root => Vec::new(),
                 Some(s) => {
                     assert_eq!(s.len, len, "send region of {op:?}");
                     bufs[who[i]].get(*s)
@@ -570,5 +572,38 @@ proptest! {
         let root = root_pick % hosts.len();
         let op = if kind.has_reduction() { op } else { ReduceOp::Sum };
         check(shard_min, &hosts, kind, t, op, count, root, in_place);
+    }
+}
+
+/// On a layout that is not uniform, reduce and broadcast run on the flat communicator; off the
+/// root they ask for no receive (reduce) or send (broadcast) buffer, which the caller may not
+/// have passed.
+#[test]
+fn flat_reduce_and_broadcast_need_no_unused_buffer_off_the_root() {
+    let layout = HostLayout::from_labels(&[0, 0, 0, 1]);
+    for rank in 0..4 {
+        for kind in [OpKind::Reduce, OpKind::Broadcast] {
+            let call = RawOp::new(kind, DataType::Float32, 5).with_root(2);
+            let p = plan(&layout, rank, &call, false, 0);
+            let [Stage::Collective {
+                tier: Tier::Flat,
+                send: Some(send),
+                recv,
+                ..
+            }] = p.stages.as_slice()
+            else {
+                panic!("{kind} on rank {rank}: {:?}", p.stages);
+            };
+            let (send_len, recv_len) = match (kind, rank == 2) {
+                (_, true) => (20, 20),
+                (OpKind::Reduce, false) => (20, 0),
+                _ => (0, 20),
+            };
+            assert_eq!(
+                (send.len, recv.len),
+                (send_len, recv_len),
+                "{kind} rank {rank}"
+            );
+        }
     }
 }

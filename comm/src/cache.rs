@@ -37,7 +37,7 @@ impl Inner {
         // every algorithm's cost was an eighth of an 8-byte all-reduce).
         let choice = match st.choices.get(&(call.kind, user_bytes)) {
             _ if n == 1 => Algorithm::Ring,
-            _ if self.config.deterministic && call.order_sensitive() => Algorithm::Ordered,
+            _ if shape.ordered => Algorithm::Ordered,
             Some(&c) => {
                 tracing::debug!(target: "weftcc::tuning", rank = r, op = %call.kind, seq, bytes = user_bytes, algo = c.name(), "algorithm chosen (remembered)");
                 c
@@ -98,6 +98,9 @@ pub(crate) struct CallShape {
     pub(crate) root: usize,
     /// In-place all-to-all (the only collective whose schedule differs in place).
     pub(crate) in_place: bool,
+    /// Deterministic mode folds this call in rank order (a float reduction): an integer call of
+    /// the same element size must not reuse its schedule, nor it an integer call's.
+    pub(crate) ordered: bool,
 }
 
 /// What makes two calls' schedules identical: the shape and the tuner's choice.

@@ -726,6 +726,7 @@ impl Inner {
             esize: call.dtype.size(),
             root: if call.has_root() { call.root } else { 0 },
             in_place: plan.in_place && call.kind == OpKind::AllToAll,
+            ordered: self.config.deterministic && call.order_sensitive(),
         };
         let repeated = matches!(&st.last, Some((last, _)) if *last == shape);
         if !repeated {

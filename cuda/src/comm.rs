@@ -116,7 +116,7 @@ fn stream_mem_ops(ctx: &Context) -> bool {
 }
 
 /// A size from the environment where 0 is a valid value (unset or unparsable: `default`).
-pub(crate) fn env_bytes(name: &str, default: usize) -> usize {
+fn env_bytes(name: &str, default: usize) -> usize {
     env_size(name).unwrap_or(default)
 }
 
@@ -270,9 +270,8 @@ impl DeviceComm {
     /// ranks, and sets it up.
     pub fn new(host: Communicator, ctx: Context) -> Result<DeviceComm> {
         let (rank, size) = (host.rank(), host.size());
-        // Checked before any communication, like the other settings.
-        let gdr_level = weftcc_topology::netpath::gdr_level_from_env()
-            .map_err(|e| CudaError::Other(e.to_string()))?;
+        // Checked with the other ranks: a rank that gave up alone would leave them waiting.
+        let gdr_level = weftcc_topology::netpath::gdr_level_from_env();
         ctx.bind()?;
         // Local facts: host, GPU, and whether this rank can take part in IPC.
         let info = crate::driver::device_info(ctx.ordinal())?;
@@ -288,6 +287,7 @@ impl DeviceComm {
         mine[64..64 + bus.len()].copy_from_slice(bus);
         mine[120] = u8::from(mem_ops && ipc_allowed);
         mine[121] = u8::from(kernels_ok.is_ok());
+        mine[122] = u8::from(gdr_level.is_ok());
         let mut all = vec![0u8; REC * size];
         host.all_gather(&mine[..], &mut all[..])?;
         let field = |r: usize, a: usize, b: usize| {
@@ -295,6 +295,13 @@ impl DeviceComm {
             let end = s.iter().position(|&c| c == 0).unwrap_or(s.len());
             String::from_utf8_lossy(&s[..end]).into_owned()
         };
+        if let Some(bad) = (0..size).find(|&r| all[r * REC + 122] == 0) {
+            return Err(CudaError::Other(match &gdr_level {
+                Err(e) if bad == rank => e.to_string(),
+                _ => format!("rank {bad}: its WEFT_NET_GDR_LEVEL is not a level (LOC…SYS, 0-4)"),
+            }));
+        }
+        let gdr_level = gdr_level.unwrap_or(weftcc_topology::netpath::DEFAULT_GDR_LEVEL);
         let hosts: Vec<String> = (0..size).map(|r| field(r, 0, 64)).collect();
         let layout = HostLayout::from_labels(&hosts);
         let one_host = layout.hosts() == 1;
@@ -372,7 +379,16 @@ impl DeviceComm {
                 let local = DeviceComm::new(local_host, ctx.clone())?;
                 let cross = DeviceComm::new(cross_host, ctx.clone())?;
                 log_paths(rank, &layout, &local, &cross, gdr_level);
-                Some(Box::new(Tiers::new(layout, local, cross)))
+                // Every rank must shard the same calls (the plans differ otherwise): the
+                // smallest of the ranks' settings.
+                let mut shard_min =
+                    [
+                        env_bytes(SHARD_MIN_ENV, weftcc_collectives::tiers::DEFAULT_SHARD_MIN)
+                            as u64,
+                    ];
+                host.all_reduce_in_place(&mut shard_min[..], ReduceOp::Min)?;
+                let shard_min = usize::try_from(shard_min[0]).unwrap_or(usize::MAX);
+                Some(Box::new(Tiers::new(layout, local, cross, shard_min)))
             }
             _ => None,
         };
@@ -622,9 +638,11 @@ impl DeviceComm {
                 let g = lock(ipc);
                 let _ = g.release_all();
             }
-            // Stages already enqueued may wait for peers that wait for the stage that failed.
+            // Stages already enqueued may wait for peers that wait for the stage that failed
+            // (a flat stage too: the host communicator is aborted with the tiers).
             if let Some(t) = &self.tiers {
                 t.abort();
+                self.host.abort();
             }
         }
         e
@@ -1106,7 +1124,8 @@ fn copy_to_pinned(dst: &PinnedBuffer, at: usize, src: DevSpan, stream: &Stream) 
         return Err(CudaError::Other("staging buffer too small".into()));
     }
     // SAFETY: `dst` holds at least at + src.bytes bytes of pinned memory (checked), kept alive
-    // by the job until the proxy stops; `src` is device memory valid per the enqueue contract.
+    // by `Staging` (current or outgrown buffers are freed only when the communicator is
+    // dropped); `src` is device memory valid per the enqueue contract.
     check("cuMemcpyDtoHAsync", unsafe {
         sys::cuMemcpyDtoHAsync_v2(
             dst.host_ptr().add(at).cast(),
@@ -1145,11 +1164,9 @@ impl Drop for DeviceComm {
             if let Some(t) = p.thread.take() {
                 let _ = t.join();
             }
-            // Release any stream still waiting on a ticket that was never processed.
-            release_counter(&p.flag).store(
-                u32::MAX / 2 + p.tickets.load(Ordering::Relaxed),
-                Ordering::Release,
-            );
+            // Release any stream still waiting on a ticket that was never processed: the waits
+            // compare cyclically (GEQ), so the last ticket issued releases every earlier one.
+            release_counter(&p.flag).store(p.tickets.load(Ordering::Relaxed), Ordering::Release);
         }
     }
 }

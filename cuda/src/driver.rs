@@ -19,9 +19,15 @@ static DRIVER: OnceLock<std::result::Result<(), String>> = OnceLock::new();
 /// The outcome of the one-time NVRTC check of this process.
 static NVRTC: OnceLock<std::result::Result<(), String>> = OnceLock::new();
 
-/// True when the CUDA driver library can be loaded and initialised (never panics).
+/// True when the CUDA driver library can be loaded and initialised (never panics). Cheap after
+/// the first call (no allocation): the C ABI asks it on every host call.
 pub fn driver_present() -> bool {
-    ensure_driver().is_ok()
+    DRIVER
+        .get_or_init(|| {
+            let disabled = std::env::var(DISABLE_ENV).is_ok_and(|v| v == "1");
+            probe_driver(disabled)
+        })
+        .is_ok()
 }
 
 /// Checks once per process that the driver can be loaded and initialised; every driver call in

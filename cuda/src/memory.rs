@@ -231,6 +231,29 @@ impl Stream {
         }
     }
 
+    /// [`Stream::borrow_raw`] after checking that `raw` belongs to `ctx`'s context
+    /// (`cuStreamGetCtx`): a stream of another GPU (or context) is an error here, not a driver
+    /// failure of the enqueued work.
+    ///
+    /// # Safety
+    /// `raw` is a live stream (of any context) and outlives the value.
+    pub unsafe fn borrow_checked(ctx: &Context, raw: sys::CUstream) -> Result<Stream> {
+        ctx.bind()?;
+        let mut owner: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `raw` is a live stream per the contract; `owner` is an out pointer.
+        check("cuStreamGetCtx", unsafe {
+            sys::cuStreamGetCtx(raw, &mut owner)
+        })?;
+        if owner != ctx.as_raw() {
+            return Err(CudaError::Other(format!(
+                "the stream belongs to another context than GPU {}'s primary context",
+                ctx.ordinal()
+            )));
+        }
+        // SAFETY: per the contract.
+        Ok(unsafe { Stream::borrow_raw(ctx, raw) })
+    }
+
     /// The raw `CUstream`, for interoperation with other CUDA code.
     pub fn as_raw(&self) -> sys::CUstream {
         self.raw

@@ -10,7 +10,7 @@
 //! and receives go to each peer over its own tier (`tiers::route`): the local group first, then
 //! the other hosts' through the proxy.
 
-use crate::comm::{env_bytes, DevSpan, DeviceComm, Work, SHARD_MIN_ENV};
+use crate::comm::{DevSpan, DeviceComm, Work};
 use crate::error::{CudaError, Result};
 use crate::ipc::copy_d2d;
 use crate::memory::{Context, DeviceBuffer, Event, Stream};
@@ -42,10 +42,15 @@ struct TierState {
 }
 
 impl Tiers {
-    pub(crate) fn new(layout: HostLayout, local: DeviceComm, cross: DeviceComm) -> Tiers {
+    pub(crate) fn new(
+        layout: HostLayout,
+        local: DeviceComm,
+        cross: DeviceComm,
+        shard_min: usize,
+    ) -> Tiers {
         Tiers {
             layout,
-            shard_min: env_bytes(SHARD_MIN_ENV, tiers::DEFAULT_SHARD_MIN),
+            shard_min,
             local,
             cross,
             state: Mutex::new(TierState {

@@ -220,6 +220,9 @@ static void errors(weftComm_t comm, int n) {
   CHECK(weftAllReduce(NULL, y, 4, weftFloat32, weftSum, comm, NULL) == weftInvalidArgument, "null buf");
   CHECK(weftSend(x, 4, weftFloat32, me, comm, NULL) == weftInvalidArgument, "send to self");
   CHECK(weftGroupEnd() == weftInvalidUsage, "group end without start");
+  int version = 0;
+  OK(weftGetVersion(&version));
+  CHECK(version == WEFT_API_VERSION, "library API version %d, header %d", version, WEFT_API_VERSION);
   /* A stream with host buffers: without a CUDA driver the device path says so; with one, the
    * buffer is not device memory. Either way nothing was sent. */
   weftResult_t dr = weftAllReduce(x, y, 4, weftFloat32, weftSum, comm, (weftStream_t)0x1);
