@@ -48,14 +48,19 @@ fn gen_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> Vec
         } else {
             rng.below(17) as f64 - 8.0
         };
-        match dtype {
-            DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
-            DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
-            DataType::Float32 => out.extend((v as f32).to_le_bytes()),
-            _ => out.extend(v.to_le_bytes()),
-        }
+        push_float(&mut out, dtype, v);
     }
     out
+}
+
+/// Appends `v` rounded to the float type `dtype`.
+fn push_float(out: &mut Vec<u8>, dtype: DataType, v: f64) {
+    match dtype {
+        DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
+        DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+        DataType::Float32 => out.extend((v as f32).to_le_bytes()),
+        _ => out.extend(v.to_le_bytes()),
+    }
 }
 
 /// A rank's input for the reducing checks: [`mixed_data`] or [`gen_data`].
@@ -81,12 +86,7 @@ fn mixed_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> V
         let m = 1.0 + (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
         let e = rng.below(2 * span as usize + 1) as i32 - span;
         let v = if rng.below(2) == 0 { m } else { -m } * 2f64.powi(e);
-        match dtype {
-            DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
-            DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
-            DataType::Float32 => out.extend((v as f32).to_le_bytes()),
-            _ => out.extend(v.to_le_bytes()),
-        }
+        push_float(&mut out, dtype, v);
     }
     out
 }
@@ -770,12 +770,7 @@ fn inexact_data(p: &Params, r: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(p.count * p.dtype.size());
     for i in 0..p.count {
         let v = 0.1 * (r + 1) as f64 + 1e-3 * i as f64;
-        match p.dtype {
-            DataType::Float16 => out.extend(f16::from_f64(v).to_le_bytes()),
-            DataType::Bfloat16 => out.extend(bf16::from_f64(v).to_le_bytes()),
-            DataType::Float32 => out.extend((v as f32).to_le_bytes()),
-            _ => out.extend(v.to_le_bytes()),
-        }
+        push_float(&mut out, p.dtype, v);
     }
     out
 }

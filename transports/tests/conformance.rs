@@ -283,7 +283,9 @@ fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usiz
     let total: usize = msgs.iter().sum();
     let start = Instant::now();
     std::thread::scope(|s| {
-        s.spawn(move || {
+        // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
+        // result, and with it the sending end, as soon as the sender thread finishes.
+        let _sender = s.spawn(move || {
             let mut off = 0u64;
             for &m in msgs {
                 let mut buf = vec![0u8; m];
@@ -291,7 +293,7 @@ fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usiz
                 send_all(&mut a, &buf, start, pinned);
                 off += m as u64;
             }
-            // Keep `a` alive until the receiver is done (dropping early is its own test).
+            // Kept alive until the receiver is done (dropping early is its own test).
             a
         });
         let mut rng = Rng(seed ^ 0xdead);
@@ -346,7 +348,9 @@ fn pinned_receives(make: fn() -> Option<(End, End)>, pinned: bool) {
     let start = Instant::now();
     std::thread::scope(|s| {
         let msgs_ = msgs.clone();
-        s.spawn(move || {
+        // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
+        // result, and with it the sending end, as soon as the sender thread finishes.
+        let _sender = s.spawn(move || {
             let mut off = 0u64;
             for (i, &m) in msgs_.iter().enumerate() {
                 let mut buf = vec![0u8; m];
@@ -404,7 +408,9 @@ fn element_wise_reader(make: fn() -> Option<(End, End)>, pinned: bool) {
     let start = Instant::now();
     std::thread::scope(|s| {
         let msgs = &msgs;
-        s.spawn(move || {
+        // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
+        // result, and with it the sending end, as soon as the sender thread finishes.
+        let _sender = s.spawn(move || {
             let mut off = 0u64;
             for &(_, len) in msgs {
                 let padded = len.div_ceil(8) * 8;
@@ -460,7 +466,9 @@ fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
     let start = Instant::now();
     std::thread::scope(|s| {
         let msgs = &msgs;
-        s.spawn(move || {
+        // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
+        // result, and with it the sending end, as soon as the sender thread finishes.
+        let _sender = s.spawn(move || {
             let mut off = 0u64;
             for &m in msgs {
                 let mut buf = vec![0u8; m];
