@@ -642,15 +642,18 @@ proptest! {
     }
 }
 
+/// The floating-point types, for the order-sensitive checks.
+const FLOATS: [DataType; 4] = [
+    DataType::Float32,
+    DataType::Float64,
+    DataType::Float16,
+    DataType::Bfloat16,
+];
+
 /// Float types, any combiner, mixed-magnitude data.
 fn ordered_params() -> impl Strategy<Value = Params> {
     (params(600), 0usize..4).prop_map(|(mut p, d)| {
-        p.dtype = [
-            DataType::Float32,
-            DataType::Float64,
-            DataType::Float16,
-            DataType::Bfloat16,
-        ][d];
+        p.dtype = FLOATS[d];
         p.mixed = true;
         p
     })
@@ -754,12 +757,7 @@ fn every_dtype_and_combiner() {
 /// up with different bits.
 fn float_params() -> impl Strategy<Value = Params> {
     (params(600), 0usize..4).prop_map(|(mut p, d)| {
-        p.dtype = [
-            DataType::Float32,
-            DataType::Float64,
-            DataType::Float16,
-            DataType::Bfloat16,
-        ][d];
+        p.dtype = FLOATS[d];
         p.comb = Combiner::Sum;
         p
     })
