@@ -7,6 +7,8 @@
 #include <stdint.h>
 /* A weftConfig_t with every setting left to the environment: `weftConfig_t c = WEFT_CONFIG_INITIALIZER;` */
 #define WEFT_CONFIG_INITIALIZER { sizeof(weftConfig_t), WEFT_CONFIG_MAGIC, WEFT_CONFIG_VERSION, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT, WEFT_CONFIG_UNDEF_INT }
+/* A weftErrorInfo_t ready for weftGetLastErrorInfo: `weftErrorInfo_t i = WEFT_ERROR_INFO_INITIALIZER;` */
+#define WEFT_ERROR_INFO_INITIALIZER { sizeof(weftErrorInfo_t), 0, -1, -1, 0, -1 }
 
 
 // The C API's version: 2 since every collective and `weftSend`/`weftRecv` take a trailing
@@ -74,6 +76,29 @@ typedef int weftDataType_t;
 
 // Where a [`weftRedOpCreatePreMulSum`] scalar lives (NCCL's `ncclScalarResidence_t`).
 typedef int weftScalarResidence_t;
+
+// Operations named by [`weftErrorInfo_t::op`] (weftcc's wire codes; 0: none).
+typedef int weftOpKind_t;
+
+// The facts of this thread's last failed call as fields ([`weftGetLastErrorInfo`]), so a
+// program or a language binding need not parse [`weftGetLastError`]'s message. A field the
+// error does not say is -1 ([`weftOpNone`] for `op`).
+typedef struct {
+  // `sizeof(weftErrorInfo_t)` as the program was compiled: set it before the call (later
+  // versions append fields).
+  size_t size;
+  // The failed call's result code (`weftSuccess` when this thread had no failure).
+  weftResult_t result;
+  // The rank that reported the error (this process's rank in that communicator).
+  int rank;
+  // The other rank the error is about: the peer lost, mismatched or failing on the wire, the
+  // rank that aborted or failed first, or (a timeout) the rank furthest behind.
+  int peer;
+  // The operation ([`weftOpKind_t`]).
+  weftOpKind_t op;
+  // The operation's sequence number on the communicator (point-to-point: between the pair).
+  int64_t seq;
+} weftErrorInfo_t;
 
 // A `cudaStream_t` (equally a driver `CUstream`) of the buffers' device. NULL: the buffers are
 // host memory and the call returns once the operation completed on this rank. Otherwise the
@@ -145,6 +170,24 @@ typedef void *weftStream_t;
 
 // The number of built-in reductions; [`weftRedOpCreatePreMulSum`] hands out codes from here.
 #define weftNumOps 5
+
+#define weftOpNone 0
+
+#define weftOpAllReduce 1
+
+#define weftOpReduce 2
+
+#define weftOpBroadcast 3
+
+#define weftOpAllGather 4
+
+#define weftOpReduceScatter 5
+
+#define weftOpAllToAll 6
+
+#define weftOpSendRecv 7
+
+#define weftOpBarrier 8
 
 // In device memory: read by the GPU when the operation runs (needs the CUDA path).
 #define weftScalarDevice 0
@@ -261,6 +304,15 @@ const char *weftGetErrorString(weftResult_t result);
 // operation and its sequence number. Valid until this thread's next weftcc call.
 // `comm` is accepted for NCCL compatibility and not used.
 const char *weftGetLastError(weftComm_t comm);
+
+// Writes the facts of this thread's last failed call (those of [`weftGetLastError`]'s message)
+// into `*info`, whose `size` the caller set to `sizeof(weftErrorInfo_t)`. With no failure yet,
+// `result` is `weftSuccess` and the other fields -1.
+//
+// # Safety
+// `info` is null or points to a [`weftErrorInfo_t`] whose `size` is readable and whose first
+// `size` bytes are writable.
+weftResult_t weftGetLastErrorInfo(weftErrorInfo_t *info);
 
 // All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
 //

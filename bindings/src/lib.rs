@@ -29,7 +29,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::str::FromStr;
 use std::sync::Arc;
 use weftcc_collectives::{CallError, DataType, OpKind, RawOp, ReduceOp};
-use weftcc_comm::{CommConfig, Communicator, Error, SeenBy, UniqueId};
+use weftcc_comm::{CommConfig, Communicator, Error, ErrorFacts, SeenBy, UniqueId};
 use weftcc_cuda::{Context, CudaError, DeviceComm, Stream};
 
 /// Result of every call (NCCL's codes 0–7, then weftcc's own). The three enumerations are plain
@@ -80,6 +80,40 @@ pub const weftMin: weftRedOp_t = 3;
 pub const weftAvg: weftRedOp_t = 4;
 /// The number of built-in reductions; [`weftRedOpCreatePreMulSum`] hands out codes from here.
 pub const weftNumOps: weftRedOp_t = 5;
+
+/// Operations named by [`weftErrorInfo_t::op`] (weftcc's wire codes; 0: none).
+pub type weftOpKind_t = c_int;
+pub const weftOpNone: weftOpKind_t = 0;
+pub const weftOpAllReduce: weftOpKind_t = 1;
+pub const weftOpReduce: weftOpKind_t = 2;
+pub const weftOpBroadcast: weftOpKind_t = 3;
+pub const weftOpAllGather: weftOpKind_t = 4;
+pub const weftOpReduceScatter: weftOpKind_t = 5;
+pub const weftOpAllToAll: weftOpKind_t = 6;
+pub const weftOpSendRecv: weftOpKind_t = 7;
+pub const weftOpBarrier: weftOpKind_t = 8;
+
+/// The facts of this thread's last failed call as fields ([`weftGetLastErrorInfo`]), so a
+/// program or a language binding need not parse [`weftGetLastError`]'s message. A field the
+/// error does not say is -1 ([`weftOpNone`] for `op`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct weftErrorInfo_t {
+    /// `sizeof(weftErrorInfo_t)` as the program was compiled: set it before the call (later
+    /// versions append fields).
+    pub size: usize,
+    /// The failed call's result code (`weftSuccess` when this thread had no failure).
+    pub result: weftResult_t,
+    /// The rank that reported the error (this process's rank in that communicator).
+    pub rank: c_int,
+    /// The other rank the error is about: the peer lost, mismatched or failing on the wire, the
+    /// rank that aborted or failed first, or (a timeout) the rank furthest behind.
+    pub peer: c_int,
+    /// The operation ([`weftOpKind_t`]).
+    pub op: weftOpKind_t,
+    /// The operation's sequence number on the communicator (point-to-point: between the pair).
+    pub seq: i64,
+}
 
 /// Where a [`weftRedOpCreatePreMulSum`] scalar lives (NCCL's `ncclScalarResidence_t`).
 pub type weftScalarResidence_t = c_int;
@@ -137,6 +171,8 @@ pub type weftComm_t = *mut weftComm;
 thread_local! {
     /// The message of this thread's last failed call.
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The facts of this thread's last failed call.
+    static LAST_INFO: std::cell::Cell<weftErrorInfo_t> = const { std::cell::Cell::new(NO_ERROR_INFO) };
     /// Point-to-point calls collected between weftGroupStart and weftGroupEnd.
     static GROUP: RefCell<GroupState> = RefCell::new(GroupState::default());
 }
@@ -158,14 +194,41 @@ struct P2p {
     stream: usize,
 }
 
-fn set_last_error(msg: &str) {
+const NO_ERROR_INFO: weftErrorInfo_t = weftErrorInfo_t {
+    size: std::mem::size_of::<weftErrorInfo_t>(),
+    result: weftSuccess,
+    rank: -1,
+    peer: -1,
+    op: weftOpNone,
+    seq: -1,
+};
+
+/// Records a failure: its message and, as fields, its facts.
+fn record(code: weftResult_t, msg: &str, facts: ErrorFacts) -> weftResult_t {
     let text = CString::new(msg.replace('\0', " ")).unwrap_or_default();
     LAST_ERROR.with(|e| *e.borrow_mut() = text);
+    let rank = |r: Option<usize>| r.and_then(|r| c_int::try_from(r).ok()).unwrap_or(-1);
+    LAST_INFO.with(|i| {
+        i.set(weftErrorInfo_t {
+            result: code,
+            rank: rank(facts.rank),
+            peer: rank(facts.peer),
+            op: facts.op.map_or(weftOpNone, |k| c_int::from(k as u8)),
+            seq: facts.seq.and_then(|s| i64::try_from(s).ok()).unwrap_or(-1),
+            ..NO_ERROR_INFO
+        })
+    });
+    code
 }
 
+/// A failure found at the C boundary (its message says what it knows).
 fn fail(code: weftResult_t, msg: &str) -> weftResult_t {
-    set_last_error(msg);
-    code
+    record(code, msg, ErrorFacts::default())
+}
+
+/// A library error: its code, message and facts.
+fn lib_fail(e: &Error) -> weftResult_t {
+    record(code_of(e), &e.to_string(), e.facts())
 }
 
 /// The result code of a library error.
@@ -205,21 +268,22 @@ fn cuda_code(e: &CudaError) -> weftResult_t {
 }
 
 fn cuda_fail(e: &CudaError) -> weftResult_t {
-    fail(cuda_code(e), &e.to_string())
+    record(cuda_code(e), &e.to_string(), e.facts())
 }
 
 /// A device call's failure on `h`: `weftAborted` after `weftCommAbort` here (the device
 /// communicator only knows it was poisoned), else the device error's own code.
 fn device_fail(h: &weftComm, e: &CudaError) -> weftResult_t {
     match h.comm.error() {
-        Some(host) if code_of(&host) == weftAborted => fail(weftAborted, &e.to_string()),
+        Some(host) if code_of(&host) == weftAborted => {
+            record(weftAborted, &e.to_string(), e.facts())
+        }
         _ => cuda_fail(e),
     }
 }
 
 fn from_lib(r: Result<(), Error>) -> Outcome {
-    r.map(|()| weftSuccess)
-        .map_err(|e| fail(code_of(&e), &e.to_string()))
+    r.map(|()| weftSuccess).map_err(|e| lib_fail(&e))
 }
 
 /// What an entry point's body returns: `Err` carries a failure code whose message is already
@@ -246,7 +310,7 @@ fn arg_error(c: &Communicator, kind: OpKind, reason: CallError) -> weftResult_t 
         op: kind,
         reason,
     };
-    fail(code_of(&e), &e.to_string())
+    lib_fail(&e)
 }
 
 fn dtype_of(c: &Communicator, kind: OpKind, t: c_int) -> Result<DataType, weftResult_t> {
@@ -355,9 +419,7 @@ fn byte_len(
 #[no_mangle]
 pub unsafe extern "C" fn weftGetUniqueId(id: *mut weftUniqueId) -> weftResult_t {
     entry(|| {
-        let uid = UniqueId::new()
-            .map_err(|e| fail(code_of(&e), &e.to_string()))?
-            .to_string();
+        let uid = UniqueId::new().map_err(|e| lib_fail(&e))?.to_string();
         if uid.len() >= WEFT_UNIQUE_ID_BYTES {
             let msg = format!("unique id of {} bytes does not fit", uid.len());
             return Err(fail(weftInternalError, &msg));
@@ -386,7 +448,7 @@ unsafe fn publish(
     if comm.is_null() {
         return Err(bad_arg(format!("{call}: null communicator pointer")));
     }
-    let c = make().map_err(|e| fail(code_of(&e), &e.to_string()))?;
+    let c = make().map_err(|e| lib_fail(&e))?;
     let handle = Box::into_raw(Box::new(weftComm {
         comm: c,
         premul: Default::default(),
@@ -409,7 +471,7 @@ pub unsafe extern "C" fn weftCommInitRank(
     rank: c_int,
 ) -> weftResult_t {
     entry(|| {
-        let config = CommConfig::from_env().map_err(|e| fail(code_of(&e), &e.to_string()))?;
+        let config = CommConfig::from_env().map_err(|e| lib_fail(&e))?;
         // SAFETY: per the contract.
         unsafe { init_rank(comm, nranks, id, rank, config, "weftCommInitRank") }
     })
@@ -498,7 +560,7 @@ const CONFIG_V1_BYTES: usize = std::mem::offset_of!(weftConfig_t, deterministic)
 /// # Safety
 /// `config` is null or points to a readable [`weftConfig_t`] of at least the size it states.
 unsafe fn config_of(config: *const weftConfig_t) -> Result<CommConfig, weftResult_t> {
-    let mut out = CommConfig::from_env().map_err(|e| fail(code_of(&e), &e.to_string()))?;
+    let mut out = CommConfig::from_env().map_err(|e| lib_fail(&e))?;
     if config.is_null() {
         return Ok(out);
     }
@@ -697,9 +759,7 @@ pub unsafe extern "C" fn weftCommSplit(
             WEFT_SPLIT_NOCOLOR => None,
             c => Some(u32::try_from(c).map_err(|_| bad_arg(format!("weftCommSplit: color {c}")))?),
         };
-        let made = c
-            .split(color, i64::from(key))
-            .map_err(|e| fail(code_of(&e), &e.to_string()))?;
+        let made = c.split(color, i64::from(key)).map_err(|e| lib_fail(&e))?;
         let handle = made.map_or(std::ptr::null_mut(), |c| {
             Box::into_raw(Box::new(weftComm {
                 comm: c,
@@ -796,7 +856,7 @@ pub unsafe extern "C" fn weftCommGetAsyncError(
         // Not waiting for a device communicator being made (it has no error of its own yet).
         let device = h.device.try_lock().ok().and_then(|d| d.clone());
         let code = match (h.comm.error(), device.and_then(|d| d.error())) {
-            (Some(e), _) => fail(code_of(&e), &e.to_string()),
+            (Some(e), _) => lib_fail(&e),
             (None, Some(e)) => cuda_fail(&e),
             (None, None) => weftSuccess,
         };
@@ -831,6 +891,30 @@ pub extern "C" fn weftGetErrorString(result: weftResult_t) -> *const c_char {
 pub extern "C" fn weftGetLastError(comm: weftComm_t) -> *const c_char {
     let _ = comm;
     LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Writes the facts of this thread's last failed call (those of [`weftGetLastError`]'s message)
+/// into `*info`, whose `size` the caller set to `sizeof(weftErrorInfo_t)`. With no failure yet,
+/// `result` is `weftSuccess` and the other fields -1.
+///
+/// # Safety
+/// `info` is null or points to a [`weftErrorInfo_t`] whose `size` is readable and whose first
+/// `size` bytes are writable.
+#[no_mangle]
+pub unsafe extern "C" fn weftGetLastErrorInfo(info: *mut weftErrorInfo_t) -> weftResult_t {
+    if info.is_null() {
+        // Not recorded: the caller's last failure must survive a mistaken query.
+        return weftInvalidArgument;
+    }
+    // SAFETY: non-null; its `size` field is readable per the contract.
+    let size = unsafe { std::ptr::addr_of!((*info).size).read() };
+    if size < std::mem::size_of::<weftErrorInfo_t>() {
+        return weftInvalidArgument;
+    }
+    let facts = LAST_INFO.with(|i| i.get());
+    // SAFETY: at least `size_of::<weftErrorInfo_t>()` bytes are writable per the contract.
+    unsafe { info.write(facts) };
+    weftSuccess
 }
 
 /// One collective call from C: its buffers and how to recognise the in-place form.
@@ -921,7 +1005,7 @@ fn device_comm(h: &weftComm, kind: OpKind, buffer: u64) -> Result<Arc<DeviceComm
     let ctx = Context::new(ordinal).map_err(|e| cuda_fail(&e))?;
     let own = c
         .split(Some(0), c.rank() as i64)
-        .map_err(|e| fail(code_of(&e), &e.to_string()))?
+        .map_err(|e| lib_fail(&e))?
         .ok_or_else(|| {
             fail(
                 weftInternalError,

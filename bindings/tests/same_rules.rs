@@ -153,3 +153,24 @@ fn host_device_and_c_abi_give_the_same_reasons() {
         println!("device path: not run (no CUDA driver or GPU here); host and C ABI checked");
     }
 }
+
+/// `weftErrorInfo_t::op` uses the core's operation codes: each C constant is its kind's code.
+#[test]
+fn error_info_op_codes_are_the_cores() {
+    use weftcc_collectives::OpKind;
+    let c = [
+        (weft::weftOpAllReduce, OpKind::AllReduce),
+        (weft::weftOpReduce, OpKind::Reduce),
+        (weft::weftOpBroadcast, OpKind::Broadcast),
+        (weft::weftOpAllGather, OpKind::AllGather),
+        (weft::weftOpReduceScatter, OpKind::ReduceScatter),
+        (weft::weftOpAllToAll, OpKind::AllToAll),
+        (weft::weftOpSendRecv, OpKind::SendRecv),
+        (weft::weftOpBarrier, OpKind::Barrier),
+    ];
+    assert_eq!(c.len(), OpKind::ALL.len());
+    for (code, kind) in c {
+        assert_eq!(code, i32::from(kind as u8), "{kind}");
+    }
+    assert!(OpKind::from_code(weft::weftOpNone as u8).is_none());
+}

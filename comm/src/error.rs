@@ -98,6 +98,21 @@ pub enum Error {
     },
 }
 
+/// Where an error happened, as typed fields ([`Error::facts`]); `None` where the error does not
+/// say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ErrorFacts {
+    /// The rank reporting the error.
+    pub rank: Option<usize>,
+    /// The other rank it is about: the peer lost, mismatched or failing on the wire, the rank
+    /// that aborted or failed first, or (a timeout) the rank furthest behind.
+    pub peer: Option<usize>,
+    /// The operation.
+    pub op: Option<OpKind>,
+    /// The operation's sequence number.
+    pub seq: Option<u64>,
+}
+
 /// Why a communicator was aborted ([`Error::Aborted`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AbortCause {
@@ -146,6 +161,63 @@ impl Error {
             Error::Bootstrap { .. } => "bootstrap",
             Error::Config(_) => "config",
             Error::Internal { .. } => "internal",
+        }
+    }
+
+    /// The error's facts as typed fields, for callers that must not parse the message (the C
+    /// ABI's `weftGetLastErrorInfo`, the Python exceptions).
+    pub fn facts(&self) -> ErrorFacts {
+        let facts = |rank, peer, op, seq| ErrorFacts {
+            rank: Some(rank),
+            peer,
+            op: Some(op),
+            seq,
+        };
+        match self {
+            Error::InvalidArgument { rank, op, .. } => facts(*rank, None, *op, None),
+            // The rank furthest behind is the one to look at; else the first still waited on.
+            Error::Timeout {
+                rank,
+                op,
+                seq,
+                waiting_on,
+                behind,
+                ..
+            } => {
+                let culprit = behind
+                    .first()
+                    .map(|b| b.rank)
+                    .or(waiting_on.first().copied());
+                facts(*rank, culprit, *op, Some(*seq))
+            }
+            Error::PeerLost {
+                rank,
+                peer,
+                op,
+                seq,
+                ..
+            }
+            | Error::Transport {
+                rank,
+                peer,
+                op,
+                seq,
+                ..
+            } => facts(*rank, Some(*peer), *op, Some(*seq)),
+            Error::Mismatch {
+                rank, peer, ours, ..
+            } => facts(*rank, Some(*peer), ours.kind, Some(ours.seq)),
+            Error::Internal { rank, op, seq, .. } => facts(*rank, None, *op, Some(*seq)),
+            Error::Aborted { rank, by, .. } => ErrorFacts {
+                rank: Some(*rank),
+                peer: *by,
+                ..ErrorFacts::default()
+            },
+            Error::Bootstrap { rank, .. } => ErrorFacts {
+                rank: Some(*rank),
+                ..ErrorFacts::default()
+            },
+            Error::Config(_) => ErrorFacts::default(),
         }
     }
 

@@ -49,7 +49,7 @@ pub use bootstrap::{join_host_port, UniqueId};
 pub use communicator::Communicator;
 pub use config::{Backoff, CommConfig};
 pub use env::LaunchInfo;
-pub use error::{AbortCause, Error, Result, SeenBy};
+pub use error::{AbortCause, Error, ErrorFacts, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
 pub use local::run_ranks;

@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::time::Duration;
 use weftcc_collectives::schedule::ScheduleError;
 use weftcc_collectives::{CallError, OpKind};
+use weftcc_comm::ErrorFacts;
 
 /// Why a device call's arguments are wrong: the shape rules every path shares
 /// ([`CallError`]), or what only device buffers can get wrong.
@@ -95,6 +96,34 @@ impl CudaError {
     /// True when the error only means "there is no CUDA here" (driver or NVRTC missing).
     pub fn is_unavailable(&self) -> bool {
         matches!(self, CudaError::NoDriver(_) | CudaError::NoNvrtc(_))
+    }
+
+    /// The error's facts as typed fields (see [`weftcc_comm::Error::facts`]).
+    pub fn facts(&self) -> ErrorFacts {
+        match self {
+            CudaError::InvalidArgument { rank, op, .. } => ErrorFacts {
+                rank: Some(*rank),
+                op: Some(*op),
+                ..ErrorFacts::default()
+            },
+            CudaError::Timeout { rank, op, seq, .. }
+            | CudaError::Collective { rank, op, seq, .. } => ErrorFacts {
+                rank: Some(*rank),
+                op: Some(*op),
+                seq: Some(*seq),
+                peer: None,
+            },
+            CudaError::Host(e) => e.facts(),
+            CudaError::Poisoned { rank, .. } => ErrorFacts {
+                rank: Some(*rank),
+                ..ErrorFacts::default()
+            },
+            CudaError::NoDriver(_)
+            | CudaError::NoNvrtc(_)
+            | CudaError::Driver { .. }
+            | CudaError::Compile(_)
+            | CudaError::Other(_) => ErrorFacts::default(),
+        }
     }
 }
 

@@ -209,6 +209,16 @@ static void errors(weftComm_t comm, int n) {
   char want[64];
   snprintf(want, sizeof want, "rank %d: invalid argument to all-reduce", me);
   CHECK(strstr(weftGetLastError(comm), want) != NULL, "message: %s", weftGetLastError(comm));
+  /* The same facts as fields. */
+  weftErrorInfo_t info = WEFT_ERROR_INFO_INITIALIZER;
+  OK(weftGetLastErrorInfo(&info));
+  CHECK(info.result == weftInvalidArgument && info.rank == me && info.op == weftOpAllReduce &&
+            info.peer == -1,
+        "error info: result %d rank %d op %d peer %d", info.result, info.rank, info.op, info.peer);
+  weftErrorInfo_t small = WEFT_ERROR_INFO_INITIALIZER;
+  small.size -= 1;
+  CHECK(weftGetLastErrorInfo(&small) == weftInvalidArgument, "a short weftErrorInfo_t accepted");
+  CHECK(weftGetLastErrorInfo(NULL) == weftInvalidArgument, "a NULL weftErrorInfo_t accepted");
   CHECK(weftBroadcast(x, y, 4, weftFloat32, -1, comm, NULL) == weftInvalidArgument, "negative root");
   CHECK(strstr(weftGetLastError(comm), "root -1 is not a rank") != NULL, "message: %s",
         weftGetLastError(comm));
@@ -294,6 +304,11 @@ static void abort_last(weftComm_t comm, int n) {
     char want[64];
     snprintf(want, sizeof want, "rank %d failed", n - 1);
     CHECK(strstr(weftGetLastError(comm), want) != NULL, "message: %s", weftGetLastError(comm));
+    weftErrorInfo_t info = WEFT_ERROR_INFO_INITIALIZER;
+    OK(weftGetLastErrorInfo(&info));
+    CHECK(info.result == weftRemoteError && info.rank == me && info.peer == n - 1,
+          "error info after a peer's abort: result %d rank %d peer %d", info.result, info.rank,
+          info.peer);
     weftResult_t async = weftSuccess;
     OK(weftCommGetAsyncError(comm, &async));
     CHECK(async == weftRemoteError, "async error %d after a peer's abort", async);
@@ -326,6 +341,10 @@ int main(int argc, char **argv) {
   }
   if (comm == NULL) {
     weftConfig_t config = WEFT_CONFIG_INITIALIZER;
+    /* Every field the initializer sets is left to the environment. */
+    CHECK(config.timeoutMs == WEFT_CONFIG_UNDEF_INT && config.splitShare == WEFT_CONFIG_UNDEF_INT &&
+              config.deterministic == WEFT_CONFIG_UNDEF_INT,
+          "WEFT_CONFIG_INITIALIZER sets a field");
     config.timeoutMs = 60000;
     weftConfig_t bad = config;
     bad.magic = 0;
