@@ -561,7 +561,7 @@ fn a_peer_that_failed_after_the_store_left_is_reported_with_its_cause() {
     });
     let err = results[2].as_ref().unwrap();
     assert!(
-        matches!(err, Error::Aborted { rank: 2, by: Some(1), reason, cause: weftcc::AbortCause::AbortCalled } if reason.contains("abort() called")),
+        matches!(err, Error::Aborted { rank: 2, by: Some(1), reason, cause: weftcc::AbortCause::AbortCalled, .. } if reason.contains("abort() called")),
         "{err:?}"
     );
 }

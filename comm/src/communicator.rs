@@ -357,6 +357,7 @@ impl Communicator {
             by: None,
             reason: "abort() called".into(),
             cause: crate::error::AbortCause::AbortCalled,
+            during: None,
         };
         self.inner.fail(e);
         self.inner.leave_farewell();

@@ -126,6 +126,7 @@ impl Context<'_> {
             by: None,
             reason: format!("abort() called during {} #{}", self.kind(), self.desc.seq),
             cause: crate::error::AbortCause::AbortCalled,
+            during: Some((self.kind(), self.desc.seq)),
         }
     }
 }

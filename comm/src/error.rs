@@ -62,6 +62,9 @@ pub enum Error {
         /// Why: `abort()` was called, or rank `by` found mismatched collectives or failed
         /// otherwise.
         cause: AbortCause,
+        /// The operation (kind, sequence number) in which the abort was called or rank `by`
+        /// failed, when there was one.
+        during: Option<(OpKind, u64)>,
     },
     /// Ranks called different collectives (kind, type, count, reduction or root differ).
     #[error(
@@ -208,10 +211,13 @@ impl Error {
                 rank, peer, ours, ..
             } => facts(*rank, Some(*peer), ours.kind, Some(ours.seq)),
             Error::Internal { rank, op, seq, .. } => facts(*rank, None, *op, Some(*seq)),
-            Error::Aborted { rank, by, .. } => ErrorFacts {
+            Error::Aborted {
+                rank, by, during, ..
+            } => ErrorFacts {
                 rank: Some(*rank),
                 peer: *by,
-                ..ErrorFacts::default()
+                op: during.map(|(k, _)| k),
+                seq: during.map(|(_, s)| s),
             },
             Error::Bootstrap { rank, .. } => ErrorFacts {
                 rank: Some(*rank),

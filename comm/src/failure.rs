@@ -290,11 +290,16 @@ impl Inner {
                 behind: behind.clone(),
             },
             Error::Aborted {
-                by, reason, cause, ..
+                by,
+                reason,
+                cause,
+                during,
+                ..
             } => FailureNote::Abort {
                 origin: by.unwrap_or(self.rank),
                 reason: reason.clone(),
                 cause: *cause,
+                during: *during,
             },
             Error::PeerLost {
                 peer,
@@ -313,6 +318,10 @@ impl Inner {
             other => FailureNote::Abort {
                 origin: self.rank,
                 reason: other.to_string(),
+                during: {
+                    let f = other.facts();
+                    f.op.zip(f.seq)
+                },
                 cause: match other {
                     Error::Mismatch { .. } => AbortCause::Mismatch,
                     _ => AbortCause::Failed,
@@ -539,11 +548,13 @@ pub(crate) fn remote_error(inner: &Inner, note: &[u8]) -> Option<Error> {
             origin,
             reason,
             cause,
+            during,
         } if origin != inner.rank => Some(Error::Aborted {
             rank: inner.rank,
             by: Some(origin),
             reason,
             cause,
+            during,
         }),
         FailureNote::Timeout {
             origin,
@@ -576,6 +587,8 @@ pub(crate) enum FailureNote {
         origin: usize,
         reason: String,
         cause: AbortCause,
+        /// The operation in which it failed or aborted (kind, sequence number), if any.
+        during: Option<(OpKind, u64)>,
     },
     /// Rank `reporter` lost rank `peer`; `detail` says how.
     Lost {
@@ -599,6 +612,23 @@ impl FailureNote {
     const MAGIC: &'static str = "weft-failure/1";
     const SEP: char = '\u{1f}';
 
+    /// An operation as a word of a note: `kind.seq`, or `-` for none.
+    fn op_word(o: Option<(OpKind, u64)>) -> String {
+        match o {
+            Some((k, s)) => format!("{}.{s}", k as u8),
+            None => "-".into(),
+        }
+    }
+
+    /// Reads [`FailureNote::op_word`]'s form; `None` when it is not one.
+    fn parse_op_word(t: &str) -> Option<Option<(OpKind, u64)>> {
+        if t == "-" {
+            return Some(None);
+        }
+        let (k, s) = t.split_once('.')?;
+        Some(Some((OpKind::from_code(k.parse().ok()?)?, s.parse().ok()?)))
+    }
+
     /// The fields of a timeout note after its kind.
     fn decode_timeout(rest: String) -> Option<FailureNote> {
         let f: Vec<&str> = rest.split(Self::SEP).collect();
@@ -611,13 +641,6 @@ impl FailureNote {
                 .map(|x| x.parse().ok())
                 .collect()
         };
-        let op_word = |t: &str| -> Option<Option<(OpKind, u64)>> {
-            if t == "-" {
-                return Some(None);
-            }
-            let (k, s) = t.split_once('.')?;
-            Some(Some((OpKind::from_code(k.parse().ok()?)?, s.parse().ok()?)))
-        };
         let behind = behind
             .split(',')
             .filter(|x| !x.is_empty())
@@ -628,8 +651,8 @@ impl FailureNote {
                 };
                 Some(Behind {
                     rank: rank.parse().ok()?,
-                    entered: op_word(entered)?,
-                    completed: op_word(completed)?,
+                    entered: Self::parse_op_word(entered)?,
+                    completed: Self::parse_op_word(completed)?,
                     idle: Duration::from_millis(idle.parse().ok()?),
                     silent: match silent {
                         "-" => None,
@@ -657,13 +680,15 @@ impl FailureNote {
                 origin,
                 reason,
                 cause,
+                during,
             } => {
+                let during = Self::op_word(*during);
                 let kind = match cause {
                     AbortCause::AbortCalled => "abort",
                     AbortCause::Mismatch => "mismatch",
                     AbortCause::Failed => "failed",
                 };
-                format!("{m}{s}{kind}{s}{origin}{s}{reason}")
+                format!("{m}{s}{kind}{s}{origin}{s}{during}{s}{reason}")
             }
             FailureNote::Lost {
                 peer,
@@ -682,18 +707,14 @@ impl FailureNote {
                 behind,
             } => {
                 let waiting: Vec<String> = waiting_on.iter().map(usize::to_string).collect();
-                let op_word = |o: Option<(OpKind, u64)>| match o {
-                    Some((k, s)) => format!("{}.{s}", k as u8),
-                    None => "-".into(),
-                };
                 let behind: Vec<String> = behind
                     .iter()
                     .map(|b| {
                         format!(
                             "{}:{}:{}:{}:{}",
                             b.rank,
-                            op_word(b.entered),
-                            op_word(b.completed),
+                            Self::op_word(b.entered),
+                            Self::op_word(b.completed),
                             b.idle.as_millis(),
                             b.silent.map_or("-".into(), |d| d.as_millis().to_string())
                         )
@@ -726,12 +747,14 @@ impl FailureNote {
         };
         if let Some(cause) = cause {
             let origin = fields.next()?.parse().ok()?;
+            let during = Self::parse_op_word(fields.next()?)?;
             // The reason is the rest, separators and all.
             let rest: Vec<&str> = fields.collect();
             return Some(FailureNote::Abort {
                 origin,
                 reason: rest.join(&Self::SEP.to_string()),
                 cause,
+                during,
             });
         }
         match kind {
@@ -767,12 +790,14 @@ mod tests {
             text in ".*",
             lost in any::<bool>(),
             cause in 0usize..3,
+            during in proptest::option::of((0usize..OpKind::ALL.len(), any::<u64>())),
         ) {
+            let during = during.map(|(k, s)| (OpKind::ALL[k], s));
             let cause = [AbortCause::AbortCalled, AbortCause::Mismatch, AbortCause::Failed][cause];
             let note = if lost {
                 FailureNote::Lost { peer, reporter: (origin % 2 == 0).then_some(origin), detail: text.clone() }
             } else {
-                FailureNote::Abort { origin, reason: text.clone(), cause }
+                FailureNote::Abort { origin, reason: text.clone(), cause, during }
             };
             prop_assert_eq!(FailureNote::decode(note.encode().as_bytes()), Some(note));
         }

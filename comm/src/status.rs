@@ -426,6 +426,7 @@ pub(crate) fn judge(
                 origin,
                 reason,
                 cause,
+                ..
             } => match cause {
                 AbortCause::Mismatch => Verdict::Mismatch { origin, reason },
                 AbortCause::AbortCalled => Verdict::Aborted { origin, reason },
@@ -598,6 +599,7 @@ mod tests {
             origin: 3,
             reason: "boom".into(),
             cause,
+            during: None,
         };
         let words: Vec<&str> = [
             AbortCause::Mismatch,

@@ -1,0 +1,220 @@
+"""One rank of the torch backend tests, launched by torchrun (test_torch.py). Modes:
+  matrix  every collective of the backend x dtypes x reductions against exact values,
+          async_op ordering, sub-groups, point to point, unsupported calls
+  errors  mismatched shapes between ranks: an exception on every rank, not a hang
+Exits 1 after printing every mismatch."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import weftcc
+import weftcc.torch  # noqa: F401  registers the "weft" backend
+
+failures = []
+
+
+def check(what, got, want):
+    if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        failures.append(f"{what}: got {got.tolist()} ({got.dtype}), want {want.tolist()} ({want.dtype})")
+
+
+TYPES = [torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+R = dist.ReduceOp
+
+
+def data(rank, count, dt, prod=False):
+    i = torch.arange(count)
+    v = 1 + (rank + i) % 2 if prod else rank + 1 + i % 3
+    return v.to(dt)
+
+
+def fold(xs, op, n):
+    a = torch.stack([x.to(torch.float64) for x in xs])
+    if op == R.SUM:
+        return a.sum(0)
+    if op == R.PRODUCT:
+        return a.prod(0)
+    if op == R.MAX:
+        return a.max(0).values
+    if op == R.MIN:
+        return a.min(0).values
+    if op == R.AVG:
+        return a.sum(0) / n
+    raise AssertionError(op)
+
+
+def matrix():
+    n, r = dist.get_world_size(), dist.get_rank()
+    for dt in TYPES:
+        ops = [R.SUM, R.PRODUCT, R.MAX, R.MIN] + ([R.AVG] if dt in FLOATS else [])
+        for count in (0, 1, 7, 1001):
+            name = f"{dt} x{count}"
+            for op in ops:
+                prod = op == R.PRODUCT
+                want = fold([data(q, count, dt, prod) for q in range(n)], op, n).to(dt)
+                x = data(r, count, dt, prod)
+                dist.all_reduce(x, op=op)
+                check(f"all_reduce {op} {name}", x, want)
+                root = count % n
+                y = data(r, count, dt, prod)
+                dist.reduce(y, dst=root, op=op)
+                if r == root:
+                    check(f"reduce {op} root {root} {name}", y, want)
+                blocks = [data(r * n + b, count, dt, prod) for b in range(n)]
+                want_rs = fold([data(q * n + r, count, dt, prod) for q in range(n)], op, n).to(dt)
+                out = torch.empty(count, dtype=dt)
+                dist.reduce_scatter(out, blocks, op=op)
+                check(f"reduce_scatter {op} {name}", out, want_rs)
+                out = torch.empty(count, dtype=dt)
+                dist.reduce_scatter_tensor(out, torch.cat(blocks), op=op)
+                check(f"reduce_scatter_tensor {op} {name}", out, want_rs)
+            for root in range(n):
+                b = data(r, count, dt) if r == root else torch.zeros(count, dtype=dt)
+                dist.broadcast(b, src=root)
+                check(f"broadcast root {root} {name}", b, data(root, count, dt))
+            outs = [torch.empty(count, dtype=dt) for _ in range(n)]
+            dist.all_gather(outs, data(r, count, dt))
+            for q in range(n):
+                check(f"all_gather [{q}] {name}", outs[q], data(q, count, dt))
+            flat = torch.empty(n * count, dtype=dt)
+            dist.all_gather_into_tensor(flat, data(r, count, dt))
+            check(f"all_gather_into_tensor {name}", flat, torch.cat([data(q, count, dt) for q in range(n)]))
+            # all_to_all_single: equal blocks, then uneven splits (rank q sends q + j + 1 rows to j).
+            send = torch.cat([data(r * 10 + j, count, dt) for j in range(n)])
+            got = torch.empty_like(send)
+            dist.all_to_all_single(got, send)
+            check(f"all_to_all_single {name}", got, torch.cat([data(q * 10 + r, count, dt) for q in range(n)]))
+            in_splits = [r + j + 1 for j in range(n)]
+            out_splits = [q + r + 1 for q in range(n)]
+            send = torch.cat([data(r * 10 + j, s, dt) for j, s in enumerate(in_splits)])
+            got = torch.empty(sum(out_splits), dtype=dt)
+            dist.all_to_all_single(got, send, out_splits, in_splits)
+            check(
+                f"all_to_all_single uneven {dt}",
+                got,
+                torch.cat([data(q * 10 + r, s, dt) for q, s in enumerate(out_splits)]),
+            )
+            outs = [torch.empty(count + q, dtype=dt) for q in range(n)]
+            dist.all_to_all(outs, [data(r * 10 + j, count + r, dt) for j in range(n)])
+            for q in range(n):
+                check(f"all_to_all [{q}] {name}", outs[q], data(q * 10 + r, count + q, dt))
+            root = (count + 1) % n
+            g = [torch.empty(count, dtype=dt) for _ in range(n)] if r == root else None
+            dist.gather(data(r, count, dt), g, dst=root)
+            if r == root:
+                for q in range(n):
+                    check(f"gather [{q}] {name}", g[q], data(q, count, dt))
+            s_out = torch.empty(count, dtype=dt)
+            dist.scatter(s_out, [data(10 + q, count, dt) for q in range(n)] if r == root else None, src=root)
+            check(f"scatter {name}", s_out, data(10 + r, count, dt))
+            if n > 1:
+                got = torch.zeros(count, dtype=dt)
+                reqs = dist.batch_isend_irecv(
+                    [
+                        dist.P2POp(dist.isend, data(r, count, dt), (r + 1) % n),
+                        dist.P2POp(dist.irecv, got, (r - 1) % n),
+                    ]
+                )
+                for w in reqs:
+                    w.wait()
+                check(f"batch_isend_irecv ring {name}", got, data((r - 1) % n, count, dt))
+    # bool: moved as bytes; MIN/MAX/BAND/BOR are logical and/or.
+    b = torch.tensor([r % 2 == 0, True, False])
+    dist.all_reduce(b, op=R.BAND)
+    check("all_reduce bool BAND", b, torch.tensor([n == 1, True, False]))
+    b = torch.tensor([r % 2 == 1, False])
+    dist.all_reduce(b, op=R.BOR)
+    check("all_reduce bool BOR", b, torch.tensor([n > 1, False]))
+    # Complex tensors: torch hands the backend their real view.
+    c = torch.tensor([1 + 2j, r - 1j], dtype=torch.complex64)
+    dist.all_reduce(c)
+    check("all_reduce complex64", c, torch.tensor([n + 2j * n, sum(range(n)) - 1j * n], dtype=torch.complex64))
+    # Non-contiguous tensors are written back.
+    m = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
+    dist.all_reduce(m)
+    check("all_reduce transposed", m, (torch.arange(6, dtype=torch.float32).reshape(2, 3).t() * n))
+    # async_op: operations run in call order; the last wait sees them all.
+    x = torch.ones(5, dtype=torch.float64)
+    works = [dist.all_reduce(x, async_op=True) for _ in range(3)]
+    works.append(dist.broadcast(x, src=n - 1, async_op=True))
+    works.append(dist.all_reduce(x, op=R.MAX, async_op=True))
+    works[-1].wait()
+    for w in works:
+        w.wait()
+        if not w.is_completed():
+            failures.append("a waited work is not completed")
+    check("async_op order", x, torch.full((5,), float(n**3), dtype=torch.float64))
+    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+    check("future value", fut.wait()[0], torch.full((2,), float(n)))
+    # Plain send/recv (blocking): even ranks send first, odd ones receive first.
+    if n > 1 and r < n - n % 2:
+        peer = r + 1 if r % 2 == 0 else r - 1
+        got = torch.zeros(3, dtype=torch.int64)
+        if r % 2 == 0:
+            dist.send(torch.tensor([r, 7, 9]), peer)
+            dist.recv(got, peer)
+        else:
+            dist.recv(got, peer)
+            dist.send(torch.tensor([r, 7, 9]), peer)
+        check("send/recv pair", got, torch.tensor([peer, 7, 9]))
+    # Sub-groups: new_group (every rank calls it; members get a weftcc communicator).
+    evens = list(range(0, n, 2))
+    g = dist.new_group(evens)
+    if r in evens:
+        x = torch.tensor([float(r)])
+        dist.all_reduce(x, group=g)
+        check("new_group all_reduce", x, torch.tensor([float(sum(evens))]))
+        if dist.get_rank(g) != evens.index(r):
+            failures.append(f"new_group rank {dist.get_rank(g)}")
+    dist.barrier()
+    # Unsupported calls raise a clear error naming them, before anything is sent.
+    for what, call in [
+        ("BXOR", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.BXOR)),
+        ("int16", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int16))),
+        ("tag", lambda: dist.isend(torch.ones(1), (r + 1) % n, tag=3)),
+    ]:
+        try:
+            call()
+            failures.append(f"{what}: no error")
+        except weftcc.InvalidArgument as e:
+            if "weft backend" not in str(e):
+                failures.append(f"{what}: message {e}")
+    dist.barrier()
+
+
+def errors():
+    """Rank 0 all-reduces 4 elements, the others 8: every rank raises a weftcc error naming the
+    operation and its sequence number."""
+    r = dist.get_rank()
+    x = torch.ones(4 if r == 0 else 8)
+    try:
+        dist.all_reduce(x)
+        failures.append("mismatched all_reduce succeeded")
+    except weftcc.WeftError as e:
+        print(f"rank {r}: {type(e).__name__}: {e}")
+        if e.op != "all_reduce" or e.seq is None or e.rank != r:
+            failures.append(f"facts: rank {e.rank} op {e.op} seq {e.seq}")
+    if dist.get_world_size() == 1:
+        failures.clear()
+
+
+def main():
+    mode = sys.argv[1]
+    dist.init_process_group("weft")
+    if dist.get_backend() != "weft":
+        failures.append(f"backend {dist.get_backend()}")
+    {"matrix": matrix, "errors": errors}[mode]()
+    r = dist.get_rank()
+    if mode == "matrix":
+        dist.destroy_process_group()
+    for f in failures:
+        print(f"rank {r}: FAIL {f}")
+    print(f"rank {r}: {mode}: {len(failures)} failures")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

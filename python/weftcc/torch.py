@@ -1,0 +1,641 @@
+"""A torch.distributed backend named "weft": `import weftcc.torch`, then
+`torch.distributed.init_process_group("weft")` under torchrun (env://, tcp:// or file://).
+
+The process group is a Python subclass of `torch.distributed.ProcessGroup` (PyTorch returns such
+a group from a backend's creator as is; DDP runs on it). Each group owns one weftcc communicator,
+made from a unique id that the group's rank 0 publishes in the store torch hands the creator,
+and one worker thread that runs its operations in call order: a call with `async_op=False` runs
+on the calling thread when nothing is queued, an asynchronous one on the worker. Sends and
+receives are collected and run together as one weftcc group when one of their `Work`s is waited
+on (or asked for its future or completion) or when the next collective is called, so
+`batch_isend_irecv` and exchanges that post sends and receives on both sides complete without
+deadlock. CPU tensors only for now; CUDA tensors raise a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .communicator import Communicator, DataType, ReduceOp, get_unique_id, group
+
+BACKEND = "weft"
+_UID_KEY = "weftcc/unique_id"
+
+_TYPES = {
+    torch.int8: DataType.INT8,
+    torch.uint8: DataType.UINT8,
+    torch.int32: DataType.INT32,
+    torch.int64: DataType.INT64,
+    torch.float16: DataType.FLOAT16,
+    torch.bfloat16: DataType.BFLOAT16,
+    torch.float32: DataType.FLOAT32,
+    torch.float64: DataType.FLOAT64,
+    # Moved as bytes; reduced only by MIN/MAX (and BAND/BOR, which are those on booleans).
+    torch.bool: DataType.UINT8,
+}
+for _name, _code in (("uint32", DataType.UINT32), ("uint64", DataType.UINT64)):
+    if hasattr(torch, _name):
+        _TYPES[getattr(torch, _name)] = _code
+
+_T = dist.ReduceOp.RedOpType
+_OPS = {
+    _T.SUM: ReduceOp.SUM,
+    _T.PRODUCT: ReduceOp.PROD,
+    _T.MIN: ReduceOp.MIN,
+    _T.MAX: ReduceOp.MAX,
+    _T.AVG: ReduceOp.AVG,
+}
+# On booleans, MIN/MAX are logical and/or.
+_BOOL_OPS = {_T.MIN: ReduceOp.MIN, _T.BAND: ReduceOp.MIN, _T.MAX: ReduceOp.MAX, _T.BOR: ReduceOp.MAX}
+
+
+def _unsupported(call: str, why: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"weft backend: {call}: {why}")
+
+
+def _dtype(call: str, t: torch.Tensor) -> int:
+    if t.device.type != "cpu":
+        raise _unsupported(
+            call,
+            f"a {t.device.type} tensor: the weft torch backend runs on CPU tensors (device "
+            "tensors need weftcc's GPU communicators across hosts, not yet in this package)",
+        )
+    if t.is_sparse:
+        raise _unsupported(call, "sparse tensors are not supported")
+    code = _TYPES.get(t.dtype)
+    if code is None:
+        raise _unsupported(call, f"dtype {t.dtype} is not a weftcc type")
+    return int(code)
+
+
+def _op(call: str, op, t: torch.Tensor) -> ReduceOp:
+    kind = getattr(op, "op", op)  # a ReduceOp holds its RedOpType
+    table = _BOOL_OPS if t.dtype == torch.bool else _OPS
+    ours = table.get(kind)
+    if ours is None:
+        have = "MIN, MAX, BAND, BOR on bool" if t.dtype == torch.bool else "SUM, PRODUCT, MIN, MAX, AVG"
+        raise _unsupported(
+            call,
+            f"reduction {getattr(kind, 'name', kind)} on {t.dtype} (weftcc has {have}; "
+            "PREMUL_SUM's factor is not readable from Python)",
+        )
+    return ours
+
+
+def _seconds(timeout) -> Optional[float]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        s = timeout.total_seconds()
+    else:
+        s = float(timeout)
+    return s if s > 0 else None
+
+
+class _Dense:
+    """A contiguous stand-in for a tensor an operation writes: the tensor itself, or a copy
+    written back with `done()`."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.buf = t if t.is_contiguous() else t.contiguous()
+
+    @property
+    def ptr(self) -> int:
+        return self.buf.data_ptr()
+
+    def done(self) -> None:
+        if self.buf is not self.tensor:
+            self.tensor.copy_(self.buf)
+
+
+class WeftWork(dist.Work):
+    """One operation of a weft process group; `wait()` raises the operation's weftcc error."""
+
+    def __init__(self, pg: "ProcessGroupWeft", call: str, outputs: List[torch.Tensor]):
+        super().__init__()
+        self._pg = pg
+        self._call = call
+        self._outputs = outputs
+        self._done = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._future = torch.futures.Future()
+        self._p2p = False
+
+    def _finish(self, exc: Optional[BaseException]) -> None:
+        self._exc = exc
+        self._done.set()
+        if exc is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(exc)
+
+    def _progress(self) -> None:
+        if self._p2p and not self._done.is_set():
+            self._pg._flush_p2p()
+
+    def wait(self, timeout=None) -> bool:
+        self._progress()
+        seconds = _seconds(timeout)
+        if not self._done.wait(seconds):
+            raise errors.Timeout(f"weft backend: {self._call} did not complete within {seconds} s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self):
+        self._progress()
+        return self._future
+
+    def is_completed(self) -> bool:
+        self._progress()
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def result(self) -> List[torch.Tensor]:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Executor:
+    """Runs a group's jobs in submission order: on the calling thread when nothing is queued
+    and the caller will wait anyway, else on one worker thread."""
+
+    def __init__(self, name: str):
+        self._cond = threading.Condition()
+        self._jobs: deque = deque()
+        self._inflight = 0
+        self._run_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], works: Sequence[WeftWork], inline: bool) -> None:
+        with self._cond:
+            if self._closed:
+                raise errors.InvalidUsage("weft backend: the process group was shut down")
+            self._inflight += 1
+            if not (inline and self._inflight == 1):
+                self._jobs.append((job, works))
+                self._cond.notify()
+                return
+        try:
+            self._run(job, works)
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def _run(self, job: Callable[[], None], works: Sequence[WeftWork]) -> None:
+        with self._run_lock:
+            try:
+                job()
+            except BaseException as e:  # delivered by wait(), on every work of the job
+                for w in works:
+                    w._finish(e)
+                return
+        for w in works:
+            w._finish(None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job, works = self._jobs.popleft()
+            try:
+                self._run(job, works)
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Runs what is queued, then stops the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class ProcessGroupWeft(dist.ProcessGroup):
+    """A torch.distributed process group on one weftcc communicator (see the module's doc)."""
+
+    def __init__(self, comm: Communicator, rank: int, size: int):
+        super().__init__(rank, size)
+        self._comm = comm
+        self._exec = _Executor(f"weft-pg-r{rank}")
+        self._p2p_lock = threading.Lock()
+        self._p2p: list = []
+
+    # --- creation and life ---------------------------------------------------------------
+
+    @classmethod
+    def create(cls, store, rank: int, size: int, timeout: timedelta) -> "ProcessGroupWeft":
+        """The creator torch calls: rank 0 starts the bootstrap and publishes its unique id in
+        the group's store; every rank then joins."""
+        if rank == 0:
+            uid = get_unique_id()
+            store.set(_UID_KEY, uid)
+        else:
+            uid = store.get(_UID_KEY).decode()
+        comm = Communicator.from_unique_id(uid, rank, size, timeout=_seconds(timeout))
+        return cls(comm, rank, size)
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def _get_backend(self, device=None) -> "ProcessGroupWeft":
+        # The group is its own backend for every device (torch asks, e.g. in
+        # batch_isend_irecv, whether the device's backend coalesces: it does not; sends and
+        # receives are collected until waited on instead).
+        return self
+
+    supports_coalescing = False
+
+    @property
+    def comm(self) -> Communicator:
+        """The group's weftcc communicator."""
+        return self._comm
+
+    def abort(self) -> None:
+        self._comm.abort()
+
+    def shutdown(self) -> None:
+        self._flush_p2p()
+        self._exec.close()
+        self._comm.close()
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _submit(self, call: str, opts, outputs, job: Callable[[], None]) -> WeftWork:
+        self._flush_p2p()
+        work = WeftWork(self, call, outputs)
+        inline = not getattr(opts, "asyncOp", True)
+        self._exec.submit(job, [work], inline)
+        return work
+
+    def _p2p_op(self, call: str, tensors, peer: int, tag: int, send: bool) -> WeftWork:
+        if len(tensors) != 1:
+            raise _unsupported(call, f"{len(tensors)} tensors (one per call is supported)")
+        if tag != 0:
+            raise _unsupported(
+                call, f"tag {tag}: weftcc matches a pair's messages in order, without tags"
+            )
+        t = tensors[0]
+        dtype = _dtype(call, t)
+        work = WeftWork(self, call, [t])
+        work._p2p = True
+        with self._p2p_lock:
+            self._p2p.append((send, t, int(peer), dtype, work))
+        return work
+
+    def _flush_p2p(self) -> None:
+        """Runs the collected sends and receives as one weftcc group (queued behind the
+        operations before them)."""
+        with self._p2p_lock:
+            ops, self._p2p = self._p2p, []
+        if not ops:
+            return
+        comm = self._comm
+
+        def job() -> None:
+            dense = []
+            with group():
+                for send, t, peer, dtype, _ in ops:
+                    if send:
+                        src = t.contiguous()
+                        dense.append(src)  # alive until the group ran
+                        comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
+                    else:
+                        d = _Dense(t)
+                        dense.append(d)
+                        comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
+            for d in dense:
+                if isinstance(d, _Dense):
+                    d.done()
+
+        self._exec.submit(job, [op[4] for op in ops], inline=False)
+
+    def _one(self, call: str, tensors) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise _unsupported(call, f"{len(tensors)} tensors per process (one is supported)")
+        return tensors[0]
+
+    # --- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        call = "all_reduce"
+        t = self._one(call, tensors)
+        dtype = _dtype(call, t)
+        op = _op(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t)
+        d = _Dense(t)
+
+        def job() -> None:
+            self._comm.raw_all_reduce(d.ptr, d.ptr, d.buf.numel(), dtype, op)
+            d.done()
+
+        return self._submit(call, opts, [t], job)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        call = "all_reduce_coalesced"
+        dense = [(_Dense(t), _dtype(call, t)) for t in tensors]
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        ops = [_op(call, op, t) for t in tensors]
+
+        def job() -> None:
+            for (d, dtype), o in zip(dense, ops):
+                self._comm.raw_all_reduce(d.ptr, d.ptr, d.buf.numel(), dtype, o)
+                d.done()
+
+        return self._submit(call, opts, list(tensors), job)
+
+    def broadcast(self, tensors, opts):
+        call = "broadcast"
+        t = self._one(call, tensors)
+        dtype = _dtype(call, t)
+        d = _Dense(t)
+        root = opts.rootRank
+
+        def job() -> None:
+            self._comm.raw_broadcast(d.ptr, d.ptr, d.buf.numel(), dtype, root)
+            d.done()
+
+        return self._submit(call, opts, [t], job)
+
+    def reduce(self, tensors, opts):
+        call = "reduce"
+        t = self._one(call, tensors)
+        dtype = _dtype(call, t)
+        op = _op(call, opts.reduceOp, t)
+        d = _Dense(t)
+        root = opts.rootRank
+
+        def job() -> None:
+            self._comm.raw_reduce(d.ptr, d.ptr, d.buf.numel(), dtype, op, root)
+            d.done()
+
+        return self._submit(call, opts, [t], job)
+
+    def _gather_into(self, call: str, out: torch.Tensor, inp: torch.Tensor) -> Callable[[], None]:
+        dtype = _dtype(call, inp)
+        if out.dtype != inp.dtype or out.numel() != inp.numel() * self.size():
+            raise _unsupported(
+                call,
+                f"output of {out.numel()} {out.dtype} is not {self.size()} x the input's "
+                f"{inp.numel()} {inp.dtype}",
+            )
+        src = inp.contiguous()
+        d = _Dense(out)
+
+        def job() -> None:
+            self._comm.raw_all_gather(src.data_ptr(), d.ptr, src.numel(), dtype)
+            d.done()
+
+        return job
+
+    def _allgather_base(self, output, input, opts=None):
+        call = "all_gather_into_tensor"
+        return self._submit(call, opts, [output], self._gather_into(call, output, input))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        call = "all_gather_into_tensor_coalesced"
+        jobs = [self._gather_into(call, o, i) for o, i in zip(outputs, inputs)]
+        return self._submit(call, opts, list(outputs), lambda: [j() for j in jobs])
+
+    def allgather(self, output_lists, input_list, opts=None):
+        call = "all_gather"
+        inp = self._one(call, input_list)
+        outs = self._one(call, output_lists)
+        if len(outs) != self.size():
+            raise _unsupported(call, f"{len(outs)} output tensors for {self.size()} ranks")
+        for o in outs:
+            if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                raise _unsupported(call, "output tensors differ from the input in size or dtype")
+        flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
+        gather = self._gather_into(call, flat, inp)
+
+        def job() -> None:
+            gather()
+            for o, part in zip(outs, flat.split(inp.numel())):
+                o.copy_(part.view_as(o))
+
+        return self._submit(call, opts, list(outs), job)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        raise _unsupported("all_gather_coalesced", "not supported (use all_gather per tensor)")
+
+    def _scatter_into(self, call: str, out: torch.Tensor, inp: torch.Tensor, op) -> Callable[[], None]:
+        dtype = _dtype(call, inp)
+        if out.dtype != inp.dtype or out.numel() * self.size() != inp.numel():
+            raise _unsupported(
+                call,
+                f"input of {inp.numel()} {inp.dtype} is not {self.size()} x the output's "
+                f"{out.numel()} {out.dtype}",
+            )
+        o = _op(call, op, inp)
+        src = inp.contiguous()
+        d = _Dense(out)
+
+        def job() -> None:
+            self._comm.raw_reduce_scatter(src.data_ptr(), d.ptr, d.buf.numel(), dtype, o)
+            d.done()
+
+        return job
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        call = "reduce_scatter_tensor"
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._submit(call, opts, [output], self._scatter_into(call, output, input, op))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        call = "reduce_scatter_tensor_coalesced"
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        jobs = [self._scatter_into(call, o, i, op) for o, i in zip(outputs, inputs)]
+        return self._submit(call, opts, list(outputs), lambda: [j() for j in jobs])
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        call = "reduce_scatter"
+        out = self._one(call, output_tensors)
+        ins = self._one(call, input_lists)
+        if len(ins) != self.size():
+            raise _unsupported(call, f"{len(ins)} input tensors for {self.size()} ranks")
+        for i in ins:
+            if i.numel() != out.numel() or i.dtype != out.dtype:
+                raise _unsupported(call, "input tensors differ from the output in size or dtype")
+        flat = torch.cat([i.reshape(-1) for i in ins]) if ins else torch.empty(0, dtype=out.dtype)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._submit(call, opts, [out], self._scatter_into(call, out, flat, op))
+
+    def _exchange(
+        self, call: str, sends: List[torch.Tensor], recvs: List[torch.Tensor], dtype: int
+    ) -> Callable[[], None]:
+        """All-to-all of per-rank blocks of any sizes, as one group of sends and receives."""
+        comm, me = self._comm, self.rank()
+        dense = [_Dense(r) for r in recvs]
+        srcs = [s.contiguous() for s in sends]
+
+        def job() -> None:
+            dense[me].buf.copy_(srcs[me].view_as(dense[me].buf))
+            with group():
+                for peer in range(self.size()):
+                    if peer == me:
+                        continue
+                    if srcs[peer].numel():
+                        comm.raw_send(srcs[peer].data_ptr(), srcs[peer].numel(), dtype, peer)
+                    if dense[peer].buf.numel():
+                        comm.raw_recv(dense[peer].ptr, dense[peer].buf.numel(), dtype, peer)
+            for d in dense:
+                d.done()
+
+        return job
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        call = "all_to_all_single"
+        dtype = _dtype(call, input)
+        n = self.size()
+        if output.dtype != input.dtype:
+            raise _unsupported(call, f"output {output.dtype}, input {input.dtype}")
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() % n or output.numel() != input.numel():
+                raise _unsupported(
+                    call, f"{input.numel()} input / {output.numel()} output elements for {n} ranks"
+                )
+            src = input.contiguous()
+            d = _Dense(output)
+
+            def job() -> None:
+                self._comm.raw_all_to_all(src.data_ptr(), d.ptr, src.numel() // n, dtype)
+                d.done()
+
+            return self._submit(call, opts, [output], job)
+
+        def blocks(t: torch.Tensor, splits) -> List[torch.Tensor]:
+            rows = t.shape[0] if t.dim() else 1
+            splits = list(splits) if splits else [rows // n] * n
+            if len(splits) != n or sum(splits) != rows:
+                raise _unsupported(call, f"split sizes {splits} for {rows} rows and {n} ranks")
+            return list(t.split(splits)) if t.dim() else [t]
+
+        outs = blocks(output, output_split_sizes)
+        ins = blocks(input, input_split_sizes)
+        return self._submit(call, opts, [output], self._exchange(call, ins, outs, dtype))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        call = "all_to_all"
+        n = self.size()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise _unsupported(call, f"lists of {len(output_tensors)}/{len(input_tensors)} for {n} ranks")
+        dtype = _dtype(call, input_tensors[0])
+        for t in list(output_tensors) + list(input_tensors):
+            if _dtype(call, t) != dtype:
+                raise _unsupported(call, "tensors of different dtypes")
+        return self._submit(
+            call, opts, list(output_tensors), self._exchange(call, list(input_tensors), list(output_tensors), dtype)
+        )
+
+    def gather(self, output_lists, input_list, opts):
+        call = "gather"
+        inp = self._one(call, input_list)
+        dtype = _dtype(call, inp)
+        root, me = opts.rootRank, self.rank()
+        outs = output_lists[0] if output_lists else []
+        if me == root and len(outs) != self.size():
+            raise _unsupported(call, f"{len(outs)} output tensors on the root for {self.size()} ranks")
+        empty = inp.new_empty(0)
+        sends = [empty] * self.size()
+        sends[root] = inp  # the root's own block is a copy
+        recvs = list(outs) if me == root else [empty] * self.size()
+        return self._submit(call, opts, list(outs), self._exchange(call, sends, recvs, dtype))
+
+    def scatter(self, output_tensors, input_lists, opts):
+        call = "scatter"
+        out = self._one(call, output_tensors)
+        dtype = _dtype(call, out)
+        root, me = opts.rootRank, self.rank()
+        ins = input_lists[0] if input_lists else []
+        if me == root and len(ins) != self.size():
+            raise _unsupported(call, f"{len(ins)} input tensors on the root for {self.size()} ranks")
+        empty = out.new_empty(0)
+        sends = list(ins) if me == root else [empty] * self.size()
+        recvs = [empty] * self.size()
+        recvs[root] = out
+        if me != root:
+            sends[me] = empty
+        return self._submit(call, opts, [out], self._exchange(call, sends, recvs, dtype))
+
+    def gather_single(self, output, input, opts):
+        call = "gather"
+        root, me, n = opts.rootRank, self.rank(), self.size()
+        if me == root:
+            if output.numel() != n * input.numel() or output.dtype != input.dtype:
+                raise _unsupported(call, f"output of {output.numel()} for {n} x {input.numel()}")
+            outs = [output.view(-1)[q * input.numel() : (q + 1) * input.numel()] for q in range(n)]
+            if not output.is_contiguous():
+                raise _unsupported(call, "a non-contiguous output tensor")
+        else:
+            outs = []
+        return self.gather([outs], [input], opts)
+
+    # torch's newer names for the single-tensor forms.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_to_all_single = alltoall_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def set_timeout(self, timeout) -> None:
+        raise _unsupported(
+            "set_timeout",
+            "a weftcc communicator's timeout is fixed when it is made (pass timeout= to "
+            "init_process_group or new_group, or set WEFT_TIMEOUT)",
+        )
+
+    def barrier(self, opts=None):
+        return self._submit("barrier", opts, [], self._comm.barrier)
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise _unsupported("monitored_barrier", "not supported (barrier with a timeout is)")
+
+    # --- point to point --------------------------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        return self._p2p_op("send", tensors, dst, tag, send=True)
+
+    def recv(self, tensors, src, tag=0):
+        return self._p2p_op("recv", tensors, src, tag, send=False)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise _unsupported("recv from any source", "weftcc receives from a named rank")
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupWeft.create(store, rank, size, timeout)
+
+
+def _register() -> None:
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+_register()
