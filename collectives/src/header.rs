@@ -2,6 +2,7 @@
 //! with no data), before the data, so that mismatched calls are detected instead of corrupting
 //! data or hanging.
 
+use crate::call::RawOp;
 use crate::dtype::DataType;
 use crate::op::OpKind;
 use std::fmt;
@@ -30,6 +31,28 @@ pub struct OpDesc {
 }
 
 impl OpDesc {
+    /// The description of collective `call`, the `seq`-th of its communicator: the reduction
+    /// only where the kind reduces (0xff otherwise), the root only where it has one
+    /// ([`NO_ROOT`] otherwise), so that fields a call ignores never make ranks disagree.
+    pub fn of_call(call: &RawOp, seq: u64) -> OpDesc {
+        OpDesc {
+            kind: call.kind,
+            seq,
+            dtype: call.dtype,
+            count: call.count as u64,
+            redop: if call.has_reduction() {
+                call.op.code()
+            } else {
+                0xff
+            },
+            root: if call.has_root() {
+                u32::try_from(call.root).unwrap_or(NO_ROOT)
+            } else {
+                NO_ROOT
+            },
+        }
+    }
+
     /// Encodes the header sent by `sender`.
     #[inline]
     pub fn encode(&self, sender: u32) -> [u8; HEADER_LEN] {

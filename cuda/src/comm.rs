@@ -17,6 +17,12 @@
 //!   memory operations, the enqueue waits for the caller's stream and the operation instead
 //!   (correct, but not asynchronous).
 //!
+//! Over IPC, every collective's operation header (kind, type, count, reduction, root, sequence:
+//! `OpDesc`) is all-gathered over the host communicator and compared before the call is
+//! enqueued (`headers.rs`): ranks that called different collectives all fail with
+//! `weftcc_comm::Error::Mismatch` (inside [`CudaError::Host`]), with nothing of the call
+//! enqueued. The staged transport's host collectives check their own headers.
+//!
 //! Errors poison the communicator (every later call fails with the first error), as for the
 //! host communicator. After a failure the caller's stream is always released (the staged
 //! proxy still raises the flag; the IPC path raises its own flags), so no stream hangs
@@ -28,12 +34,13 @@ use crate::driver::{check, has_symbol};
 use crate::error::DeviceArgError;
 use crate::error::{CudaError, Result};
 use crate::group::DeviceGroup;
+use crate::headers;
 use crate::ipc::{BufferMap, IpcPeers};
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
 use crate::tiered::Tiers;
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, Once};
+use std::sync::{mpsc, Arc, Condvar, Mutex, Once, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan};
@@ -62,6 +69,11 @@ pub const IPC_ENV: &str = "WEFT_CUDA_IPC";
 /// `WEFT_CUDA_HIERARCHICAL=0` stages every operation of ranks on several hosts instead of
 /// using CUDA IPC inside each host.
 pub const HIERARCHICAL_ENV: &str = "WEFT_CUDA_HIERARCHICAL";
+/// `WEFT_CUDA_CHECK_HEADERS=0` skips the IPC path's operation-header exchange (`headers.rs`):
+/// enqueueing then never waits for the other ranks' CPUs, and mismatched collectives between
+/// the GPUs of one host go undetected (NCCL's behaviour). Default 1; if any rank sets 0, no
+/// rank checks (they must agree, or the checking ones would wait in the exchange).
+pub const CHECK_HEADERS_ENV: &str = "WEFT_CUDA_CHECK_HEADERS";
 /// Bytes per IPC slot (the largest message of a pipelined transfer); default
 /// [`DEFAULT_SLOT_BYTES`].
 pub const SLOT_ENV: &str = "WEFT_CUDA_SLOT_BYTES";
@@ -199,6 +211,11 @@ struct Proxy {
 struct Shared {
     rank: usize,
     error: Mutex<Option<CudaError>>,
+    /// Aborted at this communicator's first failure: for a tier of a hierarchical
+    /// communicator, its flat host communicator. A tier's failure (a mismatch or a lost peer in
+    /// the cross-host tier, say) reaches only that tier's ranks by itself; the ranks of the
+    /// other tiers would finish the operation on partial data and never hear of it.
+    abort_on_failure: OnceLock<Arc<Communicator>>,
 }
 
 impl Shared {
@@ -206,6 +223,10 @@ impl Shared {
         let mut g = lock(&self.error);
         if g.is_none() {
             *g = Some(e.clone());
+            drop(g);
+            if let Some(flat) = self.abort_on_failure.get() {
+                flat.abort();
+            }
         }
     }
 
@@ -236,6 +257,12 @@ pub struct DeviceComm {
     /// The hierarchical transport's tiers.
     tiers: Option<Box<Tiers>>,
     seq: AtomicU64,
+    /// IPC: the sequence number of the last collective's operation header (collectives only,
+    /// from 1, as the host communicator counts them). Held from the header exchange to the end
+    /// of the enqueue, so that header order and enqueue order agree.
+    headers: Mutex<u64>,
+    /// IPC: whether collectives exchange and compare their headers ([`CHECK_HEADERS_ENV`]).
+    check_headers: bool,
     /// Wire code of the last operation enqueued (named in timeouts).
     last_op: AtomicU8,
 }
@@ -393,12 +420,22 @@ impl DeviceComm {
             _ => None,
         };
         let host = Arc::new(host);
+        if let Some(t) = &tiers {
+            for tier in [&t.local, &t.cross] {
+                let _ = tier.shared.abort_on_failure.set(host.clone());
+            }
+        }
         let shared = Arc::new(Shared {
             rank,
             error: Mutex::new(None),
+            abort_on_failure: OnceLock::new(),
         });
+        let mut check_headers = false;
         let (ipc, proxy) = match transport {
             Transport::Ipc => {
+                let mut check = [u8::from(env_size(CHECK_HEADERS_ENV) != Some(0))];
+                host.all_reduce_in_place(&mut check[..], ReduceOp::Min)?;
+                check_headers = check[0] == 1;
                 let slot = env_usize(SLOT_ENV, DEFAULT_SLOT_BYTES).next_multiple_of(16);
                 let depth = env_usize(DEPTH_ENV, DEFAULT_DEPTH);
                 (
@@ -423,6 +460,8 @@ impl DeviceComm {
             proxy,
             tiers,
             seq: AtomicU64::new(0),
+            headers: Mutex::new(0),
+            check_headers,
             last_op: AtomicU8::new(OpKind::AllReduce as u8),
         })
     }
@@ -447,8 +486,9 @@ impl DeviceComm {
         &self.ctx
     }
 
-    /// The host communicator underneath (do not run host collectives on it while staged device
-    /// operations are in flight: the proxy uses it too).
+    /// The host communicator underneath (do not run host collectives on it from another thread
+    /// while device operations are enqueued: the staged proxy runs every staged operation on
+    /// it, and the IPC transport exchanges every collective's operation header over it).
     pub fn host(&self) -> &Communicator {
         &self.host
     }
@@ -459,16 +499,21 @@ impl DeviceComm {
         lock(&self.shared.error).clone()
     }
 
-    /// Poisons this communicator with the first error of a tier, if one failed.
+    /// Poisons this communicator with the first error of a tier, if one failed, or else with
+    /// the flat host communicator's (a tier that failed on other ranks aborted it).
     fn tier_failure(&self) {
-        if let Some(detail) = self.tiers.as_ref().and_then(|t| t.error()) {
-            self.shared.poison(&CudaError::Collective {
+        let Some(tiers) = &self.tiers else { return };
+        let e = match (tiers.error(), self.host.error()) {
+            (Some(detail), _) => CudaError::Collective {
                 rank: self.rank,
                 op: self.last_kind(),
                 seq: self.seq.load(Ordering::Relaxed).saturating_sub(1),
                 detail,
-            });
-        }
+            },
+            (None, Some(host)) => CudaError::Host(host),
+            (None, None) => return,
+        };
+        self.shared.poison(&e);
     }
 
     fn last_kind(&self) -> OpKind {
@@ -606,6 +651,9 @@ impl DeviceComm {
             (Transport::Hierarchical, Some(t)) => {
                 self.enqueue_tiered(t, seq, &call, send, recv, stream)
             }
+            (Transport::Ipc, _) if self.check_headers => {
+                self.enqueue_ipc_checked(&call, send, recv, &plan, stream)
+            }
             (Transport::Ipc, _) => self.enqueue_ipc(&call, send, recv, &plan, stream),
             _ => self.enqueue_staged(
                 seq,
@@ -622,7 +670,16 @@ impl DeviceComm {
 
     /// Names the operation in an enqueue failure and, unless the arguments were wrong (nothing
     /// was enqueued), poisons the communicator and releases every GPU wait of ours.
+    ///
+    /// A header mismatch (IPC) stays `CudaError::Host(Error::Mismatch)` and poisons without
+    /// releasing anything: every rank found it before enqueuing any of the call, so the earlier
+    /// operations still on the GPU are whole on every rank and must complete with their data
+    /// (raising our flags would let our waits for them pass early).
     fn failed(&self, kind: OpKind, seq: u64, e: CudaError) -> CudaError {
+        if headers::is_mismatch(&e) {
+            self.shared.poison(&e);
+            return e;
+        }
         let e = match e {
             e @ (CudaError::InvalidArgument { .. } | CudaError::Poisoned { .. }) => e,
             other => CudaError::Collective {
@@ -727,6 +784,23 @@ impl DeviceComm {
         }
         ipc.after_previous(stream)?;
         ipc.enqueue(&sched, DataType::Uint8, Combiner::Sum, &bufs, stream)
+    }
+
+    /// The IPC path of a collective: the operation header is exchanged with every rank and
+    /// checked on the host (`headers.rs`) before anything is enqueued, so a mismatched call fails
+    /// on every rank with `Error::Mismatch` and leaves no stream waiting.
+    fn enqueue_ipc_checked(
+        &self,
+        call: &RawOp,
+        send: Option<DevSpan>,
+        recv: DevSpan,
+        plan: &Plan,
+        stream: &Stream,
+    ) -> Result<()> {
+        let mut seq = lock(&self.headers);
+        *seq += 1;
+        headers::exchange(&self.host, &headers::desc(call, *seq))?;
+        self.enqueue_ipc(call, send, recv, plan, stream)
     }
 
     fn enqueue_ipc(

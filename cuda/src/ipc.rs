@@ -20,6 +20,11 @@
 //!   events; the user's stream forks into these streams and joins them again, so the collective
 //!   is ordered with the caller's work exactly as a kernel launch would be.
 //!
+//! Before a collective's schedule is enqueued here, the ranks have exchanged and compared its
+//! operation header on the host (`headers.rs`, called by `DeviceComm`): the schedules enqueued
+//! are those of one call on every rank, so the per-peer message counts agree. (Send/recv
+//! groups carry no header: their sizes must match as NCCL's do.)
+//!
 //! Message counters continue across operations (wrapping u32; GEQ compares cyclically), so no
 //! flag needs resetting between operations. A counter or slot is never reused before its
 //! consumer has released it, so pipelining depth is `depth` messages per peer. Operations of

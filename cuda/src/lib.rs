@@ -19,6 +19,7 @@ pub mod comm;
 pub mod driver;
 pub mod error;
 pub mod group;
+mod headers;
 pub mod ipc;
 pub mod kernels;
 pub mod memory;

@@ -8,7 +8,10 @@
 //!   host reference computed with the CPU kernels;
 //! * the same matrix (smaller) over the staged transport (`WEFT_CUDA_IPC=0`);
 //! * stream semantics: results visible to later work on the same stream without a host
-//!   synchronisation, and many operations in flight back to back.
+//!   synchronisation, and many operations in flight back to back;
+//! * mismatched collectives over CUDA IPC (different counts, different kinds): every rank gets
+//!   `Error::Mismatch` naming both calls, its stream drains, and the operation before keeps its
+//!   correct result.
 //!
 //! The rank processes are this test binary itself, started with the ignored `child` test
 //! selected and the case named in `WEFT_CUDA_TEST_CHILD`.
@@ -18,7 +21,7 @@ use std::time::{Duration, Instant};
 use weftcc_collectives::reduce;
 use weftcc_collectives::testing::{noise, same_value as same};
 use weftcc_collectives::{Combiner, DataType, Element, OpKind, ReduceOp};
-use weftcc_comm::{Communicator, UniqueId};
+use weftcc_comm::{Communicator, Error, UniqueId};
 use weftcc_cuda::kernels::{divide_on_device, reduce_on_device, scale_on_device};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream, Transport};
 
@@ -169,6 +172,11 @@ fn child() {
         "stream-order" => stream_order(&comm, &ctx, &stream),
         "deterministic" => deterministic_bits(&comm, &ctx, &stream),
         "p2p" => p2p(&comm, &ctx, &stream),
+        "mismatch" => mismatch(&comm, &ctx, &stream),
+        "hier-mismatch" => {
+            // Returns without the final barrier: the failure may have aborted the host one.
+            return hierarchical_mismatch(&comm, &ctx, &stream);
+        }
         other => panic!("unknown case {other}"),
     }
     comm.host().barrier().expect("final barrier");
@@ -486,6 +494,177 @@ fn stream_order(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
     }
 }
 
+/// Checks that `e` is the mismatch rank `me` must see: `ours` (kind, count) against the first
+/// rank whose call differs, `peer`, which called `theirs`.
+fn expect_mismatch(
+    e: &CudaError,
+    me: usize,
+    peer: usize,
+    ours: (OpKind, u64),
+    theirs: (OpKind, u64),
+) {
+    match e {
+        CudaError::Host(Error::Mismatch {
+            rank,
+            peer: p,
+            ours: o,
+            theirs: t,
+        }) => {
+            assert_eq!((*rank, *p), (me, peer), "rank {me}: {e}");
+            assert_eq!((o.kind, o.count), ours, "rank {me}: {e}");
+            assert_eq!((t.kind, t.count), theirs, "rank {me}: {e}");
+            assert_eq!(o.seq, t.seq, "rank {me}: {e}");
+        }
+        other => panic!("rank {me}: expected a mismatch, got {other}"),
+    }
+}
+
+/// Ranks that call different collectives over CUDA IPC (rank 0 one call, the others another):
+/// first different counts, right behind a matching all-reduce still in flight, then (on a
+/// fresh device communicator, the first being poisoned) different kinds. Every rank's enqueue
+/// fails with `Error::Mismatch` naming both calls, the stream drains (no wait on a flag nobody
+/// raises), the all-reduce before keeps its correct result, later calls fail at once, and the
+/// host communicator stays usable.
+fn mismatch(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
+    assert_eq!(
+        comm.transport(),
+        Transport::Ipc,
+        "expected the IPC transport"
+    );
+    let (n, me) = (comm.size(), comm.rank());
+    let peer = if me == 0 { 1 } else { 0 };
+    let t0 = Instant::now();
+    // A matching all-reduce (several slots with small slots), left in flight.
+    let len = (3 << 20) / 4 + 5;
+    let mut good = ctx.upload(&vec![(me + 1) as f32; len]).expect("upload");
+    comm.all_reduce_in_place(&mut good, ReduceOp::Sum, stream)
+        .expect("matching all-reduce");
+    // Different counts.
+    let count_of = |r: usize| if r == 0 { 1000 } else { 1001 };
+    let send = ctx.upload(&vec![1.0f32; count_of(me)]).expect("upload");
+    let mut recv = ctx.alloc::<f32>(count_of(me)).expect("alloc");
+    let e = comm
+        .all_reduce(&send, &mut recv, ReduceOp::Sum, stream)
+        .expect_err("all-reduces of different counts");
+    println!(
+        "rank {me}: different counts failed after {:.1?}: {e}",
+        t0.elapsed()
+    );
+    let ar = OpKind::AllReduce;
+    expect_mismatch(
+        &e,
+        me,
+        peer,
+        (ar, count_of(me) as u64),
+        (ar, count_of(peer) as u64),
+    );
+    // The stream drains; the all-reduce before the mismatch completed with its data.
+    match comm.synchronize(stream) {
+        Err(CudaError::Poisoned { .. }) => {}
+        other => panic!("rank {me}: synchronize after the mismatch gave {other:?}"),
+    }
+    let want = (n * (n + 1) / 2) as f32;
+    let got = good.to_vec().expect("download");
+    if let Some(i) = got.iter().position(|&g| g != want) {
+        panic!(
+            "rank {me}: the all-reduce before the mismatch: element {i} is {}, not {want}",
+            got[i]
+        );
+    }
+    assert!(
+        matches!(comm.error(), Some(CudaError::Host(Error::Mismatch { .. }))),
+        "rank {me}: error() is {:?}",
+        comm.error()
+    );
+    assert!(
+        matches!(
+            comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream),
+            Err(CudaError::Poisoned { .. })
+        ),
+        "rank {me}: a call after the mismatch must fail at once"
+    );
+    // Different kinds, on a fresh device communicator over a split of the host one.
+    let host = comm
+        .host()
+        .split(Some(0), me as i64)
+        .expect("split")
+        .expect("a communicator");
+    let fresh = DeviceComm::new(host, ctx.clone()).expect("device communicator");
+    assert_eq!(fresh.transport(), Transport::Ipc);
+    let count = 256;
+    let send = ctx.upload(&vec![me as f32; count]).expect("upload");
+    let mut recv = ctx.alloc::<f32>(n * count).expect("alloc");
+    let kind_of = |r: usize| {
+        if r == 0 {
+            OpKind::AllReduce
+        } else {
+            OpKind::AllGather
+        }
+    };
+    let mut small = ctx.alloc::<f32>(count).expect("alloc");
+    let t1 = Instant::now();
+    let e = match kind_of(me) {
+        OpKind::AllReduce => fresh.all_reduce(&send, &mut small, ReduceOp::Sum, stream),
+        _ => fresh.all_gather(&send, &mut recv, stream),
+    }
+    .expect_err("all-reduce against all-gather");
+    println!(
+        "rank {me}: different kinds failed after {:.1?}: {e}",
+        t1.elapsed()
+    );
+    expect_mismatch(
+        &e,
+        me,
+        peer,
+        (kind_of(me), count as u64),
+        (kind_of(peer), count as u64),
+    );
+    assert!(
+        matches!(fresh.synchronize(stream), Err(CudaError::Poisoned { .. })),
+        "rank {me}: synchronize after the mismatch"
+    );
+    fresh.host().barrier().expect("host communicator usable");
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(30), "rank {me}: took {took:?}");
+}
+
+/// Two hosts whose ranks call all-reduces of different counts (host 0's ranks `count`, host 1's
+/// `count + 1`; below and above the sharding threshold): every rank, the ranks whose own tier
+/// never meets the other host's call included, must learn of a failure (the enqueue, the
+/// stream's synchronisation or the communicator's error) within a bound, and its stream must
+/// drain.
+fn hierarchical_mismatch(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
+    assert_eq!(comm.transport(), Transport::Hierarchical);
+    let me = comm.rank();
+    let on_host_1 = std::env::var("WEFT_HOST_ID").is_ok_and(|h| h.ends_with("-1"));
+    let count: usize = std::env::var("WEFT_TEST_COUNT")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(1000)
+        + usize::from(on_host_1);
+    let t0 = Instant::now();
+    let send = ctx.upload(&vec![1.0f32; count]).expect("upload");
+    let mut recv = ctx.alloc::<f32>(count).expect("alloc");
+    let enqueued = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream);
+    let synced = enqueued
+        .as_ref()
+        .map_or(Ok(()), |_| comm.synchronize(stream).map(|_| ()));
+    let mut error = enqueued.err().or(synced.err());
+    while error.is_none() && t0.elapsed() < Duration::from_secs(30) {
+        error = comm.error();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let took = t0.elapsed();
+    match error {
+        Some(e) => println!("rank {me}: count {count}: failed after {took:.1?}: {e}"),
+        None => panic!("rank {me}: count {count}: no error within {took:?} (the other host called another count)"),
+    }
+    // The stream drains.
+    if let Err(e) = stream.synchronize(Duration::from_secs(30)) {
+        panic!("rank {me}: the stream did not drain after the failure: {e}");
+    }
+}
+
 /// The last rank exits in the middle of its fourth all-reduce (no destructor runs: to its peers
 /// it is a killed process); every other rank must get an error, not a stream that never
 /// drains, within a few of the host timeouts (WEFT_TIMEOUT).
@@ -779,6 +958,38 @@ fn results_follow_stream_order() {
     }
     run_ranks("stream-order", 2, &[]);
     run_ranks("stream-order", 3, &[("WEFT_CUDA_IPC", "0")]);
+}
+
+/// Ranks calling different collectives over CUDA IPC (counts, then kinds): every rank gets the
+/// mismatch error, its stream drains and the operation before keeps its result (2 ranks with
+/// 1 MiB slots, so the earlier all-reduce spans several; 3 ranks with the defaults).
+#[test]
+fn mismatched_collectives_over_ipc_fail_on_every_rank() {
+    if skip() {
+        return;
+    }
+    run_ranks(
+        "mismatch",
+        2,
+        &[("WEFT_TIMEOUT", "20"), ("WEFT_CUDA_SLOT_BYTES", "1M")],
+    );
+    run_ranks("mismatch", 3, &[("WEFT_TIMEOUT", "20")]);
+}
+
+/// All-reduces of different counts on the two hosts of a hierarchical communicator (one
+/// exchange below the sharding threshold, sharded above it): every rank learns of it.
+#[test]
+fn hierarchical_mismatch_across_hosts_fails_every_rank() {
+    if skip() {
+        return;
+    }
+    for count in ["1000", "1000000"] {
+        run_ranks_on(
+            "hier-mismatch",
+            &[0, 0, 1, 1],
+            &[("WEFT_TIMEOUT", "10"), ("WEFT_TEST_COUNT", count)],
+        );
+    }
 }
 
 /// Two "hosts" of two ranks each (ranks 0, 1 on one, 2, 3 on the other): CUDA IPC inside each,
