@@ -222,9 +222,15 @@ class Communicator:
 
     # --- the raw layer: addresses, element counts, type codes -----------------------------
 
+    def _op(self, op: Op):
+        """A context manager giving the C code of `op` (a PreMulSum is created for the call and
+        destroyed after; a built-in costs no generator)."""
+        if isinstance(op, int):  # ReduceOp is an IntEnum
+            return _Code(int(op))
+        return self._made_op(op)
+
     @contextlib.contextmanager
-    def _op(self, op: Op) -> Iterator[int]:
-        """The C code of `op` (a PreMulSum is created for the call and destroyed after)."""
+    def _made_op(self, op: Op) -> Iterator[int]:
         if isinstance(op, PreMulSum):
             code = ctypes.c_int(-1)
             factor = ctypes.c_double(op.factor)
@@ -286,7 +292,10 @@ class Communicator:
 
     def all_reduce(self, send: np.ndarray, recv: Optional[np.ndarray] = None, op: Op = ReduceOp.SUM) -> np.ndarray:
         """Every rank's `recv` holds the reduction of every `send` (in place without `recv`)."""
-        recv = send if recv is None else recv
+        if recv is None or recv is send:  # in place: one buffer to read
+            b = _array(send, writable=True)
+            self.raw_all_reduce(b.ptr, b.ptr, b.count, b.dtype, op)
+            return send
         s, r = _array(send), _array(recv, writable=True)
         _same(s, r, s.count, "all_reduce")
         self.raw_all_reduce(s.ptr, r.ptr, s.count, s.dtype, op)
@@ -370,6 +379,21 @@ class Communicator:
         return buf
 
 
+class _Code:
+    """A built-in reduction's code as a context manager (no generator for the common case)."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def __enter__(self) -> int:
+        return self.code
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 class _Buf:
     __slots__ = ("ptr", "count", "dtype", "np_dtype")
 
@@ -379,7 +403,7 @@ class _Buf:
 
 def numpy_dtype_code(dt: np.dtype) -> int:
     """The weftcc type of a NumPy dtype (bfloat16 from ml_dtypes included)."""
-    code = _NUMPY_TYPES.get(np.dtype(dt))
+    code = _NUMPY_TYPES.get(dt) if isinstance(dt, np.dtype) else _NUMPY_TYPES.get(np.dtype(dt))
     if code is None and np.dtype(dt).name == "bfloat16":
         code = DataType.BFLOAT16
     if code is None:

@@ -117,49 +117,64 @@ class _Dense:
 
 
 class WeftWork(dist.Work):
-    """One operation of a weft process group; `wait()` raises the operation's weftcc error."""
+    """One operation of a weft process group; `wait()` raises the operation's weftcc error.
+
+    An operation run on the calling thread is complete when its Work is made; the completion
+    event and the torch Future are created only when someone needs them (a few µs each)."""
 
     def __init__(self, pg: "ProcessGroupWeft", call: str, outputs: List[torch.Tensor]):
         super().__init__()
         self._pg = pg
         self._call = call
         self._outputs = outputs
-        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._finished = False
+        self._event: Optional[threading.Event] = None  # set by the executor when queued
         self._exc: Optional[BaseException] = None
-        self._future = torch.futures.Future()
+        self._future = None
         self._p2p = False
 
     def _finish(self, exc: Optional[BaseException]) -> None:
-        self._exc = exc
-        self._done.set()
-        if exc is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(exc)
+        with self._lock:
+            self._exc = exc
+            self._finished = True
+            future = self._future
+        if self._event is not None:
+            self._event.set()
+        if future is not None:
+            _settle(future, self._outputs, exc)
 
     def _progress(self) -> None:
-        if self._p2p and not self._done.is_set():
+        if self._p2p and not self._finished:
             self._pg._flush_p2p()
 
     def wait(self, timeout=None) -> bool:
         self._progress()
-        seconds = _seconds(timeout)
-        if not self._done.wait(seconds):
-            raise errors.Timeout(f"weft backend: {self._call} did not complete within {seconds} s")
+        if not self._finished:
+            seconds = _seconds(timeout)
+            if self._event is None or not self._event.wait(seconds):
+                raise errors.Timeout(
+                    f"weft backend: {self._call} did not complete within {seconds} s"
+                )
         if self._exc is not None:
             raise self._exc
         return True
 
     def get_future(self):
         self._progress()
-        return self._future
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._finished:
+                    _settle(self._future, self._outputs, self._exc)
+            return self._future
 
     def is_completed(self) -> bool:
         self._progress()
-        return self._done.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._exc is None
+        return self._finished and self._exc is None
 
     def exception(self):
         return self._exc
@@ -171,6 +186,13 @@ class WeftWork(dist.Work):
         pass
 
 
+def _settle(future, outputs, exc) -> None:
+    if exc is None:
+        future.set_result(outputs)
+    else:
+        future.set_exception(exc)
+
+
 class _Executor:
     """Runs a group's jobs in submission order: on the calling thread when nothing is queued
     and the caller will wait anyway, else on one worker thread."""
@@ -178,7 +200,7 @@ class _Executor:
     def __init__(self, name: str):
         self._cond = threading.Condition()
         self._jobs: deque = deque()
-        self._inflight = 0
+        self._inflight = 0  # queued or running
         self._run_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -190,6 +212,8 @@ class _Executor:
                 raise errors.InvalidUsage("weft backend: the process group was shut down")
             self._inflight += 1
             if not (inline and self._inflight == 1):
+                for w in works:
+                    w._event = threading.Event()
                 self._jobs.append((job, works))
                 self._cond.notify()
                 return
@@ -198,7 +222,6 @@ class _Executor:
         finally:
             with self._cond:
                 self._inflight -= 1
-                self._cond.notify_all()
 
     def _run(self, job: Callable[[], None], works: Sequence[WeftWork]) -> None:
         with self._run_lock:
@@ -224,7 +247,6 @@ class _Executor:
             finally:
                 with self._cond:
                     self._inflight -= 1
-                    self._cond.notify_all()
 
     def close(self) -> None:
         """Runs what is queued, then stops the worker."""
