@@ -14,7 +14,7 @@ if os.environ.get("WEFT_REQUIRE_TORCH") == "1":
 else:
     torch = pytest.importorskip("torch")
 
-from launch import HERE, torchrun  # noqa: E402
+from launch import HERE, assert_ok, free_port, run_ranks, torchrun  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
 DDP_SCRIPT = os.path.join(REPO, "examples", "python", "ddp_train.py")
@@ -34,6 +34,13 @@ def test_mismatched_shapes_raise_on_every_rank(n):
     r = torchrun("torch_worker.py", n, ["errors"], timeout=120)
     ok(r, f"mismatch on {n} ranks")
     assert r.stdout.count("Error: rank") == n, r.stdout  # every rank printed its exception
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_init_methods(scheme, tmp_path):
+    """init_process_group("weft") with tcp:// and file:// stores (no torchrun)."""
+    method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'store'}"
+    assert_ok(run_ranks("torch_worker.py", 2, ["init", method], timeout=120), f"{scheme}://")
 
 
 def _params(prefix, n):

@@ -174,6 +174,8 @@ def matrix():
     for what, call in [
         ("BXOR", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.BXOR)),
         ("int16", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int16))),
+        # A device tensor (meta stands in for cuda on this CPU-only machine: the same check).
+        ("device tensor", lambda: dist.all_reduce(torch.ones(2, device="meta"))),
         ("tag", lambda: dist.isend(torch.ones(1), (r + 1) % n, tag=3)),
     ]:
         try:
@@ -201,8 +203,26 @@ def errors():
         failures.clear()
 
 
+def init_method(method):
+    """init_process_group("weft", init_method=...) with rank and size from the environment
+    (tcp:// and file:// stores; torchrun's env:// is every other mode)."""
+    import os
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("weft", init_method=method, rank=rank, world_size=n)
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    check(f"all_reduce after {method.split(':')[0]}://", x, torch.tensor([n * (n + 1) / 2]))
+    dist.destroy_process_group()
+
+
 def main():
     mode = sys.argv[1]
+    if mode == "init":
+        init_method(sys.argv[2])
+        for f in failures:
+            print(f"FAIL {f}")
+        sys.exit(1 if failures else 0)
     dist.init_process_group("weft")
     if dist.get_backend() != "weft":
         failures.append(f"backend {dist.get_backend()}")
