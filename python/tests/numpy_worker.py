@@ -105,7 +105,16 @@ def matrix(comm):
         check("split all_reduce", sub.all_reduce(x), np.array([sum(members)], dtype=np.int64))
         if sub.rank != sorted(members, reverse=True).index(r):
             failures.append(f"split rank {sub.rank} is not ordered by key")
-    assert comm.split(None) is None if n == 1 else True
+    # Rank 0 takes part without joining; the others form a communicator of n - 1.
+    rest = comm.split(None if r == 0 else 1, key=r)
+    if r == 0:
+        if rest is not None:
+            failures.append("split(None) returned a communicator")
+    else:
+        with rest:
+            if (rest.size, rest.rank) != (n - 1, r - 1):
+                failures.append(f"split without rank 0: size {rest.size} rank {rest.rank}")
+            check("split without rank 0", rest.all_reduce(np.array([1], np.int32)), np.array([n - 1], np.int32))
     comm.barrier()
     # Argument errors are raised here, with the rank and operation, and leave it usable.
     try:

@@ -147,6 +147,14 @@ def matrix():
         if not w.is_completed():
             failures.append("a waited work is not completed")
     check("async_op order", x, torch.full((5,), float(n**3), dtype=torch.float64))
+    # Contiguous copies are made when an operation runs, not when it is called: two queued
+    # all-reduces of a non-contiguous tensor compound.
+    m2 = torch.ones(3, 2).t()
+    w1 = dist.all_reduce(m2, async_op=True)
+    w2 = dist.all_reduce(m2, async_op=True)
+    w2.wait()
+    w1.wait()
+    check("async_op on a non-contiguous tensor", m2, torch.full((2, 3), float(n * n)))
     fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
     check("future value", fut.wait()[0], torch.full((2,), float(n)))
     # Plain send/recv (blocking): even ranks send first, odd ones receive first.
@@ -169,6 +177,23 @@ def matrix():
         check("new_group all_reduce", x, torch.tensor([float(sum(evens))]))
         if dist.get_rank(g) != evens.index(r):
             failures.append(f"new_group rank {dist.get_rank(g)}")
+    dist.barrier()
+    # A send on one group waits for no collective of another: rank 0 posts an isend on the
+    # world group and goes on to an all-reduce on a second group; rank 1 waits for the receive
+    # first. (The send must be started by the all-reduce's call, or both wait forever.)
+    other = dist.new_group(list(range(n)))
+    if n > 1 and r < 2:
+        if r == 0:
+            pending = dist.isend(torch.tensor([5.0, 6.0]), 1)
+        else:
+            got = torch.zeros(2)
+            dist.irecv(got, 0).wait()
+            check("isend across groups", got, torch.tensor([5.0, 6.0]))
+    y = torch.ones(1)
+    dist.all_reduce(y, group=other)
+    check("all_reduce on a second group", y, torch.tensor([float(n)]))
+    if n > 1 and r == 0:
+        pending.wait()
     dist.barrier()
     # Unsupported calls raise a clear error naming them, before anything is sent.
     for what, call in [
@@ -199,7 +224,24 @@ def errors():
         print(f"rank {r}: {type(e).__name__}: {e}")
         if e.op != "all_reduce" or e.seq is None or e.rank != r:
             failures.append(f"facts: rank {e.rank} op {e.op} seq {e.seq}")
-    if dist.get_world_size() == 1:
+    # Blocks of different sizes in an exchange (rank 0 sends 2 elements to every rank, the
+    # others expect 3 from it): every rank raises, none hangs: the receivers at the exchange,
+    # rank 0 (whose own sends and receives all went through) at its next call. On a fresh
+    # group: the failure above ended the world one.
+    n = dist.get_world_size()
+    g = dist.new_group(list(range(n)))
+    sizes_in = [2 if r == 0 else 3] * n
+    sizes_out = [2 if r == 0 and q == 0 else 3 for q in range(n)]
+    send = torch.zeros(sum(sizes_in))
+    recv = torch.zeros(sum(sizes_out))
+    try:
+        dist.all_to_all_single(recv, send, sizes_out, sizes_in, group=g)
+        dist.barrier(group=g)
+        if n > 1:
+            failures.append("all_to_all_single with blocks of different sizes succeeded")
+    except weftcc.WeftError as e:
+        print(f"rank {r}: exchange: {type(e).__name__}: {e}")
+    if n == 1:
         failures.clear()
 
 
@@ -209,11 +251,13 @@ def init_method(method):
     import os
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("weft", init_method=method, rank=rank, world_size=n)
-    x = torch.tensor([float(rank + 1)])
-    dist.all_reduce(x)
-    check(f"all_reduce after {method.split(':')[0]}://", x, torch.tensor([n * (n + 1) / 2]))
-    dist.destroy_process_group()
+    # Twice: a group made again after destroy_process_group must not join the old one.
+    for attempt in range(2):
+        dist.init_process_group("weft", init_method=method, rank=rank, world_size=n)
+        x = torch.tensor([float(rank + 1)])
+        dist.all_reduce(x)
+        check(f"all_reduce after {method.split(':')[0]}:// #{attempt}", x, torch.tensor([n * (n + 1) / 2]))
+        dist.destroy_process_group()
 
 
 def main():

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import errors
 from ._lib import (
+    last_error,
     CONFIG_MAGIC,
     CONFIG_UNDEF_INT,
     CONFIG_VERSION,
@@ -101,20 +102,36 @@ def _config(timeout: Optional[float], deterministic: Optional[bool]) -> Config:
     return cfg
 
 
+_group = threading.local()
+
+
 @contextlib.contextmanager
 def group() -> Iterator[None]:
     """Collects this thread's sends and receives (of any communicator) and runs them together
     when the block ends, so that ranks can exchange without deadlock (weftGroupStart/End).
-    Buffers must stay alive until the block ended."""
+    The arrays passed are kept alive until then. If the block raises, the calls made so far
+    still run (the C library has no way to cancel them) before the exception propagates."""
     check(lib.weftGroupStart())
+    depth = getattr(_group, "depth", 0)
+    if depth == 0:
+        _group.keep = []
+    _group.depth = depth + 1
     ok = False
     try:
         yield
         ok = True
     finally:
+        _group.depth = depth
         code = lib.weftGroupEnd()
+        if depth == 0:
+            _group.keep = []
         if ok:
             check(code)
+
+
+def _keep_for_group(buf) -> None:
+    if getattr(_group, "depth", 0):
+        _group.keep.append(buf)
 
 
 class Communicator:
@@ -130,7 +147,9 @@ class Communicator:
 
     def __init__(self, handle: ctypes.c_void_p):
         self._handle = handle
-        self._lock = threading.Lock()
+        # Calls in flight (any thread): close() waits for them before the handle is freed.
+        self._lock = threading.Condition()
+        self._users = 0
         count, rank = ctypes.c_int(0), ctypes.c_int(0)
         check(lib.weftCommCount(handle, ctypes.byref(count)))
         check(lib.weftCommUserRank(handle, ctypes.byref(rank)))
@@ -180,26 +199,39 @@ class Communicator:
         c = SPLIT_NOCOLOR if color is None else int(color)
         if c < 0 and color is not None:
             raise errors.InvalidArgument(f"split color {color} is negative")
-        check(lib.weftCommSplit(self._live(), c, int(key), ctypes.byref(handle)))
+        self._call(lib.weftCommSplit, c, int(key), ctypes.byref(handle), stream=False)
         return Communicator(handle) if handle.value else None
 
     def abort(self) -> None:
         """Aborts: calls blocked in this communicator (any thread) and later ones raise
         `Aborted`; the other ranks' calls raise `RemoteError` naming this rank."""
-        if self._handle is not None:
-            check(lib.weftCommAbort(self._handle))
+        h = self._enter()
+        try:
+            code = lib.weftCommAbort(h)
+        finally:
+            self._exit()
+        check(code)
 
     def async_error(self) -> Optional[errors.WeftError]:
         """The error that broke the communicator, or None while it is healthy."""
         result = ctypes.c_int(0)
-        check(lib.weftCommGetAsyncError(self._live(), ctypes.byref(result)))
-        if result.value == 0:
-            return None
-        return errors.from_facts(result.value, "communicator failed: see the failed call")
+        h = self._enter()
+        try:
+            code = lib.weftCommGetAsyncError(h, ctypes.byref(result))
+            # The call recorded the error's message and facts on this thread.
+            found = last_error() if code == 0 and result.value != 0 else None
+        finally:
+            self._exit()
+        check(code)
+        return found
 
     def close(self) -> None:
-        """Destroys the communicator (idempotent)."""
-        handle, self._handle = self._handle, None
+        """Destroys the communicator (idempotent). Waits for calls in flight on other threads
+        (call `abort()` first to end them at once)."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+            while self._users:
+                self._lock.wait()
         if handle is not None:
             lib.weftCommDestroy(handle)
 
@@ -215,10 +247,27 @@ class Communicator:
         except Exception:
             pass
 
-    def _live(self) -> ctypes.c_void_p:
-        if self._handle is None:
-            raise errors.InvalidUsage("the communicator was closed")
-        return self._handle
+    def _enter(self) -> ctypes.c_void_p:
+        with self._lock:
+            if self._handle is None:
+                raise errors.InvalidUsage("the communicator was closed")
+            self._users += 1
+            return self._handle
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._lock.notify_all()
+
+    def _call(self, fn, *args, stream: bool = True) -> None:
+        """`fn(*args, comm[, NULL stream])` with the handle kept alive for the call."""
+        h = self._enter()
+        try:
+            code = fn(*args, h, None) if stream else fn(h, *args)
+        finally:
+            self._exit()
+        check(code)
 
     # --- the raw layer: addresses, element counts, type codes -----------------------------
 
@@ -234,19 +283,23 @@ class Communicator:
         if isinstance(op, PreMulSum):
             code = ctypes.c_int(-1)
             factor = ctypes.c_double(op.factor)
-            check(
-                lib.weftRedOpCreatePreMulSum(
-                    ctypes.byref(code),
-                    ctypes.byref(factor),
-                    int(DataType.FLOAT64),
-                    SCALAR_HOST_IMMEDIATE,
-                    self._live(),
-                )
-            )
+            h = self._enter()
             try:
-                yield code.value
+                check(
+                    lib.weftRedOpCreatePreMulSum(
+                        ctypes.byref(code),
+                        ctypes.byref(factor),
+                        int(DataType.FLOAT64),
+                        SCALAR_HOST_IMMEDIATE,
+                        h,
+                    )
+                )
+                try:
+                    yield code.value
+                finally:
+                    lib.weftRedOpDestroy(code.value, h)
             finally:
-                lib.weftRedOpDestroy(code.value, self._handle)
+                self._exit()
             return
         if isinstance(op, str):
             try:
@@ -257,36 +310,36 @@ class Communicator:
 
     def raw_all_reduce(self, send: int, recv: int, count: int, dtype: int, op: Op) -> None:
         with self._op(op) as code:
-            check(lib.weftAllReduce(send, recv, count, dtype, code, self._live(), None))
+            self._call(lib.weftAllReduce, send, recv, count, dtype, code)
 
     def raw_broadcast(self, send: int, recv: int, count: int, dtype: int, root: int) -> None:
-        check(lib.weftBroadcast(send, recv, count, dtype, root, self._live(), None))
+        self._call(lib.weftBroadcast, send, recv, count, dtype, root)
 
     def raw_reduce(
         self, send: int, recv: int, count: int, dtype: int, op: Op, root: int
     ) -> None:
         with self._op(op) as code:
-            check(lib.weftReduce(send, recv, count, dtype, code, root, self._live(), None))
+            self._call(lib.weftReduce, send, recv, count, dtype, code, root)
 
     def raw_all_gather(self, send: int, recv: int, count: int, dtype: int) -> None:
-        check(lib.weftAllGather(send, recv, count, dtype, self._live(), None))
+        self._call(lib.weftAllGather, send, recv, count, dtype)
 
     def raw_reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: Op) -> None:
         with self._op(op) as code:
-            check(lib.weftReduceScatter(send, recv, count, dtype, code, self._live(), None))
+            self._call(lib.weftReduceScatter, send, recv, count, dtype, code)
 
     def raw_all_to_all(self, send: int, recv: int, count: int, dtype: int) -> None:
-        check(lib.weftAllToAll(send, recv, count, dtype, self._live(), None))
+        self._call(lib.weftAllToAll, send, recv, count, dtype)
 
     def raw_send(self, buf: int, count: int, dtype: int, peer: int) -> None:
-        check(lib.weftSend(buf, count, dtype, peer, self._live(), None))
+        self._call(lib.weftSend, buf, count, dtype, peer)
 
     def raw_recv(self, buf: int, count: int, dtype: int, peer: int) -> None:
-        check(lib.weftRecv(buf, count, dtype, peer, self._live(), None))
+        self._call(lib.weftRecv, buf, count, dtype, peer)
 
     def barrier(self) -> None:
         """Blocks until every rank called it."""
-        check(lib.weftBarrier(self._live()))
+        self._call(lib.weftBarrier, stream=False)
 
     # --- NumPy ---------------------------------------------------------------------------
 
@@ -370,11 +423,13 @@ class Communicator:
         """Sends `buf` to `peer`, which posts a matching `recv`. Inside `weftcc.group()` it runs
         when the block ends (keep `buf` alive until then)."""
         b = _array(buf)
+        _keep_for_group(buf)
         self.raw_send(b.ptr, b.count, b.dtype, peer)
 
     def recv(self, buf: np.ndarray, peer: int) -> np.ndarray:
         """Receives into `buf` from `peer` (see `send`)."""
         b = _array(buf, writable=True)
+        _keep_for_group(buf)
         self.raw_recv(b.ptr, b.count, b.dtype, peer)
         return buf
 

@@ -14,10 +14,13 @@ deadlock. CPU tensors only for now; CUDA tensors raise a clear error.
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
+import weakref
 from collections import deque
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -201,7 +204,9 @@ class _Executor:
         self._cond = threading.Condition()
         self._jobs: deque = deque()
         self._inflight = 0  # queued or running
-        self._run_lock = threading.Lock()
+        # Reentrant: a job submitted from the worker itself (a future's callback issuing an
+        # operation) runs there and then.
+        self._run_lock = threading.RLock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -211,9 +216,11 @@ class _Executor:
             if self._closed:
                 raise errors.InvalidUsage("weft backend: the process group was shut down")
             self._inflight += 1
-            if not (inline and self._inflight == 1):
+            on_worker = threading.current_thread() is self._thread
+            if not (on_worker or (inline and self._inflight == 1)):
                 for w in works:
-                    w._event = threading.Event()
+                    if w._event is None:
+                        w._event = threading.Event()
                 self._jobs.append((job, works))
                 self._cond.notify()
                 return
@@ -244,6 +251,8 @@ class _Executor:
                 job, works = self._jobs.popleft()
             try:
                 self._run(job, works)
+            except BaseException:  # a completion callback's failure must not stop the worker
+                pass
             finally:
                 with self._cond:
                     self._inflight -= 1
@@ -258,7 +267,11 @@ class _Executor:
 
 
 class ProcessGroupWeft(dist.ProcessGroup):
-    """A torch.distributed process group on one weftcc communicator (see the module's doc)."""
+    """A torch.distributed process group on one weftcc communicator (see the module's doc).
+
+    Argument checks run on the calling thread (a bad call raises there, before anything is
+    sent); the operation itself, contiguous copies included, runs as a job in call order, so an
+    asynchronous operation sees what the operations before it wrote."""
 
     def __init__(self, comm: Communicator, rank: int, size: int):
         super().__init__(rank, size)
@@ -266,19 +279,30 @@ class ProcessGroupWeft(dist.ProcessGroup):
         self._exec = _Executor(f"weft-pg-r{rank}")
         self._p2p_lock = threading.Lock()
         self._p2p: list = []
+        self._closed = False
+        _LIVE.add(self)
 
     # --- creation and life ---------------------------------------------------------------
 
     @classmethod
     def create(cls, store, rank: int, size: int, timeout: timedelta) -> "ProcessGroupWeft":
         """The creator torch calls: rank 0 starts the bootstrap and publishes its unique id in
-        the group's store; every rank then joins."""
+        the group's store; every rank then joins. A set WEFT_TIMEOUT wins over torch's timeout
+        (which torch always passes: 30 minutes unless given)."""
         if rank == 0:
             uid = get_unique_id()
             store.set(_UID_KEY, uid)
         else:
             uid = store.get(_UID_KEY).decode()
-        comm = Communicator.from_unique_id(uid, rank, size, timeout=_seconds(timeout))
+        seconds = None if os.environ.get("WEFT_TIMEOUT") else _seconds(timeout)
+        comm = Communicator.from_unique_id(uid, rank, size, timeout=seconds)
+        if rank == 0:
+            # Every rank has joined (creation returns only then): a later group on the same
+            # store prefix (after destroy_process_group) must not find this id.
+            try:
+                store.delete_key(_UID_KEY)
+            except Exception:
+                pass
         return cls(comm, rank, size)
 
     def getBackendName(self) -> str:
@@ -304,14 +328,30 @@ class ProcessGroupWeft(dist.ProcessGroup):
         self._comm.abort()
 
     def shutdown(self) -> None:
-        self._flush_p2p()
+        """Ends the group: sends and receives never waited on fail (they are not run: their
+        peers may never post theirs), queued operations finish, the communicator closes."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        with self._p2p_lock:
+            ops, self._p2p = self._p2p, []
+        for op in ops:
+            op[4]._finish(
+                errors.InvalidUsage(
+                    f"weft backend: {op[4]._call} to/from rank {op[2]} was never waited on "
+                    "before the process group was shut down"
+                )
+            )
         self._exec.close()
         self._comm.close()
 
     # --- plumbing --------------------------------------------------------------------------
 
     def _submit(self, call: str, opts, outputs, job: Callable[[], None]) -> WeftWork:
-        self._flush_p2p()
+        # Sends and receives posted before this call, on any weft group, go first: a peer may
+        # be waiting for them before it reaches this collective.
+        _flush_all_p2p()
         work = WeftWork(self, call, outputs)
         inline = not getattr(opts, "asyncOp", True)
         self._exec.submit(job, [work], inline)
@@ -328,7 +368,10 @@ class ProcessGroupWeft(dist.ProcessGroup):
         dtype = _dtype(call, t)
         work = WeftWork(self, call, [t])
         work._p2p = True
+        work._event = threading.Event()
         with self._p2p_lock:
+            if self._closed:
+                raise errors.InvalidUsage("weft backend: the process group was shut down")
             self._p2p.append((send, t, int(peer), dtype, work))
         return work
 
@@ -342,27 +385,42 @@ class ProcessGroupWeft(dist.ProcessGroup):
         comm = self._comm
 
         def job() -> None:
-            dense = []
+            keep, written = [], []
             with group():
                 for send, t, peer, dtype, _ in ops:
                     if send:
                         src = t.contiguous()
-                        dense.append(src)  # alive until the group ran
+                        keep.append(src)  # alive until the group ran
                         comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
                     else:
                         d = _Dense(t)
-                        dense.append(d)
+                        written.append(d)
                         comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
-            for d in dense:
-                if isinstance(d, _Dense):
-                    d.done()
+            for d in written:
+                d.done()
 
-        self._exec.submit(job, [op[4] for op in ops], inline=False)
+        works = [op[4] for op in ops]
+        try:
+            self._exec.submit(job, works, inline=False)
+        except errors.WeftError as e:  # shut down meanwhile
+            for w in works:
+                w._finish(e)
 
     def _one(self, call: str, tensors) -> torch.Tensor:
         if len(tensors) != 1:
             raise _unsupported(call, f"{len(tensors)} tensors per process (one is supported)")
         return tensors[0]
+
+    def _in_place(self, call: str, t: torch.Tensor, run: Callable[[int, int], None]) -> Callable[[], None]:
+        """A job running `run(address, count)` on `t` (through a contiguous copy if need be,
+        made when the job runs)."""
+
+        def job() -> None:
+            d = _Dense(t)
+            run(d.ptr, d.buf.numel())
+            d.done()
+
+        return job
 
     # --- collectives -----------------------------------------------------------------------
 
@@ -371,38 +429,29 @@ class ProcessGroupWeft(dist.ProcessGroup):
         t = self._one(call, tensors)
         dtype = _dtype(call, t)
         op = _op(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t)
-        d = _Dense(t)
-
-        def job() -> None:
-            self._comm.raw_all_reduce(d.ptr, d.ptr, d.buf.numel(), dtype, op)
-            d.done()
-
+        comm = self._comm
+        job = self._in_place(call, t, lambda p, n: comm.raw_all_reduce(p, p, n, dtype, op))
         return self._submit(call, opts, [t], job)
 
     def allreduce_coalesced(self, tensors, opts=None):
         call = "all_reduce_coalesced"
-        dense = [(_Dense(t), _dtype(call, t)) for t in tensors]
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        ops = [_op(call, op, t) for t in tensors]
-
-        def job() -> None:
-            for (d, dtype), o in zip(dense, ops):
-                self._comm.raw_all_reduce(d.ptr, d.ptr, d.buf.numel(), dtype, o)
-                d.done()
-
-        return self._submit(call, opts, list(tensors), job)
+        red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        comm = self._comm
+        jobs = []
+        for t in tensors:
+            dtype, op = _dtype(call, t), _op(call, red, t)
+            jobs.append(
+                self._in_place(call, t, lambda p, n, dt=dtype, o=op: comm.raw_all_reduce(p, p, n, dt, o))
+            )
+        return self._submit(call, opts, list(tensors), lambda: [j() for j in jobs])
 
     def broadcast(self, tensors, opts):
         call = "broadcast"
         t = self._one(call, tensors)
         dtype = _dtype(call, t)
-        d = _Dense(t)
         root = opts.rootRank
-
-        def job() -> None:
-            self._comm.raw_broadcast(d.ptr, d.ptr, d.buf.numel(), dtype, root)
-            d.done()
-
+        comm = self._comm
+        job = self._in_place(call, t, lambda p, n: comm.raw_broadcast(p, p, n, dtype, root))
         return self._submit(call, opts, [t], job)
 
     def reduce(self, tensors, opts):
@@ -410,13 +459,9 @@ class ProcessGroupWeft(dist.ProcessGroup):
         t = self._one(call, tensors)
         dtype = _dtype(call, t)
         op = _op(call, opts.reduceOp, t)
-        d = _Dense(t)
         root = opts.rootRank
-
-        def job() -> None:
-            self._comm.raw_reduce(d.ptr, d.ptr, d.buf.numel(), dtype, op, root)
-            d.done()
-
+        comm = self._comm
+        job = self._in_place(call, t, lambda p, n: comm.raw_reduce(p, p, n, dtype, op, root))
         return self._submit(call, opts, [t], job)
 
     def _gather_into(self, call: str, out: torch.Tensor, inp: torch.Tensor) -> Callable[[], None]:
@@ -427,11 +472,12 @@ class ProcessGroupWeft(dist.ProcessGroup):
                 f"output of {out.numel()} {out.dtype} is not {self.size()} x the input's "
                 f"{inp.numel()} {inp.dtype}",
             )
-        src = inp.contiguous()
-        d = _Dense(out)
+        comm = self._comm
 
         def job() -> None:
-            self._comm.raw_all_gather(src.data_ptr(), d.ptr, src.numel(), dtype)
+            src = inp.contiguous()
+            d = _Dense(out)
+            comm.raw_all_gather(src.data_ptr(), d.ptr, src.numel(), dtype)
             d.done()
 
         return job
@@ -467,20 +513,25 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         raise _unsupported("all_gather_coalesced", "not supported (use all_gather per tensor)")
 
-    def _scatter_into(self, call: str, out: torch.Tensor, inp: torch.Tensor, op) -> Callable[[], None]:
-        dtype = _dtype(call, inp)
-        if out.dtype != inp.dtype or out.numel() * self.size() != inp.numel():
+    def _scatter_into(
+        self, call: str, out: torch.Tensor, inp: Callable[[], torch.Tensor], numel: int, dtype_of: torch.Tensor, op
+    ) -> Callable[[], None]:
+        """A reduce-scatter job of `inp()` (made when the job runs: `numel` elements, of
+        `dtype_of`'s dtype) into `out`."""
+        dtype = _dtype(call, dtype_of)
+        if out.dtype != dtype_of.dtype or out.numel() * self.size() != numel:
             raise _unsupported(
                 call,
-                f"input of {inp.numel()} {inp.dtype} is not {self.size()} x the output's "
+                f"input of {numel} {dtype_of.dtype} is not {self.size()} x the output's "
                 f"{out.numel()} {out.dtype}",
             )
-        o = _op(call, op, inp)
-        src = inp.contiguous()
-        d = _Dense(out)
+        o = _op(call, op, dtype_of)
+        comm = self._comm
 
         def job() -> None:
-            self._comm.raw_reduce_scatter(src.data_ptr(), d.ptr, d.buf.numel(), dtype, o)
+            src = inp().contiguous()
+            d = _Dense(out)
+            comm.raw_reduce_scatter(src.data_ptr(), d.ptr, d.buf.numel(), dtype, o)
             d.done()
 
         return job
@@ -488,46 +539,64 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         call = "reduce_scatter_tensor"
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._submit(call, opts, [output], self._scatter_into(call, output, input, op))
+        job = self._scatter_into(call, output, lambda: input, input.numel(), input, op)
+        return self._submit(call, opts, [output], job)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         call = "reduce_scatter_tensor_coalesced"
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        jobs = [self._scatter_into(call, o, i, op) for o, i in zip(outputs, inputs)]
+        jobs = [
+            self._scatter_into(call, o, lambda i=i: i, i.numel(), i, op) for o, i in zip(outputs, inputs)
+        ]
         return self._submit(call, opts, list(outputs), lambda: [j() for j in jobs])
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         call = "reduce_scatter"
         out = self._one(call, output_tensors)
-        ins = self._one(call, input_lists)
+        ins = list(self._one(call, input_lists))
         if len(ins) != self.size():
             raise _unsupported(call, f"{len(ins)} input tensors for {self.size()} ranks")
         for i in ins:
             if i.numel() != out.numel() or i.dtype != out.dtype:
                 raise _unsupported(call, "input tensors differ from the output in size or dtype")
-        flat = torch.cat([i.reshape(-1) for i in ins]) if ins else torch.empty(0, dtype=out.dtype)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._submit(call, opts, [out], self._scatter_into(call, out, flat, op))
+        job = self._scatter_into(
+            call, out, lambda: torch.cat([i.reshape(-1) for i in ins]), out.numel() * self.size(), out, op
+        )
+        return self._submit(call, opts, [out], job)
 
     def _exchange(
-        self, call: str, sends: List[torch.Tensor], recvs: List[torch.Tensor], dtype: int
+        self,
+        call: str,
+        sends: Dict[int, torch.Tensor],
+        recvs: Dict[int, torch.Tensor],
+        own: Optional[Tuple[torch.Tensor, torch.Tensor]],
+        dtype: int,
     ) -> Callable[[], None]:
-        """All-to-all of per-rank blocks of any sizes, as one group of sends and receives."""
-        comm, me = self._comm, self.rank()
-        dense = [_Dense(r) for r in recvs]
-        srcs = [s.contiguous() for s in sends]
+        """One group of sends and receives, every message posted by role (zero-size ones
+        too, so the peers' sizes are compared), plus this rank's own block copied (`own`:
+        source, destination; checked here to match)."""
+        if own is not None and own[0].numel() != own[1].numel():
+            raise _unsupported(
+                call, f"this rank's own block: {own[0].numel()} elements into {own[1].numel()}"
+            )
+        comm = self._comm
 
         def job() -> None:
-            dense[me].buf.copy_(srcs[me].view_as(dense[me].buf))
+            keep, written = [], []
             with group():
                 for peer in range(self.size()):
-                    if peer == me:
-                        continue
-                    if srcs[peer].numel():
-                        comm.raw_send(srcs[peer].data_ptr(), srcs[peer].numel(), dtype, peer)
-                    if dense[peer].buf.numel():
-                        comm.raw_recv(dense[peer].ptr, dense[peer].buf.numel(), dtype, peer)
-            for d in dense:
+                    if peer in sends:
+                        src = sends[peer].contiguous()
+                        keep.append(src)
+                        comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
+                    if peer in recvs:
+                        d = _Dense(recvs[peer])
+                        written.append(d)
+                        comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
+            if own is not None:
+                own[1].copy_(own[0].reshape(own[1].shape))
+            for d in written:
                 d.done()
 
         return job
@@ -535,7 +604,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         call = "all_to_all_single"
         dtype = _dtype(call, input)
-        n = self.size()
+        n, me = self.size(), self.rank()
         if output.dtype != input.dtype:
             raise _unsupported(call, f"output {output.dtype}, input {input.dtype}")
         if not output_split_sizes and not input_split_sizes:
@@ -543,11 +612,12 @@ class ProcessGroupWeft(dist.ProcessGroup):
                 raise _unsupported(
                     call, f"{input.numel()} input / {output.numel()} output elements for {n} ranks"
                 )
-            src = input.contiguous()
-            d = _Dense(output)
+            comm = self._comm
 
             def job() -> None:
-                self._comm.raw_all_to_all(src.data_ptr(), d.ptr, src.numel() // n, dtype)
+                src = input.contiguous()
+                d = _Dense(output)
+                comm.raw_all_to_all(src.data_ptr(), d.ptr, src.numel() // n, dtype)
                 d.done()
 
             return self._submit(call, opts, [output], job)
@@ -561,63 +631,72 @@ class ProcessGroupWeft(dist.ProcessGroup):
 
         outs = blocks(output, output_split_sizes)
         ins = blocks(input, input_split_sizes)
-        return self._submit(call, opts, [output], self._exchange(call, ins, outs, dtype))
+        others = [q for q in range(n) if q != me]
+        job = self._exchange(
+            call, {q: ins[q] for q in others}, {q: outs[q] for q in others}, (ins[me], outs[me]), dtype
+        )
+        return self._submit(call, opts, [output], job)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         call = "all_to_all"
-        n = self.size()
+        n, me = self.size(), self.rank()
         if len(output_tensors) != n or len(input_tensors) != n:
             raise _unsupported(call, f"lists of {len(output_tensors)}/{len(input_tensors)} for {n} ranks")
         dtype = _dtype(call, input_tensors[0])
         for t in list(output_tensors) + list(input_tensors):
             if _dtype(call, t) != dtype:
                 raise _unsupported(call, "tensors of different dtypes")
-        return self._submit(
-            call, opts, list(output_tensors), self._exchange(call, list(input_tensors), list(output_tensors), dtype)
+        others = [q for q in range(n) if q != me]
+        job = self._exchange(
+            call,
+            {q: input_tensors[q] for q in others},
+            {q: output_tensors[q] for q in others},
+            (input_tensors[me], output_tensors[me]),
+            dtype,
         )
+        return self._submit(call, opts, list(output_tensors), job)
 
     def gather(self, output_lists, input_list, opts):
         call = "gather"
         inp = self._one(call, input_list)
         dtype = _dtype(call, inp)
-        root, me = opts.rootRank, self.rank()
-        outs = output_lists[0] if output_lists else []
-        if me == root and len(outs) != self.size():
-            raise _unsupported(call, f"{len(outs)} output tensors on the root for {self.size()} ranks")
-        empty = inp.new_empty(0)
-        sends = [empty] * self.size()
-        sends[root] = inp  # the root's own block is a copy
-        recvs = list(outs) if me == root else [empty] * self.size()
-        return self._submit(call, opts, list(outs), self._exchange(call, sends, recvs, dtype))
+        root, me, n = opts.rootRank, self.rank(), self.size()
+        outs = list(output_lists[0]) if output_lists else []
+        if me == root:
+            if len(outs) != n:
+                raise _unsupported(call, f"{len(outs)} output tensors on the root for {n} ranks")
+            others = [q for q in range(n) if q != me]
+            job = self._exchange(call, {}, {q: outs[q] for q in others}, (inp, outs[me]), dtype)
+        else:
+            job = self._exchange(call, {root: inp}, {}, None, dtype)
+        return self._submit(call, opts, outs, job)
+
+    def gather_single(self, output, input, opts):
+        call = "gather"
+        root, me, n = opts.rootRank, self.rank(), self.size()
+        outs = []
+        if me == root:
+            if not output.is_contiguous():
+                raise _unsupported(call, "a non-contiguous output tensor")
+            if output.numel() != n * input.numel() or output.dtype != input.dtype:
+                raise _unsupported(call, f"output of {output.numel()} for {n} x {input.numel()}")
+            outs = list(output.view(-1).split(input.numel())) if input.numel() else [output.view(-1)] * n
+        return self.gather([outs], [input], opts)
 
     def scatter(self, output_tensors, input_lists, opts):
         call = "scatter"
         out = self._one(call, output_tensors)
         dtype = _dtype(call, out)
-        root, me = opts.rootRank, self.rank()
-        ins = input_lists[0] if input_lists else []
-        if me == root and len(ins) != self.size():
-            raise _unsupported(call, f"{len(ins)} input tensors on the root for {self.size()} ranks")
-        empty = out.new_empty(0)
-        sends = list(ins) if me == root else [empty] * self.size()
-        recvs = [empty] * self.size()
-        recvs[root] = out
-        if me != root:
-            sends[me] = empty
-        return self._submit(call, opts, [out], self._exchange(call, sends, recvs, dtype))
-
-    def gather_single(self, output, input, opts):
-        call = "gather"
         root, me, n = opts.rootRank, self.rank(), self.size()
+        ins = list(input_lists[0]) if input_lists else []
         if me == root:
-            if output.numel() != n * input.numel() or output.dtype != input.dtype:
-                raise _unsupported(call, f"output of {output.numel()} for {n} x {input.numel()}")
-            outs = [output.view(-1)[q * input.numel() : (q + 1) * input.numel()] for q in range(n)]
-            if not output.is_contiguous():
-                raise _unsupported(call, "a non-contiguous output tensor")
+            if len(ins) != n:
+                raise _unsupported(call, f"{len(ins)} input tensors on the root for {n} ranks")
+            others = [q for q in range(n) if q != me]
+            job = self._exchange(call, {q: ins[q] for q in others}, {}, (ins[me], out), dtype)
         else:
-            outs = []
-        return self.gather([outs], [input], opts)
+            job = self._exchange(call, {}, {root: out}, None, dtype)
+        return self._submit(call, opts, [out], job)
 
     # torch's newer names for the single-tensor forms.
     all_gather_single = _allgather_base
@@ -630,7 +709,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         raise _unsupported(
             "set_timeout",
             "a weftcc communicator's timeout is fixed when it is made (pass timeout= to "
-            "init_process_group or new_group, or set WEFT_TIMEOUT)",
+            "init_process_group or new_group, or set WEFT_TIMEOUT, which wins)",
         )
 
     def barrier(self, opts=None):
@@ -649,6 +728,26 @@ class ProcessGroupWeft(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         raise _unsupported("recv from any source", "weftcc receives from a named rank")
+
+
+# Live groups: a collective on any of them first runs the sends and receives collected on all
+# of them, and the interpreter's exit shuts down those still open.
+_LIVE: "weakref.WeakSet[ProcessGroupWeft]" = weakref.WeakSet()
+
+
+def _flush_all_p2p() -> None:
+    for pg in list(_LIVE):
+        if pg._p2p:
+            pg._flush_p2p()
+
+
+@atexit.register
+def _shutdown_live_groups() -> None:
+    for pg in list(_LIVE):
+        try:
+            pg.shutdown()
+        except Exception:
+            pass
 
 
 def _create(store, rank, size, timeout):
