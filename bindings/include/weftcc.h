@@ -306,7 +306,8 @@ const char *weftGetErrorString(weftResult_t result);
 const char *weftGetLastError(weftComm_t comm);
 
 // Writes the facts of this thread's last failed call (those of [`weftGetLastError`]'s message)
-// into `*info`, whose `size` the caller set to `sizeof(weftErrorInfo_t)`. With no failure yet,
+// into `*info`, whose `size` the caller set to `sizeof(weftErrorInfo_t)` (`size` is left as
+// it is; a later, larger struct gets the fields this library knows). With no failure yet,
 // `result` is `weftSuccess` and the other fields -1.
 //
 // # Safety

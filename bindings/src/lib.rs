@@ -194,6 +194,9 @@ struct P2p {
     stream: usize,
 }
 
+/// Bytes of the first [`weftErrorInfo_t`] (this header's): the least a caller may pass.
+const ERROR_INFO_V1_BYTES: usize = std::mem::size_of::<weftErrorInfo_t>();
+
 const NO_ERROR_INFO: weftErrorInfo_t = weftErrorInfo_t {
     size: std::mem::size_of::<weftErrorInfo_t>(),
     result: weftSuccess,
@@ -894,7 +897,8 @@ pub extern "C" fn weftGetLastError(comm: weftComm_t) -> *const c_char {
 }
 
 /// Writes the facts of this thread's last failed call (those of [`weftGetLastError`]'s message)
-/// into `*info`, whose `size` the caller set to `sizeof(weftErrorInfo_t)`. With no failure yet,
+/// into `*info`, whose `size` the caller set to `sizeof(weftErrorInfo_t)` (`size` is left as
+/// it is; a later, larger struct gets the fields this library knows). With no failure yet,
 /// `result` is `weftSuccess` and the other fields -1.
 ///
 /// # Safety
@@ -908,12 +912,21 @@ pub unsafe extern "C" fn weftGetLastErrorInfo(info: *mut weftErrorInfo_t) -> wef
     }
     // SAFETY: non-null; its `size` field is readable per the contract.
     let size = unsafe { std::ptr::addr_of!((*info).size).read() };
-    if size < std::mem::size_of::<weftErrorInfo_t>() {
+    if size < ERROR_INFO_V1_BYTES {
         return weftInvalidArgument;
     }
-    let facts = LAST_INFO.with(|i| i.get());
-    // SAFETY: at least `size_of::<weftErrorInfo_t>()` bytes are writable per the contract.
-    unsafe { info.write(facts) };
+    // The caller's struct may be a later version's (larger: its extra fields are left alone)
+    // or this one; `size` stays the caller's.
+    let facts = weftErrorInfo_t {
+        size,
+        ..LAST_INFO.with(|i| i.get())
+    };
+    let n = size.min(std::mem::size_of::<weftErrorInfo_t>());
+    // SAFETY: `facts` is a whole struct; the caller's first `size` ≥ `n` bytes are writable
+    // per the contract, and the two do not overlap (`facts` is a local).
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::addr_of!(facts).cast::<u8>(), info.cast::<u8>(), n)
+    };
     weftSuccess
 }
 

@@ -351,13 +351,29 @@ impl Communicator {
     /// Aborts the communicator: every waiting call returns [`Error::Aborted`] within a few
     /// milliseconds, every later call fails, and other ranks are told. Callable from any thread.
     pub fn abort(&self) {
+        self.abort_because(
+            "abort() called".into(),
+            crate::error::AbortCause::AbortCalled,
+            None,
+        );
+    }
+
+    /// [`Communicator::abort`] on behalf of a failure this communicator did not see itself but
+    /// must end (a tier of a device communicator built on it failed): the other ranks' errors
+    /// carry `reason`, `cause` and the operation `during` as they would this rank's own failure.
+    pub fn abort_because(
+        &self,
+        reason: String,
+        cause: crate::error::AbortCause,
+        during: Option<(OpKind, u64)>,
+    ) {
         self.inner.abort.store(true, Ordering::SeqCst);
         let e = Error::Aborted {
             rank: self.inner.rank,
             by: None,
-            reason: "abort() called".into(),
-            cause: crate::error::AbortCause::AbortCalled,
-            during: None,
+            reason,
+            cause,
+            during,
         };
         self.inner.fail(e);
         self.inner.leave_farewell();

@@ -609,7 +609,7 @@ pub(crate) enum FailureNote {
 }
 
 impl FailureNote {
-    const MAGIC: &'static str = "weft-failure/1";
+    const MAGIC: &'static str = "weft-failure/2";
     const SEP: char = '\u{1f}';
 
     /// An operation as a word of a note: `kind.seq`, or `-` for none.

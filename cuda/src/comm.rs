@@ -49,7 +49,7 @@ use weftcc_collectives::schedule::p2p;
 use weftcc_collectives::{
     schedule, Algorithm, Combiner, DataType, Element, OpKind, RawOp, ReduceOp,
 };
-use weftcc_comm::Communicator;
+use weftcc_comm::{AbortCause, Communicator};
 use weftcc_transports::lock;
 
 /// How a device communicator moves data between ranks.
@@ -225,7 +225,14 @@ impl Shared {
             *g = Some(e.clone());
             drop(g);
             if let Some(flat) = self.abort_on_failure.get() {
-                flat.abort();
+                // The other ranks learn this tier's failure itself (cause, operation).
+                let facts = e.facts();
+                let cause = if headers::is_mismatch(e) {
+                    AbortCause::Mismatch
+                } else {
+                    AbortCause::Failed
+                };
+                flat.abort_because(e.to_string(), cause, facts.op.zip(facts.seq));
             }
         }
     }
@@ -1079,7 +1086,9 @@ fn proxy_loop(
             (Ok(()), Ok(())) => run_staged(&host, &job),
         };
         let r = r.map_err(|e| match e {
+            // A mismatch stays typed (it names both calls and their sequence number).
             e @ CudaError::Poisoned { .. } => e,
+            e if headers::is_mismatch(&e) => e,
             other => CudaError::Collective {
                 rank: host.rank(),
                 op: job.work.kind(),

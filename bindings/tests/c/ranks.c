@@ -219,6 +219,18 @@ static void errors(weftComm_t comm, int n) {
   small.size -= 1;
   CHECK(weftGetLastErrorInfo(&small) == weftInvalidArgument, "a short weftErrorInfo_t accepted");
   CHECK(weftGetLastErrorInfo(NULL) == weftInvalidArgument, "a NULL weftErrorInfo_t accepted");
+  /* A later header's larger struct: the known fields are written, the rest and size kept. */
+  struct {
+    weftErrorInfo_t info;
+    int64_t later;
+  } big;
+  memset(&big, 0x5a, sizeof big);
+  big.info.size = sizeof big;
+  OK(weftGetLastErrorInfo(&big.info));
+  CHECK(big.info.size == sizeof big && big.info.result == weftInvalidArgument &&
+            big.info.rank == me && big.later == 0x5a5a5a5a5a5a5a5a,
+        "a larger weftErrorInfo_t: size %zu result %d later %llx", big.info.size, big.info.result,
+        (unsigned long long)big.later);
   CHECK(weftBroadcast(x, y, 4, weftFloat32, -1, comm, NULL) == weftInvalidArgument, "negative root");
   CHECK(strstr(weftGetLastError(comm), "root -1 is not a rank") != NULL, "message: %s",
         weftGetLastError(comm));
