@@ -7,9 +7,10 @@ made from a unique id that the group's rank 0 publishes in the store torch hands
 and one worker thread that runs its operations in call order: a call with `async_op=False` runs
 on the calling thread when nothing is queued, an asynchronous one on the worker. Sends and
 receives are collected and run together as one weftcc group when one of their `Work`s is waited
-on (or asked for its future or completion) or when the next collective is called, so
-`batch_isend_irecv` and exchanges that post sends and receives on both sides complete without
-deadlock. CPU tensors only for now; CUDA tensors raise a clear error.
+on (or asked for its future or completion) or when the next collective is called on any weft
+group, so `batch_isend_irecv` and exchanges that post sends and receives on both sides complete
+without deadlock; the groups still open at the interpreter's exit are shut down. CPU tensors
+only for now; CUDA tensors raise a clear error.
 """
 
 from __future__ import annotations
