@@ -44,8 +44,11 @@ def test_mismatched_shapes_raise_on_every_rank(n):
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_init_methods(scheme, tmp_path):
     """init_process_group("weft") with tcp:// and file:// stores (no torchrun)."""
-    method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'store'}"
-    assert_ok(run_ranks("torch_worker.py", 2, ["init", method], timeout=120), f"{scheme}://")
+    if scheme == "tcp":
+        methods = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    else:
+        methods = [f"file://{tmp_path / 'store'}"] * 2
+    assert_ok(run_ranks("torch_worker.py", 2, ["init"] + methods, timeout=120), f"{scheme}://")
 
 
 def _params(prefix, n):

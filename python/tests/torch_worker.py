@@ -245,14 +245,16 @@ def errors():
         failures.clear()
 
 
-def init_method(method):
+def init_method(methods):
     """init_process_group("weft", init_method=...) with rank and size from the environment
-    (tcp:// and file:// stores; torchrun's env:// is every other mode)."""
+    (tcp:// and file:// stores; torchrun's env:// is every other mode), once per method given: a
+    group made again after destroy_process_group (on the same store: file://) must not join the
+    old one. (torch's own TCPStore does not reliably come back on the port it just left, so
+    tcp:// is given a fresh port each time.)"""
     import os
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # Twice: a group made again after destroy_process_group must not join the old one.
-    for attempt in range(2):
+    for attempt, method in enumerate(methods):
         dist.init_process_group("weft", init_method=method, rank=rank, world_size=n)
         x = torch.tensor([float(rank + 1)])
         dist.all_reduce(x)
@@ -262,8 +264,13 @@ def init_method(method):
 
 def main():
     mode = sys.argv[1]
+    import faulthandler
+    import os
+
+    # Every thread's stack if the rank is still running then (the test harness kills it later).
+    faulthandler.dump_traceback_later(float(os.environ.get("WEFT_TEST_STACKS_AFTER", "100")), exit=False)
     if mode == "init":
-        init_method(sys.argv[2])
+        init_method(sys.argv[2:])
         for f in failures:
             print(f"FAIL {f}")
         sys.exit(1 if failures else 0)
