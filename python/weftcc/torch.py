@@ -120,6 +120,24 @@ class _Dense:
             self.tensor.copy_(self.buf)
 
 
+def _run_group(comm: Communicator, posts) -> None:
+    """Runs `(send, tensor, peer, dtype)` posts as one weftcc group: sends from contiguous
+    copies kept alive until the group ran, receives through `_Dense` written back after."""
+    keep, written = [], []
+    with group():
+        for send, t, peer, dtype in posts:
+            if send:
+                src = t.contiguous()
+                keep.append(src)
+                comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
+            else:
+                d = _Dense(t)
+                written.append(d)
+                comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
+    for d in written:
+        d.done()
+
+
 class WeftWork(dist.Work):
     """One operation of a weft process group; `wait()` raises the operation's weftcc error.
 
@@ -386,19 +404,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         comm = self._comm
 
         def job() -> None:
-            keep, written = [], []
-            with group():
-                for send, t, peer, dtype, _ in ops:
-                    if send:
-                        src = t.contiguous()
-                        keep.append(src)  # alive until the group ran
-                        comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
-                    else:
-                        d = _Dense(t)
-                        written.append(d)
-                        comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
-            for d in written:
-                d.done()
+            _run_group(comm, [(send, t, peer, dtype) for send, t, peer, dtype, _ in ops])
 
         works = [op[4] for op in ops]
         try:
@@ -412,7 +418,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
             raise _unsupported(call, f"{len(tensors)} tensors per process (one is supported)")
         return tensors[0]
 
-    def _in_place(self, call: str, t: torch.Tensor, run: Callable[[int, int], None]) -> Callable[[], None]:
+    def _in_place(self, t: torch.Tensor, run: Callable[[int, int], None]) -> Callable[[], None]:
         """A job running `run(address, count)` on `t` (through a contiguous copy if need be,
         made when the job runs)."""
 
@@ -431,7 +437,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         dtype = _dtype(call, t)
         op = _op(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t)
         comm = self._comm
-        job = self._in_place(call, t, lambda p, n: comm.raw_all_reduce(p, p, n, dtype, op))
+        job = self._in_place(t, lambda p, n: comm.raw_all_reduce(p, p, n, dtype, op))
         return self._submit(call, opts, [t], job)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -442,7 +448,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         for t in tensors:
             dtype, op = _dtype(call, t), _op(call, red, t)
             jobs.append(
-                self._in_place(call, t, lambda p, n, dt=dtype, o=op: comm.raw_all_reduce(p, p, n, dt, o))
+                self._in_place(t, lambda p, n, dt=dtype, o=op: comm.raw_all_reduce(p, p, n, dt, o))
             )
         return self._submit(call, opts, list(tensors), lambda: [j() for j in jobs])
 
@@ -452,7 +458,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         dtype = _dtype(call, t)
         root = opts.rootRank
         comm = self._comm
-        job = self._in_place(call, t, lambda p, n: comm.raw_broadcast(p, p, n, dtype, root))
+        job = self._in_place(t, lambda p, n: comm.raw_broadcast(p, p, n, dtype, root))
         return self._submit(call, opts, [t], job)
 
     def reduce(self, tensors, opts):
@@ -462,7 +468,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         op = _op(call, opts.reduceOp, t)
         root = opts.rootRank
         comm = self._comm
-        job = self._in_place(call, t, lambda p, n: comm.raw_reduce(p, p, n, dtype, op, root))
+        job = self._in_place(t, lambda p, n: comm.raw_reduce(p, p, n, dtype, op, root))
         return self._submit(call, opts, [t], job)
 
     def _gather_into(self, call: str, out: torch.Tensor, inp: torch.Tensor) -> Callable[[], None]:
@@ -582,23 +588,17 @@ class ProcessGroupWeft(dist.ProcessGroup):
                 call, f"this rank's own block: {own[0].numel()} elements into {own[1].numel()}"
             )
         comm = self._comm
+        posts = []
+        for peer in range(self.size()):
+            if peer in sends:
+                posts.append((True, sends[peer], peer, dtype))
+            if peer in recvs:
+                posts.append((False, recvs[peer], peer, dtype))
 
         def job() -> None:
-            keep, written = [], []
-            with group():
-                for peer in range(self.size()):
-                    if peer in sends:
-                        src = sends[peer].contiguous()
-                        keep.append(src)
-                        comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
-                    if peer in recvs:
-                        d = _Dense(recvs[peer])
-                        written.append(d)
-                        comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
+            _run_group(comm, posts)
             if own is not None:
                 own[1].copy_(own[0].reshape(own[1].shape))
-            for d in written:
-                d.done()
 
         return job
 
