@@ -34,6 +34,7 @@ impl OpDesc {
     /// The description of collective `call`, the `seq`-th of its communicator: the reduction
     /// only where the kind reduces (0xff otherwise), the root only where it has one
     /// ([`NO_ROOT`] otherwise), so that fields a call ignores never make ranks disagree.
+    #[inline]
     pub fn of_call(call: &RawOp, seq: u64) -> OpDesc {
         OpDesc {
             kind: call.kind,

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan, RawOp};
-use weftcc_collectives::header::{OpDesc, NO_ROOT};
+use weftcc_collectives::header::OpDesc;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::{reduce, Algorithm, DataType, Element, OpKind, ReduceOp};
@@ -764,22 +764,7 @@ impl Inner {
                 self.trace.update_running(|e| *e = entry);
             }
         }
-        let desc = OpDesc {
-            kind: call.kind,
-            seq,
-            dtype: call.dtype,
-            count: count as u64,
-            redop: if call.has_reduction() {
-                call.op.code()
-            } else {
-                0xff
-            },
-            root: if call.has_root() {
-                call.root as u32
-            } else {
-                NO_ROOT
-            },
-        };
+        let desc = OpDesc::of_call(call, seq);
         let internal = |reason: String| Error::Internal {
             rank: r,
             op: call.kind,
