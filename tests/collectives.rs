@@ -330,8 +330,19 @@ fn matrix(n: usize, wire: Wire) {
     // Every type, reduction and count (small ones and 4 Mi + 3 elements) for every collective;
     // at the large count every reduction for i8 and f32 (element sizes 1 and 4) and Sum for the
     // other types (the pipelined path depends on the element size, not on the reduction).
-    let errors = with_ranks(n, wire, |_, comm| {
+    let errors = with_ranks(n, wire, |rank, comm| {
         let mut errors = Vec::new();
+        if matches!(wire, Wire::Net | Wire::NetLoopback) && n > 1 {
+            // The matrix is meant for the network path: every rank a host of its own.
+            let peer = (rank + 1) % n;
+            let _ = comm.all_reduce_in_place(&mut [0u8; 1][..], ReduceOp::Sum);
+            if comm.transport_to(peer) != Some("net") {
+                errors.push(format!(
+                    "rank {rank} reaches {peer} over {:?}",
+                    comm.transport_to(peer)
+                ));
+            }
+        }
         run_type::<i8>(comm, true, &mut errors);
         run_type::<u8>(comm, false, &mut errors);
         run_type::<i32>(comm, false, &mut errors);
@@ -500,4 +511,5 @@ matrix_tests! {
     tcp_striped_3_ranks: 3, Wire::TcpStriped;
     net_2_ranks: 2, Wire::Net;
     net_3_ranks: 3, Wire::Net;
+    net_loopback_3_ranks: 3, Wire::NetLoopback;
 }

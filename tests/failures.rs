@@ -148,6 +148,125 @@ fn an_abort_reaches_an_idle_rank_when_a_split_child_outlives_the_parent_on_rank_
 }
 
 #[test]
+fn a_failure_of_the_whole_communicator_ends_the_tiers_that_follow_it() {
+    // Two "hosts" of two ranks: tiers split from the whole communicator as a hierarchical device
+    // communicator makes them (this host's ranks; one rank per host). Rank 3 fails in its own
+    // tier and ends the whole communicator with that cause (what a tier's failure does, as
+    // `abort_because`), while rank 1 waits in a cross-host all-reduce for rank 3, which never
+    // joins it. Without the failure hook that ends the tiers, rank 1 waited out its timeout.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use weftcc::{AbortCause, OpKind};
+    let mut cfg = config(Wire::Tcp);
+    cfg.timeout = Duration::from_secs(30);
+    let hooks_run = Arc::new(AtomicUsize::new(0));
+    // Every rank keeps its communicators until all have seen the outcome: a rank whose
+    // connections close is seen as lost by its peers, a different path.
+    let all_done = std::sync::Barrier::new(4);
+    let results = with_ranks_config(4, cfg, |rank, flat| {
+        let outcome = |r: (Option<Error>, Duration)| {
+            all_done.wait();
+            r
+        };
+        let local = Arc::new(
+            flat.split(Some((rank / 2) as u32), rank as i64)
+                .unwrap()
+                .unwrap(),
+        );
+        let cross = Arc::new(
+            flat.split(Some((rank % 2) as u32), rank as i64)
+                .unwrap()
+                .unwrap(),
+        );
+        let tiers = [Arc::downgrade(&local), Arc::downgrade(&cross)];
+        let counter = hooks_run.clone();
+        flat.on_failure(move |e| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            for tier in tiers.iter().filter_map(std::sync::Weak::upgrade) {
+                tier.abort_because(
+                    format!("the communicator it is a tier of failed: {e}"),
+                    e.abort_cause(),
+                    e.facts().op.zip(e.facts().seq),
+                );
+            }
+        });
+        let start = Instant::now();
+        if rank == 3 {
+            std::thread::sleep(Duration::from_millis(200));
+            flat.abort_because(
+                "rank 3: mismatched collectives in its host's tier".into(),
+                AbortCause::Mismatch,
+                Some((OpKind::AllReduce, 1)),
+            );
+            return outcome((None, start.elapsed()));
+        }
+        let mut buf = vec![1.0f32; 1000];
+        let r = cross.all_reduce_in_place(&mut buf, weftcc::ReduceOp::Sum);
+        if rank == 1 {
+            return outcome((r.err(), start.elapsed()));
+        }
+        assert!(r.is_ok(), "rank {rank}: {r:?}");
+        // The others hear of the failure too, and their tiers end with it.
+        while flat.error().is_none() && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        outcome((cross.error(), start.elapsed()))
+    });
+    let (err1, took1) = &results[1];
+    assert!(
+        *took1 < Duration::from_secs(5),
+        "rank 1 waited {took1:?} for its cross-host peer: {err1:?}"
+    );
+    // Rank 1 is rank 0 of its cross-host tier (ranks 1 and 3).
+    match err1 {
+        Some(Error::Aborted {
+            rank: 0,
+            cause: AbortCause::Mismatch,
+            during: Some((OpKind::AllReduce, 1)),
+            reason,
+            ..
+        }) => assert!(
+            reason.contains("mismatched collectives in its host's tier"),
+            "{reason}"
+        ),
+        other => panic!("rank 1: {other:?}"),
+    }
+    for (rank, (e, _)) in results
+        .iter()
+        .enumerate()
+        .filter(|(r, _)| [0, 2].contains(r))
+    {
+        assert!(
+            matches!(
+                e,
+                Some(Error::Aborted {
+                    cause: AbortCause::Mismatch,
+                    ..
+                })
+            ),
+            "rank {rank}'s cross tier: {e:?}"
+        );
+    }
+    // Each rank's hook ran exactly once.
+    assert_eq!(hooks_run.load(Ordering::SeqCst), 4);
+}
+
+#[test]
+fn a_failure_hook_added_after_the_failure_runs_at_once() {
+    let results = with_ranks(1, Wire::Shm, |_, comm| {
+        comm.abort();
+        let (tx, rx) = std::sync::mpsc::channel();
+        comm.on_failure(move |e| tx.send(e.clone()).unwrap());
+        rx.try_recv().ok()
+    });
+    assert!(
+        matches!(&results[0], Some(Error::Aborted { by: None, .. })),
+        "{:?}",
+        results[0]
+    );
+}
+
+#[test]
 fn a_poisoned_communicator_fails_at_once_with_the_first_error() {
     let results = with_ranks(2, Wire::Shm, |rank, comm| {
         if rank == 0 {

@@ -249,10 +249,7 @@ impl Communicator {
             timeout_ms: AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64),
             config,
             abort: AtomicBool::new(false),
-            poison: Poison {
-                error: Mutex::new(None),
-                set: AtomicBool::new(false),
-            },
+            poison: Poison::new(),
             current: CurrentOp::default(),
             progress: crate::progress::Progress::default(),
             trace,
@@ -379,6 +376,17 @@ impl Communicator {
         self.inner.leave_farewell();
         self.inner.turn.wake_all();
         self.inner.dump_trace_if_due();
+    }
+
+    /// Runs `hook` with the error once this communicator fails: a failure on this rank, an
+    /// abort, or another rank's failure as the watcher learns it (within a fraction of a
+    /// second); at once if it has already failed. Each hook runs once, on the thread that
+    /// records the failure, after the waiting calls are woken: it must not block for long, nor
+    /// run operations on this communicator. Meant for ending what depends on this
+    /// communicator, e.g. the tiers a device communicator built on it
+    /// (`other.abort_because(…)` of another communicator is fine).
+    pub fn on_failure(&self, hook: impl FnOnce(&Error) + Send + 'static) {
+        self.inner.on_failure(Box::new(hook));
     }
 
     /// The error that poisoned this communicator, if any (NCCL's `ncclCommGetAsyncError`).

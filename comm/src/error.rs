@@ -227,6 +227,17 @@ impl Error {
         }
     }
 
+    /// What another communicator ended because of this error says it was
+    /// ([`Communicator::abort_because`](crate::Communicator::abort_because)): a mismatch stays
+    /// a mismatch, an abort keeps its cause.
+    pub fn abort_cause(&self) -> AbortCause {
+        match self {
+            Error::Mismatch { .. } => AbortCause::Mismatch,
+            Error::Aborted { cause, .. } => *cause,
+            _ => AbortCause::Failed,
+        }
+    }
+
     /// True for errors that leave the communicator unusable.
     pub fn is_fatal(&self) -> bool {
         !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))

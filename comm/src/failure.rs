@@ -36,10 +36,27 @@ pub(crate) const ABORT_KEY: &str = "abort";
 pub(crate) const SETTLED_KEY: &str = "settled";
 pub(crate) const SETTLED_ALL_KEY: &str = "settled-all";
 
+/// What runs when a communicator fails ([`crate::Communicator::on_failure`]).
+pub(crate) type FailureHook = Box<dyn FnOnce(&Error) + Send>;
+
 /// The error that stopped the communicator, and the operation running when it did.
 pub(crate) struct Poison {
     pub(crate) error: Mutex<Option<Error>>,
     pub(crate) set: AtomicBool,
+    /// Run once, with the error, by whoever sets it. Taken under this lock after `set` is
+    /// stored, and a hook added under it sees `set` (runs at once instead), so each hook runs
+    /// exactly once.
+    pub(crate) hooks: Mutex<Vec<FailureHook>>,
+}
+
+impl Poison {
+    pub(crate) fn new() -> Poison {
+        Poison {
+            error: Mutex::new(None),
+            set: AtomicBool::new(false),
+            hooks: Mutex::new(Vec::new()),
+        }
+    }
 }
 
 impl Inner {
@@ -108,13 +125,30 @@ impl Inner {
                 return false;
             }
             tracing::warn!(target: "weftcc::error", rank = self.rank, "{e}");
-            *slot = Some(e);
+            *slot = Some(e.clone());
             self.poison.set.store(true, Ordering::Release);
         }
         self.turn.wake_all();
         // Written later, where no store traffic or wake-up waits on it (dump_trace_if_due).
         self.trace_dump_due.store(true, Ordering::Release);
+        let hooks = std::mem::take(&mut *lock(&self.poison.hooks));
+        for hook in hooks {
+            hook(&e);
+        }
         true
+    }
+
+    /// Runs `hook` with the error when this communicator fails, or now if it has.
+    pub(crate) fn on_failure(&self, hook: FailureHook) {
+        let mut hooks = lock(&self.poison.hooks);
+        if !self.poison.set.load(Ordering::Acquire) {
+            hooks.push(hook);
+            return;
+        }
+        drop(hooks);
+        if let Some(e) = self.poisoned() {
+            hook(&e);
+        }
     }
 
     /// On rank 0, as this communicator goes: if its failure was published in the store, leaves

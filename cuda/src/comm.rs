@@ -261,8 +261,8 @@ pub struct DeviceComm {
     /// All-reduces of at most this many bytes use recursive doubling on the IPC path.
     rd_max: usize,
     proxy: Option<Proxy>,
-    /// The hierarchical transport's tiers.
-    tiers: Option<Box<Tiers>>,
+    /// The hierarchical transport's tiers (shared with the host communicator's failure hook).
+    tiers: Option<Arc<Tiers>>,
     seq: AtomicU64,
     /// IPC: the sequence number of the last collective's operation header (collectives only,
     /// from 1, as the host communicator counts them). Held from the header exchange to the end
@@ -422,7 +422,7 @@ impl DeviceComm {
                     ];
                 host.all_reduce_in_place(&mut shard_min[..], ReduceOp::Min)?;
                 let shard_min = usize::try_from(shard_min[0]).unwrap_or(usize::MAX);
-                Some(Box::new(Tiers::new(layout, local, cross, shard_min)))
+                Some(Arc::new(Tiers::new(layout, local, cross, shard_min)))
             }
             _ => None,
         };
@@ -431,6 +431,15 @@ impl DeviceComm {
             for tier in [&t.local, &t.cross] {
                 let _ = tier.shared.abort_on_failure.set(host.clone());
             }
+            // And the other way: when the whole communicator fails (a tier's failure on some
+            // rank, a lost rank, an abort), every tier here ends, so that no operation of a
+            // tier waits on for a rank that stopped in another tier.
+            let tiers = Arc::downgrade(t);
+            host.on_failure(move |e| {
+                if let Some(t) = tiers.upgrade() {
+                    t.end(e);
+                }
+            });
         }
         let shared = Arc::new(Shared {
             rank,
@@ -564,6 +573,28 @@ impl DeviceComm {
             t.abort();
         }
         self.host.abort();
+    }
+
+    /// Ends this tier communicator because the communicator it is a tier of failed with `e`:
+    /// poisoned with that cause, its host communicator aborted with it (a host operation of
+    /// this tier waiting for a rank that stopped elsewhere fails now, and the staged proxy
+    /// releases its stream), and, unless the cause is a mismatch, every GPU wait of ours on
+    /// the IPC flags released. After a mismatch no rank enqueued any of the mismatched call
+    /// (the checks run before), so the operations still on the GPU must finish with their data.
+    pub(crate) fn end_as_tier(&self, e: &weftcc_comm::Error) {
+        self.shared.poison(&CudaError::Host(e.clone()));
+        let cause = e.abort_cause();
+        if cause != AbortCause::Mismatch {
+            if let Some(ipc) = &self.ipc {
+                let _ = lock(ipc).release_all();
+            }
+        }
+        let facts = e.facts();
+        self.host.abort_because(
+            format!("the communicator it is a tier of failed: {e}"),
+            cause,
+            facts.op.zip(facts.seq),
+        );
     }
 
     pub(crate) fn invalid(&self, op: OpKind, reason: impl Into<DeviceArgError>) -> CudaError {

@@ -77,6 +77,13 @@ impl Tiers {
         self.cross.abort();
     }
 
+    /// Ends both tiers because the whole communicator failed with `e`
+    /// ([`DeviceComm::end_as_tier`]).
+    pub(crate) fn end(&self, e: &weftcc_comm::Error) {
+        self.local.end_as_tier(e);
+        self.cross.end_as_tier(e);
+    }
+
     fn tier(&self, tier: Tier) -> Option<&DeviceComm> {
         match tier {
             Tier::Local => Some(&self.local),

@@ -15,6 +15,9 @@ pub enum Wire {
     /// Every rank a "host" of its own, connected through the network provider path
     /// (`NetConnection`) over libfabric's tcp provider (`WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp`).
     Net,
+    /// As `Net`, over the in-memory fabric of this process (`WEFT_NET=loopback`): the network
+    /// path with no device and no libfabric.
+    NetLoopback,
 }
 
 /// Whether libfabric's tcp provider opens here (else `Wire::Net` tests skip, saying so).
@@ -47,13 +50,20 @@ pub fn config(wire: Wire) -> CommConfig {
             ..weftcc::transports::net::NetChoice::default()
         };
     }
+    if wire == Wire::NetLoopback {
+        c.net = weftcc::transports::net::NetChoice {
+            kind: weftcc::transports::net::NetKind::Loopback,
+            ..weftcc::transports::net::NetChoice::default()
+        };
+    }
     c
 }
 
-/// [`config`] for `rank`: over `Wire::Net` every rank is a host of its own.
+/// [`config`] for `rank`: over `Wire::Net` and `Wire::NetLoopback` every rank is a host of
+/// its own.
 pub fn rank_config(wire: Wire, rank: usize) -> CommConfig {
     let mut c = config(wire);
-    if wire == Wire::Net {
+    if matches!(wire, Wire::Net | Wire::NetLoopback) {
         c.host_id = format!("net-host-{rank}");
     }
     c

@@ -114,7 +114,8 @@ impl Provider for LoopbackProvider {
         PROVIDER.into()
     }
     fn id(&self) -> String {
-        PROVIDER.into()
+        // One fabric per process: ranks of another process cannot reach it.
+        format!("{PROVIDER}:{}", std::process::id())
     }
     fn registrations_follow_remapping(&self) -> bool {
         // Bytes are copied through the registered pointer when a write is placed.

@@ -6,6 +6,7 @@
 //! * `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`: the verbs
 //!   provider's device, GID and retry policy ([`VerbsConfig`]). A forced network that cannot be opened is an error,
 //!   not a silent fall-back.
+//! * `WEFT_NET=loopback`: an in-memory fabric between the ranks of one process (tests).
 //! * `WEFT_IB_DISABLE=1` rules InfiniBand out of the automatic choice (NCCL's `NCCL_IB_DISABLE`).
 //! * `WEFT_OFI_PROVIDER=name` picks libfabric's provider (`verbs`, `efa`, `cxi`, `tcp`); without
 //!   it the automatic choice takes the first provider with RDMA hardware behind it, and
@@ -47,6 +48,10 @@ pub enum NetKind {
     Ofi,
     /// TCP sockets only.
     Socket,
+    /// An in-memory fabric shared by the ranks of this process ([`super::loopback`]): ranks
+    /// run as threads of one test reach each other through the network path with no device.
+    /// Ranks of other processes see a different provider id and use TCP.
+    Loopback,
 }
 
 /// The network configuration of a rank.
@@ -130,9 +135,10 @@ impl NetChoice {
             Some("ib") | Some("verbs") | Some("rdma") => NetKind::Ib,
             Some("ofi") | Some("libfabric") => NetKind::Ofi,
             Some("socket") | Some("tcp") => NetKind::Socket,
+            Some("loopback") => NetKind::Loopback,
             Some(other) => {
                 return Err(TransportError::Config(format!(
-                    "WEFT_NET={other:?}: expected ib, ofi, socket or auto"
+                    "WEFT_NET={other:?}: expected ib, ofi, socket, loopback or auto"
                 )))
             }
         };
@@ -226,6 +232,9 @@ pub fn open(choice: &NetChoice) -> Result<Option<Arc<dyn Provider>>> {
     };
     let opened: Option<Arc<dyn Provider>> = match choice.kind {
         NetKind::Socket => None,
+        NetKind::Loopback => Some(Arc::new(super::loopback::LoopbackProvider(
+            super::loopback::Loopback::new(),
+        ))),
         NetKind::Ib => Some(Arc::new(
             VerbsProvider::open(&choice.verbs).map_err(forced)?,
         )),
