@@ -37,11 +37,11 @@ use crate::group::DeviceGroup;
 use crate::headers;
 use crate::ipc::{BufferMap, IpcPeers};
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
+use crate::proxy::{Job, Outcome, ProxyThread};
 use crate::tiered::Tiers;
 use cudarc::driver::sys;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, Once, OnceLock};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::Duration;
 use weftcc_collectives::call::{self, Plan};
 use weftcc_collectives::schedule::hierarchical::HostLayout;
@@ -165,7 +165,7 @@ pub(crate) enum Work {
 }
 
 impl Work {
-    fn kind(&self) -> OpKind {
+    pub(crate) fn kind(&self) -> OpKind {
         match self {
             Work::Collective { op, .. } => op.kind,
             Work::Group { .. } => OpKind::SendRecv,
@@ -173,7 +173,7 @@ impl Work {
     }
 
     /// Bytes of pinned input and output staging the job needs.
-    fn staged_bytes(&self) -> (usize, usize) {
+    pub(crate) fn staged_bytes(&self) -> (usize, usize) {
         let total = |v: &[(usize, DevSpan)]| v.iter().map(|(_, s)| s.bytes).sum();
         match self {
             Work::Collective { send, recv, .. } => (send.map_or(0, |s| s.bytes), recv.bytes),
@@ -182,33 +182,19 @@ impl Work {
     }
 }
 
-/// One staged operation for the proxy thread.
-struct Job {
-    seq: u64,
-    ticket: u32,
-    work: Work,
-    /// Recorded on the caller's stream after the copies into `input`/`output`: the host side
-    /// may start once it has completed.
-    ready: Event,
-    input: Arc<PinnedBuffer>,
-    output: Arc<PinnedBuffer>,
-    done: Arc<(Mutex<Option<Result<()>>>, Condvar)>,
-}
-
+/// The staged transport: its proxy thread (`proxy.rs`), the release counter the caller's
+/// streams wait on, and the staging buffers.
 struct Proxy {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
-    thread: Option<JoinHandle<()>>,
-    /// The release counter the caller's streams wait on (host-mapped, pinned).
-    flag: Arc<PinnedBuffer>,
+    thread: ProxyThread,
+    /// The release counter (host-mapped, pinned), as the GPU addresses it.
     flag_dev: u64,
     /// Tickets and staging, taken for a whole enqueue: tickets reach the proxy in order.
     staging: Mutex<Staging>,
-    tickets: AtomicU32,
     mem_ops: bool,
 }
 
 /// Shared between the communicator and its proxy thread.
-struct Shared {
+pub(crate) struct Shared {
     rank: usize,
     error: Mutex<Option<CudaError>>,
     /// Aborted at this communicator's first failure: for a tier of a hierarchical
@@ -219,7 +205,15 @@ struct Shared {
 }
 
 impl Shared {
-    fn poison(&self, e: &CudaError) {
+    pub(crate) fn new(rank: usize) -> Shared {
+        Shared {
+            rank,
+            error: Mutex::new(None),
+            abort_on_failure: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn poison(&self, e: &CudaError) {
         let mut g = lock(&self.error);
         if g.is_none() {
             *g = Some(e.clone());
@@ -237,7 +231,7 @@ impl Shared {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let g = lock(&self.error);
         match &*g {
             Some(e) => Err(CudaError::Poisoned {
@@ -441,11 +435,7 @@ impl DeviceComm {
                 }
             });
         }
-        let shared = Arc::new(Shared {
-            rank,
-            error: Mutex::new(None),
-            abort_on_failure: OnceLock::new(),
-        });
+        let shared = Arc::new(Shared::new(rank));
         let mut check_headers = false;
         let (ipc, proxy) = match transport {
             Transport::Ipc => {
@@ -939,10 +929,7 @@ impl DeviceComm {
         }
         let ready = self.ctx.event(false)?;
         ready.record(stream)?;
-        let ticket = proxy
-            .tickets
-            .fetch_add(1, Ordering::Relaxed)
-            .wrapping_add(1);
+        let ticket = proxy.thread.next_ticket();
         if proxy.mem_ops {
             // SAFETY: flag_dev maps the pinned release counter, alive as long as the proxy (the
             // Drop of DeviceComm releases all tickets before freeing it).
@@ -955,7 +942,7 @@ impl DeviceComm {
                 )
             })?;
         }
-        let done = Arc::new((Mutex::new(None), Condvar::new()));
+        let done = Arc::new(Outcome::default());
         let copies_back: Vec<(DevSpan, usize)> = match &work {
             Work::Collective { op, recv, .. } => {
                 if op.kind == OpKind::Reduce && op.root != self.rank {
@@ -979,28 +966,16 @@ impl DeviceComm {
             seq,
             ticket,
             work,
-            ready,
+            ready: Box::new(ready),
             input,
             output: output.clone(),
             done: done.clone(),
         };
-        {
-            let tx = lock(&proxy.tx);
-            tx.as_ref()
-                .ok_or_else(|| CudaError::Other("proxy thread stopped".into()))?
-                .send(job)
-                .map_err(|_| CudaError::Other("proxy thread stopped".into()))?;
-        }
+        proxy.thread.submit(job)?;
         if !proxy.mem_ops {
             // No stream memory operations: complete the host side before copying back.
-            let (m, cv) = &*done;
-            let timeout = self.host.timeout() * 2;
-            let g = lock(m);
-            let (g, _) = cv
-                .wait_timeout_while(g, timeout, |r| r.is_none())
-                .unwrap_or_else(|p| p.into_inner());
-            match &*g {
-                Some(r) => r.clone()?,
+            match done.wait(self.host.timeout() * 2) {
+                Some(r) => r?,
                 None => return Err(CudaError::Other("proxy did not answer".into())),
             }
         }
@@ -1075,67 +1050,15 @@ impl Proxy {
     ) -> Result<Proxy> {
         let flag = Arc::new(PinnedBuffer::new(ctx, 64)?);
         let flag_dev = flag.device_ptr()?;
-        let (tx, rx) = mpsc::channel::<Job>();
-        let (ctx2, host2, shared2, flag2) =
-            (ctx.clone(), host.clone(), shared.clone(), flag.clone());
-        let thread = std::thread::Builder::new()
-            .name(format!("weft-cuda-proxy-{}", host.rank()))
-            .spawn(move || proxy_loop(ctx2, host2, shared2, flag2, rx))
-            .map_err(|e| CudaError::Other(format!("cannot start the proxy thread: {e}")))?;
+        let bind_ctx = ctx.clone();
+        let thread =
+            ProxyThread::start(move || bind_ctx.bind(), host.clone(), shared.clone(), flag)?;
         Ok(Proxy {
-            tx: Mutex::new(Some(tx)),
-            thread: Some(thread),
-            flag,
+            thread,
             flag_dev,
             staging: Mutex::new(Staging::new(ctx)?),
-            tickets: AtomicU32::new(0),
             mem_ops,
         })
-    }
-}
-
-/// The release counter inside the pinned flag buffer.
-fn release_counter(flag: &PinnedBuffer) -> &AtomicU32 {
-    // SAFETY: the buffer holds at least 4 bytes of pinned memory, page aligned (so aligned for
-    // u32), alive as long as `flag`; it is only accessed atomically by the host and read by the
-    // GPU's wait operations.
-    unsafe { &*(flag.host_ptr() as *const AtomicU32) }
-}
-
-fn proxy_loop(
-    ctx: Context,
-    host: Arc<Communicator>,
-    shared: Arc<Shared>,
-    flag: Arc<PinnedBuffer>,
-    rx: mpsc::Receiver<Job>,
-) {
-    let bound = ctx.bind();
-    for job in rx {
-        let r = match (&bound, shared.check()) {
-            (_, Err(e)) => Err(e),
-            (Err(e), _) => Err(e.clone()),
-            (Ok(()), Ok(())) => run_staged(&host, &job),
-        };
-        let r = r.map_err(|e| match e {
-            // A mismatch stays typed (it names both calls and their sequence number).
-            e @ CudaError::Poisoned { .. } => e,
-            e if headers::is_mismatch(&e) => e,
-            other => CudaError::Collective {
-                rank: host.rank(),
-                op: job.work.kind(),
-                seq: job.seq,
-                detail: other.to_string(),
-            },
-        });
-        if let Err(e) = &r {
-            shared.poison(e);
-        }
-        // Release the caller's stream whatever happened (an error is reported by the
-        // communicator; the output of this operation is then garbage).
-        release_counter(&flag).store(job.ticket, Ordering::Release);
-        let (m, cv) = &*job.done;
-        *lock(m) = Some(r);
-        cv.notify_all();
     }
 }
 
@@ -1181,54 +1104,6 @@ impl Staging {
     }
 }
 
-/// The host side of a staged job: waits until the caller's stream has filled the pinned
-/// buffers, then runs the host collective or group on them.
-fn run_staged(host: &Communicator, job: &Job) -> Result<()> {
-    job.ready.synchronize(host.timeout())?;
-    let (in_bytes, out_bytes) = job.work.staged_bytes();
-    let input = pinned_bytes(&job.input, in_bytes)?;
-    let output = pinned_bytes(&job.output, out_bytes)?;
-    match &job.work {
-        Work::Collective { op, send, .. } => match send {
-            Some(_) => host.execute_raw(*op, Some(input), output)?,
-            None => host.execute_raw(*op, None, output)?,
-        },
-        Work::Group { sends, recvs } => {
-            let mut group = host.group();
-            let mut rest: &[u8] = input;
-            for (peer, s) in sends {
-                let (head, tail) = rest.split_at(s.bytes);
-                group = group.send(head, *peer);
-                rest = tail;
-            }
-            let mut rest: &mut [u8] = &mut *output;
-            for (peer, r) in recvs {
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.bytes);
-                group = group.recv(head, *peer);
-                rest = tail;
-            }
-            group.run()?;
-        }
-    }
-    Ok(())
-}
-
-/// The first `len` bytes of a staging buffer, for the proxy's host collective.
-///
-/// The caller's stream writes these buffers by DMA before the job's `ready` event and reads
-/// them after the proxy raised the job's release flag, and the next job's copies wait for this
-/// one's copies back (`Staging::done`): while the proxy holds this slice nothing else touches
-/// the memory.
-#[allow(clippy::mut_from_ref)]
-fn pinned_bytes(buf: &PinnedBuffer, len: usize) -> Result<&mut [u8]> {
-    if len > buf.len() {
-        return Err(CudaError::Other("staging buffer too small".into()));
-    }
-    // SAFETY: `buf` holds at least `len` bytes of pinned host memory, alive as long as the
-    // borrow of `buf`; by the ordering above this is the only access while the slice lives.
-    Ok(unsafe { std::slice::from_raw_parts_mut(buf.host_ptr(), len) })
-}
-
 /// Enqueues a copy of device memory `src` into `dst` (pinned) at byte `at`.
 fn copy_to_pinned(dst: &PinnedBuffer, at: usize, src: DevSpan, stream: &Stream) -> Result<()> {
     if src.bytes == 0 {
@@ -1271,17 +1146,9 @@ fn copy_from_pinned(dst: DevSpan, src: &PinnedBuffer, at: usize, stream: &Stream
 
 impl Drop for DeviceComm {
     fn drop(&mut self) {
-        if let Some(mut p) = self.proxy.take() {
-            // Close the queue; the thread finishes the queued jobs (each bounded by the
-            // timeout) and exits.
-            drop(lock(&p.tx).take());
-            if let Some(t) = p.thread.take() {
-                let _ = t.join();
-            }
-            // Release any stream still waiting on a ticket that was never processed: the waits
-            // compare cyclically (GEQ), so the last ticket issued releases every earlier one.
-            release_counter(&p.flag).store(p.tickets.load(Ordering::Relaxed), Ordering::Release);
-        }
+        // Stops the proxy thread after its queued jobs and releases every stream still
+        // waiting on it (`ProxyThread`'s drop), before the staging buffers go.
+        drop(self.proxy.take());
     }
 }
 

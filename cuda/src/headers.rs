@@ -82,10 +82,11 @@ pub(crate) fn check(rank: usize, ours: &OpDesc, all: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Whether `e` is a header mismatch (the call enqueued nothing: earlier operations are left
-/// to complete, no flag is raised).
+/// Whether `e` is a header mismatch, found here or by another rank that ended the
+/// communicator for it (the call enqueued nothing: earlier operations are left to complete, no
+/// flag is raised).
 pub(crate) fn is_mismatch(e: &CudaError) -> bool {
-    matches!(e, CudaError::Host(weftcc_comm::Error::Mismatch { .. }))
+    matches!(e, CudaError::Host(h) if h.abort_cause() == weftcc_comm::AbortCause::Mismatch)
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ mod headers;
 pub mod ipc;
 pub mod kernels;
 pub mod memory;
+mod proxy;
 mod tiered;
 
 pub use comm::{DeviceComm, Transport};

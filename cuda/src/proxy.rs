@@ -1,0 +1,698 @@
+//! The staged transport's proxy: one thread per communicator that runs the host side of every
+//! operation staged through pinned memory, in the order the caller's streams enqueued them.
+//!
+//! A job is one staged collective or group with a ticket `n` (1, 2, … in enqueue order). The
+//! proxy waits until the caller's stream has filled the staging buffers (the job's [`Ready`]
+//! event), runs the host collective or group on them over the host communicator, then raises
+//! the release counter to `n` ([`Release`]), which the stream waits for
+//! (`cuStreamWaitValue32 ≥ n`) before it copies the results back. The counter is raised
+//! whatever happened: a failed job poisons the communicator (a tier's failure ends the whole
+//! communicator, see `comm.rs`), and the stream runs on with garbage instead of waiting for a
+//! flag nobody will raise. Once poisoned, later jobs are released without running. Stopping the
+//! proxy raises the counter to the last ticket issued, releasing any job never processed.
+//!
+//! The GPU's parts are behind three small traits ([`Ready`], [`StagingMemory`], [`Release`]),
+//! implemented here by [`Event`] and [`PinnedBuffer`]: the state machine runs in tests without
+//! a GPU, its host side over the in-memory network provider.
+
+use crate::comm::{Shared, Work};
+use crate::error::{CudaError, Result};
+use crate::headers;
+use crate::memory::{Event, PinnedBuffer};
+use std::ops::DerefMut;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use weftcc_comm::Communicator;
+use weftcc_transports::lock;
+
+/// The point on the caller's stream after the staging buffers were filled.
+pub(crate) trait Ready: Send {
+    /// Waits (at most `timeout`) until the stream has passed it.
+    fn wait(&self, timeout: Duration) -> Result<()>;
+}
+
+/// Bytes of a staging buffer as the host sees them.
+pub(crate) type HostBytes<'a> = Box<dyn DerefMut<Target = [u8]> + 'a>;
+
+/// A staging buffer the stream fills and empties around the job's host side.
+pub(crate) trait StagingMemory: Send + Sync {
+    /// Its first `len` bytes, for the host side of the job that owns it now (nothing else
+    /// touches the buffer meanwhile: see [`PinnedBuffer`]'s implementation).
+    fn host_bytes(&self, len: usize) -> Result<HostBytes<'_>>;
+}
+
+/// The counter the caller's streams wait on.
+pub(crate) trait Release: Send + Sync {
+    /// Raises it to `ticket` (the waits compare `≥`, cyclically).
+    fn release(&self, ticket: u32);
+}
+
+/// How a job ended, for an enqueue that waits for it (no stream memory operations).
+#[derive(Default)]
+pub(crate) struct Outcome {
+    result: Mutex<Option<Result<()>>>,
+    ready: Condvar,
+}
+
+impl Outcome {
+    fn set(&self, r: Result<()>) {
+        *lock(&self.result) = Some(r);
+        self.ready.notify_all();
+    }
+
+    /// The job's result, or `None` if it did not end within `timeout`.
+    pub(crate) fn wait(&self, timeout: Duration) -> Option<Result<()>> {
+        let g = lock(&self.result);
+        let (g, _) = self
+            .ready
+            .wait_timeout_while(g, timeout, |r| r.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        g.clone()
+    }
+}
+
+/// One staged operation for the proxy.
+pub(crate) struct Job {
+    pub(crate) seq: u64,
+    pub(crate) ticket: u32,
+    pub(crate) work: Work,
+    /// Passed once the stream filled `input` (or `output`, in place).
+    pub(crate) ready: Box<dyn Ready>,
+    pub(crate) input: Arc<dyn StagingMemory>,
+    pub(crate) output: Arc<dyn StagingMemory>,
+    pub(crate) done: Arc<Outcome>,
+}
+
+/// The proxy thread, its queue and its tickets.
+pub(crate) struct ProxyThread {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Option<JoinHandle<()>>,
+    release: Arc<dyn Release>,
+    tickets: AtomicU32,
+}
+
+impl ProxyThread {
+    /// Starts the thread. `bind` runs on it first (makes the GPU's context current); if it
+    /// fails, every job fails with its error and is released.
+    pub(crate) fn start(
+        bind: impl FnOnce() -> Result<()> + Send + 'static,
+        host: Arc<Communicator>,
+        shared: Arc<Shared>,
+        release: Arc<dyn Release>,
+    ) -> Result<ProxyThread> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let name = format!("weft-cuda-proxy-{}", host.rank());
+        let flag = release.clone();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                let bound = bind();
+                run(bound, &host, &shared, &*flag, rx)
+            })
+            .map_err(|e| CudaError::Other(format!("cannot start the proxy thread: {e}")))?;
+        Ok(ProxyThread {
+            tx: Mutex::new(Some(tx)),
+            thread: Some(thread),
+            release,
+            tickets: AtomicU32::new(0),
+        })
+    }
+
+    /// The next job's ticket. Tickets must reach [`ProxyThread::submit`] in the order they were
+    /// taken (the caller holds one lock across both).
+    pub(crate) fn next_ticket(&self) -> u32 {
+        self.tickets.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+    }
+
+    /// Queues `job` behind the jobs before it.
+    pub(crate) fn submit(&self, job: Job) -> Result<()> {
+        let stopped = || CudaError::Other("proxy thread stopped".into());
+        lock(&self.tx)
+            .as_ref()
+            .ok_or_else(stopped)?
+            .send(job)
+            .map_err(|_| stopped())
+    }
+}
+
+impl Drop for ProxyThread {
+    fn drop(&mut self) {
+        // Close the queue; the thread finishes the queued jobs (each bounded by the timeout)
+        // and exits.
+        drop(lock(&self.tx).take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // Release any stream still waiting on a ticket that was never processed: the waits
+        // compare cyclically (≥), so the last ticket issued releases every earlier one.
+        self.release.release(self.tickets.load(Ordering::Relaxed));
+    }
+}
+
+/// The proxy's loop: each job in turn, released whatever happened.
+fn run(
+    bound: Result<()>,
+    host: &Communicator,
+    shared: &Shared,
+    release: &dyn Release,
+    rx: mpsc::Receiver<Job>,
+) {
+    for job in rx {
+        let r = match (&bound, shared.check()) {
+            (_, Err(e)) => Err(e),
+            (Err(e), _) => Err(e.clone()),
+            (Ok(()), Ok(())) => host_side(host, &job),
+        };
+        let r = r.map_err(|e| match e {
+            // A mismatch stays typed (it names both calls and their sequence number).
+            e @ CudaError::Poisoned { .. } => e,
+            e if headers::is_mismatch(&e) => e,
+            other => CudaError::Collective {
+                rank: host.rank(),
+                op: job.work.kind(),
+                seq: job.seq,
+                detail: other.to_string(),
+            },
+        });
+        if let Err(e) = &r {
+            shared.poison(e);
+        }
+        // Release the caller's stream whatever happened (an error is reported by the
+        // communicator; the output of this operation is then garbage).
+        release.release(job.ticket);
+        job.done.set(r);
+    }
+}
+
+/// The host side of a staged job: waits until the caller's stream has filled the staging
+/// buffers, then runs the host collective or group on them.
+fn host_side(host: &Communicator, job: &Job) -> Result<()> {
+    job.ready.wait(host.timeout())?;
+    let (in_bytes, out_bytes) = job.work.staged_bytes();
+    let input = job.input.host_bytes(in_bytes)?;
+    let mut output = job.output.host_bytes(out_bytes)?;
+    match &job.work {
+        Work::Collective { op, send, .. } => match send {
+            Some(_) => host.execute_raw(*op, Some(&input), &mut output)?,
+            None => host.execute_raw(*op, None, &mut output)?,
+        },
+        Work::Group { sends, recvs } => {
+            let mut group = host.group();
+            let mut rest: &[u8] = &input;
+            for (peer, s) in sends {
+                let (head, tail) = rest.split_at(s.bytes);
+                group = group.send(head, *peer);
+                rest = tail;
+            }
+            let mut rest: &mut [u8] = &mut output;
+            for (peer, r) in recvs {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.bytes);
+                group = group.recv(head, *peer);
+                rest = tail;
+            }
+            group.run()?;
+        }
+    }
+    Ok(())
+}
+
+impl Ready for Event {
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        self.synchronize(timeout)
+    }
+}
+
+impl StagingMemory for PinnedBuffer {
+    /// The caller's stream writes the buffer by DMA before the job's ready event and reads it
+    /// after the proxy raised the job's release counter, and the next job's copies wait for this
+    /// one's copies back (`Staging::done` in `comm.rs`): while the proxy holds these bytes
+    /// nothing else touches the memory.
+    fn host_bytes(&self, len: usize) -> Result<HostBytes<'_>> {
+        if len > self.len() {
+            return Err(CudaError::Other("staging buffer too small".into()));
+        }
+        // SAFETY: the buffer holds at least `len` bytes of pinned host memory, alive as long as
+        // the borrow of `self`; by the ordering above this is the only access while the slice
+        // lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.host_ptr(), len) };
+        Ok(Box::new(bytes))
+    }
+}
+
+impl Release for PinnedBuffer {
+    fn release(&self, ticket: u32) {
+        release_counter(self).store(ticket, Ordering::Release);
+    }
+}
+
+/// The release counter: the first word of a pinned, host-mapped buffer.
+pub(crate) fn release_counter(flag: &PinnedBuffer) -> &AtomicU32 {
+    // SAFETY: the buffer holds at least 4 bytes of pinned memory, page aligned (so aligned for
+    // u32), alive as long as `flag`; it is only accessed atomically by the host and read by the
+    // GPU's wait operations.
+    unsafe { &*(flag.host_ptr() as *const AtomicU32) }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The proxy's state machine without a GPU: ranks are threads, each with a host
+    //! communicator over the in-memory network provider (`WEFT_NET=loopback`, every rank a
+    //! host of its own), the "stream" is the test thread filling host staging buffers and
+    //! waiting for the release counter.
+    use super::*;
+    use crate::comm::DevSpan;
+    use std::sync::MutexGuard;
+    use std::time::Instant;
+    use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
+    use weftcc_comm::{AbortCause, CommConfig, Error as HostError};
+    use weftcc_transports::net::{NetChoice, NetKind};
+
+    /// A stream position the test passes by hand.
+    #[derive(Clone, Default)]
+    struct Mark(Arc<(Mutex<bool>, Condvar)>);
+
+    impl Mark {
+        fn pass(&self) {
+            *lock(&self.0 .0) = true;
+            self.0 .1.notify_all();
+        }
+    }
+
+    impl Ready for Mark {
+        fn wait(&self, timeout: Duration) -> Result<()> {
+            let g = lock(&self.0 .0);
+            let (g, _) = self
+                .0
+                 .1
+                .wait_timeout_while(g, timeout, |passed| !*passed)
+                .unwrap_or_else(|p| p.into_inner());
+            if *g {
+                Ok(())
+            } else {
+                Err(CudaError::Other(format!(
+                    "event did not finish within {timeout:?}"
+                )))
+            }
+        }
+    }
+
+    /// Host memory standing in for a pinned staging buffer.
+    struct HostStaging(Mutex<Vec<u8>>);
+
+    impl HostStaging {
+        fn new(bytes: Vec<u8>) -> Arc<HostStaging> {
+            Arc::new(HostStaging(Mutex::new(bytes)))
+        }
+        fn bytes(&self) -> Vec<u8> {
+            lock(&self.0).clone()
+        }
+    }
+
+    struct Prefix<'a>(MutexGuard<'a, Vec<u8>>, usize);
+
+    impl std::ops::Deref for Prefix<'_> {
+        type Target = [u8];
+        fn deref(&self) -> &[u8] {
+            &self.0[..self.1]
+        }
+    }
+
+    impl DerefMut for Prefix<'_> {
+        fn deref_mut(&mut self) -> &mut [u8] {
+            let len = self.1;
+            &mut self.0[..len]
+        }
+    }
+
+    impl StagingMemory for HostStaging {
+        fn host_bytes(&self, len: usize) -> Result<HostBytes<'_>> {
+            let g = lock(&self.0);
+            if len > g.len() {
+                return Err(CudaError::Other("staging buffer too small".into()));
+            }
+            Ok(Box::new(Prefix(g, len)))
+        }
+    }
+
+    /// The release counter, recording every value it was raised to.
+    #[derive(Default)]
+    struct Counter {
+        raised: Mutex<Vec<u32>>,
+        changed: Condvar,
+    }
+
+    impl Release for Counter {
+        fn release(&self, ticket: u32) {
+            lock(&self.raised).push(ticket);
+            self.changed.notify_all();
+        }
+    }
+
+    impl Counter {
+        /// What a stream's `wait ≥ ticket` does: true once raised that far, false after
+        /// `timeout`.
+        fn wait_for(&self, ticket: u32, timeout: Duration) -> bool {
+            let g = lock(&self.raised);
+            let (g, _) = self
+                .changed
+                .wait_timeout_while(g, timeout, |r| r.last().is_none_or(|&v| v < ticket))
+                .unwrap_or_else(|p| p.into_inner());
+            g.last().is_some_and(|&v| v >= ticket)
+        }
+        fn raised(&self) -> Vec<u32> {
+            lock(&self.raised).clone()
+        }
+    }
+
+    fn config(rank: usize, timeout: Duration) -> CommConfig {
+        let mut c = CommConfig::from_env().expect("config");
+        c.net = NetChoice {
+            kind: NetKind::Loopback,
+            ..NetChoice::default()
+        };
+        c.host_id = format!("proxy-test-host-{rank}");
+        c.timeout = timeout;
+        c
+    }
+
+    /// A rank's proxy with its counter and failure state.
+    struct Rank {
+        host: Arc<Communicator>,
+        shared: Arc<Shared>,
+        counter: Arc<Counter>,
+        proxy: ProxyThread,
+    }
+
+    fn start(host: Communicator) -> Rank {
+        let host = Arc::new(host);
+        let shared = Arc::new(Shared::new(host.rank()));
+        let counter = Arc::new(Counter::default());
+        let proxy = ProxyThread::start(
+            || Ok(()),
+            host.clone(),
+            shared.clone(),
+            counter.clone() as Arc<dyn Release>,
+        )
+        .expect("proxy");
+        Rank {
+            host,
+            shared,
+            counter,
+            proxy,
+        }
+    }
+
+    /// A job as `enqueue_staged` makes it; the spans' addresses are the device's and unused
+    /// here, only their lengths.
+    struct Staged {
+        ticket: u32,
+        mark: Mark,
+        output: Arc<HostStaging>,
+        done: Arc<Outcome>,
+    }
+
+    impl Rank {
+        fn submit(&self, seq: u64, work: Work, input: Vec<u8>, output: Vec<u8>) -> Staged {
+            let (mark, done) = (Mark::default(), Arc::new(Outcome::default()));
+            let output = HostStaging::new(output);
+            let ticket = self.proxy.next_ticket();
+            self.proxy
+                .submit(Job {
+                    seq,
+                    ticket,
+                    work,
+                    ready: Box::new(mark.clone()),
+                    input: HostStaging::new(input),
+                    output: output.clone(),
+                    done: done.clone(),
+                })
+                .expect("submit");
+            Staged {
+                ticket,
+                mark,
+                output,
+                done,
+            }
+        }
+    }
+
+    fn span(bytes: usize) -> DevSpan {
+        DevSpan { ptr: 0, bytes }
+    }
+
+    fn collective(kind: OpKind, dtype: DataType, count: usize, root: usize) -> RawOp {
+        RawOp {
+            kind,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root,
+        }
+    }
+
+    fn f32_bytes(v: impl IntoIterator<Item = f32>) -> Vec<u8> {
+        v.into_iter().flat_map(f32::to_ne_bytes).collect()
+    }
+
+    const N: usize = 3;
+
+    #[test]
+    fn jobs_run_in_ticket_order_over_the_network_and_release_their_streams() {
+        let results = weftcc_comm::run_ranks(
+            N,
+            |r| config(r, Duration::from_secs(30)),
+            |r, host| {
+                let rank = start(host);
+                // Four operations queued at once, as a stream enqueues them.
+                let elems = 1000;
+                let all_reduce = rank.submit(
+                    1,
+                    Work::Collective {
+                        op: collective(OpKind::AllReduce, DataType::Float32, elems, 0),
+                        send: Some(span(4 * elems)),
+                        recv: span(4 * elems),
+                    },
+                    f32_bytes((0..elems).map(|i| (i * (r + 1)) as f32)),
+                    vec![0; 4 * elems],
+                );
+                let broadcast = rank.submit(
+                    2,
+                    Work::Collective {
+                        op: collective(OpKind::Broadcast, DataType::Uint8, 5000, 1),
+                        send: None,
+                        recv: span(5000),
+                    },
+                    Vec::new(),
+                    vec![r as u8 + 10; 5000],
+                );
+                let (to, from) = ((r + 1) % N, (r + N - 1) % N);
+                let shift = rank.submit(
+                    3,
+                    Work::Group {
+                        sends: vec![(to, span(3000))],
+                        recvs: vec![(from, span(3000))],
+                    },
+                    vec![r as u8 + 100; 3000],
+                    vec![0; 3000],
+                );
+                let gather = rank.submit(
+                    4,
+                    Work::Collective {
+                        op: collective(OpKind::AllGather, DataType::Int32, 100, 0),
+                        send: Some(span(400)),
+                        recv: span(400 * N),
+                    },
+                    (0..100i32)
+                        .flat_map(|i| (i + 1000 * r as i32).to_ne_bytes())
+                        .collect(),
+                    vec![0; 400 * N],
+                );
+                let jobs = [&all_reduce, &broadcast, &shift, &gather];
+                // The proxy waits for each job's stream position: nothing is released before.
+                std::thread::sleep(Duration::from_millis(50));
+                assert!(
+                    rank.counter.raised().is_empty(),
+                    "released before its stream was ready"
+                );
+                for job in jobs {
+                    job.mark.pass();
+                    assert!(
+                        rank.counter.wait_for(job.ticket, Duration::from_secs(20)),
+                        "rank {r}: ticket {} not released",
+                        job.ticket
+                    );
+                    let outcome = job.done.wait(Duration::from_secs(5));
+                    assert!(matches!(outcome, Some(Ok(()))), "rank {r}: {outcome:?}");
+                }
+                assert_eq!(rank.counter.raised(), vec![1, 2, 3, 4], "rank {r}");
+                assert_eq!(rank.host.transport_to(to), Some("net"));
+                assert!(rank.shared.check().is_ok());
+                let sum = (1..=N).sum::<usize>();
+                assert_eq!(
+                    all_reduce.output.bytes(),
+                    f32_bytes((0..elems).map(|i| (i * sum) as f32)),
+                    "rank {r}: all-reduce"
+                );
+                assert_eq!(
+                    broadcast.output.bytes(),
+                    vec![11u8; 5000],
+                    "rank {r}: broadcast"
+                );
+                assert_eq!(
+                    shift.output.bytes(),
+                    vec![from as u8 + 100; 3000],
+                    "rank {r}: shift"
+                );
+                let want: Vec<u8> = (0..N as i32)
+                    .flat_map(|q| (0..100i32).map(move |i| i + 1000 * q))
+                    .flat_map(i32::to_ne_bytes)
+                    .collect();
+                assert_eq!(gather.output.bytes(), want, "rank {r}: all-gather");
+            },
+        );
+        results.expect("ranks");
+    }
+
+    #[test]
+    fn a_mismatch_stays_typed_and_every_later_stream_is_released_without_running() {
+        let results = weftcc_comm::run_ranks(
+            2,
+            |r| config(r, Duration::from_secs(30)),
+            |r, host| {
+                let rank = start(host);
+                // Rank 1 calls one element more.
+                let elems = 1000 + r;
+                let bytes = 4 * elems;
+                let work = || Work::Collective {
+                    op: collective(OpKind::AllReduce, DataType::Float32, elems, 0),
+                    send: Some(span(bytes)),
+                    recv: span(bytes),
+                };
+                let first = rank.submit(1, work(), vec![0; bytes], vec![0; bytes]);
+                let second = rank.submit(2, work(), vec![0; bytes], vec![0; bytes]);
+                first.mark.pass();
+                assert!(
+                    rank.counter.wait_for(1, Duration::from_secs(10)),
+                    "rank {r}"
+                );
+                // The rank that compared the headers has the mismatch itself; the other may
+                // learn it first as that rank's abort, its cause a mismatch, as typed fields.
+                match first.done.wait(Duration::from_secs(5)) {
+                    Some(Err(CudaError::Host(HostError::Mismatch { ours, theirs, .. }))) => {
+                        assert_eq!((ours.count, ours.seq), (elems as u64, 1));
+                        assert_eq!(theirs.count, (1000 + (1 - r)) as u64);
+                    }
+                    Some(Err(CudaError::Host(HostError::Aborted {
+                        by: Some(by),
+                        cause: AbortCause::Mismatch,
+                        during: Some((OpKind::AllReduce, 1)),
+                        ..
+                    }))) if by == 1 - r => {}
+                    other => panic!("rank {r}: {other:?}"),
+                }
+                match rank.shared.check() {
+                    Err(CudaError::Poisoned { first, .. }) => {
+                        assert!(first.contains("mismatched collectives"), "{first}")
+                    }
+                    other => panic!("rank {r}: {other:?}"),
+                }
+                // The next job's stream is released although its host side never runs: its
+                // stream position is never passed either.
+                assert!(rank.counter.wait_for(2, Duration::from_secs(5)), "rank {r}");
+                assert!(matches!(
+                    second.done.wait(Duration::from_secs(5)),
+                    Some(Err(CudaError::Poisoned { .. }))
+                ));
+                assert_eq!(rank.counter.raised(), vec![1, 2]);
+            },
+        );
+        results.expect("ranks");
+    }
+
+    #[test]
+    fn a_peer_that_aborts_releases_a_waiting_stream_with_the_operation_named() {
+        // The timeout is long: the release must come from the abort, not from it.
+        let results = weftcc_comm::run_ranks(
+            2,
+            |r| config(r, Duration::from_secs(60)),
+            |r, host| {
+                let rank = start(host);
+                if r == 1 {
+                    std::thread::sleep(Duration::from_millis(300));
+                    rank.host.abort();
+                    return None;
+                }
+                let work = Work::Collective {
+                    op: collective(OpKind::AllReduce, DataType::Float32, 1 << 16, 0),
+                    send: None,
+                    recv: span(4 << 16),
+                };
+                let start = Instant::now();
+                let job = rank.submit(7, work, Vec::new(), vec![0; 4 << 16]);
+                job.mark.pass();
+                assert!(rank.counter.wait_for(job.ticket, Duration::from_secs(10)));
+                Some((job.done.wait(Duration::from_secs(5)), start.elapsed()))
+            },
+        );
+        let results = results.expect("ranks");
+        let (outcome, took) = results[0].clone().expect("rank 0");
+        assert!(took < Duration::from_secs(3), "released after {took:?}");
+        match outcome {
+            Some(Err(CudaError::Collective {
+                rank: 0,
+                op: OpKind::AllReduce,
+                seq: 7,
+                detail,
+            })) => assert!(detail.contains("abort"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_stream_that_never_reaches_its_job_times_out_and_is_released() {
+        let results = weftcc_comm::run_ranks(
+            1,
+            |r| config(r, Duration::from_millis(300)),
+            |_, host| {
+                let rank = start(host);
+                let work = Work::Collective {
+                    op: collective(OpKind::AllReduce, DataType::Float32, 10, 0),
+                    send: None,
+                    recv: span(40),
+                };
+                let job = rank.submit(1, work, Vec::new(), vec![0; 40]);
+                // Never passed.
+                assert!(rank.counter.wait_for(1, Duration::from_secs(5)));
+                match job.done.wait(Duration::from_secs(5)) {
+                    Some(Err(CudaError::Collective { detail, .. })) => {
+                        assert!(detail.contains("did not finish"), "{detail}")
+                    }
+                    other => panic!("{other:?}"),
+                }
+                assert!(rank.shared.check().is_err());
+            },
+        );
+        results.expect("ranks");
+    }
+
+    #[test]
+    fn stopping_the_proxy_releases_tickets_it_never_processed() {
+        let results = weftcc_comm::run_ranks(
+            1,
+            |r| config(r, Duration::from_secs(30)),
+            |_, host| {
+                let rank = start(host);
+                // Issued but never submitted (an enqueue that failed between the two).
+                let t1 = rank.proxy.next_ticket();
+                let t2 = rank.proxy.next_ticket();
+                let counter = rank.counter.clone();
+                drop(rank);
+                assert_eq!((t1, t2), (1, 2));
+                assert_eq!(counter.raised(), vec![2]);
+            },
+        );
+        results.expect("ranks");
+    }
+}
