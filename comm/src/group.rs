@@ -5,7 +5,6 @@ use crate::communicator::{Communicator, Inner, State};
 use crate::engine::{Area, Prepared};
 use crate::error::Result;
 use weftcc_collectives::call;
-use weftcc_collectives::header::OpDesc;
 use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::schedule::p2p;
 use weftcc_collectives::{DataType, Element, OpKind, ReduceOp};
@@ -78,53 +77,10 @@ impl Inner {
         let mut areas: Vec<Area<'_>> = Vec::with_capacity(sends.len() + recvs.len());
         areas.extend(sends.iter().map(|(_, buf)| Area::ReadOnly(buf)));
         areas.extend(recvs.iter_mut().map(|(_, buf)| Area::ReadWrite(buf)));
-        let (sched, layout) = (group.schedule, group.buffers);
-        let (out_meta, in_meta) = (group.sent, group.received);
         // One header per peer and direction: the pair's message sequence number, total bytes and
         // a fingerprint of the message sizes, so mismatched sends and receives are detected.
-        let desc_for = |seq: u64, sizes: &[usize]| OpDesc {
-            kind: OpKind::SendRecv,
-            seq,
-            dtype: DataType::Uint8,
-            count: sizes.iter().sum::<usize>() as u64,
-            redop: 0xff,
-            root: p2p::fingerprint(sizes),
-        };
-        let mut headers: Vec<(usize, OpDesc, OpDesc)> = Vec::new();
-        let peers: Vec<usize> = {
-            let mut p: Vec<usize> = sched
-                .send_peers
-                .iter()
-                .chain(sched.recv_peers.iter())
-                .copied()
-                .collect();
-            p.sort_unstable();
-            p.dedup();
-            p
-        };
-        for &p in &peers {
-            let out_sizes = out_meta
-                .iter()
-                .find(|(q, _)| *q == p)
-                .map(|(_, s)| s.clone())
-                .unwrap_or_default();
-            let in_sizes = in_meta
-                .iter()
-                .find(|(q, _)| *q == p)
-                .map(|(_, s)| s.clone())
-                .unwrap_or_default();
-            headers.push((
-                p,
-                desc_for(st.send_seq[p], &out_sizes),
-                desc_for(st.recv_seq[p], &in_sizes),
-            ));
-        }
-        for (p, sizes) in &out_meta {
-            st.send_seq[*p] += sizes.len() as u64;
-        }
-        for (p, sizes) in &in_meta {
-            st.recv_seq[*p] += sizes.len() as u64;
-        }
+        let headers = p2p::pair_headers(&group, &mut st.send_seq, &mut st.recv_seq);
+        let (sched, layout) = (group.schedule, group.buffers);
         let first_seq = headers.first().map(|h| h.1.seq).unwrap_or(0);
         self.current.set(OpKind::SendRecv, first_seq);
         self.trace.start(
@@ -134,7 +90,7 @@ impl Inner {
                 DataType::Uint8,
                 moved as u64,
             )
-            .with_peers(peers.iter().copied()),
+            .with_peers(headers.iter().map(|h| h.0)),
         );
         let prepared = Prepared::new(sched);
         let State {
@@ -145,7 +101,7 @@ impl Inner {
         } = st;
         self.execute(
             mesh,
-            desc_for(first_seq, &[]),
+            p2p::pair_header(first_seq, &[]),
             DataType::Uint8,
             ReduceOp::Sum,
             &prepared,

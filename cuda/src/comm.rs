@@ -21,7 +21,8 @@
 //! `OpDesc`) is all-gathered over the host communicator and compared before the call is
 //! enqueued (`headers.rs`): ranks that called different collectives all fail with
 //! `weftcc_comm::Error::Mismatch` (inside [`CudaError::Host`]), with nothing of the call
-//! enqueued. The staged transport's host collectives check their own headers.
+//! enqueued; a send/recv group exchanges each pair's headers with that peer the same way. The
+//! staged transport's host collectives check their own headers.
 //!
 //! Errors poison the communicator (every later call fails with the first error), as for the
 //! host communicator. After a failure the caller's stream is always released (the staged
@@ -70,8 +71,8 @@ pub const IPC_ENV: &str = "WEFT_CUDA_IPC";
 /// using CUDA IPC inside each host.
 pub const HIERARCHICAL_ENV: &str = "WEFT_CUDA_HIERARCHICAL";
 /// `WEFT_CUDA_CHECK_HEADERS=0` skips the IPC path's operation-header exchange (`headers.rs`):
-/// enqueueing then never waits for the other ranks' CPUs, and mismatched collectives between
-/// the GPUs of one host go undetected (NCCL's behaviour). Default 1; if any rank sets 0, no
+/// enqueueing then never waits for the other ranks' CPUs, and mismatched collectives or
+/// send/recv sizes between the GPUs of one host go undetected (NCCL's behaviour). Default 1; if any rank sets 0, no
 /// rank checks (they must agree, or the checking ones would wait in the exchange).
 pub const CHECK_HEADERS_ENV: &str = "WEFT_CUDA_CHECK_HEADERS";
 /// Bytes per IPC slot (the largest message of a pipelined transfer); default
@@ -258,14 +259,25 @@ pub struct DeviceComm {
     /// The hierarchical transport's tiers (shared with the host communicator's failure hook).
     tiers: Option<Arc<Tiers>>,
     seq: AtomicU64,
-    /// IPC: the sequence number of the last collective's operation header (collectives only,
-    /// from 1, as the host communicator counts them). Held from the header exchange to the end
-    /// of the enqueue, so that header order and enqueue order agree.
-    headers: Mutex<u64>,
-    /// IPC: whether collectives exchange and compare their headers ([`CHECK_HEADERS_ENV`]).
+    /// IPC: the counters the operation headers are numbered by. Held from the header exchange
+    /// to the end of the enqueue, so that header order and enqueue order agree.
+    headers: Mutex<HeaderSeqs>,
+    /// IPC: whether collectives and send/recv groups exchange and compare their headers
+    /// ([`CHECK_HEADERS_ENV`]).
     check_headers: bool,
     /// Wire code of the last operation enqueued (named in timeouts).
     last_op: AtomicU8,
+}
+
+/// What the IPC path's operation headers are numbered by.
+#[derive(Default)]
+struct HeaderSeqs {
+    /// The last collective's (collectives only, from 1, as the host communicator counts them).
+    collectives: u64,
+    /// Messages sent to and received from each peer in send/recv groups so far (the pair's
+    /// message sequence numbers, as the host engine counts them).
+    sent: Vec<u64>,
+    received: Vec<u64>,
 }
 
 impl std::fmt::Debug for DeviceComm {
@@ -466,7 +478,11 @@ impl DeviceComm {
             proxy,
             tiers,
             seq: AtomicU64::new(0),
-            headers: Mutex::new(0),
+            headers: Mutex::new(HeaderSeqs {
+                sent: vec![0; size],
+                received: vec![0; size],
+                ..HeaderSeqs::default()
+            }),
             check_headers,
             last_op: AtomicU8::new(OpKind::AllReduce as u8),
         })
@@ -801,11 +817,21 @@ impl DeviceComm {
         recvs: &[(usize, DevSpan)],
         stream: &Stream,
     ) -> Result<()> {
+        // Lock order as for collectives: headers, then the IPC state.
+        let mut seqs = lock(&self.headers);
         let mut ipc = self.ipc_state()?;
         let spans = |list: &[(usize, DevSpan)]| -> Vec<(usize, u64, usize)> {
             list.iter().map(|(p, s)| (*p, s.ptr, s.bytes)).collect()
         };
         let group = p2p::group_schedule(&spans(sends), &spans(recvs), ipc.slot_bytes);
+        // Each pair's headers, checked by both ends before anything is enqueued: mismatched
+        // sizes would otherwise leave a stream waiting on flags, or shift the message counters
+        // so that a later group reads another message's bytes.
+        let HeaderSeqs { sent, received, .. } = &mut *seqs;
+        let pairs = p2p::pair_headers(&group, sent, received);
+        if self.check_headers && !pairs.is_empty() {
+            headers::exchange_pairs(&self.host, &pairs)?;
+        }
         let (sched, bufs) = (group.schedule, group.buffers);
         if sched.steps.is_empty() {
             return Ok(());
@@ -825,9 +851,9 @@ impl DeviceComm {
         plan: &Plan,
         stream: &Stream,
     ) -> Result<()> {
-        let mut seq = lock(&self.headers);
-        *seq += 1;
-        headers::exchange(&self.host, &headers::desc(call, *seq))?;
+        let mut seqs = lock(&self.headers);
+        seqs.collectives += 1;
+        headers::exchange(&self.host, &headers::desc(call, seqs.collectives))?;
         self.enqueue_ipc(call, send, recv, plan, stream)
     }
 

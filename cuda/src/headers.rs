@@ -41,6 +41,85 @@ pub(crate) fn exchange(host: &Communicator, ours: &OpDesc) -> Result<()> {
     check(rank, ours, &all)
 }
 
+/// Exchanges a send/recv group's headers with each peer it touches and checks them
+/// ([`check_pair`]): to each peer this rank sends both its headers for that peer, what it sends
+/// and what it expects (`p2p::pair_headers`), and receives the peer's, so both ends of a pair
+/// whose messages differ find it before either enqueues anything. A peer that has no part in
+/// this group while this rank does leaves it waiting: the host communicator's timeout.
+pub(crate) fn exchange_pairs(host: &Communicator, pairs: &[(usize, OpDesc, OpDesc)]) -> Result<()> {
+    let rank = host.rank();
+    let mine: Vec<[u8; 2 * HEADER_LEN]> = pairs
+        .iter()
+        .map(|(_, out, inbound)| pair_record(rank, out, inbound))
+        .collect();
+    let mut theirs = vec![[0u8; 2 * HEADER_LEN]; pairs.len()];
+    let mut group = host.group();
+    for ((peer, ..), record) in pairs.iter().zip(&mine) {
+        group = group.send(&record[..], *peer);
+    }
+    for ((peer, ..), record) in pairs.iter().zip(theirs.iter_mut()) {
+        group = group.recv(&mut record[..], *peer);
+    }
+    group.run()?;
+    for (&(peer, out, inbound), record) in pairs.iter().zip(&theirs) {
+        check_pair(rank, peer, &out, &inbound, record)?;
+    }
+    Ok(())
+}
+
+/// What a rank sends a peer of its group: its header for what it sends the peer, then for what
+/// it expects from it.
+fn pair_record(rank: usize, out: &OpDesc, inbound: &OpDesc) -> [u8; 2 * HEADER_LEN] {
+    let mut record = [0u8; 2 * HEADER_LEN];
+    let (a, b) = record.split_at_mut(HEADER_LEN);
+    for (half, desc) in [(a, out), (b, inbound)] {
+        half.copy_from_slice(&desc.encode(rank as u32));
+    }
+    record
+}
+
+/// Compares the record `peer` sent (its header for what it sends this rank, then for what it
+/// expects from it) with this rank's headers for that peer: what this rank expects (`inbound`)
+/// must be what the peer sends, and the other way round. A difference is
+/// [`weftcc_comm::Error::Mismatch`] naming this rank's header and the peer's.
+pub(crate) fn check_pair(
+    rank: usize,
+    peer: usize,
+    out: &OpDesc,
+    inbound: &OpDesc,
+    record: &[u8; 2 * HEADER_LEN],
+) -> Result<()> {
+    let (their_out, their_in) = record.split_at(HEADER_LEN);
+    for (ours, theirs) in [(inbound, their_out), (out, their_in)] {
+        let Ok(theirs) = <&[u8; HEADER_LEN]>::try_from(theirs) else {
+            continue; // split_at(HEADER_LEN) of 2 × HEADER_LEN: never short
+        };
+        if ours.is_encoded_in(peer as u32, theirs) {
+            continue;
+        }
+        let corrupt = |detail: String| CudaError::Collective {
+            rank,
+            op: ours.kind,
+            seq: ours.seq,
+            detail,
+        };
+        let (theirs, sender) = OpDesc::decode(theirs)
+            .map_err(|e| corrupt(format!("bad send/recv header from rank {peer}: {e}")))?;
+        if sender as usize != peer {
+            return Err(corrupt(format!(
+                "send/recv header of rank {sender} from rank {peer}"
+            )));
+        }
+        return Err(CudaError::Host(weftcc_comm::Error::Mismatch {
+            rank,
+            peer,
+            ours: *ours,
+            theirs,
+        }));
+    }
+    Ok(())
+}
+
 /// Compares every rank's header in `all` (rank order, [`HEADER_LEN`] bytes each, as the
 /// all-gather leaves them) with `ours`, this rank's. The first rank whose header differs is
 /// named: [`weftcc_comm::Error::Mismatch`] when it decodes (a different call), else a
@@ -93,6 +172,7 @@ pub(crate) fn is_mismatch(e: &CudaError) -> bool {
 mod tests {
     use super::*;
     use std::time::Duration;
+    use weftcc_collectives::schedule::p2p;
     use weftcc_collectives::{DataType, OpKind, ReduceOp};
     use weftcc_comm::{CommConfig, Error};
 
@@ -272,6 +352,132 @@ mod tests {
                 other => panic!("rank {rank}: expected a kind mismatch, got {other:?}"),
             }
         }
+    }
+
+    fn group(
+        rank: usize,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        seqs: &mut (Vec<u64>, Vec<u64>),
+    ) -> Vec<(usize, OpDesc, OpDesc)> {
+        let list = |l: &[(usize, usize)]| -> Vec<(usize, u64, usize)> {
+            l.iter().map(|&(p, b)| (p, 0, b)).collect()
+        };
+        let g = p2p::group_schedule(&list(sends), &list(recvs), 1 << 20);
+        let _ = rank;
+        p2p::pair_headers(&g, &mut seqs.0, &mut seqs.1)
+    }
+
+    fn record_of(
+        rank: usize,
+        pairs: &[(usize, OpDesc, OpDesc)],
+        to: usize,
+    ) -> [u8; 2 * HEADER_LEN] {
+        let (_, out, inbound) = pairs.iter().find(|p| p.0 == to).copied().expect("a pair");
+        pair_record(rank, &out, &inbound)
+    }
+
+    #[test]
+    fn both_ends_of_a_pair_find_a_size_mismatch_in_either_direction() {
+        let fresh = || (vec![0u64; 2], vec![0u64; 2]);
+        // Rank 0 sends 100 bytes to rank 1 and receives 8 from it.
+        let a = group(0, &[(1, 100)], &[(1, 8)], &mut fresh());
+        let matching = group(1, &[(0, 8)], &[(0, 100)], &mut fresh());
+        let (_, a_out, a_in) = a[0];
+        let (_, b_out, b_in) = matching[0];
+        assert_eq!(
+            check_pair(0, 1, &a_out, &a_in, &record_of(1, &matching, 0)),
+            Ok(())
+        );
+        assert_eq!(
+            check_pair(1, 0, &b_out, &b_in, &record_of(0, &a, 1)),
+            Ok(())
+        );
+        // Rank 1 expects 101 bytes: both ends fail naming the other and both headers.
+        let wrong = group(1, &[(0, 8)], &[(0, 101)], &mut fresh());
+        let (_, w_out, w_in) = wrong[0];
+        match check_pair(0, 1, &a_out, &a_in, &record_of(1, &wrong, 0)) {
+            Err(CudaError::Host(Error::Mismatch {
+                rank: 0,
+                peer: 1,
+                ours,
+                theirs,
+            })) => {
+                assert_eq!((ours.count, theirs.count), (100, 101));
+                assert_eq!(ours.kind, OpKind::SendRecv);
+            }
+            other => panic!("{other:?}"),
+        }
+        match check_pair(1, 0, &w_out, &w_in, &record_of(0, &a, 1)) {
+            Err(
+                e @ CudaError::Host(Error::Mismatch {
+                    rank: 1, peer: 0, ..
+                }),
+            ) => {
+                assert!(is_mismatch(&e));
+                assert!(e.to_string().contains("101 bytes"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The same bytes cut differently (two sends of 50 against one receive of 100).
+        let split = group(0, &[(1, 50), (1, 50)], &[(1, 8)], &mut fresh());
+        let (_, s_out, s_in) = split[0];
+        assert!(check_pair(0, 1, &s_out, &s_in, &record_of(1, &matching, 0)).is_err());
+        // A record that is not one: an error, not a pass.
+        let e = check_pair(0, 1, &a_out, &a_in, &[0u8; 2 * HEADER_LEN]).unwrap_err();
+        assert!(matches!(e, CudaError::Collective { .. }), "{e:?}");
+        // Another rank's record in the peer's place.
+        let e = check_pair(0, 1, &a_out, &a_in, &record_of(2, &matching, 0)).unwrap_err();
+        assert!(matches!(e, CudaError::Collective { .. }), "{e:?}");
+    }
+
+    /// Three ranks as threads: a ring shift whose sizes agree passes on every rank; then rank 1
+    /// expects one byte more from rank 0 than rank 0 sends: ranks 0 and 1 both fail naming each
+    /// other, rank 2 (its pairs agree) passes, and the pair counters go on for the next group.
+    #[test]
+    fn pair_exchange_over_host_communicators_fails_on_both_ends_only() {
+        let n = 3;
+        let results = weftcc_comm::run_ranks(
+            n,
+            |_| config(),
+            |rank, host| {
+                let (to, from) = ((rank + 1) % n, (rank + n - 1) % n);
+                let mut seqs = (vec![0u64; n], vec![0u64; n]);
+                let ring = group(rank, &[(to, 64)], &[(from, 64)], &mut seqs);
+                exchange_pairs(&host, &ring).expect("agreeing sizes");
+                let expect = if rank == 1 { 65 } else { 64 };
+                let odd = group(rank, &[(to, 64)], &[(from, expect)], &mut seqs);
+                let to_next = odd.iter().find(|p| p.0 == to).expect("pair");
+                assert_eq!(to_next.1.seq, 1, "the pair's second message");
+                let r = exchange_pairs(&host, &odd);
+                host.barrier().expect("host communicator still usable");
+                r
+            },
+        )
+        .expect("ranks");
+        match &results[0] {
+            Err(CudaError::Host(Error::Mismatch {
+                peer: 1,
+                ours,
+                theirs,
+                ..
+            })) => {
+                assert_eq!((ours.count, theirs.count, ours.seq), (64, 65, 1));
+            }
+            other => panic!("rank 0: {other:?}"),
+        }
+        match &results[1] {
+            Err(CudaError::Host(Error::Mismatch {
+                peer: 0,
+                ours,
+                theirs,
+                ..
+            })) => {
+                assert_eq!((ours.count, theirs.count), (65, 64));
+            }
+            other => panic!("rank 1: {other:?}"),
+        }
+        assert_eq!(results[2], Ok(()));
     }
 
     #[test]

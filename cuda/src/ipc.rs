@@ -22,8 +22,9 @@
 //!
 //! Before a collective's schedule is enqueued here, the ranks have exchanged and compared its
 //! operation header on the host (`headers.rs`, called by `DeviceComm`): the schedules enqueued
-//! are those of one call on every rank, so the per-peer message counts agree. (Send/recv
-//! groups carry no header: their sizes must match as NCCL's do.)
+//! are those of one call on every rank, so the per-peer message counts agree. Send/recv groups
+//! likewise: each pair of ranks exchanges the group's headers for both directions (the pair's
+//! message number, bytes, a fingerprint of the sizes) before either enqueues anything.
 //!
 //! Message counters continue across operations (wrapping u32; GEQ compares cyclically), so no
 //! flag needs resetting between operations. A counter or slot is never reused before its

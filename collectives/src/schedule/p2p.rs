@@ -14,6 +14,8 @@
 use super::build::slices;
 use super::layout::BufferMap;
 use super::{Action, BufId, Region, Schedule, Step};
+use crate::header::OpDesc;
+use crate::{DataType, OpKind};
 
 /// A group's schedule, where its buffers lie, and the message sizes per peer (for the header
 /// that lets each side check the other's sizes).
@@ -101,6 +103,69 @@ fn add_message(per_peer: &mut PerPeer, peer: usize, len: usize) {
     }
 }
 
+/// The header of one direction between a pair of ranks in a group: the pair's message sequence
+/// number in that direction (`seq`, the messages exchanged before), the total bytes and a
+/// fingerprint of the message sizes (in the root field). The sender computes it from its sends,
+/// the receiver from its receives: equal headers mean matching messages.
+pub fn pair_header(seq: u64, sizes: &[usize]) -> OpDesc {
+    OpDesc {
+        kind: OpKind::SendRecv,
+        seq,
+        dtype: DataType::Uint8,
+        count: sizes.iter().sum::<usize>() as u64,
+        redop: 0xff,
+        root: fingerprint(sizes),
+    }
+}
+
+/// A group's headers for each peer it touches, peers ascending: `(peer, out, in)`, `out` for
+/// what this rank sends the peer and `in` for what it receives from it
+/// ([`pair_header`]), numbered from the messages exchanged with that peer so far
+/// (`send_seq[peer]`, `recv_seq[peer]`), which are advanced by the group's. The host engine
+/// sends `out` with the first message to the peer and compares the peer's with its `in`; the
+/// CUDA IPC path exchanges both before enqueuing anything.
+pub fn pair_headers<P>(
+    group: &GroupSchedule<P>,
+    send_seq: &mut [u64],
+    recv_seq: &mut [u64],
+) -> Vec<(usize, OpDesc, OpDesc)> {
+    let mut peers: Vec<usize> = (group.sent.iter().chain(group.received.iter()))
+        .map(|(p, _)| *p)
+        .collect();
+    peers.sort_unstable();
+    peers.dedup();
+    let sizes = |list: &PerPeer, p: usize| -> Vec<usize> {
+        list.iter()
+            .find(|(q, _)| *q == p)
+            .map(|(_, s)| s.clone())
+            .unwrap_or_default()
+    };
+    let headers = peers
+        .iter()
+        .map(|&p| {
+            (
+                p,
+                pair_header(
+                    send_seq.get(p).copied().unwrap_or(0),
+                    &sizes(&group.sent, p),
+                ),
+                pair_header(
+                    recv_seq.get(p).copied().unwrap_or(0),
+                    &sizes(&group.received, p),
+                ),
+            )
+        })
+        .collect();
+    for (list, seqs) in [(&group.sent, send_seq), (&group.received, recv_seq)] {
+        for (p, sizes) in list {
+            if let Some(seq) = seqs.get_mut(*p) {
+                *seq += sizes.len() as u64;
+            }
+        }
+    }
+    headers
+}
+
 /// A fingerprint of a list of message sizes (carried in a group header's root field; never
 /// [`crate::header::NO_ROOT`]).
 pub fn fingerprint(sizes: &[usize]) -> u32 {
@@ -160,6 +225,49 @@ mod tests {
         let g = group_schedule::<u64>(&[], &[(1, 0x1000, 0)], 1 << 20);
         assert!(g.schedule.steps.is_empty());
         assert_eq!(g.schedule.recv_peers, vec![1]);
+    }
+
+    proptest::proptest! {
+        /// Rank 0's header for what it sends rank 1 equals rank 1's for what it receives from
+        /// rank 0 exactly when the message sizes agree, whatever else each group holds; each
+        /// end's pair counters advance by the pair's messages.
+        #[test]
+        fn pair_headers_agree_exactly_when_the_messages_do(
+            sizes in proptest::collection::vec(0usize..5000, 0..6),
+            other in proptest::collection::vec(0usize..5000, 0..6),
+            before in 0u64..1000,
+            extra in proptest::collection::vec((2usize..4, 0usize..100), 0..4),
+        ) {
+            let list = |p: usize, l: &[usize]| -> Vec<(usize, u64, usize)> {
+                l.iter().map(|&b| (p, 0u64, b)).collect()
+            };
+            let mut a_sends = list(1, &sizes);
+            // Messages to other peers interleaved: they must not change the pair's header.
+            a_sends.extend(extra.iter().map(|&(p, b)| (p, 0u64, b)));
+            let a = group_schedule(&a_sends, &[], 64);
+            let b = group_schedule(&[], &list(0, &other), 64);
+            let (mut a_sent, mut a_recvd) = (vec![before; 4], vec![0; 4]);
+            let (mut b_sent, mut b_recvd) = (vec![0; 4], vec![before; 4]);
+            let ha = pair_headers(&a, &mut a_sent, &mut a_recvd);
+            let hb = pair_headers(&b, &mut b_sent, &mut b_recvd);
+            let a_to_1 = ha.iter().find(|h| h.0 == 1).map(|h| h.1);
+            let b_from_0 = hb.iter().find(|h| h.0 == 0).map(|h| h.2);
+            match (a_to_1, b_from_0) {
+                (Some(out), Some(inbound)) => {
+                    proptest::prop_assert_eq!(out == inbound, sizes == other);
+                    proptest::prop_assert_eq!(out.seq, before);
+                }
+                // No message to the peer on one side: only when that side's list is empty.
+                (None, Some(_)) => proptest::prop_assert!(sizes.is_empty()),
+                (Some(_), None) => proptest::prop_assert!(other.is_empty()),
+                (None, None) => proptest::prop_assert!(sizes.is_empty() && other.is_empty()),
+            }
+            proptest::prop_assert_eq!(a_sent[1], before + sizes.len() as u64);
+            proptest::prop_assert_eq!(b_recvd[0], before + other.len() as u64);
+            let mut peers: Vec<usize> = ha.iter().map(|h| h.0).collect();
+            peers.dedup();
+            proptest::prop_assert!(peers.windows(2).all(|w| w[0] < w[1]), "peers ascending, once each");
+        }
     }
 
     #[test]
