@@ -24,6 +24,7 @@ pub mod ipc;
 pub mod kernels;
 pub mod memory;
 mod proxy;
+mod staged;
 mod tiered;
 
 pub use comm::{DeviceComm, Transport};

@@ -38,9 +38,10 @@ pub(crate) type HostBytes<'a> = Box<dyn DerefMut<Target = [u8]> + 'a>;
 
 /// A staging buffer the stream fills and empties around the job's host side.
 pub(crate) trait StagingMemory: Send + Sync {
-    /// Its first `len` bytes, for the host side of the job that owns it now (nothing else
-    /// touches the buffer meanwhile: see [`PinnedBuffer`]'s implementation).
-    fn host_bytes(&self, len: usize) -> Result<HostBytes<'_>>;
+    /// Its `len` bytes at `at`, for the host side of the job that owns them now (nothing else
+    /// touches them meanwhile: see [`PinnedBuffer`]'s implementation). Empty when `len` is 0,
+    /// wherever `at` lies (a buffer the call does not use is not sized for its offset).
+    fn host_bytes(&self, at: usize, len: usize) -> Result<HostBytes<'_>>;
 }
 
 /// The counter the caller's streams wait on.
@@ -78,6 +79,9 @@ pub(crate) struct Job {
     pub(crate) seq: u64,
     pub(crate) ticket: u32,
     pub(crate) work: Work,
+    /// Where the job's bytes start in `input` and `output` (a chunk of a larger call).
+    pub(crate) input_at: usize,
+    pub(crate) output_at: usize,
     /// Passed once the stream filled `input` (or `output`, in place).
     pub(crate) ready: Box<dyn Ready>,
     pub(crate) input: Arc<dyn StagingMemory>,
@@ -191,8 +195,8 @@ fn run(
 fn host_side(host: &Communicator, job: &Job) -> Result<()> {
     job.ready.wait(host.timeout())?;
     let (in_bytes, out_bytes) = job.work.staged_bytes();
-    let input = job.input.host_bytes(in_bytes)?;
-    let mut output = job.output.host_bytes(out_bytes)?;
+    let input = job.input.host_bytes(job.input_at, in_bytes)?;
+    let mut output = job.output.host_bytes(job.output_at, out_bytes)?;
     match &job.work {
         Work::Collective { op, send, .. } => match send {
             Some(_) => host.execute_raw(*op, Some(&input), &mut output)?,
@@ -229,14 +233,17 @@ impl StagingMemory for PinnedBuffer {
     /// after the proxy raised the job's release counter, and the next job's copies wait for this
     /// one's copies back (`Staging::done` in `comm.rs`): while the proxy holds these bytes
     /// nothing else touches the memory.
-    fn host_bytes(&self, len: usize) -> Result<HostBytes<'_>> {
-        if len > self.len() {
+    fn host_bytes(&self, at: usize, len: usize) -> Result<HostBytes<'_>> {
+        if len == 0 {
+            return Ok(Box::new(&mut [][..]));
+        }
+        if at.checked_add(len).is_none_or(|end| end > self.len()) {
             return Err(CudaError::Other("staging buffer too small".into()));
         }
-        // SAFETY: the buffer holds at least `len` bytes of pinned host memory, alive as long as
-        // the borrow of `self`; by the ordering above this is the only access while the slice
-        // lives.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.host_ptr(), len) };
+        // SAFETY: the buffer holds at least `at + len` bytes of pinned host memory (checked),
+        // alive as long as the borrow of `self`; by the ordering above this is the only access
+        // to these bytes while the slice lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.host_ptr().add(at), len) };
         Ok(Box::new(bytes))
     }
 }
@@ -256,25 +263,22 @@ pub(crate) fn release_counter(flag: &PinnedBuffer) -> &AtomicU32 {
 }
 
 #[cfg(test)]
-mod tests {
-    //! The proxy's state machine without a GPU: ranks are threads, each with a host
-    //! communicator over the in-memory network provider (`WEFT_NET=loopback`, every rank a
-    //! host of its own), the "stream" is the test thread filling host staging buffers and
-    //! waiting for the release counter.
+pub(crate) mod harness {
+    //! The proxy without a GPU: ranks are threads, each with a host communicator over the
+    //! in-memory network provider (`WEFT_NET=loopback`, every rank a host of its own), the
+    //! "stream" is the test thread filling host staging buffers and waiting for the release
+    //! counter.
     use super::*;
-    use crate::comm::DevSpan;
     use std::sync::MutexGuard;
-    use std::time::Instant;
-    use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
-    use weftcc_comm::{AbortCause, CommConfig, Error as HostError};
+    use weftcc_comm::CommConfig;
     use weftcc_transports::net::{NetChoice, NetKind};
 
     /// A stream position the test passes by hand.
     #[derive(Clone, Default)]
-    struct Mark(Arc<(Mutex<bool>, Condvar)>);
+    pub(crate) struct Mark(Arc<(Mutex<bool>, Condvar)>);
 
     impl Mark {
-        fn pass(&self) {
+        pub(crate) fn pass(&self) {
             *lock(&self.0 .0) = true;
             self.0 .1.notify_all();
         }
@@ -299,46 +303,53 @@ mod tests {
     }
 
     /// Host memory standing in for a pinned staging buffer.
-    struct HostStaging(Mutex<Vec<u8>>);
+    pub(crate) struct HostStaging(pub(crate) Mutex<Vec<u8>>);
 
     impl HostStaging {
-        fn new(bytes: Vec<u8>) -> Arc<HostStaging> {
+        pub(crate) fn new(bytes: Vec<u8>) -> Arc<HostStaging> {
             Arc::new(HostStaging(Mutex::new(bytes)))
         }
-        fn bytes(&self) -> Vec<u8> {
+        pub(crate) fn bytes(&self) -> Vec<u8> {
             lock(&self.0).clone()
         }
     }
 
-    struct Prefix<'a>(MutexGuard<'a, Vec<u8>>, usize);
+    /// Bytes `range` of a staging buffer, held locked.
+    pub(crate) struct Part<'a>(
+        pub(crate) MutexGuard<'a, Vec<u8>>,
+        pub(crate) std::ops::Range<usize>,
+    );
 
-    impl std::ops::Deref for Prefix<'_> {
+    impl std::ops::Deref for Part<'_> {
         type Target = [u8];
         fn deref(&self) -> &[u8] {
-            &self.0[..self.1]
+            &self.0[self.1.clone()]
         }
     }
 
-    impl DerefMut for Prefix<'_> {
+    impl DerefMut for Part<'_> {
         fn deref_mut(&mut self) -> &mut [u8] {
-            let len = self.1;
-            &mut self.0[..len]
+            let range = self.1.clone();
+            &mut self.0[range]
         }
     }
 
     impl StagingMemory for HostStaging {
-        fn host_bytes(&self, len: usize) -> Result<HostBytes<'_>> {
+        fn host_bytes(&self, at: usize, len: usize) -> Result<HostBytes<'_>> {
             let g = lock(&self.0);
-            if len > g.len() {
+            if len == 0 {
+                return Ok(Box::new(&mut [][..]));
+            }
+            if at + len > g.len() {
                 return Err(CudaError::Other("staging buffer too small".into()));
             }
-            Ok(Box::new(Prefix(g, len)))
+            Ok(Box::new(Part(g, at..at + len)))
         }
     }
 
     /// The release counter, recording every value it was raised to.
     #[derive(Default)]
-    struct Counter {
+    pub(crate) struct Counter {
         raised: Mutex<Vec<u32>>,
         changed: Condvar,
     }
@@ -353,7 +364,7 @@ mod tests {
     impl Counter {
         /// What a stream's `wait ≥ ticket` does: true once raised that far, false after
         /// `timeout`.
-        fn wait_for(&self, ticket: u32, timeout: Duration) -> bool {
+        pub(crate) fn wait_for(&self, ticket: u32, timeout: Duration) -> bool {
             let g = lock(&self.raised);
             let (g, _) = self
                 .changed
@@ -361,12 +372,12 @@ mod tests {
                 .unwrap_or_else(|p| p.into_inner());
             g.last().is_some_and(|&v| v >= ticket)
         }
-        fn raised(&self) -> Vec<u32> {
+        pub(crate) fn raised(&self) -> Vec<u32> {
             lock(&self.raised).clone()
         }
     }
 
-    fn config(rank: usize, timeout: Duration) -> CommConfig {
+    pub(crate) fn config(rank: usize, timeout: Duration) -> CommConfig {
         let mut c = CommConfig::from_env().expect("config");
         c.net = NetChoice {
             kind: NetKind::Loopback,
@@ -378,14 +389,14 @@ mod tests {
     }
 
     /// A rank's proxy with its counter and failure state.
-    struct Rank {
-        host: Arc<Communicator>,
-        shared: Arc<Shared>,
-        counter: Arc<Counter>,
-        proxy: ProxyThread,
+    pub(crate) struct Rank {
+        pub(crate) host: Arc<Communicator>,
+        pub(crate) shared: Arc<Shared>,
+        pub(crate) counter: Arc<Counter>,
+        pub(crate) proxy: ProxyThread,
     }
 
-    fn start(host: Communicator) -> Rank {
+    pub(crate) fn start(host: Communicator) -> Rank {
         let host = Arc::new(host);
         let shared = Arc::new(Shared::new(host.rank()));
         let counter = Arc::new(Counter::default());
@@ -403,6 +414,16 @@ mod tests {
             proxy,
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::harness::*;
+    use super::*;
+    use crate::comm::DevSpan;
+    use std::time::Instant;
+    use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
+    use weftcc_comm::{AbortCause, Error as HostError};
 
     /// A job as `enqueue_staged` makes it; the spans' addresses are the device's and unused
     /// here, only their lengths.
@@ -423,6 +444,8 @@ mod tests {
                     seq,
                     ticket,
                     work,
+                    input_at: 0,
+                    output_at: 0,
                     ready: Box::new(mark.clone()),
                     input: HostStaging::new(input),
                     output: output.clone(),
