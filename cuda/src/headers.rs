@@ -91,33 +91,39 @@ pub(crate) fn check_pair(
 ) -> Result<()> {
     let (their_out, their_in) = record.split_at(HEADER_LEN);
     for (ours, theirs) in [(inbound, their_out), (out, their_in)] {
-        let Ok(theirs) = <&[u8; HEADER_LEN]>::try_from(theirs) else {
-            continue; // split_at(HEADER_LEN) of 2 × HEADER_LEN: never short
-        };
-        if ours.is_encoded_in(peer as u32, theirs) {
-            continue;
+        if let Ok(theirs) = <&[u8; HEADER_LEN]>::try_from(theirs) {
+            compare(rank, peer, ours, theirs)?;
         }
-        let corrupt = |detail: String| CudaError::Collective {
-            rank,
-            op: ours.kind,
-            seq: ours.seq,
-            detail,
-        };
-        let (theirs, sender) = OpDesc::decode(theirs)
-            .map_err(|e| corrupt(format!("bad send/recv header from rank {peer}: {e}")))?;
-        if sender as usize != peer {
-            return Err(corrupt(format!(
-                "send/recv header of rank {sender} from rank {peer}"
-            )));
-        }
-        return Err(CudaError::Host(weftcc_comm::Error::Mismatch {
-            rank,
-            peer,
-            ours: *ours,
-            theirs,
-        }));
     }
     Ok(())
+}
+
+/// Compares `theirs`, the header `peer` sent, with `ours`: equal passes; a different call is
+/// [`weftcc_comm::Error::Mismatch`] naming both; bytes that are not `peer`'s header are a
+/// [`CudaError::Collective`] saying what is wrong with them.
+fn compare(rank: usize, peer: usize, ours: &OpDesc, theirs: &[u8; HEADER_LEN]) -> Result<()> {
+    if ours.is_encoded_in(peer as u32, theirs) {
+        return Ok(());
+    }
+    let corrupt = |detail: String| CudaError::Collective {
+        rank,
+        op: ours.kind,
+        seq: ours.seq,
+        detail,
+    };
+    let (theirs, sender) = OpDesc::decode(theirs)
+        .map_err(|e| corrupt(format!("bad operation header from rank {peer}: {e}")))?;
+    if sender as usize != peer {
+        return Err(corrupt(format!(
+            "operation header of rank {sender} in rank {peer}'s place"
+        )));
+    }
+    Err(CudaError::Host(weftcc_comm::Error::Mismatch {
+        rank,
+        peer,
+        ours: *ours,
+        theirs,
+    }))
 }
 
 /// Compares every rank's header in `all` (rank order, [`HEADER_LEN`] bytes each, as the
@@ -141,22 +147,9 @@ pub(crate) fn check(rank: usize, ours: &OpDesc, all: &[u8]) -> Result<()> {
         let Ok(bytes) = <&[u8; HEADER_LEN]>::try_from(chunk) else {
             continue; // chunks_exact: never short
         };
-        if peer == rank || ours.is_encoded_in(peer as u32, bytes) {
-            continue;
+        if peer != rank {
+            compare(rank, peer, ours, bytes)?;
         }
-        let (theirs, sender) = OpDesc::decode(bytes)
-            .map_err(|e| corrupt(format!("bad operation header from rank {peer}: {e}")))?;
-        if sender as usize != peer {
-            return Err(corrupt(format!(
-                "operation header of rank {sender} in rank {peer}'s place"
-            )));
-        }
-        return Err(CudaError::Host(weftcc_comm::Error::Mismatch {
-            rank,
-            peer,
-            ours: *ours,
-            theirs,
-        }));
     }
     Ok(())
 }
