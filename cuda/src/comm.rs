@@ -262,7 +262,8 @@ pub struct DeviceComm {
     rank: usize,
     size: usize,
     shared: Arc<Shared>,
-    ipc: Option<Mutex<IpcPeers>>,
+    /// IPC state (shared with the host communicator's failure hook).
+    ipc: Option<Arc<Mutex<IpcPeers>>>,
     /// All-reduces of at most this many bytes use recursive doubling on the IPC path.
     rd_max: usize,
     proxy: Option<Proxy>,
@@ -469,10 +470,17 @@ impl DeviceComm {
                 check_headers = check[0] == 1;
                 let slot = env_usize(SLOT_ENV, DEFAULT_SLOT_BYTES).next_multiple_of(16);
                 let depth = env_usize(DEPTH_ENV, DEFAULT_DEPTH);
-                (
-                    Some(Mutex::new(IpcPeers::connect(&host, &ctx, slot, depth)?)),
-                    None,
-                )
+                let peers = Arc::new(Mutex::new(IpcPeers::connect(&host, &ctx, slot, depth)?));
+                // When the host communicator fails (a rank died, timed out or aborted; another
+                // rank's failure as the watcher learns it), every GPU wait of ours is released
+                // at once instead of at this rank's timeout.
+                let (shared, ipc) = (Arc::downgrade(&shared), Arc::downgrade(&peers));
+                host.on_failure(move |e| {
+                    if let Some(shared) = shared.upgrade() {
+                        end_because(&shared, ipc.upgrade().as_deref(), e);
+                    }
+                });
+                (Some(peers), None)
             }
             Transport::Staged | Transport::Hierarchical => {
                 // Every rank must cut staged calls into the same chunks.
@@ -599,24 +607,16 @@ impl DeviceComm {
         self.host.abort();
     }
 
-    /// Ends this tier communicator because the communicator it is a tier of failed with `e`:
-    /// poisoned with that cause, its host communicator aborted with it (a host operation of
+    /// Ends this tier communicator because the communicator it is a tier of failed with `e`
+    /// ([`end_because`]), and aborts its host communicator with that cause: a host operation of
     /// this tier waiting for a rank that stopped elsewhere fails now, and the staged proxy
-    /// releases its stream), and, unless the cause is a mismatch, every GPU wait of ours on
-    /// the IPC flags released. After a mismatch no rank enqueued any of the mismatched call
-    /// (the checks run before), so the operations still on the GPU must finish with their data.
+    /// releases its stream.
     pub(crate) fn end_as_tier(&self, e: &weftcc_comm::Error) {
-        self.shared.poison(&CudaError::Host(e.clone()));
-        let cause = e.abort_cause();
-        if cause != AbortCause::Mismatch {
-            if let Some(ipc) = &self.ipc {
-                let _ = lock(ipc).release_all();
-            }
-        }
+        end_because(&self.shared, self.ipc.as_deref(), e);
         let facts = e.facts();
         self.host.abort_because(
             format!("the communicator it is a tier of failed: {e}"),
-            cause,
+            e.abort_cause(),
             facts.op.zip(facts.seq),
         );
     }
@@ -835,13 +835,14 @@ impl DeviceComm {
         recvs: &[(usize, DevSpan)],
         stream: &Stream,
     ) -> Result<()> {
-        // Lock order as for collectives: headers, then the IPC state.
+        // Lock order as for collectives: headers, then the IPC state, which is not held during
+        // the host exchange (a host failure there runs the hook that takes it).
         let mut seqs = lock(&self.headers);
-        let mut ipc = self.ipc_state()?;
+        let slot_bytes = self.ipc_state()?.slot_bytes;
         let spans = |list: &[(usize, DevSpan)]| -> Vec<(usize, u64, usize)> {
             list.iter().map(|(p, s)| (*p, s.ptr, s.bytes)).collect()
         };
-        let group = p2p::group_schedule(&spans(sends), &spans(recvs), ipc.slot_bytes);
+        let group = p2p::group_schedule(&spans(sends), &spans(recvs), slot_bytes);
         // Each pair's headers, checked by both ends before anything is enqueued: mismatched
         // sizes would otherwise leave a stream waiting on flags, or shift the message counters
         // so that a later group reads another message's bytes.
@@ -850,6 +851,7 @@ impl DeviceComm {
         if self.check_headers && !pairs.is_empty() {
             headers::exchange_pairs(&self.host, &pairs)?;
         }
+        let mut ipc = self.ipc_state()?;
         let (sched, bufs) = (group.schedule, group.buffers);
         if sched.steps.is_empty() {
             return Ok(());
@@ -1036,6 +1038,21 @@ fn peer_reachable(ctx: &Context, bus: &str) -> bool {
         return false;
     }
     crate::driver::p2p_link(ctx.device(), dev).is_ok_and(|l| l.access)
+}
+
+/// Ends a device communicator because a host communicator it depends on failed with `e`:
+/// poisoned with that cause and, unless the cause is a mismatch, every GPU wait of ours on the
+/// IPC flags released (the data of operations in flight is then garbage). After a mismatch no
+/// rank enqueued any of the mismatched call (the checks run before), so the operations still on
+/// the GPU must finish with their data. Runs in the host communicator's failure hook: callers
+/// never hold the IPC lock while they run a host operation.
+fn end_because(shared: &Shared, ipc: Option<&Mutex<IpcPeers>>, e: &weftcc_comm::Error) {
+    shared.poison(&CudaError::Host(e.clone()));
+    if e.abort_cause() != AbortCause::Mismatch {
+        if let Some(ipc) = ipc {
+            let _ = lock(ipc).release_all();
+        }
+    }
 }
 
 impl Proxy {
