@@ -109,6 +109,20 @@ impl RawOp {
         }
     }
 
+    /// Whether `rank` reads its send buffer (out of place): off the root a broadcast does not,
+    /// so its send buffer may be of any length there.
+    #[inline]
+    pub fn reads_send(&self, rank: usize) -> bool {
+        self.root == rank || self.kind != OpKind::Broadcast
+    }
+
+    /// Whether `rank` writes its receive buffer: off the root a reduce does not, so out of
+    /// place its receive buffer may be of any length (or none) there.
+    #[inline]
+    pub fn writes_recv(&self, rank: usize) -> bool {
+        self.root == rank || self.kind != OpKind::Reduce
+    }
+
     /// This call as rank `rank` of `nranks` runs it, for [`crate::schedule::select`]: messages
     /// of at most `slice_elems` elements, `in_place` when input and output are one buffer.
     pub fn collective(
@@ -231,8 +245,8 @@ impl RawOp {
             Some(s) => {
                 // Off the root, a broadcast reads no send buffer and a reduce writes no receive
                 // buffer: those sides may be anything.
-                let send_used = is_root || kind != OpKind::Broadcast;
-                let recv_used = is_root || kind != OpKind::Reduce;
+                let send_used = self.reads_send(rank);
+                let recv_used = self.writes_recv(rank);
                 if send_used && s != input_len {
                     return Err(CallError::SendLength {
                         got: s,

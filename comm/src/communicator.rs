@@ -691,7 +691,7 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         if let Some(w) = lock(&self.worker).take() {
             drop(w.jobs);
-            let _ = w.thread.join();
+            join_unless_current(w.thread);
         }
         // A poisoned communicator's cause, if no call could leave it yet (connections close
         // when the last reference to `inner` goes), and its recorder if not written yet.
@@ -699,9 +699,18 @@ impl Drop for Communicator {
         self.inner.dump_trace_if_due();
         self.inner.watcher_stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.watcher.take() {
-            let _ = t.join();
+            join_unless_current(t);
         }
         self.inner.settle_before_the_store_closes();
+    }
+}
+
+/// Waits for `thread` to end, unless it is this one: a failure hook
+/// ([`Communicator::on_failure`]) that drops the last reference to a communicator runs on that
+/// communicator's watcher or worker thread, which then ends by itself after the hook.
+pub(crate) fn join_unless_current(thread: JoinHandle<()>) {
+    if thread.thread().id() != std::thread::current().id() {
+        let _ = thread.join();
     }
 }
 

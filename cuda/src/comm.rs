@@ -79,7 +79,8 @@ pub const CHECK_HEADERS_ENV: &str = "WEFT_CUDA_CHECK_HEADERS";
 /// Bytes per chunk of a staged all-reduce, broadcast or reduce (`staged.rs`): a larger call
 /// runs as one host operation per chunk, so the GPU's copy of one chunk to or from pinned
 /// memory overlaps the host network's work on another. 0 stages each call whole. Default
-/// [`DEFAULT_STAGE_CHUNK`]; the smallest of the ranks' settings is used (they must cut alike).
+/// [`DEFAULT_STAGE_CHUNK`]; the smallest of the ranks' settings is used (they must cut alike),
+/// and 0 when any rank's GPU lacks stream memory operations.
 pub const STAGE_CHUNK_ENV: &str = "WEFT_CUDA_STAGE_CHUNK";
 /// Default for [`STAGE_CHUNK_ENV`]: off. An earlier version of the chunked path measured
 /// 1.25–1.32× faster at 64–256 MiB (2 ranks staged, H200); this one has not run on a GPU yet.
@@ -477,14 +478,26 @@ impl DeviceComm {
                 let (shared, ipc) = (Arc::downgrade(&shared), Arc::downgrade(&peers));
                 host.on_failure(move |e| {
                     if let Some(shared) = shared.upgrade() {
-                        end_because(&shared, ipc.upgrade().as_deref(), e);
+                        // After a mismatch no rank enqueued any of the mismatched call (the
+                        // checks run first): the operations still on the GPU must finish with
+                        // their data. (A rank whose own send/recv pairs agreed may still wait
+                        // for a mismatched pair's rank until its timeout.)
+                        let release = e.abort_cause() != AbortCause::Mismatch;
+                        end_because(&shared, ipc.upgrade().as_deref(), e, release);
                     }
                 });
                 (Some(peers), None)
             }
             Transport::Staged | Transport::Hierarchical => {
                 // Every rank must cut staged calls into the same chunks.
-                let mut chunk = [env_bytes(STAGE_CHUNK_ENV, DEFAULT_STAGE_CHUNK) as u64];
+                // Chunks only where every stream waits for the proxy by itself (stream memory
+                // operations): without, each piece would be waited for on the host.
+                let wanted = if mem_ops {
+                    env_bytes(STAGE_CHUNK_ENV, DEFAULT_STAGE_CHUNK)
+                } else {
+                    0
+                };
+                let mut chunk = [wanted as u64];
                 host.all_reduce_in_place(&mut chunk[..], ReduceOp::Min)?;
                 stage_chunk = usize::try_from(chunk[0]).unwrap_or(usize::MAX);
                 (None, Some(Proxy::start(&ctx, &host, &shared, mem_ops)?))
@@ -612,7 +625,9 @@ impl DeviceComm {
     /// this tier waiting for a rank that stopped elsewhere fails now, and the staged proxy
     /// releases its stream.
     pub(crate) fn end_as_tier(&self, e: &weftcc_comm::Error) {
-        end_because(&self.shared, self.ipc.as_deref(), e);
+        // Released whatever the cause: the stages after a failing one (a mismatch found by the
+        // cross tier's proxy, say) are already on the streams, waiting for each other.
+        end_because(&self.shared, self.ipc.as_deref(), e, true);
         let facts = e.facts();
         self.host.abort_because(
             format!("the communicator it is a tier of failed: {e}"),
@@ -740,6 +755,17 @@ impl DeviceComm {
     fn failed(&self, kind: OpKind, seq: u64, e: CudaError) -> CudaError {
         if headers::is_mismatch(&e) {
             self.shared.poison(&e);
+            if kind == OpKind::SendRecv {
+                // Only the two ends of a pair found it (every rank finds a collective's): the
+                // others learn it through the host communicator, and fail their next call at
+                // once instead of waiting for these two in its header exchange.
+                let facts = e.facts();
+                self.host.abort_because(
+                    e.to_string(),
+                    AbortCause::Mismatch,
+                    facts.op.zip(facts.seq),
+                );
+            }
             return e;
         }
         let e = match e {
@@ -852,6 +878,8 @@ impl DeviceComm {
             headers::exchange_pairs(&self.host, &pairs)?;
         }
         let mut ipc = self.ipc_state()?;
+        // A failure during the exchange may have released our flags already.
+        self.shared.check()?;
         let (sched, bufs) = (group.schedule, group.buffers);
         if sched.steps.is_empty() {
             return Ok(());
@@ -953,10 +981,7 @@ impl DeviceComm {
             .as_ref()
             .ok_or_else(|| CudaError::Other("staged transport without proxy".into()))?;
         let mut staging = lock(&proxy.staging);
-        // Chunks only where the stream waits for the proxy by itself: without stream memory
-        // operations every piece is waited for on the host.
-        let chunk = if proxy.mem_ops { self.stage_chunk } else { 0 };
-        let pieces = staged::pieces(work, self.rank, chunk);
+        let pieces = staged::pieces(work, self.rank, self.stage_chunk);
         let (in_bytes, out_bytes) = staged::staging_bytes(&pieces);
         staging.reserve(&self.ctx, in_bytes, out_bytes)?;
         // The previous staged operation must be done with the pinned buffers.
@@ -1041,14 +1066,17 @@ fn peer_reachable(ctx: &Context, bus: &str) -> bool {
 }
 
 /// Ends a device communicator because a host communicator it depends on failed with `e`:
-/// poisoned with that cause and, unless the cause is a mismatch, every GPU wait of ours on the
-/// IPC flags released (the data of operations in flight is then garbage). After a mismatch no
-/// rank enqueued any of the mismatched call (the checks run before), so the operations still on
-/// the GPU must finish with their data. Runs in the host communicator's failure hook: callers
-/// never hold the IPC lock while they run a host operation.
-fn end_because(shared: &Shared, ipc: Option<&Mutex<IpcPeers>>, e: &weftcc_comm::Error) {
+/// poisoned with that cause and, if `release`, every GPU wait of ours on the IPC flags released
+/// (the data of operations in flight is then garbage). Runs in a host communicator's failure
+/// hook: callers never hold the IPC lock while they run a host operation.
+fn end_because(
+    shared: &Shared,
+    ipc: Option<&Mutex<IpcPeers>>,
+    e: &weftcc_comm::Error,
+    release: bool,
+) {
     shared.poison(&CudaError::Host(e.clone()));
-    if e.abort_cause() != AbortCause::Mismatch {
+    if release {
         if let Some(ipc) = ipc {
             let _ = lock(ipc).release_all();
         }

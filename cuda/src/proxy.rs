@@ -147,7 +147,11 @@ impl Drop for ProxyThread {
         // and exits.
         drop(lock(&self.tx).take());
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // Not when this is the proxy thread (a failure hook running on it dropped the last
+            // reference to the communicator): the thread ends once its queue is closed.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
         // Release any stream still waiting on a ticket that was never processed: the waits
         // compare cyclically (≥), so the last ticket issued releases every earlier one.

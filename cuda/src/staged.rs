@@ -66,6 +66,18 @@ pub(crate) fn chunks(op: &RawOp, chunk_bytes: usize) -> Vec<(RawOp, usize)> {
 pub(crate) fn pieces(work: Work, rank: usize, chunk_bytes: usize) -> Vec<Piece> {
     match work {
         Work::Collective { op, send, recv } => {
+            // A side the call does not use here (a broadcast's send buffer, a reduce's receive
+            // buffer out of place, off the root) may have any length: it is neither copied nor
+            // cut into chunks, and the host side gets none.
+            let unused = |s: DevSpan| DevSpan {
+                ptr: s.ptr,
+                bytes: 0,
+            };
+            let send = send.map(|s| if op.reads_send(rank) { s } else { unused(s) });
+            let recv = match send {
+                Some(_) if !op.writes_recv(rank) => unused(recv),
+                _ => recv,
+            };
             let cut = chunks(&op, chunk_bytes);
             let whole = cut.len() == 1;
             cut.into_iter()
@@ -86,11 +98,9 @@ pub(crate) fn pieces(work: Work, rank: usize, chunk_bytes: usize) -> Vec<Piece> 
                         Some(s) => vec![(s, Side::Input, at)],
                         None => vec![(recv, Side::Output, at)],
                     };
-                    let unused_output = chunk.kind == OpKind::Reduce && chunk.root != rank;
-                    let copy_back = if unused_output {
-                        Vec::new()
-                    } else {
-                        vec![(at, recv)]
+                    let copy_back = match chunk.writes_recv(rank) {
+                        true => vec![(at, recv)],
+                        false => Vec::new(),
                     };
                     Piece {
                         work: Work::Collective {
@@ -337,6 +347,58 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Off the root a broadcast's send buffer and an out-of-place reduce's receive buffer may
+    /// have any length (`RawOp::plan`): they are neither copied nor cut, whole or in chunks.
+    #[test]
+    fn sides_a_call_does_not_use_are_neither_copied_nor_cut() {
+        let short = DevSpan {
+            ptr: 1 << 30,
+            bytes: 4,
+        };
+        let full = DevSpan {
+            ptr: 1 << 40,
+            bytes: 8000,
+        };
+        for chunk in [0, 1000] {
+            let bcast = RawOp::new(OpKind::Broadcast, DataType::Float64, 1000).with_root(1);
+            let work = Work::Collective {
+                op: bcast,
+                send: Some(short),
+                recv: full,
+            };
+            let ps = pieces(work, 0, chunk);
+            assert!(ps.iter().all(|p| p.copy_in.is_empty()), "chunk {chunk}");
+            assert_eq!(
+                ps.iter()
+                    .flat_map(|p| &p.copy_back)
+                    .map(|c| c.1.bytes)
+                    .sum::<usize>(),
+                8000
+            );
+            assert!(ps.iter().all(|p| p.work.staged_bytes().0 == 0));
+            let reduce = RawOp::new(OpKind::Reduce, DataType::Float64, 1000).with_root(1);
+            let send = DevSpan {
+                ptr: 1 << 40,
+                bytes: 8000,
+            };
+            let work = Work::Collective {
+                op: reduce,
+                send: Some(send),
+                recv: short,
+            };
+            let ps = pieces(work, 0, chunk);
+            assert!(ps.iter().all(|p| p.copy_back.is_empty()), "chunk {chunk}");
+            assert!(ps.iter().all(|p| p.work.staged_bytes().1 == 0));
+            assert_eq!(
+                ps.iter()
+                    .flat_map(|p| &p.copy_in)
+                    .map(|c| c.0.bytes)
+                    .sum::<usize>(),
+                8000
+            );
         }
     }
 

@@ -53,6 +53,8 @@ pub struct Loopback {
     /// While set, no data write (more than 64 bytes) lands, whoever polls: lets a test see a
     /// write posted and not landed although another thread polls every endpoint.
     data_held: AtomicBool,
+    /// Which fabric of this process this is (part of the provider id).
+    serial: u64,
 }
 
 impl Loopback {
@@ -63,9 +65,11 @@ impl Loopback {
 
     /// A fabric that injects `faults`.
     pub fn with_faults(faults: Faults) -> Arc<Loopback> {
+        static FABRICS: AtomicU64 = AtomicU64::new(0);
         Arc::new(Loopback {
             faults,
             next_id: AtomicU64::new(1),
+            serial: FABRICS.fetch_add(1, Ordering::Relaxed),
             ..Default::default()
         })
     }
@@ -114,8 +118,9 @@ impl Provider for LoopbackProvider {
         PROVIDER.into()
     }
     fn id(&self) -> String {
-        // One fabric per process: ranks of another process cannot reach it.
-        format!("{PROVIDER}:{}", std::process::id())
+        // Only the ranks that opened this fabric can reach each other through it (not those of
+        // another process, nor those of this one that opened another).
+        format!("{PROVIDER}:{}:{}", std::process::id(), self.0.serial)
     }
     fn registrations_follow_remapping(&self) -> bool {
         // Bytes are copied through the registered pointer when a write is placed.
