@@ -426,7 +426,7 @@ mod tests {
     use super::*;
     use crate::comm::DevSpan;
     use std::time::Instant;
-    use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
+    use weftcc_collectives::{DataType, OpKind, RawOp};
     use weftcc_comm::{AbortCause, Error as HostError};
 
     /// A job as `enqueue_staged` makes it; the spans' addresses are the device's and unused
@@ -469,16 +469,6 @@ mod tests {
         DevSpan { ptr: 0, bytes }
     }
 
-    fn collective(kind: OpKind, dtype: DataType, count: usize, root: usize) -> RawOp {
-        RawOp {
-            kind,
-            dtype,
-            count,
-            op: ReduceOp::Sum,
-            root,
-        }
-    }
-
     fn f32_bytes(v: impl IntoIterator<Item = f32>) -> Vec<u8> {
         v.into_iter().flat_map(f32::to_ne_bytes).collect()
     }
@@ -497,7 +487,7 @@ mod tests {
                 let all_reduce = rank.submit(
                     1,
                     Work::Collective {
-                        op: collective(OpKind::AllReduce, DataType::Float32, elems, 0),
+                        op: RawOp::new(OpKind::AllReduce, DataType::Float32, elems).with_root(0),
                         send: Some(span(4 * elems)),
                         recv: span(4 * elems),
                     },
@@ -507,7 +497,7 @@ mod tests {
                 let broadcast = rank.submit(
                     2,
                     Work::Collective {
-                        op: collective(OpKind::Broadcast, DataType::Uint8, 5000, 1),
+                        op: RawOp::new(OpKind::Broadcast, DataType::Uint8, 5000).with_root(1),
                         send: None,
                         recv: span(5000),
                     },
@@ -527,7 +517,7 @@ mod tests {
                 let gather = rank.submit(
                     4,
                     Work::Collective {
-                        op: collective(OpKind::AllGather, DataType::Int32, 100, 0),
+                        op: RawOp::new(OpKind::AllGather, DataType::Int32, 100).with_root(0),
                         send: Some(span(400)),
                         recv: span(400 * N),
                     },
@@ -593,7 +583,7 @@ mod tests {
                 let elems = 1000 + r;
                 let bytes = 4 * elems;
                 let work = || Work::Collective {
-                    op: collective(OpKind::AllReduce, DataType::Float32, elems, 0),
+                    op: RawOp::new(OpKind::AllReduce, DataType::Float32, elems).with_root(0),
                     send: Some(span(bytes)),
                     recv: span(bytes),
                 };
@@ -652,7 +642,7 @@ mod tests {
                     return None;
                 }
                 let work = Work::Collective {
-                    op: collective(OpKind::AllReduce, DataType::Float32, 1 << 16, 0),
+                    op: RawOp::new(OpKind::AllReduce, DataType::Float32, 1 << 16).with_root(0),
                     send: None,
                     recv: span(4 << 16),
                 };
@@ -685,7 +675,7 @@ mod tests {
             |_, host| {
                 let rank = start(host);
                 let work = Work::Collective {
-                    op: collective(OpKind::AllReduce, DataType::Float32, 10, 0),
+                    op: RawOp::new(OpKind::AllReduce, DataType::Float32, 10).with_root(0),
                     send: None,
                     recv: span(40),
                 };
