@@ -285,7 +285,11 @@ fn the_flight_recorder_keeps_each_call_s_own_entry_under_concurrent_calls() {
         "the ring keeps its capacity"
     );
     for e in trace {
-        assert_eq!(e.state, weftcc::comm::trace::TraceState::Completed, "{e:?}");
+        assert_eq!(
+            e.state,
+            weftcc::comm::records::trace::TraceState::Completed,
+            "{e:?}"
+        );
         assert!(e.end_us.is_some_and(|end| end >= e.start_us), "{e:?}");
     }
 }

@@ -477,7 +477,9 @@ impl DumpDir {
         std::fs::read_dir(&self.0).map_or(0, |d| {
             d.filter_map(|e| e.ok())
                 .filter(|e| {
-                    weftcc::comm::trace::TraceDump::is_dump_file(&e.file_name().to_string_lossy())
+                    weftcc::comm::records::trace::TraceDump::is_dump_file(
+                        &e.file_name().to_string_lossy(),
+                    )
                 })
                 .count()
         })

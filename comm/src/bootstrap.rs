@@ -3,12 +3,12 @@
 
 use crate::error::{Error, Result};
 use crate::failure::SETTLE_TIMEOUT;
-use crate::lock;
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
+use weftcc_transports::lock;
 use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
 

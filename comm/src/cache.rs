@@ -2,31 +2,69 @@
 //! prepared schedule (cached per call shape: a training loop repeats a few calls, so a repeated
 //! call allocates nothing).
 
-use crate::communicator::{Inner, State};
-use crate::engine::Prepared;
 use crate::error::{Error, Result};
-use std::hash::Hasher;
+use crate::executor::Prepared;
+use crate::tuning::Tuner;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use weftcc_collectives::call::{self, RawOp};
 use weftcc_collectives::schedule::{self, Collective};
-use weftcc_collectives::{Algorithm, DataType, OpKind};
+use weftcc_collectives::{Algorithm, OpKind};
 
-impl Inner {
-    pub(crate) fn slice_elems(&self, dtype: DataType) -> usize {
-        (self.config.slice_bytes / dtype.size()).max(1)
+/// The schedules one communicator has prepared, and its tuner's remembered choices.
+#[derive(Default)]
+pub(crate) struct ScheduleCache {
+    /// Prepared schedules of recent distinct calls (a training loop repeats the same few).
+    schedules: HashMap<ScheduleKey, Arc<Prepared>, BuildHasherDefault<KeyHasher>>,
+    /// The previous call's shape and its prepared schedule: a repeated call (a benchmark loop,
+    /// a training step's buckets of one size) skips the tuner and schedule lookups.
+    last: Option<(CallShape, Arc<Prepared>)>,
+    /// The tuner's choice per (collective, bytes) already asked for.
+    choices: HashMap<(OpKind, usize), Algorithm, BuildHasherDefault<KeyHasher>>,
+}
+
+/// Who prepares: the rank, its communicator's size and settings, and its tuner.
+pub(crate) struct Preparer<'a> {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    /// Largest message of a pipelined transfer (`WEFT_SLICE_BYTES`).
+    pub(crate) slice_bytes: usize,
+    pub(crate) tuner: &'a Tuner,
+}
+
+impl ScheduleCache {
+    /// The schedule of the previous call, when it had this shape.
+    pub(crate) fn repeated(&self, shape: &CallShape) -> Option<&Arc<Prepared>> {
+        match &self.last {
+            Some((last, prepared)) if last == shape => Some(prepared),
+            _ => None,
+        }
+    }
+
+    /// Prepares (or finds) the schedule of a call of this shape and remembers it as the last.
+    pub(crate) fn prepare_last(
+        &mut self,
+        by: &Preparer<'_>,
+        call: &RawOp,
+        shape: CallShape,
+        seq: u64,
+    ) -> Result<&Arc<Prepared>> {
+        let prepared = self.prepare(by, call, shape, seq)?;
+        Ok(&self.last.insert((shape, prepared)).1)
     }
 
     /// The prepared schedule of a call of this shape: the tuner's choice (remembered per
     /// collective and size) and the schedule (cached per [`ScheduleKey`]), built on a miss.
-    pub(crate) fn prepare(
-        &self,
-        st: &mut State,
+    fn prepare(
+        &mut self,
+        by: &Preparer<'_>,
         call: &RawOp,
         shape: CallShape,
         seq: u64,
     ) -> Result<Arc<Prepared>> {
-        let (r, n, count) = (self.rank, self.size, call.count);
-        let slice = self.slice_elems(call.dtype);
+        let (r, n, count) = (by.rank, by.size, call.count);
+        let slice = (by.slice_bytes / call.dtype.size()).max(1);
         // nccl-tests size: the largest user buffer of the call.
         let user_bytes = match call.kind {
             OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => count.saturating_mul(n),
@@ -35,7 +73,7 @@ impl Inner {
         .saturating_mul(call.dtype.size());
         // The model's answer depends only on the collective and size: remember it (evaluating
         // every algorithm's cost was an eighth of an 8-byte all-reduce).
-        let choice = match st.choices.get(&(call.kind, user_bytes)) {
+        let choice = match self.choices.get(&(call.kind, user_bytes)) {
             _ if n == 1 => Algorithm::Ring,
             _ if shape.ordered => Algorithm::Ordered,
             Some(&c) => {
@@ -43,11 +81,11 @@ impl Inner {
                 c
             }
             None => {
-                let c = self.tuner.choose(call.kind, user_bytes, r, seq);
-                if st.choices.len() >= SCHEDULE_CACHE_ENTRIES {
-                    st.choices.clear();
+                let c = by.tuner.choose(call.kind, user_bytes, r, seq);
+                if self.choices.len() >= SCHEDULE_CACHE_ENTRIES {
+                    self.choices.clear();
                 }
-                st.choices.insert((call.kind, user_bytes), c);
+                self.choices.insert((call.kind, user_bytes), c);
                 c
             }
         };
@@ -55,11 +93,15 @@ impl Inner {
             shape,
             algo: choice,
         };
-        if let Some(prepared) = st.schedules.get(&key) {
+        if let Some(prepared) = self.schedules.get(&key) {
             return Ok(Arc::clone(prepared));
         }
         if call.kind == OpKind::SendRecv {
-            return Err(self.invalid(call.kind, call::CallError::PointToPointAsCollective));
+            return Err(Error::InvalidArgument {
+                rank: r,
+                op: call.kind,
+                reason: call::CallError::PointToPointAsCollective,
+            });
         }
         let collective = Collective {
             kind: call.kind,
@@ -71,7 +113,7 @@ impl Inner {
             in_place: shape.in_place,
         };
         let sched =
-            schedule::select(&collective, choice, Some(self.tuner.layout())).map_err(|e| {
+            schedule::select(&collective, choice, Some(by.tuner.layout())).map_err(|e| {
                 Error::Internal {
                     rank: r,
                     op: call.kind,
@@ -79,11 +121,11 @@ impl Inner {
                     reason: e.to_string(),
                 }
             })?;
-        if st.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
-            st.schedules.clear();
+        if self.schedules.len() >= SCHEDULE_CACHE_ENTRIES {
+            self.schedules.clear();
         }
         let prepared = Arc::new(Prepared::new(sched).built_by(choice));
-        st.schedules.insert(key, Arc::clone(&prepared));
+        self.schedules.insert(key, Arc::clone(&prepared));
         Ok(prepared)
     }
 }

@@ -4,86 +4,31 @@
 //! order (`ordering`); the first fatal error poisons it (`failure`).
 
 use crate::bootstrap::{bind_address, join_host_port, servers, StoreHost, UniqueId};
-use crate::cache::{CallShape, KeyHasher, ScheduleKey};
-use crate::config::CommConfig;
-use crate::config::{sends_pinned, shm_low_latency_max, warn_unimplemented_protocols};
-use crate::engine::{self, Area, Context, Layout, Prepared, Workspace};
+use crate::config::{shm_low_latency_max, warn_unimplemented_protocols, CommConfig};
 use crate::env::LaunchInfo;
 use crate::error::{Error, Result};
-use crate::failure::{watch, Poison, ALARM_TIMEOUT};
+use crate::failure::ALARM_TIMEOUT;
 use crate::group::Group;
-use crate::handle::Worker;
-use crate::lock;
-use crate::ordering::{CurrentOp, Turn};
+use crate::inner::{Inner, Parts};
+use crate::records::identity::RankIdentity;
+use crate::records::note::AbortCause;
+use crate::records::session_key;
+use crate::trace::TraceEntry;
 use crate::tuning::Tuner;
-use std::collections::HashMap;
+use crate::watcher::watch;
+use crate::worker::{join_unless_current, Worker};
 use std::fmt;
-use std::hash::BuildHasherDefault;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
-use weftcc_collectives::call::{self, Plan, RawOp};
-use weftcc_collectives::header::OpDesc;
+use weftcc_collectives::call::RawOp;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
-use weftcc_collectives::schedule::layout::Placement;
-use weftcc_collectives::{reduce, Algorithm, DataType, Element, OpKind, ReduceOp};
+use weftcc_collectives::{reduce, DataType, Element, OpKind, ReduceOp};
+use weftcc_transports::lock;
 use weftcc_transports::mesh::{count_out, Mesh, MeshConfig};
 use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
-
-pub(crate) struct Inner {
-    pub(crate) rank: usize,
-    pub(crate) size: usize,
-    pub(crate) namespace: String,
-    pub(crate) config: CommConfig,
-    /// Chooses each call's algorithm.
-    pub(crate) tuner: Tuner,
-    pub(crate) timeout_ms: AtomicU64,
-    pub(crate) abort: AtomicBool,
-    pub(crate) poison: Poison,
-    /// Kind and sequence number of the operation running now (for errors raised elsewhere).
-    pub(crate) current: CurrentOp,
-    /// What the watcher publishes of this rank's progress.
-    pub(crate) progress: crate::progress::Progress,
-    /// The last operations, for dumps ([`crate::trace`]).
-    pub(crate) trace: crate::trace::FlightRecorder,
-    /// The communicator failed and its recorder is not written yet ([`Inner::dump_trace_if_due`]).
-    pub(crate) trace_dump_due: AtomicBool,
-    pub(crate) turn: Turn,
-    pub(crate) next_ticket: AtomicU64,
-    pub(crate) state: Mutex<State>,
-    /// Connection to the bootstrap store for splits.
-    pub(crate) store: Mutex<StoreClient>,
-    /// Connection to the store with a short timeout, for publishing failures: reporting an error
-    /// must never wait long on a store that is itself stuck.
-    pub(crate) alarm: Mutex<StoreClient>,
-    pub(crate) store_addr: String,
-    pub(crate) token: String,
-    /// Keeps rank 0's store alive while any communicator using it lives.
-    pub(crate) store_host: Option<Arc<StoreHost>>,
-    pub(crate) splits: AtomicU64,
-    pub(crate) watcher_stop: AtomicBool,
-    /// The poison's cause was left on every connection ([`Inner::leave_farewell`]).
-    pub(crate) farewell_left: AtomicBool,
-}
-
-pub(crate) struct State {
-    pub(crate) mesh: Mesh,
-    pub(crate) scratch: Vec<u64>,
-    /// Prepared schedules of recent distinct calls (a training loop repeats the same few).
-    pub(crate) schedules: HashMap<ScheduleKey, Arc<Prepared>, BuildHasherDefault<KeyHasher>>,
-    /// The previous call's shape and its prepared schedule: a repeated call (a benchmark loop,
-    /// a training step's buckets of one size) skips the tuner and schedule lookups.
-    pub(crate) last: Option<(CallShape, Arc<Prepared>)>,
-    /// The tuner's choice per (collective, bytes) already asked for.
-    pub(crate) choices: HashMap<(OpKind, usize), Algorithm, BuildHasherDefault<KeyHasher>>,
-    pub(crate) workspace: Workspace,
-    pub(crate) coll_seq: u64,
-    pub(crate) send_seq: Vec<u64>,
-    pub(crate) recv_seq: Vec<u64>,
-}
-
 /// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in
 /// an `Arc`) to call [`Communicator::abort`] from another thread.
 pub struct Communicator {
@@ -206,10 +151,8 @@ impl Communicator {
         // rank's signs of life for diagnoses and `weft status` (crate::status).
         watch_client
             .name_session(
-                &crate::progress::session_key(&namespace, rank),
-                crate::status::RankIdentity::this_process(nranks)
-                    .encode()
-                    .as_bytes(),
+                &session_key(&namespace, rank),
+                RankIdentity::this_process(nranks).encode().as_bytes(),
             )
             .map_err(boot)?;
         // Connected as patiently as the others (a store busy with a large job's set-up); its
@@ -240,42 +183,20 @@ impl Communicator {
         if rank == 0 {
             warn_unimplemented_protocols(&config.proto);
         }
-        let trace = crate::trace::FlightRecorder::new(config.trace_buffer);
-        let inner = Arc::new(Inner {
+        let deterministic = config.deterministic;
+        let inner = Arc::new(Inner::new(Parts {
             rank,
             size: nranks,
             namespace,
-            tuner,
-            timeout_ms: AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64),
             config,
-            abort: AtomicBool::new(false),
-            poison: Poison::new(),
-            current: CurrentOp::default(),
-            progress: crate::progress::Progress::default(),
-            trace,
-            trace_dump_due: AtomicBool::new(false),
-            turn: Turn::default(),
-            next_ticket: AtomicU64::new(0),
-            state: Mutex::new(State {
-                mesh,
-                scratch: Vec::new(),
-                schedules: HashMap::default(),
-                last: None,
-                choices: HashMap::default(),
-                workspace: Workspace::default(),
-                coll_seq: 0,
-                send_seq: vec![0; nranks],
-                recv_seq: vec![0; nranks],
-            }),
-            store: Mutex::new(client),
-            alarm: Mutex::new(alarm),
+            tuner,
+            mesh,
+            store: client,
+            alarm,
             store_addr: id.addr.clone(),
             token: id.token.clone(),
             store_host,
-            splits: AtomicU64::new(0),
-            watcher_stop: AtomicBool::new(false),
-            farewell_left: AtomicBool::new(false),
-        });
+        }));
         let watcher = if nranks > 1 {
             let w = Arc::clone(&inner);
             Some(
@@ -291,7 +212,7 @@ impl Communicator {
             target: "weftcc::init",
             rank,
             nranks,
-            deterministic = inner.config.deterministic,
+            deterministic,
             "communicator ready"
         );
         Ok(Communicator {
@@ -330,40 +251,30 @@ impl Communicator {
 
     /// Per-operation timeout.
     pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
+        self.inner.timeout()
     }
 
     /// Whether floating-point reductions fold in rank order (`WEFT_DETERMINISTIC`,
     /// [`CommConfig::deterministic`]): the device path follows the host's choice.
     pub fn deterministic(&self) -> bool {
-        self.inner.config.deterministic
+        self.inner.deterministic()
     }
 
     /// Changes the per-operation timeout for operations that start after this call.
     pub fn set_timeout(&self, timeout: Duration) {
-        let ms = timeout.as_millis().clamp(1, u64::MAX as u128) as u64;
-        self.inner.timeout_ms.store(ms, Ordering::Relaxed);
+        self.inner.set_timeout(timeout);
     }
 
     /// Aborts the communicator: every waiting call returns [`Error::Aborted`] within a few
     /// milliseconds, every later call fails, and other ranks are told. Callable from any thread.
     pub fn abort(&self) {
-        self.abort_because(
-            "abort() called".into(),
-            crate::error::AbortCause::AbortCalled,
-            None,
-        );
+        self.abort_because("abort() called".into(), AbortCause::AbortCalled, None);
     }
 
     /// [`Communicator::abort`] on behalf of a failure this communicator did not see itself but
     /// must end (a tier of a device communicator built on it failed): the other ranks' errors
     /// carry `reason`, `cause` and the operation `during` as they would this rank's own failure.
-    pub fn abort_because(
-        &self,
-        reason: String,
-        cause: crate::error::AbortCause,
-        during: Option<(OpKind, u64)>,
-    ) {
+    pub fn abort_because(&self, reason: String, cause: AbortCause, during: Option<(OpKind, u64)>) {
         self.inner.abort.store(true, Ordering::SeqCst);
         let e = Error::Aborted {
             rank: self.inner.rank,
@@ -374,7 +285,7 @@ impl Communicator {
         };
         self.inner.fail(e);
         self.inner.leave_farewell();
-        self.inner.turn.wake_all();
+        self.inner.turns.wake_all();
         self.inner.dump_trace_if_due();
     }
 
@@ -395,19 +306,16 @@ impl Communicator {
     }
 
     /// The flight recorder's operations, oldest first (at most `WEFT_TRACE_BUFFER_SIZE`).
-    pub fn trace(&self) -> Vec<crate::trace::TraceRecord> {
+    pub fn trace(&self) -> Vec<crate::records::trace::TraceRecord> {
         let (entries, _) = self.inner.trace.snapshot();
-        entries
-            .iter()
-            .map(crate::trace::TraceEntry::record)
-            .collect()
+        entries.iter().map(TraceEntry::record).collect()
     }
 
     /// Writes the flight recorder into `dir` (`weft trace merge` reads such files); returns
     /// the file's path.
     pub fn dump_trace(&self, dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
         self.inner
-            .trace_dump(crate::trace::DumpReason::Api)
+            .trace_dump(crate::records::trace::DumpReason::Api)
             .write_to(dir)
     }
 
@@ -551,7 +459,7 @@ impl Communicator {
     /// without deadlock). Messages between one ordered pair of ranks match in call order.
     pub fn group(&self) -> Group<'_> {
         Group {
-            comm: self,
+            inner: &self.inner,
             sends: Vec::new(),
             recvs: Vec::new(),
         }
@@ -611,7 +519,7 @@ impl Communicator {
             // With split_share, the split's mesh shares this communicator's connections (no
             // set-up of its own); otherwise it is set up through the store like any other.
             let mesh = match &child_ns {
-                Some(ns) if inner.config.split_share => {
+                Some(ns) if inner.split_share() => {
                     let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
                     Some(st.mesh.split(&ranks, ns).map_err(boot)?)
                 }
@@ -672,8 +580,7 @@ impl Communicator {
                     source,
                 }
             })?;
-        let mut config = inner.config.clone();
-        config.timeout = inner.timeout();
+        let config = inner.config();
         Communicator::build(
             new_rank,
             members.len(),
@@ -690,8 +597,7 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         if let Some(w) = lock(&self.worker).take() {
-            drop(w.jobs);
-            join_unless_current(w.thread);
+            w.stop();
         }
         // A poisoned communicator's cause, if no call could leave it yet (connections close
         // when the last reference to `inner` goes), and its recorder if not written yet.
@@ -702,227 +608,5 @@ impl Drop for Communicator {
             join_unless_current(t);
         }
         self.inner.settle_before_the_store_closes();
-    }
-}
-
-/// Waits for `thread` to end, unless it is this one: a failure hook
-/// ([`Communicator::on_failure`]) that drops the last reference to a communicator runs on that
-/// communicator's watcher or worker thread, which then ends by itself after the hook.
-pub(crate) fn join_unless_current(thread: JoinHandle<()>) {
-    if thread.thread().id() != std::thread::current().id() {
-        let _ = thread.join();
-    }
-}
-
-impl Inner {
-    /// Checks a call's buffers against its count, root and kind ([`RawOp::plan`]).
-    pub(crate) fn plan(&self, call: &RawOp, send: Option<usize>, recv: usize) -> Result<Plan> {
-        call.plan(self.rank, self.size, send, recv)
-            .map_err(|reason| self.invalid(call.kind, reason))
-    }
-
-    pub(crate) fn invalid(&self, op: OpKind, reason: call::CallError) -> Error {
-        Error::InvalidArgument {
-            rank: self.rank,
-            op,
-            reason,
-        }
-    }
-
-    pub(crate) fn try_lock_state(&self) -> Option<std::sync::MutexGuard<'_, State>> {
-        match self.state.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
-    /// Builds the schedule of a validated call and executes it.
-    pub(crate) fn run_planned(
-        &self,
-        st: &mut State,
-        call: &RawOp,
-        plan: &Plan,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-    ) -> Result<()> {
-        let (r, n, count) = (self.rank, self.size, call.count);
-        st.coll_seq += 1;
-        let seq = st.coll_seq;
-        self.current.set(call.kind, seq);
-        self.progress.entered(call.kind, seq);
-        let mut entry = crate::trace::TraceEntry::start(call.kind, seq, call.dtype, count as u64);
-        entry.redop = call.has_reduction().then_some(call.op);
-        entry.root = call.has_root().then_some(call.root);
-        let shape = CallShape {
-            kind: call.kind,
-            count,
-            esize: call.dtype.size(),
-            root: if call.has_root() { call.root } else { 0 },
-            in_place: plan.in_place && call.kind == OpKind::AllToAll,
-            ordered: self.config.deterministic && call.order_sensitive(),
-        };
-        let repeated = matches!(&st.last, Some((last, _)) if *last == shape);
-        if !repeated {
-            // Recorded before preparing, so a call whose preparation fails is in the record.
-            self.trace.start(entry);
-            let prepared = self.prepare(st, call, shape, seq)?;
-            st.last = Some((shape, prepared));
-        }
-        if let Some((_, prepared)) = &st.last {
-            let entry = crate::trace::TraceEntry {
-                algorithm: prepared.algorithm(),
-                ..entry.with_peers(prepared.peers().iter().copied())
-            };
-            // A repeated call (the common case) takes the recorder's lock once here.
-            if repeated {
-                self.trace.start(entry);
-            } else {
-                self.trace.update_running(|e| *e = entry);
-            }
-        }
-        let desc = OpDesc::of_call(call, seq);
-        let internal = |reason: String| Error::Internal {
-            rank: r,
-            op: call.kind,
-            seq,
-            reason,
-        };
-
-        // PreMulSum: scale this rank's input once; the algorithm then sums.
-        let scaled: Option<Vec<u64>> = match call.op {
-            ReduceOp::PreMulSum(factor) if call.has_reduction() => {
-                let src: &[u8] = match send {
-                    Some(s) => s,
-                    None => &recv[plan.input_offset..plan.input_offset + plan.input_len],
-                };
-                let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
-                reduce::scale_into(
-                    call.dtype,
-                    &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
-                    src,
-                    factor,
-                )
-                .map_err(|e| internal(e.to_string()))?;
-                Some(tmp)
-            }
-            _ => None,
-        };
-
-        let State {
-            mesh,
-            scratch,
-            last,
-            workspace,
-            ..
-        } = st;
-        let Some((_, prepared)) = last.as_ref() else {
-            return Err(internal("schedule cache".into()));
-        };
-        let scratch_bytes = prepared.schedule().scratch_elems * call.dtype.size();
-        if scratch.len() * 8 < scratch_bytes {
-            scratch.resize(scratch_bytes.div_ceil(8), 0);
-        }
-        let scratch_area: &mut [u8] =
-            &mut bytemuck::cast_slice_mut(scratch.as_mut_slice())[..scratch_bytes];
-        // Areas: 0 the receive buffer, 1 scratch, 2 the send buffer (or the scaled input).
-        let (input_area, input) = match (scaled.as_ref(), send) {
-            (Some(tmp), _) => (
-                &bytemuck::cast_slice(tmp.as_slice())[..plan.input_len],
-                Placement::new(2, 0),
-            ),
-            (None, Some(s)) => (s, Placement::new(2, 0)),
-            (None, None) => (&[][..], Placement::new(0, plan.input_offset)),
-        };
-        let mut areas = [
-            Area::ReadWrite(recv),
-            Area::ReadWrite(scratch_area),
-            Area::ReadOnly(input_area),
-        ];
-        let layout = Layout::fixed(
-            input,
-            Placement::new(0, plan.output_offset),
-            Some(Placement::new(1, 0)),
-        );
-        self.execute(
-            mesh,
-            desc,
-            call.dtype,
-            call.op,
-            prepared,
-            &layout,
-            &mut areas,
-            &[],
-            workspace,
-            seq,
-        )?;
-
-        // Avg: divide the reduced result once, where a result was written.
-        let es = call.dtype.size();
-        let result = match call.kind {
-            OpKind::Reduce if r != call.root => None,
-            OpKind::ReduceScatter => Some(plan.output_offset..plan.output_offset + count * es),
-            _ => Some(plan.output_offset..plan.output_offset + count * es),
-        };
-        if let (ReduceOp::Avg, true, true, Some(range), Area::ReadWrite(out)) =
-            (call.op, call.has_reduction(), n > 1, result, &mut areas[0])
-        {
-            let out = out
-                .get_mut(range)
-                .ok_or_else(|| internal("average range".into()))?;
-            reduce::divide_in_place(call.dtype, out, n).map_err(|e| internal(e.to_string()))?;
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn execute(
-        &self,
-        mesh: &mut Mesh,
-        desc: OpDesc,
-        dtype: DataType,
-        op: ReduceOp,
-        prepared: &Prepared,
-        layout: &Layout,
-        areas: &mut [Area<'_>],
-        headers: &[(usize, OpDesc, OpDesc)],
-        workspace: &mut Workspace,
-        collective_seq: u64,
-    ) -> Result<()> {
-        let poisoned = || self.poisoned();
-        let largest = areas.iter().map(Area::len).max().unwrap_or(0);
-        let ctx = Context {
-            rank: self.rank,
-            desc,
-            dtype,
-            combiner: op.combiner(),
-            timeout: self.timeout(),
-            abort: &self.abort,
-            backoff: self.config.backoff,
-            pinned_sends: sends_pinned(desc.kind, largest, self.config.pinned_max_bytes),
-            poisoned: &poisoned,
-            collective_seq,
-        };
-        if !mesh.all_connected(prepared.peers()) {
-            let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
-            let mut store = lock(&self.store);
-            if let Err(e) = mesh.connect(prepared.peers(), &mut store, ctx.timeout, &cancel) {
-                if let Some(poison) = self.poisoned() {
-                    return Err(poison);
-                }
-                return Err(ctx.transport(e.peer, e.source));
-            }
-        }
-        let (conns, waiter) = mesh.parts();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            engine::execute_prepared(
-                &ctx, prepared, layout, areas, conns, waiter, headers, workspace,
-            )
-        }));
-        if !matches!(result, Ok(Ok(()))) {
-            // The caller gets its buffers back: no peer may write into them any more.
-            mesh.cancel_pinned();
-        }
-        result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 }

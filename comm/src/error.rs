@@ -1,6 +1,7 @@
 //! Errors of the communicator. Every message names this rank, the operation and its sequence
 //! number, so a log line from any rank of a large job says where it came from.
 
+use crate::records::note::AbortCause;
 use std::time::Duration;
 use weftcc_collectives::{CallError, OpDesc, OpKind};
 use weftcc_transports::TransportError;
@@ -37,7 +38,7 @@ pub enum Error {
         seen_by: SeenBy,
         /// For a collective: the ranks that had not entered it, furthest behind first (read
         /// from every rank's published progress, [`crate::progress`]).
-        behind: Vec<crate::progress::Behind>,
+        behind: Vec<crate::records::progress::Behind>,
     },
     /// Peer rank `peer` died or closed its connections.
     #[error("rank {rank}: peer rank {peer} lost during {op} #{seq}: {seen_by}{detail}")]
@@ -114,17 +115,6 @@ pub struct ErrorFacts {
     pub op: Option<OpKind>,
     /// The operation's sequence number.
     pub seq: Option<u64>,
-}
-
-/// Why a communicator was aborted ([`Error::Aborted`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AbortCause {
-    /// `abort()` was called (on this rank, or on rank `by`).
-    AbortCalled,
-    /// Rank `by` found that ranks called different collectives ([`Error::Mismatch`] there).
-    Mismatch,
-    /// Rank `by` failed in another way (its error is the `reason`).
-    Failed,
 }
 
 /// Who saw a peer's loss.

@@ -1,9 +1,10 @@
 //! Grouped sends and receives, run together as one operation (so pairs of ranks can exchange
 //! without deadlock).
 
-use crate::communicator::{Communicator, Inner, State};
-use crate::engine::{Area, Prepared};
 use crate::error::Result;
+use crate::executor::{Area, Prepared};
+use crate::inner::{Inner, Run, State};
+use crate::trace::TraceEntry;
 use weftcc_collectives::call;
 use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::schedule::p2p;
@@ -11,7 +12,7 @@ use weftcc_collectives::{DataType, Element, OpKind, ReduceOp};
 
 /// A grouped set of sends and receives, run together by [`Group::run`].
 pub struct Group<'a> {
-    pub(crate) comm: &'a Communicator,
+    pub(crate) inner: &'a Inner,
     pub(crate) sends: Vec<(usize, &'a [u8])>,
     pub(crate) recvs: Vec<(usize, &'a mut [u8])>,
 }
@@ -31,8 +32,8 @@ impl<'a> Group<'a> {
 
     /// Runs every send and receive of the group; returns when all completed.
     pub fn run(mut self) -> Result<()> {
-        self.comm.inner.check()?;
-        self.comm.inner.run_group(&self.sends, &mut self.recvs)
+        self.inner.check()?;
+        self.inner.run_group(&self.sends, &mut self.recvs)
     }
 }
 
@@ -61,7 +62,7 @@ impl Inner {
         sends: &[(usize, &[u8])],
         recvs: &mut [(usize, &mut [u8])],
     ) -> Result<()> {
-        let slice = self.config.slice_bytes.max(8);
+        let slice = self.slice_bytes().max(8);
         // Bytes sent and received, for the flight recorder.
         let moved: usize = (sends.iter().map(|(_, b)| b.len()))
             .chain(recvs.iter().map(|(_, b)| b.len()))
@@ -84,13 +85,8 @@ impl Inner {
         let first_seq = headers.first().map(|h| h.1.seq).unwrap_or(0);
         self.current.set(OpKind::SendRecv, first_seq);
         self.trace.start(
-            crate::trace::TraceEntry::start(
-                OpKind::SendRecv,
-                first_seq,
-                DataType::Uint8,
-                moved as u64,
-            )
-            .with_peers(headers.iter().map(|h| h.0)),
+            TraceEntry::start(OpKind::SendRecv, first_seq, DataType::Uint8, moved as u64)
+                .with_peers(headers.iter().map(|h| h.0)),
         );
         let prepared = Prepared::new(sched);
         let State {
@@ -99,17 +95,15 @@ impl Inner {
             coll_seq,
             ..
         } = st;
-        self.execute(
-            mesh,
-            p2p::pair_header(first_seq, &[]),
-            DataType::Uint8,
-            ReduceOp::Sum,
-            &prepared,
-            &layout,
-            &mut areas,
-            &headers,
-            workspace,
-            *coll_seq,
-        )
+        let run = Run {
+            desc: p2p::pair_header(first_seq, &[]),
+            dtype: DataType::Uint8,
+            op: ReduceOp::Sum,
+            prepared: &prepared,
+            layout: &layout,
+            headers: &headers,
+            collective_seq: *coll_seq,
+        };
+        self.execute(mesh, workspace, &run, &mut areas)
     }
 }

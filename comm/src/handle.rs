@@ -3,22 +3,14 @@
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
-use crate::lock;
 use crate::ordering::TICKET;
+use crate::worker::{Job, Worker};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use weftcc_collectives::call::RawOp;
 use weftcc_collectives::{DataType, Element, OpKind, ReduceOp};
-
-pub(crate) type Job = Box<dyn FnOnce() + Send>;
-
-pub(crate) struct Worker {
-    pub(crate) jobs: mpsc::Sender<Job>,
-    pub(crate) thread: JoinHandle<()>,
-}
+use weftcc_transports::lock;
 
 impl Communicator {
     /// Starts an in-place all-reduce of an owned buffer; the handle gives it back when done.
@@ -141,11 +133,11 @@ impl Communicator {
             return Handle { done };
         }
         // The ticket is taken now, on the issuing thread: that fixes the execution order.
-        let ticket = self.inner.next_ticket.fetch_add(1, Ordering::SeqCst);
+        let ticket = self.inner.turns.take_ticket();
         let finished = Arc::clone(&done);
         let inner = Arc::clone(&self.inner);
         let job: Job = Box::new(move || {
-            let result = match inner.wait_turn(ticket) {
+            let result = match inner.turns.wait_turn(ticket, &|| inner.check()) {
                 Ok(()) => {
                     let r = TICKET.with(|t| {
                         t.set(Some(ticket));
@@ -153,11 +145,11 @@ impl Communicator {
                         t.set(None);
                         r
                     });
-                    inner.end_turn(ticket);
+                    inner.turns.end_turn(ticket);
                     r.map(|()| buf)
                 }
                 Err(e) => {
-                    inner.end_turn(ticket);
+                    inner.turns.end_turn(ticket);
                     Err(e)
                 }
             };
@@ -165,18 +157,10 @@ impl Communicator {
         });
         let mut worker = lock(&self.worker);
         if worker.is_none() {
-            let (tx, rx) = mpsc::channel::<Job>();
-            let spawned = std::thread::Builder::new()
-                .name(format!("weft-worker-{}", self.inner.rank))
-                .spawn(move || {
-                    for job in rx {
-                        job();
-                    }
-                });
-            match spawned {
-                Ok(thread) => *worker = Some(Worker { jobs: tx, thread }),
+            match Worker::start(self.inner.rank) {
+                Ok(w) => *worker = Some(w),
                 Err(e) => {
-                    self.inner.end_turn(ticket);
+                    self.inner.turns.end_turn(ticket);
                     let e = Error::Config(format!("cannot start the worker thread: {e}"));
                     done.finish(Err(e));
                     return Handle { done };
@@ -184,10 +168,7 @@ impl Communicator {
             }
         }
         if let Some(w) = worker.as_ref() {
-            if let Err(mpsc::SendError(job)) = w.jobs.send(job) {
-                // The worker is gone (cannot happen while we hold it): run inline.
-                job();
-            }
+            w.run(job);
         }
         Handle { done }
     }

@@ -1,28 +1,20 @@
 //! weftcc's runtime: the [`Communicator`], which executes the pure schedules of
 //! `weftcc-collectives` over the transports of `weftcc-transports`.
 //!
-//! One module per concept:
+//! One module per concept, in layers: each module imports only from the layers below it.
 //!
-//! | module | what |
-//! |---|---|
-//! | [`bootstrap`] | unique ids, rank 0's bootstrap store and how long it stays up |
-//! | [`config`] | settings from `WEFT_*` variables |
-//! | [`env`] | rank, size and rendezvous from the launcher (weft run, torchrun, SLURM, Open MPI) |
-//! | `communicator` | construction, the blocking API, split |
-//! | `handle` | the asynchronous API and its handles |
-//! | `ordering` | issue order: tickets, the operation running now |
-//! | `cache` | the tuner's choice and the prepared schedule of each call shape |
-//! | `group` | grouped sends and receives |
-//! | `failure` | poison, the job-wide failure protocol and its typed note |
-//! | `engine` | executes one schedule over the connections (poll loop, no threads) |
-//! | [`tuning`] | per-call algorithm choice from the cost model |
-//! | [`error`] | the error type |
-//! | [`progress`] | where each rank is, and who is behind when a collective times out |
-//! | [`status`] | a running job read from outside its ranks (`weft status`) |
-//! | `local` | [`run_ranks`]: ranks as threads of one process |
-//! | `logging` | `WEFT_DEBUG` |
+//! | layer | module | what |
+//! |---|---|---|
+//! | records | [`records`] | store key names and record formats (progress, failure notes, identities, trace dumps): pure, shared with the readers in `weft status` / `weft trace` |
+//! | settings | [`config`], [`env`], `logging` | settings from `WEFT_*` variables; rank, size and rendezvous from the launcher; `WEFT_DEBUG` |
+//! | base | [`error`], [`tuning`], [`bootstrap`] | the error type; per-call algorithm choice; unique ids and rank 0's store |
+//! | executor | `executor` | runs one prepared schedule over the connections (poll loop, no threads; knows no communicator) |
+//! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread |
+//! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
+//! | threads | `watcher` | the failure watcher: publishes progress, reads the job's failures, answers dump requests |
+//! | API | `communicator`, `group`, `handle`, `local` | construction, the blocking API and split; grouped sends and receives; the asynchronous API; [`run_ranks`] (ranks as threads) |
 
-// One exception, in `engine`: a pinned receive lends the caller's buffer to the transport (a
+// One exception, in `executor`: a pinned receive lends the caller's buffer to the transport (a
 // network peer may write it directly), which `Inner::execute` ends before the buffer goes back.
 #![deny(unsafe_code)]
 
@@ -30,30 +22,31 @@ pub mod bootstrap;
 mod cache;
 mod communicator;
 pub mod config;
-mod engine;
 pub mod env;
 pub mod error;
+mod executor;
 mod failure;
 mod group;
 mod handle;
+mod inner;
 mod local;
 mod logging;
 mod ordering;
-pub mod progress;
-pub mod status;
+mod progress;
+pub mod records;
 pub mod trace;
-pub mod trace_merge;
 pub mod tuning;
+mod watcher;
+mod worker;
 
 pub use bootstrap::{join_host_port, UniqueId};
 pub use communicator::Communicator;
 pub use config::{Backoff, CommConfig};
 pub use env::LaunchInfo;
-pub use error::{AbortCause, Error, ErrorFacts, Result, SeenBy};
+pub use error::{Error, ErrorFacts, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
 pub use local::run_ranks;
-pub use progress::Behind;
+pub use records::note::AbortCause;
+pub use records::progress::Behind;
 pub use tuning::Tuner;
-
-pub(crate) use weftcc_transports::lock;

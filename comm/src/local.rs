@@ -2,7 +2,10 @@
 //! them, or TCP with `shm_disable`): for tests, examples and programs that drive several ranks
 //! from one process.
 
-use crate::{CommConfig, Communicator, Result, UniqueId};
+use crate::bootstrap::UniqueId;
+use crate::communicator::Communicator;
+use crate::config::CommConfig;
+use crate::error::Result;
 use std::any::Any;
 
 /// Runs `body(rank, communicator)` on `n` threads, rank `r`'s communicator built from

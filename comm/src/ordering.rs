@@ -1,31 +1,93 @@
 //! Issue order is execution order: every call takes a ticket, and tickets execute one at a time
 //! (blocking calls on the caller's thread, async calls on the communicator's worker thread).
 
-use crate::communicator::{Inner, State};
 use crate::error::Result;
-use crate::lock;
+use crate::records::progress::{op_word, word_op};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 use weftcc_collectives::OpKind;
+use weftcc_transports::lock;
 
-/// Issue order of operations: which ticket executes now, and how many callers wait for their
-/// turn. Atomics, so that a caller whose turn it already is (a single thread issuing blocking
-/// calls, the common case) takes no lock; the mutex and condition variable only serve waiters.
+/// Issue order of operations: the next ticket to hand out, which ticket executes now, and how
+/// many callers wait for their turn. Atomics, so that a caller whose turn it already is (a
+/// single thread issuing blocking calls, the common case) takes no lock; the mutex and
+/// condition variable only serve waiters.
 #[derive(Default)]
-pub(crate) struct Turn {
-    pub(crate) now: AtomicU64,
-    pub(crate) waiters: AtomicU64,
-    pub(crate) lock: Mutex<()>,
-    pub(crate) changed: Condvar,
+pub(crate) struct Turns {
+    next_ticket: AtomicU64,
+    now: AtomicU64,
+    waiters: AtomicU64,
+    lock: Mutex<()>,
+    changed: Condvar,
 }
 
-impl Turn {
+impl Turns {
     /// Wakes every waiter. Taking the lock first means a waiter that saw the old state is
     /// already inside `wait_timeout` (it checks the state while holding the lock).
     pub(crate) fn wake_all(&self) {
         drop(lock(&self.lock));
         self.changed.notify_all();
+    }
+
+    /// Whether a call must take a ticket of its own: some other call holds or waits for one.
+    /// When every ticket taken so far has finished (`now` caught up with `next_ticket`, read in
+    /// that order), every call issued before this one is done, and the state lock alone orders
+    /// this call against one issued meanwhile from another thread (the two are concurrent:
+    /// neither order is promised). That saves the two locked instructions of a ticket on the
+    /// common path, a single thread issuing blocking calls.
+    pub(crate) fn busy(&self) -> bool {
+        self.next_ticket.load(Ordering::SeqCst) != self.now.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn take_ticket(&self) -> u64 {
+        self.next_ticket.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Waits until `ticket` is the next to execute, or `check` fails (the communicator was
+    /// aborted or poisoned).
+    pub(crate) fn wait_turn(&self, ticket: u64, check: &dyn Fn() -> Result<()>) -> Result<()> {
+        if self.now.load(Ordering::SeqCst) == ticket {
+            return Ok(());
+        }
+        self.wait_turn_slow(ticket, Some(check))
+    }
+
+    pub(crate) fn end_turn(&self, ticket: u64) {
+        // A caller that failed before its turn must still pass the turn on, in order.
+        if self.now.load(Ordering::SeqCst) != ticket {
+            let _ = self.wait_turn_slow(ticket, None);
+        }
+        self.now.store(ticket + 1, Ordering::SeqCst);
+        // Waking is a system call: skip it on the common path where nobody waits. The store
+        // above and the waiter's increment are both SeqCst, so either the waiter sees the new
+        // turn or this load sees the waiter.
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.wake_all();
+        }
+    }
+
+    /// Sleeps until `now` reaches `ticket`; with `check`, fails early when that fails.
+    fn wait_turn_slow(&self, ticket: u64, check: Option<&dyn Fn() -> Result<()>>) -> Result<()> {
+        let mut guard = lock(&self.lock);
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let result = loop {
+            if self.now.load(Ordering::SeqCst) == ticket {
+                break Ok(());
+            }
+            if let Some(check) = check {
+                if let Err(e) = check() {
+                    break Err(e);
+                }
+            }
+            // The timeout bounds how late a poison raised without a wake-up is noticed.
+            guard = match self.changed.wait_timeout(guard, Duration::from_millis(50)) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        };
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
+        result
     }
 }
 
@@ -35,18 +97,8 @@ impl Turn {
 #[derive(Default)]
 pub(crate) struct CurrentOp(AtomicU64);
 
-const SEQ_BITS: u32 = 56;
-
-/// An operation's kind and sequence number as one word (kind in the top byte).
-pub(crate) fn op_word(kind: OpKind, seq: u64) -> u64 {
-    (u64::from(kind as u8) << SEQ_BITS) | (seq & ((1 << SEQ_BITS) - 1))
-}
-
-/// The operation of [`op_word`]; `None` for a word with no kind (such as `u64::MAX`).
-pub(crate) fn word_op(word: u64) -> Option<(OpKind, u64)> {
-    let kind = OpKind::from_code((word >> SEQ_BITS) as u8)?;
-    Some((kind, word & ((1 << SEQ_BITS) - 1)))
-}
+/// The sequence-number bits of an operation word ([`op_word`]).
+const SEQ_MASK: u64 = (1 << 56) - 1;
 
 impl CurrentOp {
     pub(crate) fn set(&self, kind: OpKind, seq: u64) {
@@ -55,125 +107,13 @@ impl CurrentOp {
 
     pub(crate) fn get(&self) -> (OpKind, u64) {
         let word = self.0.load(Ordering::Relaxed);
-        word_op(word).unwrap_or((OpKind::Barrier, word & ((1 << SEQ_BITS) - 1)))
+        word_op(word).unwrap_or((OpKind::Barrier, word & SEQ_MASK))
     }
 }
 
 thread_local! {
     /// The ticket a worker job holds while it runs (so its nested blocking call reuses it).
     pub(crate) static TICKET: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
-}
-
-impl Inner {
-    pub(crate) fn take_ticket(&self) -> u64 {
-        self.next_ticket.fetch_add(1, Ordering::SeqCst)
-    }
-
-    /// Waits until `ticket` is the next to execute (or the communicator is aborted/poisoned).
-    pub(crate) fn wait_turn(&self, ticket: u64) -> Result<()> {
-        if self.turn.now.load(Ordering::SeqCst) == ticket {
-            return Ok(());
-        }
-        self.wait_turn_slow(ticket, true)
-    }
-
-    pub(crate) fn end_turn(&self, ticket: u64) {
-        // A caller that failed before its turn must still pass the turn on, in order.
-        if self.turn.now.load(Ordering::SeqCst) != ticket {
-            let _ = self.wait_turn_slow(ticket, false);
-        }
-        self.turn.now.store(ticket + 1, Ordering::SeqCst);
-        // Waking is a system call: skip it on the common path where nobody waits. The store
-        // above and the waiter's increment are both SeqCst, so either the waiter sees the new
-        // turn or this load sees the waiter.
-        if self.turn.waiters.load(Ordering::SeqCst) > 0 {
-            self.turn.wake_all();
-        }
-    }
-
-    /// Sleeps until `now` reaches `ticket`; with `check`, fails early when poisoned.
-    pub(crate) fn wait_turn_slow(&self, ticket: u64, check: bool) -> Result<()> {
-        let mut guard = lock(&self.turn.lock);
-        self.turn.waiters.fetch_add(1, Ordering::SeqCst);
-        let result = loop {
-            if self.turn.now.load(Ordering::SeqCst) == ticket {
-                break Ok(());
-            }
-            if check {
-                if let Err(e) = self.check() {
-                    break Err(e);
-                }
-            }
-            // The timeout bounds how late a poison raised without a wake-up is noticed.
-            guard = match self
-                .turn
-                .changed
-                .wait_timeout(guard, Duration::from_millis(50))
-            {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-        };
-        self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
-        result
-    }
-
-    /// Runs `f` in issue order. Inside a worker job the job's ticket is reused.
-    pub(crate) fn run_blocking<R>(
-        &self,
-        kind: OpKind,
-        f: impl FnOnce(&Inner, &mut State) -> Result<R>,
-    ) -> Result<R> {
-        let held = TICKET.with(|t| t.get());
-        // A ticket of our own only when some other call holds or waits for one. When every
-        // ticket taken so far has finished (`now` caught up with `next_ticket`, read in that
-        // order), every call issued before this one is done, and the state lock alone orders
-        // this call against one issued meanwhile from another thread (the two are concurrent:
-        // neither order is promised). That saves the two locked instructions of a ticket on
-        // the common path, a single thread issuing blocking calls.
-        let own_ticket = if held.is_none()
-            && self.next_ticket.load(Ordering::SeqCst) != self.turn.now.load(Ordering::SeqCst)
-        {
-            let t = self.take_ticket();
-            if let Err(e) = self.wait_turn(t) {
-                self.end_turn(t);
-                return Err(e);
-            }
-            Some(t)
-        } else {
-            None
-        };
-        let result = (|| {
-            self.check()?;
-            let mut st = lock(&self.state);
-            let result = f(self, &mut st);
-            // Under the state lock: the running entry is this call's (one started by `f`), not
-            // that of a call another thread starts once the lock is free.
-            self.trace.end(result.as_ref().err());
-            result
-        })();
-        if let Some(t) = own_ticket {
-            self.end_turn(t);
-        }
-        if result.is_ok() {
-            let (kind, seq) = self.current.get();
-            self.progress.completed(kind, seq);
-        }
-        if let Err(e) = &result {
-            if e.is_fatal() {
-                self.fail(e.clone());
-                self.leave_farewell();
-                self.dump_trace_if_due();
-                // Once poisoned, the first error is the one to report: a peer that closed its
-                // connections because this rank aborted is a consequence, not the cause.
-                if let Some(first) = self.poisoned() {
-                    return Err(first);
-                }
-            }
-        }
-        tracing::debug!(target: "weftcc::op", rank = self.rank, %kind, ok = result.is_ok());
-        result
-    }
 }
 
 #[cfg(test)]

@@ -13,11 +13,13 @@
 #![forbid(unsafe_code)]
 
 mod job;
+mod job_status;
 mod perf;
 mod run;
 mod status;
 mod topo;
 mod trace;
+mod trace_merge;
 mod train;
 
 use clap::{Parser, Subcommand};

@@ -2,9 +2,10 @@
 //! host, pid, state, current operation, time since progress and liveness, and a verdict.
 
 use crate::job::{which_job_help, JobArgs};
+use crate::job_status::{JobStatus, Liveness, RankStatus, Verdict};
 use clap::Args;
 use std::time::Duration;
-use weftcc::comm::status::{JobStatus, Liveness, RankStatus, Verdict, WORLD_NAMESPACE};
+use weftcc::comm::records::identity::WORLD_NAMESPACE;
 use weftcc::UniqueId;
 
 #[derive(Args, Debug)]

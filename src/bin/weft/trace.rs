@@ -3,12 +3,13 @@
 //! names the ranks that are behind or disagree.
 
 use crate::job::{which_job_help, JobArgs};
+use crate::job_status::{JobStatus, Liveness};
+use crate::trace_merge::{merge, rank_set};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use weftcc::comm::status::{JobStatus, Liveness, WORLD_NAMESPACE};
-use weftcc::comm::trace::{DumpRequest, TraceDump, REQUESTS_KEY};
-use weftcc::comm::trace_merge::{merge, rank_set};
+use weftcc::comm::records::identity::WORLD_NAMESPACE;
+use weftcc::comm::records::trace::{DumpRequest, TraceDump, REQUESTS_KEY};
 use weftcc::transports::StoreClient;
 
 #[derive(Args, Debug)]

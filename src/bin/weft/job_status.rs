@@ -11,77 +11,16 @@
 //!
 //! [`judge`] turns them into a [`Verdict`]; it is pure, so the rules are tested without a job.
 
-use crate::error::{AbortCause, Error, Result};
-use crate::failure::{FailureNote, ABORT_KEY};
-use crate::progress::{behind, now_ms, session_rank, Behind, ProgressRecord, SILENT_AFTER};
-use crate::UniqueId;
 use std::fmt;
 use std::time::Duration;
+use weftcc::comm::records::identity::RankIdentity;
+use weftcc::comm::records::note::{AbortCause, FailureNote};
+use weftcc::comm::records::progress::{behind, now_ms, Behind, ProgressRecord, SILENT_AFTER};
+use weftcc::comm::records::{progress_key, session_prefix, session_rank, ABORT_KEY};
+use weftcc::transports::store::{SessionInfo, StoreClient};
+use weftcc::transports::TransportError;
+use weftcc::{Error, Result, UniqueId};
 use weftcc_collectives::OpKind;
-use weftcc_transports::store::{SessionInfo, StoreClient};
-use weftcc_transports::TransportError;
-
-/// Namespace of the communicator every job has (the one made by `init`; splits live under it).
-pub const WORLD_NAMESPACE: &str = "c";
-
-/// Who a rank is, as its watcher's store session says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RankIdentity {
-    /// Ranks of its communicator.
-    pub nranks: usize,
-    /// Its process id (on `host`).
-    pub pid: u32,
-    /// Its host name.
-    pub host: String,
-    /// Whether it destroyed its communicator (left) rather than running.
-    pub left: bool,
-}
-
-impl RankIdentity {
-    const MAGIC: &'static str = "weft-rank/1";
-
-    /// This process, a rank of `nranks`.
-    pub(crate) fn this_process(nranks: usize) -> RankIdentity {
-        RankIdentity {
-            nranks,
-            pid: std::process::id(),
-            host: weftcc_topology::discover::hostname().unwrap_or_else(|| "?".into()),
-            left: false,
-        }
-    }
-
-    pub(crate) fn encode(&self) -> String {
-        let state = if self.left { "left" } else { "run" };
-        format!(
-            "{} {} {} {state} {}",
-            Self::MAGIC,
-            self.nranks,
-            self.pid,
-            self.host
-        )
-    }
-
-    pub(crate) fn decode(bytes: &[u8]) -> Option<RankIdentity> {
-        let text = std::str::from_utf8(bytes).ok()?;
-        let mut f = text.splitn(5, ' ');
-        if f.next()? != Self::MAGIC {
-            return None;
-        }
-        let nranks = f.next()?.parse().ok()?;
-        let pid = f.next()?.parse().ok()?;
-        let left = match f.next()? {
-            "run" => false,
-            "left" => true,
-            _ => return None,
-        };
-        Some(RankIdentity {
-            nranks,
-            pid,
-            host: f.next()?.to_string(),
-            left,
-        })
-    }
-}
 
 /// Whether a rank's process shows signs of life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -291,19 +230,12 @@ pub struct JobStatus {
 pub const BEHIND_AFTER: Duration = Duration::from_secs(2);
 
 impl JobStatus {
-    /// Reads the job's own communicator through the store at `id` (any rank's id: the
-    /// rendezvous address and job token).
-    pub fn read(id: &UniqueId, timeout: Duration) -> Result<JobStatus> {
-        JobStatus::read_namespace(id, WORLD_NAMESPACE, timeout)
-    }
-
-    /// Reads the communicator under `namespace`.
+    /// Reads the communicator under `namespace` (the job's own is `WORLD_NAMESPACE`) through
+    /// the store at `id` (any rank's id: the rendezvous address and job token).
     pub fn read_namespace(id: &UniqueId, namespace: &str, timeout: Duration) -> Result<JobStatus> {
         let boot = |source: TransportError| Error::Bootstrap { rank: 0, source };
         let mut store = StoreClient::connect(&id.addr, &id.token, timeout).map_err(boot)?;
-        let sessions = store
-            .sessions(&crate::progress::session_prefix(namespace))
-            .map_err(boot)?;
+        let sessions = store.sessions(&session_prefix(namespace)).map_err(boot)?;
         let nranks = sessions
             .iter()
             .filter_map(|s| RankIdentity::decode(&s.value))
@@ -315,9 +247,7 @@ impl JobStatus {
                     id.addr
                 ))
             })?;
-        let keys: Vec<String> = (0..nranks)
-            .map(|r| crate::progress::progress_key(namespace, r))
-            .collect();
+        let keys: Vec<String> = (0..nranks).map(|r| progress_key(namespace, r)).collect();
         // Every record at once when all exist; else one at a time, without waiting.
         let records: Vec<Option<ProgressRecord>> = match store.get_all(&keys, Duration::ZERO) {
             Ok(values) => values.iter().map(|v| ProgressRecord::decode(v)).collect(),
@@ -351,7 +281,7 @@ impl JobStatus {
 }
 
 /// Each of `nranks` ranks from its session (named under `namespace`) and progress record.
-pub(crate) fn rank_statuses(
+pub fn rank_statuses(
     sessions: &[SessionInfo],
     namespace: &str,
     records: &[Option<ProgressRecord>],
@@ -391,7 +321,7 @@ pub(crate) fn rank_statuses(
 
 /// The verdict on a communicator whose ranks are `ranks`, with progress `records` and the
 /// published failure `note`, at `now_ms`.
-pub(crate) fn judge(
+pub fn judge(
     ranks: &[RankStatus],
     records: &[Option<ProgressRecord>],
     note: Option<FailureNote>,

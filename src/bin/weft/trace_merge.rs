@@ -1,13 +1,13 @@
-//! Lines up the flight-recorder dumps of a job ([`crate::trace::TraceDump`], one per rank and
+//! Lines up the flight-recorder dumps of a job ([`TraceDump`], one per rank and
 //! communicator) and says what they show: the furthest collective any rank entered, the ranks
 //! that have not called it (furthest behind first), the collectives ranks called differently,
 //! the operations that failed, and the ranks with no dump. Pure: `weft trace merge` reads the
 //! files and prints [`CommReport`]'s `Display`.
 
-use crate::trace::{DumpReason, TraceDump, TraceRecord, TraceState};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
+use weftcc::comm::records::trace::{DumpReason, TraceDump, TraceRecord, TraceState};
 
 /// Disagreements reported per communicator (the first ones, by sequence number).
 const MAX_DISAGREEMENTS: usize = 8;
@@ -461,7 +461,8 @@ impl fmt::Display for CommReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{TraceEntry, TRACE_FORMAT};
+    use weftcc::comm::records::trace::TRACE_FORMAT;
+    use weftcc::comm::trace::TraceEntry;
     use weftcc_collectives::{DataType, OpKind, ReduceOp};
 
     const T0: u64 = 1_000_000_000;

@@ -125,7 +125,7 @@ impl Context<'_> {
             rank: self.rank,
             by: None,
             reason: format!("abort() called during {} #{}", self.kind(), self.desc.seq),
-            cause: crate::error::AbortCause::AbortCalled,
+            cause: crate::records::note::AbortCause::AbortCalled,
             during: Some((self.kind(), self.desc.seq)),
         }
     }

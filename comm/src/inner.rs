@@ -1,0 +1,609 @@
+//! What a communicator shares with its watcher and worker threads: the concerns it composes,
+//! each owning its state (issue order in `ordering`, prepared schedules in `cache`, the failure
+//! protocol in `failure`, progress and the flight recorder), and the path of one call through
+//! them: validate, take the turn, prepare the schedule, map the buffers, execute, record.
+
+use crate::bootstrap::StoreHost;
+use crate::cache::{CallShape, Preparer, ScheduleCache};
+use crate::config::{sends_pinned, CommConfig};
+use crate::error::{Error, Result};
+use crate::executor::{self, Area, Context, Layout, Prepared, Workspace};
+use crate::failure::{FailureHook, Failures, Surroundings};
+use crate::ordering::{CurrentOp, Turns, TICKET};
+use crate::progress::Progress;
+use crate::records::identity::RankIdentity;
+use crate::records::progress::ProgressRecord;
+use crate::records::trace::{
+    default_dump_dir, job_tag, DumpReason, DumpRequest, TraceDump, TRACE_FORMAT,
+};
+use crate::records::SETTLED_ALL_KEY;
+use crate::trace::{now_us, FlightRecorder, TraceEntry};
+use crate::tuning::Tuner;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use weftcc_collectives::call::{self, Plan, RawOp};
+use weftcc_collectives::header::OpDesc;
+use weftcc_collectives::schedule::layout::Placement;
+use weftcc_collectives::{reduce, DataType, OpKind, ReduceOp};
+use weftcc_transports::lock;
+use weftcc_transports::mesh::Mesh;
+use weftcc_transports::store::StoreClient;
+
+pub(crate) struct Inner {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) namespace: String,
+    /// The settings the communicator was made with; its timeout is the initial one (the live
+    /// one is `timeout_ms`, which `set_timeout` changes): read through [`Inner::config`].
+    settings: CommConfig,
+    /// Chooses each call's algorithm.
+    pub(crate) tuner: Tuner,
+    timeout_ms: AtomicU64,
+    pub(crate) abort: AtomicBool,
+    pub(crate) failures: Failures,
+    /// Kind and sequence number of the operation running now (for errors raised elsewhere).
+    pub(crate) current: CurrentOp,
+    /// What the watcher publishes of this rank's progress.
+    pub(crate) progress: Progress,
+    /// The last operations, for dumps ([`crate::trace`]).
+    pub(crate) trace: FlightRecorder,
+    /// The communicator failed and its recorder is not written yet ([`Inner::dump_trace_if_due`]).
+    trace_dump_due: AtomicBool,
+    pub(crate) turns: Turns,
+    pub(crate) state: Mutex<State>,
+    /// Connection to the bootstrap store for splits and connection set-up.
+    pub(crate) store: Mutex<StoreClient>,
+    pub(crate) store_addr: String,
+    pub(crate) token: String,
+    /// Keeps rank 0's store alive while any communicator using it lives.
+    pub(crate) store_host: Option<Arc<StoreHost>>,
+    pub(crate) splits: AtomicU64,
+    pub(crate) watcher_stop: AtomicBool,
+}
+
+/// What one call at a time uses: the connections, buffers and sequence numbers.
+pub(crate) struct State {
+    pub(crate) mesh: Mesh,
+    pub(crate) scratch: Vec<u64>,
+    pub(crate) cache: ScheduleCache,
+    pub(crate) workspace: Workspace,
+    pub(crate) coll_seq: u64,
+    pub(crate) send_seq: Vec<u64>,
+    pub(crate) recv_seq: Vec<u64>,
+}
+
+impl State {
+    pub(crate) fn new(mesh: Mesh, nranks: usize) -> State {
+        State {
+            mesh,
+            scratch: Vec::new(),
+            cache: ScheduleCache::default(),
+            workspace: Workspace::default(),
+            coll_seq: 0,
+            send_seq: vec![0; nranks],
+            recv_seq: vec![0; nranks],
+        }
+    }
+}
+
+/// The places of a collective call's buffers: the executor sees them as numbered areas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallArea {
+    /// The receive buffer (also the input of an in-place call).
+    Recv = 0,
+    /// The communicator's scratch space.
+    Scratch = 1,
+    /// The send buffer, or this rank's scaled input (`PreMulSum`).
+    Send = 2,
+}
+
+impl CallArea {
+    fn at(self, offset: usize) -> Placement {
+        Placement::new(self as usize, offset)
+    }
+}
+
+/// One operation as the executor runs it: its header, reduction, schedule, buffer map and
+/// (point-to-point groups) per-pair headers.
+pub(crate) struct Run<'a> {
+    pub(crate) desc: OpDesc,
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp,
+    pub(crate) prepared: &'a Prepared,
+    pub(crate) layout: &'a Layout,
+    pub(crate) headers: &'a [(usize, OpDesc, OpDesc)],
+    /// The collective sequence number (point-to-point groups carry the last collective's).
+    pub(crate) collective_seq: u64,
+}
+
+/// Who the parts of an [`Inner`] are made for, and the connections they start from.
+pub(crate) struct Parts {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) namespace: String,
+    pub(crate) config: CommConfig,
+    pub(crate) tuner: Tuner,
+    pub(crate) mesh: Mesh,
+    pub(crate) store: StoreClient,
+    pub(crate) alarm: StoreClient,
+    pub(crate) store_addr: String,
+    pub(crate) token: String,
+    pub(crate) store_host: Option<Arc<StoreHost>>,
+}
+
+impl Inner {
+    pub(crate) fn new(p: Parts) -> Inner {
+        Inner {
+            rank: p.rank,
+            size: p.size,
+            failures: Failures::new(p.rank, p.size, &p.namespace, p.alarm),
+            namespace: p.namespace,
+            tuner: p.tuner,
+            timeout_ms: AtomicU64::new(millis(p.config.timeout)),
+            trace: FlightRecorder::new(p.config.trace_buffer),
+            settings: p.config,
+            abort: AtomicBool::new(false),
+            current: CurrentOp::default(),
+            progress: Progress::default(),
+            trace_dump_due: AtomicBool::new(false),
+            turns: Turns::default(),
+            state: Mutex::new(State::new(p.mesh, p.size)),
+            store: Mutex::new(p.store),
+            store_addr: p.store_addr,
+            token: p.token,
+            store_host: p.store_host,
+            splits: AtomicU64::new(0),
+            watcher_stop: AtomicBool::new(false),
+        }
+    }
+
+    /// The communicator's settings as they are now (the timeout as last set).
+    pub(crate) fn config(&self) -> CommConfig {
+        CommConfig {
+            timeout: self.timeout(),
+            ..self.settings.clone()
+        }
+    }
+
+    /// Whether floating-point reductions fold in rank order.
+    pub(crate) fn deterministic(&self) -> bool {
+        self.settings.deterministic
+    }
+
+    /// Whether splits share this communicator's connections.
+    pub(crate) fn split_share(&self) -> bool {
+        self.settings.split_share
+    }
+
+    /// Largest message of a pipelined transfer.
+    pub(crate) fn slice_bytes(&self) -> usize {
+        self.settings.slice_bytes
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ms
+            .store(millis(timeout).max(1), Ordering::Relaxed);
+    }
+
+    pub(crate) fn poisoned(&self) -> Option<Error> {
+        self.failures.poisoned()
+    }
+
+    /// Fails at once when the communicator is poisoned.
+    pub(crate) fn check(&self) -> Result<()> {
+        self.failures.check()
+    }
+
+    /// Records the first fatal error and tells the other ranks ([`Failures::fail`]).
+    pub(crate) fn fail(&self, e: Error) {
+        self.failures.fail(e, self);
+    }
+
+    /// Runs `hook` with the error when this communicator fails, or now if it has.
+    pub(crate) fn on_failure(&self, hook: FailureHook) {
+        self.failures.on_failure(hook);
+    }
+
+    /// Leaves the poison's cause on every connection, once ([`Failures::leave_farewell`]).
+    pub(crate) fn leave_farewell(&self) {
+        self.failures.leave_farewell(self);
+    }
+
+    /// On rank 0, as this communicator goes: if its failure was published in the store, leaves
+    /// the key that the other ranks' watchers set once they have all read it, and if no split
+    /// relative still holds the store, waits for every such key before the store closes
+    /// ([`StoreHost::settle`]; a relative dropped later waits for this one's too).
+    pub(crate) fn settle_before_the_store_closes(&self) {
+        let Some(host) = &self.store_host else {
+            return;
+        };
+        let Ok(mut store) = self.failures.alarm.try_lock() else {
+            return;
+        };
+        if self.size > 1
+            && self.failures.is_poisoned()
+            && matches!(
+                store.check(&self.failures.store_key(crate::records::ABORT_KEY)),
+                Ok(true)
+            )
+        {
+            lock(&host.unsettled).push(self.failures.store_key(SETTLED_ALL_KEY));
+        }
+        if Arc::strong_count(host) == 1 {
+            host.settle(Some(&mut store));
+        }
+    }
+
+    /// Runs `f` in issue order. Inside a worker job the job's ticket is reused.
+    pub(crate) fn run_blocking<R>(
+        &self,
+        kind: OpKind,
+        f: impl FnOnce(&Inner, &mut State) -> Result<R>,
+    ) -> Result<R> {
+        let held = TICKET.with(|t| t.get());
+        // A ticket of our own only when some other call holds or waits for one.
+        let own_ticket = if held.is_none() && self.turns.busy() {
+            let t = self.turns.take_ticket();
+            if let Err(e) = self.turns.wait_turn(t, &|| self.check()) {
+                self.turns.end_turn(t);
+                return Err(e);
+            }
+            Some(t)
+        } else {
+            None
+        };
+        let result = (|| {
+            self.check()?;
+            let mut st = lock(&self.state);
+            let result = f(self, &mut st);
+            // Under the state lock: the running entry is this call's (one started by `f`), not
+            // that of a call another thread starts once the lock is free.
+            self.trace.end(result.as_ref().err());
+            result
+        })();
+        if let Some(t) = own_ticket {
+            self.turns.end_turn(t);
+        }
+        if result.is_ok() {
+            let (kind, seq) = self.current.get();
+            self.progress.completed(kind, seq);
+        }
+        if let Err(e) = &result {
+            if e.is_fatal() {
+                self.fail(e.clone());
+                self.leave_farewell();
+                self.dump_trace_if_due();
+                // Once poisoned, the first error is the one to report: a peer that closed its
+                // connections because this rank aborted is a consequence, not the cause.
+                if let Some(first) = self.poisoned() {
+                    return Err(first);
+                }
+            }
+        }
+        tracing::debug!(target: "weftcc::op", rank = self.rank, %kind, ok = result.is_ok());
+        result
+    }
+
+    /// Checks a call's buffers against its count, root and kind ([`RawOp::plan`]).
+    pub(crate) fn plan(&self, call: &RawOp, send: Option<usize>, recv: usize) -> Result<Plan> {
+        call.plan(self.rank, self.size, send, recv)
+            .map_err(|reason| self.invalid(call.kind, reason))
+    }
+
+    pub(crate) fn invalid(&self, op: OpKind, reason: call::CallError) -> Error {
+        Error::InvalidArgument {
+            rank: self.rank,
+            op,
+            reason,
+        }
+    }
+
+    pub(crate) fn try_lock_state(&self) -> Option<std::sync::MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Builds the schedule of a validated call and executes it.
+    pub(crate) fn run_planned(
+        &self,
+        st: &mut State,
+        call: &RawOp,
+        plan: &Plan,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let (r, n, count) = (self.rank, self.size, call.count);
+        st.coll_seq += 1;
+        let seq = st.coll_seq;
+        self.current.set(call.kind, seq);
+        self.progress.entered(call.kind, seq);
+        let mut entry = TraceEntry::start(call.kind, seq, call.dtype, count as u64);
+        entry.redop = call.has_reduction().then_some(call.op);
+        entry.root = call.has_root().then_some(call.root);
+        let shape = CallShape {
+            kind: call.kind,
+            count,
+            esize: call.dtype.size(),
+            root: if call.has_root() { call.root } else { 0 },
+            in_place: plan.in_place && call.kind == OpKind::AllToAll,
+            ordered: self.settings.deterministic && call.order_sensitive(),
+        };
+        let State {
+            mesh,
+            scratch,
+            cache,
+            workspace,
+            ..
+        } = st;
+        let record = |prepared: &Prepared| TraceEntry {
+            algorithm: prepared.algorithm(),
+            ..entry.with_peers(prepared.peers().iter().copied())
+        };
+        let prepared = match cache.repeated(&shape) {
+            Some(prepared) => {
+                // A repeated call (the common case) takes the recorder's lock once.
+                self.trace.start(record(prepared));
+                prepared
+            }
+            None => {
+                // Recorded before preparing, so a call whose preparation fails is in the record.
+                self.trace.start(entry);
+                let by = Preparer {
+                    rank: r,
+                    size: n,
+                    slice_bytes: self.settings.slice_bytes,
+                    tuner: &self.tuner,
+                };
+                let prepared = cache.prepare_last(&by, call, shape, seq)?;
+                self.trace.update_running(|e| *e = record(prepared));
+                prepared
+            }
+        };
+        let desc = OpDesc::of_call(call, seq);
+        let internal = |reason: String| Error::Internal {
+            rank: r,
+            op: call.kind,
+            seq,
+            reason,
+        };
+
+        // PreMulSum: scale this rank's input once; the algorithm then sums.
+        let scaled: Option<Vec<u64>> = match call.op {
+            ReduceOp::PreMulSum(factor) if call.has_reduction() => {
+                let src: &[u8] = match send {
+                    Some(s) => s,
+                    None => &recv[plan.input_offset..plan.input_offset + plan.input_len],
+                };
+                let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
+                reduce::scale_into(
+                    call.dtype,
+                    &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
+                    src,
+                    factor,
+                )
+                .map_err(|e| internal(e.to_string()))?;
+                Some(tmp)
+            }
+            _ => None,
+        };
+
+        let scratch_bytes = prepared.schedule().scratch_elems * call.dtype.size();
+        if scratch.len() * 8 < scratch_bytes {
+            scratch.resize(scratch_bytes.div_ceil(8), 0);
+        }
+        let scratch_area: &mut [u8] =
+            &mut bytemuck::cast_slice_mut(scratch.as_mut_slice())[..scratch_bytes];
+        let (input_area, input) = match (scaled.as_ref(), send) {
+            (Some(tmp), _) => (
+                &bytemuck::cast_slice(tmp.as_slice())[..plan.input_len],
+                CallArea::Send.at(0),
+            ),
+            (None, Some(s)) => (s, CallArea::Send.at(0)),
+            (None, None) => (&[][..], CallArea::Recv.at(plan.input_offset)),
+        };
+        // In `CallArea` order.
+        let mut areas = [
+            Area::ReadWrite(recv),
+            Area::ReadWrite(scratch_area),
+            Area::ReadOnly(input_area),
+        ];
+        let layout = Layout::fixed(
+            input,
+            CallArea::Recv.at(plan.output_offset),
+            Some(CallArea::Scratch.at(0)),
+        );
+        let run = Run {
+            desc,
+            dtype: call.dtype,
+            op: call.op,
+            prepared,
+            layout: &layout,
+            headers: &[],
+            collective_seq: seq,
+        };
+        self.execute(mesh, workspace, &run, &mut areas)?;
+
+        // Avg: divide the reduced result once, where a result was written.
+        let es = call.dtype.size();
+        let result = match call.kind {
+            OpKind::Reduce if r != call.root => None,
+            _ => Some(plan.output_offset..plan.output_offset + count * es),
+        };
+        if let (ReduceOp::Avg, true, true, Some(range), Area::ReadWrite(out)) = (
+            call.op,
+            call.has_reduction(),
+            n > 1,
+            result,
+            &mut areas[CallArea::Recv as usize],
+        ) {
+            let out = out
+                .get_mut(range)
+                .ok_or_else(|| internal("average range".into()))?;
+            reduce::divide_in_place(call.dtype, out, n).map_err(|e| internal(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Runs one operation over the connections, connecting the peers it needs first.
+    pub(crate) fn execute(
+        &self,
+        mesh: &mut Mesh,
+        workspace: &mut Workspace,
+        run: &Run<'_>,
+        areas: &mut [Area<'_>],
+    ) -> Result<()> {
+        let poisoned = || self.poisoned();
+        let largest = areas.iter().map(Area::len).max().unwrap_or(0);
+        let ctx = Context {
+            rank: self.rank,
+            desc: run.desc,
+            dtype: run.dtype,
+            combiner: run.op.combiner(),
+            timeout: self.timeout(),
+            abort: &self.abort,
+            backoff: self.settings.backoff,
+            pinned_sends: sends_pinned(run.desc.kind, largest, self.settings.pinned_max_bytes),
+            poisoned: &poisoned,
+            collective_seq: run.collective_seq,
+        };
+        let prepared = run.prepared;
+        if !mesh.all_connected(prepared.peers()) {
+            let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
+            let mut store = lock(&self.store);
+            if let Err(e) = mesh.connect(prepared.peers(), &mut store, ctx.timeout, &cancel) {
+                if let Some(poison) = self.poisoned() {
+                    return Err(poison);
+                }
+                return Err(ctx.transport(e.peer, e.source));
+            }
+        }
+        let (conns, waiter) = mesh.parts();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            executor::execute_prepared(
+                &ctx,
+                prepared,
+                run.layout,
+                areas,
+                conns,
+                waiter,
+                run.headers,
+                workspace,
+            )
+        }));
+        if !matches!(result, Ok(Ok(()))) {
+            // The caller gets its buffers back: no peer may write into them any more.
+            mesh.cancel_pinned();
+        }
+        result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    }
+
+    /// This communicator's flight recorder as a dump taken now.
+    pub(crate) fn trace_dump(&self, reason: DumpReason) -> TraceDump {
+        let (entries, recorded) = self.trace.snapshot();
+        let me = RankIdentity::this_process(self.size);
+        TraceDump {
+            format: TRACE_FORMAT.into(),
+            job: job_tag(&self.token),
+            namespace: self.namespace.clone(),
+            rank: self.rank,
+            nranks: self.size,
+            host: me.host,
+            pid: me.pid,
+            reason,
+            error: self.poisoned().map(|e| e.to_string()),
+            dumped_us: now_us(),
+            recorded,
+            capacity: self.trace.capacity(),
+            entries: entries.iter().map(TraceEntry::record).collect(),
+        }
+    }
+
+    /// Once the communicator has failed: writes the recorder to `WEFT_TRACE_DUMP_DIR` when that
+    /// is set (and the recorder on), once. Called after the failure is published and the
+    /// waiting threads woken (the end of a failed call, `abort`, the watcher, the drop).
+    pub(crate) fn dump_trace_if_due(&self) {
+        let Some(dir) = &self.settings.trace_dump_dir else {
+            return;
+        };
+        if self.trace.capacity() == 0 || !self.trace_dump_due.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        match self.trace_dump(DumpReason::Failure).write_to(dir) {
+            Ok(path) => {
+                tracing::warn!(target: "weftcc::trace", rank = self.rank, path = %path.display(), "flight recorder written")
+            }
+            Err(e) => {
+                tracing::warn!(target: "weftcc::trace", rank = self.rank, dir = %dir.display(), "flight recorder not written: {e}")
+            }
+        }
+    }
+
+    /// Answers a job-wide dump request (read by the failure watcher): takes the dump now, and
+    /// on a thread of its own (a slow or hung file system must not hold up the watcher) writes
+    /// it where the request says, else to `WEFT_TRACE_DUMP_DIR`, else [`default_dump_dir`], and
+    /// leaves the answer (`ok HOST:PATH` or `error MESSAGE`) under [`DumpRequest::answer_key`]
+    /// through a store connection of its own.
+    pub(crate) fn answer_dump_request(&self, request: &DumpRequest) {
+        let dir = (request.dir.clone())
+            .or_else(|| self.settings.trace_dump_dir.clone())
+            .unwrap_or_else(default_dump_dir);
+        let dump = self.trace_dump(DumpReason::Request);
+        let key = DumpRequest::answer_key(request.id, &self.namespace, self.rank);
+        let (addr, token) = (self.store_addr.clone(), self.token.clone());
+        let spawned = std::thread::Builder::new()
+            .name("weft-trace-dump".into())
+            .spawn(move || {
+                let answer = match dump.write_to(&dir) {
+                    Ok(path) => format!("ok {}:{}", dump.host, path.display()),
+                    Err(e) => format!("error {}: {e}", dir.display()),
+                };
+                if let Ok(mut store) = StoreClient::connect(&addr, &token, Duration::from_secs(5)) {
+                    let _ = store.set(&key, answer.as_bytes());
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(target: "weftcc::trace", rank = self.rank, "dump request not answered: {e}");
+        }
+    }
+}
+
+impl Surroundings for Inner {
+    fn current_op(&self) -> (OpKind, u64) {
+        self.current.get()
+    }
+
+    fn progress_record(&self) -> ProgressRecord {
+        self.progress.record()
+    }
+
+    fn farewell_from(&self, peer: usize) -> Option<String> {
+        self.try_lock_state()?.mesh.farewell(peer)
+    }
+
+    fn leave_farewell(&self, note: &str) -> bool {
+        let Some(mut st) = self.try_lock_state() else {
+            return false;
+        };
+        st.mesh.leave_farewell(note);
+        true
+    }
+
+    fn poisoned_now(&self) {
+        self.turns.wake_all();
+        // Written later, where no store traffic or wake-up waits on it (dump_trace_if_due).
+        self.trace_dump_due.store(true, Ordering::Release);
+    }
+}
+
+/// A duration in whole milliseconds, saturated.
+fn millis(d: Duration) -> u64 {
+    d.as_millis().min(u64::MAX as u128) as u64
+}

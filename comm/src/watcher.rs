@@ -1,0 +1,135 @@
+//! The failure watcher: a thread per communicator that publishes this rank's progress, reads
+//! the job's failure note from the bootstrap store (a failure anywhere becomes an error here
+//! within [`WATCH_PERIOD`]), notices the store's host (rank 0) going, and answers job-wide
+//! flight-recorder dump requests. Its store session is the rank's sign of life.
+
+use crate::error::{Error, SeenBy};
+use crate::failure::WATCH_PERIOD;
+use crate::inner::Inner;
+use crate::records::identity::RankIdentity;
+use crate::records::{progress_key, session_key, ABORT_KEY, SETTLED_ALL_KEY};
+use crate::trace::{read_request, requests_made};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use weftcc_transports::store::StoreClient;
+use weftcc_transports::TransportError;
+
+/// Watches the store for a job-wide abort, and for the death of the store's host (rank 0).
+pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
+    let key = inner.failures.store_key(ABORT_KEY);
+    let progress_key = progress_key(&inner.namespace, inner.rank);
+    let mut published = None;
+    // Dump requests made before this communicator existed are not for it.
+    let mut requests = DumpRequests::new(&mut client);
+    while !inner.watcher_stop.load(Ordering::SeqCst) {
+        requests.poll(&inner, &mut client);
+        // This rank's progress, when it moved (a store that fails here fails the get below; no
+        // server-side wait, so a lost store costs the client's margin, not its timeout).
+        let version = inner.progress.version();
+        if published != Some(version)
+            && client
+                .set_within(
+                    &progress_key,
+                    inner.progress.record().encode().as_bytes(),
+                    Duration::ZERO,
+                )
+                .is_ok()
+        {
+            published = Some(version);
+        }
+        match client.get(&key, WATCH_PERIOD) {
+            Ok(value) => {
+                if let Some(e) = inner.failures.remote_error(&value, inner.current.get()) {
+                    inner.fail(e);
+                    inner.turns.wake_all();
+                }
+                inner.failures.settle(&mut client);
+                inner.dump_trace_if_due();
+                keep_alive(&inner, &mut client, &mut requests);
+                return;
+            }
+            Err(TransportError::Timeout { .. }) => continue,
+            Err(TransportError::StoreClosed) => return,
+            Err(e) => {
+                if inner.watcher_stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let (op, seq) = inner.current.get();
+                inner.fail(Error::PeerLost {
+                    rank: inner.rank,
+                    peer: 0,
+                    op,
+                    seq,
+                    seen_by: SeenBy::Watcher,
+                    detail: format!("the bootstrap store on rank 0 is unreachable ({e})"),
+                });
+                inner.dump_trace_if_due();
+                return;
+            }
+        }
+    }
+    inner.failures.settle(&mut client);
+    leave(&inner, &mut client);
+}
+
+/// After a failure, goes on showing the store that this rank lives (`weft status` tells a dead
+/// process from one that failed and is still there) until the communicator goes.
+fn keep_alive(inner: &Inner, client: &mut StoreClient, requests: &mut DumpRequests) {
+    while !inner.watcher_stop.load(Ordering::SeqCst) {
+        std::thread::sleep(WATCH_PERIOD);
+        requests.poll(inner, client);
+        // A request without a server-side wait: a store that is gone costs the client's margin
+        // (the communicator's drop joins this thread), not its timeout.
+        match client.get(&inner.failures.store_key(SETTLED_ALL_KEY), Duration::ZERO) {
+            Ok(_) | Err(TransportError::Timeout { .. }) => {}
+            Err(_) => return,
+        }
+    }
+    leave(inner, client);
+}
+
+/// The watcher's view of job-wide flight-recorder dump requests: their count is read every
+/// [`DumpRequests::EVERY`] polls (one small store request a second), and each request made
+/// since this communicator began is answered once, in order.
+struct DumpRequests {
+    polls: u32,
+    /// The last request answered (or made before this communicator existed).
+    last: u64,
+}
+
+impl DumpRequests {
+    const EVERY: u32 = 10;
+
+    fn new(client: &mut StoreClient) -> DumpRequests {
+        DumpRequests {
+            polls: 0,
+            last: requests_made(client),
+        }
+    }
+
+    fn poll(&mut self, inner: &Inner, client: &mut StoreClient) {
+        self.polls = self.polls.wrapping_add(1);
+        if !self.polls.is_multiple_of(Self::EVERY) {
+            return;
+        }
+        let made = requests_made(client);
+        while self.last < made {
+            // Counted but not stored yet: looked for again on the next round.
+            let Some(request) = read_request(client, self.last + 1) else {
+                break;
+            };
+            self.last += 1;
+            inner.answer_dump_request(&request);
+        }
+    }
+}
+
+/// Marks this rank's session as left (its communicator was destroyed), so that its closing
+/// connection does not read as a death.
+fn leave(inner: &Inner, client: &mut StoreClient) {
+    let mut me = RankIdentity::this_process(inner.size);
+    me.left = true;
+    let key = session_key(&inner.namespace, inner.rank);
+    let _ = client.name_session(&key, me.encode().as_bytes());
+}
