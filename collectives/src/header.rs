@@ -13,6 +13,8 @@ use std::fmt;
 pub const HEADER_LEN: usize = 40;
 const MAGIC: [u8; 4] = *b"WFOP";
 const VERSION: u8 = 3;
+/// The reduction byte of a header whose operation does not reduce.
+const NO_REDOP: u8 = 0xff;
 /// Root value meaning "no root".
 pub const NO_ROOT: u32 = u32::MAX;
 
@@ -25,14 +27,14 @@ pub struct OpDesc {
     pub seq: u64,
     pub dtype: DataType,
     pub count: u64,
-    /// Wire code of the reduction ([`crate::ReduceOp::code`]), 0xff when there is none.
-    pub redop: u8,
+    /// Wire code of the reduction ([`crate::ReduceOp::code`]) where the kind reduces.
+    pub redop: Option<u8>,
     pub root: u32,
 }
 
 impl OpDesc {
     /// The description of collective `call`, the `seq`-th of its communicator: the reduction
-    /// only where the kind reduces (0xff otherwise), the root only where it has one
+    /// only where the kind reduces, the root only where it has one
     /// ([`NO_ROOT`] otherwise), so that fields a call ignores never make ranks disagree.
     #[inline]
     pub fn of_call(call: &RawOp, seq: u64) -> OpDesc {
@@ -41,11 +43,7 @@ impl OpDesc {
             seq,
             dtype: call.dtype,
             count: call.count as u64,
-            redop: if call.has_reduction() {
-                call.op.code()
-            } else {
-                0xff
-            },
+            redop: call.has_reduction().then(|| call.op.code()),
             root: if call.has_root() {
                 u32::try_from(call.root).unwrap_or(NO_ROOT)
             } else {
@@ -94,7 +92,7 @@ impl OpDesc {
                 | u64::from(VERSION) << 32
                 | u64::from(self.kind as u8) << 40
                 | u64::from(self.dtype.code()) << 48
-                | u64::from(self.redop) << 56,
+                | u64::from(self.redop.unwrap_or(NO_REDOP)) << 56,
             self.seq,
             self.count,
             u64::from(self.root) | u64::from(sender) << 32,
@@ -128,7 +126,7 @@ impl OpDesc {
                 seq: u64_at(8),
                 dtype,
                 count: u64_at(16),
-                redop: b[7],
+                redop: (b[7] != NO_REDOP).then_some(b[7]),
                 root: u32_at(24),
             },
             u32_at(28),
@@ -183,8 +181,8 @@ impl fmt::Display for OpDesc {
             "{} #{} ({} × {}",
             self.kind, self.seq, self.count, self.dtype
         )?;
-        if self.redop != 0xff {
-            let name = match self.redop {
+        if let Some(code) = self.redop {
+            let name = match code {
                 0 => "sum",
                 1 => "prod",
                 2 => "min",
@@ -227,7 +225,7 @@ mod tests {
             seq: 3,
             dtype: DataType::Uint8,
             count: 4096,
-            redop: 0xff,
+            redop: None,
             root: 0xbd9f_0fc9,
         };
         assert_eq!(
@@ -242,7 +240,7 @@ mod tests {
             any::<u64>(),
             0usize..DataType::ALL.len(),
             any::<u64>(),
-            any::<u8>(),
+            proptest::option::of(0u8..NO_REDOP),
             any::<u32>(),
         )
             .prop_map(|(k, seq, d, count, redop, root)| OpDesc {

@@ -60,10 +60,16 @@ fn place(layout: &Layout, region: &Region, esize: usize) -> Option<(usize, usize
     Some((p.area, p.offset.checked_add(elem.checked_mul(esize)?)?))
 }
 
-/// Everything the engine needs besides the schedule and memory.
+/// One operation as the executor runs it: its header, element type and reduction, its prepared
+/// schedule, where the schedule's buffers lie, the per-peer headers of a point-to-point group
+/// (`(peer, header sent to it, header expected from it)`; peers not listed use `desc` both
+/// ways), and the communicator's settings and signals it runs under.
 pub struct Context<'a> {
     pub rank: usize,
     pub desc: OpDesc,
+    pub prepared: &'a Prepared,
+    pub layout: &'a Layout,
+    pub headers: &'a [(usize, OpDesc, OpDesc)],
     pub dtype: DataType,
     pub combiner: Combiner,
     pub timeout: Duration,
@@ -372,23 +378,20 @@ fn padded(bytes: usize) -> usize {
 /// transport message per direction).
 const COALESCE_MAX: usize = 4096;
 
-/// Runs a prepared schedule with per-peer headers: `(peer, header sent to it, header expected
-/// from it)`. Peers not listed use `ctx.desc` both ways (point-to-point groups differ per peer).
+/// Runs `ctx`'s prepared schedule over `areas` (the memory its layout places buffers in) and
+/// the connections.
 ///
 /// `ctx.timeout` bounds how long the operation may go without progress: it counts from the
 /// moment nothing moved, restarts whenever something does, and an operation that never has to
 /// wait never reads the clock.
-#[allow(clippy::too_many_arguments)]
 pub fn execute_prepared(
     ctx: &Context<'_>,
-    prepared: &Prepared,
-    layout: &Layout,
     areas: &mut [Area<'_>],
     conns: &mut [Option<Box<dyn Connection>>],
     waiter: &mut dyn IdleWaiter,
-    headers: &[(usize, OpDesc, OpDesc)],
     ws: &mut Workspace,
 ) -> Result<()> {
+    let (prepared, layout, headers) = (ctx.prepared, ctx.layout, ctx.headers);
     let esize = ctx.dtype.size();
     let steps = &prepared.schedule.steps;
     let order = &prepared.order;

@@ -465,6 +465,9 @@ impl Inner {
         let ctx = Context {
             rank: self.rank,
             desc: run.desc,
+            prepared: run.prepared,
+            layout: run.layout,
+            headers: run.headers,
             dtype: run.dtype,
             combiner: run.op.combiner(),
             timeout: self.timeout(),
@@ -487,16 +490,7 @@ impl Inner {
         }
         let (conns, waiter) = mesh.parts();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            executor::execute_prepared(
-                &ctx,
-                prepared,
-                run.layout,
-                areas,
-                conns,
-                waiter,
-                run.headers,
-                workspace,
-            )
+            executor::execute_prepared(&ctx, areas, conns, waiter, workspace)
         }));
         if !matches!(result, Ok(Ok(()))) {
             // The caller gets its buffers back: no peer may write into them any more.

@@ -113,7 +113,7 @@ pub fn pair_header(seq: u64, sizes: &[usize]) -> OpDesc {
         seq,
         dtype: DataType::Uint8,
         count: sizes.iter().sum::<usize>() as u64,
-        redop: 0xff,
+        redop: None,
         root: fingerprint(sizes),
     }
 }
