@@ -496,7 +496,7 @@ impl Shared {
                 let addr = addr.ok_or_else(|| {
                     TransportError::Config(format!("no TCP address known for rank {peer}"))
                 })?;
-                Stream::Tcp(tcp::dial_socket(peer, addr, deadline, timeout)?)
+                Stream::Tcp(crate::socket::dial_socket(peer, addr, deadline, timeout)?)
             }
         };
         let wait = deadline

@@ -34,6 +34,7 @@ pub mod net;
 pub mod process;
 pub mod ring;
 pub mod shm;
+mod socket;
 pub mod store;
 pub mod tcp;
 pub mod tcp_stripes;

@@ -270,7 +270,7 @@ impl StoreServer {
                 token.len()
             )));
         }
-        let (sock, local) = crate::tcp::listen(bind, None, "store")?;
+        let (sock, local) = crate::socket::listen(bind, None, "store")?;
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 map: HashMap::new(),
@@ -341,7 +341,7 @@ impl Drop for StoreServer {
 
 fn accept_loop(listener: Socket, inner: Arc<Inner>) {
     while !inner.shutdown.load(Ordering::Acquire) {
-        let Some((sock, from)) = crate::tcp::accept_within(&listener, 50, "store") else {
+        let Some((sock, from)) = crate::socket::accept_within(&listener, 50, "store") else {
             continue;
         };
         if inner.active.load(Ordering::Acquire) >= MAX_CONNECTIONS {

@@ -96,7 +96,7 @@ impl StripePlan {
     /// The plan `WEFT_SOCKET_NTHREADS` (0–16, default 0) and `WEFT_NSOCKS_PERTHREAD` (1–64,
     /// default 1) ask for; their product is at most [`MAX_SOCKETS`].
     pub fn from_env() -> Result<StripePlan> {
-        use crate::net::select::{env_var, ranged};
+        use crate::util::{env_var, ranged};
         let threads = ranged(
             "WEFT_SOCKET_NTHREADS",
             env_var("WEFT_SOCKET_NTHREADS").as_deref(),
@@ -185,9 +185,9 @@ pub(crate) fn open_stripes(
             let listener = if count > 1 {
                 let mut any = local;
                 any.set_port(0);
-                Some(crate::tcp::listen(
+                Some(crate::socket::listen(
                     any,
-                    Some(crate::tcp::SOCKET_BUFFER_BYTES),
+                    Some(crate::socket::SOCKET_BUFFER_BYTES),
                     "stripe listener",
                 )?)
             } else {
@@ -226,7 +226,7 @@ pub(crate) fn open_stripes(
                                 .into(),
                         });
                     }
-                    let Some((sock, _)) = crate::tcp::accept_within(&listener, 50, "stripes")
+                    let Some((sock, _)) = crate::socket::accept_within(&listener, 50, "stripes")
                     else {
                         continue;
                     };
@@ -281,7 +281,7 @@ pub(crate) fn open_stripes(
                     .ok_or_else(|| TransportError::Protocol("first socket has no peer".into()))?;
                 at.set_port(port);
                 for i in 1..count {
-                    let s = crate::tcp::dial_socket(peer, at, deadline, timeout)?;
+                    let s = crate::socket::dial_socket(peer, at, deadline, timeout)?;
                     let mut hello = frame[12..FRAME_BYTES].to_vec();
                     hello.extend_from_slice(&(i as u16).to_le_bytes());
                     (&s).write_all(&hello)
@@ -559,7 +559,7 @@ impl StripedTcp {
         let mut lanes = Vec::with_capacity(n);
         let mut wires: Vec<Vec<Wire>> = (0..threads).map(|_| Vec::new()).collect();
         for (index, sock) in socks.into_iter().enumerate() {
-            crate::tcp::configure_stream(&sock);
+            crate::socket::configure_stream(&sock);
             sock.set_nonblocking(true)
                 .map_err(|e| TransportError::io("making a socket non-blocking", e))?;
             let (to_wire, from_engine) = channel();

@@ -77,6 +77,33 @@ pub(crate) fn env_nonempty(name: &str) -> Option<String> {
     }
 }
 
+/// A set, non-blank environment variable.
+pub(crate) fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// The number `text` of variable `name`, checked against `range`; `None` when unset.
+pub(crate) fn ranged(
+    name: &str,
+    text: Option<&str>,
+    range: std::ops::RangeInclusive<u32>,
+) -> Result<Option<u32>> {
+    text.map(|t| {
+        t.trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|v| range.contains(v))
+            .ok_or_else(|| {
+                TransportError::Config(format!(
+                    "{name}={t:?}: expected a number from {} to {}",
+                    range.start(),
+                    range.end()
+                ))
+            })
+    })
+    .transpose()
+}
+
 /// A point in time after which an operation gives up.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Deadline {
@@ -327,6 +354,15 @@ pub(crate) fn recv_fds(
 mod tests {
     use super::*;
 
+    #[test]
+    fn ranged_numbers_are_checked() {
+        assert_eq!(ranged("X", None, 1..=16).unwrap(), None);
+        assert_eq!(ranged("X", Some(" 4 "), 1..=16).unwrap(), Some(4));
+        for bad in ["0", "17", "two", "-1"] {
+            let e = ranged("WEFT_IB_QPS_PER_CONNECTION", Some(bad), 1..=16).unwrap_err();
+            assert!(e.to_string().contains("from 1 to 16"), "{e}");
+        }
+    }
     #[test]
     fn sizes() {
         assert_eq!(parse_size("4194304").unwrap(), 4 << 20);

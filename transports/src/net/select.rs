@@ -24,7 +24,7 @@
 use super::verbs::{VerbsConfig, VerbsProvider};
 use super::{ofi, NetError, Provider};
 use crate::error::{Result, TransportError};
-use crate::util::{lock, parse_size};
+use crate::util::{env_var, lock, parse_size, ranged};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -185,33 +185,6 @@ impl NetChoice {
     }
 }
 
-/// A set, non-blank environment variable.
-pub(crate) fn env_var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-/// The number `text` of variable `name`, checked against `range`; `None` when unset.
-pub(crate) fn ranged(
-    name: &str,
-    text: Option<&str>,
-    range: std::ops::RangeInclusive<u32>,
-) -> Result<Option<u32>> {
-    text.map(|t| {
-        t.trim()
-            .parse::<u32>()
-            .ok()
-            .filter(|v| range.contains(v))
-            .ok_or_else(|| {
-                TransportError::Config(format!(
-                    "{name}={t:?}: expected a number from {} to {}",
-                    range.start(),
-                    range.end()
-                ))
-            })
-    })
-    .transpose()
-}
-
 type Cache = Mutex<HashMap<NetChoice, Option<Arc<dyn Provider>>>>;
 
 fn cache() -> &'static Cache {
@@ -296,16 +269,6 @@ mod tests {
             NetChoice::parse(None, None, None, Some("lots")),
         ] {
             assert!(matches!(bad, Err(TransportError::Config(_))), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn ranged_numbers_are_checked() {
-        assert_eq!(ranged("X", None, 1..=16).unwrap(), None);
-        assert_eq!(ranged("X", Some(" 4 "), 1..=16).unwrap(), Some(4));
-        for bad in ["0", "17", "two", "-1"] {
-            let e = ranged("WEFT_IB_QPS_PER_CONNECTION", Some(bad), 1..=16).unwrap_err();
-            assert!(e.to_string().contains("from 1 to 16"), "{e}");
         }
     }
 

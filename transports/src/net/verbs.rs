@@ -135,7 +135,7 @@ impl Default for VerbsConfig {
 impl VerbsConfig {
     /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`.
     pub fn from_env() -> Result<VerbsConfig> {
-        let var = super::select::env_var;
+        let var = crate::util::env_var;
         VerbsConfig::parse(
             var("WEFT_IB_HCA").as_deref(),
             var("WEFT_IB_GID_INDEX").as_deref(),
@@ -151,7 +151,7 @@ impl VerbsConfig {
         timeout: Option<&str>,
         retry_cnt: Option<&str>,
     ) -> Result<VerbsConfig> {
-        let number = super::select::ranged;
+        let number = crate::util::ranged;
         let d = VerbsConfig::default();
         Ok(VerbsConfig {
             hca: hca.map(HcaSpec::parse).transpose()?.unwrap_or_default(),
