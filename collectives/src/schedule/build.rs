@@ -70,6 +70,122 @@ pub(crate) fn slices(
     })
 }
 
+/// How every builder of a collective starts: `rank` is checked, then `root` where the
+/// collective has one, and a single rank gets [`Builder::single_rank`] (the whole schedule of
+/// every collective there: Input copied to Output). `body` builds the schedule of two ranks or
+/// more on a fresh [`Builder`]; checks that cannot fail for one rank (a power of two, the total
+/// count) belong in it.
+pub(crate) fn collective(
+    rank: usize,
+    nranks: usize,
+    root: Option<usize>,
+    count: usize,
+    body: impl FnOnce(Builder) -> Result<Schedule, ScheduleError>,
+) -> Result<Schedule, ScheduleError> {
+    check_rank(rank, nranks)?;
+    if let Some(root) = root {
+        check_root(root, nranks)?;
+    }
+    if nranks == 1 {
+        Ok(Builder::single_rank(count))
+    } else {
+        body(Builder::default())
+    }
+}
+
+/// The neighbours of a rank on the ring `rank -> rank + 1`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ring {
+    /// The rank sent to, `rank + 1`.
+    pub(crate) next: usize,
+    /// The rank received from, `rank - 1`.
+    pub(crate) prev: usize,
+}
+
+impl Ring {
+    pub(crate) fn around(rank: usize, n: usize) -> Self {
+        Ring {
+            next: (rank + 1) % n.max(1),
+            prev: before(rank, 1, n),
+        }
+    }
+
+    /// The end of a schedule that sends to `next` and receives from `prev`.
+    pub(crate) fn finish(self, b: Builder, scratch_elems: usize) -> Schedule {
+        b.finish(vec![self.next], vec![self.prev], scratch_elems)
+    }
+}
+
+/// A rank's place in a pipelined chain laid along the ring: `pos` of `n` (0 first, `n - 1`
+/// last), forwarding to `ring.next` and receiving from `ring.prev`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Chain {
+    pub(crate) pos: usize,
+    pub(crate) n: usize,
+    pub(crate) ring: Ring,
+}
+
+impl Chain {
+    /// The chain of `n` ranks that starts at rank `first` (`first <= n`).
+    pub(crate) fn starting_at(first: usize, rank: usize, n: usize) -> Self {
+        Chain {
+            pos: before(rank, first, n),
+            n,
+            ring: Ring::around(rank, n),
+        }
+    }
+
+    /// Neither end of the chain.
+    pub(crate) fn is_middle(self) -> bool {
+        self.pos > 0 && !self.is_last()
+    }
+
+    pub(crate) fn is_last(self) -> bool {
+        self.pos + 1 >= self.n
+    }
+
+    /// `(send_peers, recv_peers)`: every rank but the last sends on, every rank but the first
+    /// receives.
+    pub(crate) fn peers(self) -> (Vec<usize>, Vec<usize>) {
+        let send = (!self.is_last()).then_some(self.ring.next);
+        let recv = (self.pos > 0).then_some(self.ring.prev);
+        (send.into_iter().collect(), recv.into_iter().collect())
+    }
+
+    /// The pipelined reduction of `Input[from .. from + count]` along the chain: the first rank
+    /// sends its Input slice by slice, a middle rank combines each slice it receives with its
+    /// own Input slice into Scratch (at the same offsets) and forwards it, the last rank
+    /// combines into `result(offset, len)`. Returns, per slice, its offset and length and the
+    /// step that last touched the Input slice on this rank (to order a later write of the same
+    /// memory after it); on the last rank that step wrote the result slice.
+    pub(crate) fn fold(
+        self,
+        b: &mut Builder,
+        from: usize,
+        count: usize,
+        slice_elems: usize,
+        result: &dyn Fn(usize, usize) -> Region,
+    ) -> Vec<(usize, usize, StepId)> {
+        let Ring { next, prev } = self.ring;
+        let mut done = Vec::new();
+        for (o, l) in slices(from, count, slice_elems) {
+            let input = Region::new(BufId::Input, o, l);
+            let id = if self.pos == 0 {
+                b.send(next, input, Vec::new())
+            } else if self.is_middle() {
+                let partial = Region::new(BufId::Scratch, o, l);
+                let r = b.recv_reduce(prev, input, partial, Vec::new());
+                b.send(next, partial, vec![r]);
+                r
+            } else {
+                b.recv_reduce(prev, input, result(o, l), Vec::new())
+            };
+            done.push((o, l, id));
+        }
+        done
+    }
+}
+
 /// Which step last wrote which elements of one buffer, for schedules whose reads do not line up
 /// with earlier writes' slices (recursive doubling and halving): a read waits for every write
 /// it overlaps. Writes recorded at the same start replace each other.

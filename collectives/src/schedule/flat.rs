@@ -11,8 +11,8 @@
 //! Every transfer is pipelined in slices of at most `slice_elems` elements.
 
 use super::build::{
-    before, check_power_of_two, check_rank, check_root, dep_at, even_chunk, slices, total, Builder,
-    Writes,
+    before, check_power_of_two, check_rank, collective, dep_at, even_chunk, slices, total, Builder,
+    Chain, Ring, Writes,
 };
 use super::{Action, BufId, Region, Schedule, ScheduleError, StepId};
 
@@ -30,68 +30,64 @@ pub fn ring_all_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    let next = (rank + 1) % n;
-    let prev = before(rank, 1, n);
-    let chunk_slices = |chunk: usize| -> Vec<(usize, usize)> {
-        let (offset, len) = even_chunk(chunk, count, n);
-        slices(offset, len, slice_elems).collect()
-    };
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        let ring @ Ring { next, prev } = Ring::around(rank, n);
+        let chunk_slices = |chunk: usize| -> Vec<(usize, usize)> {
+            let (offset, len) = even_chunk(chunk, count, n);
+            slices(offset, len, slice_elems).collect()
+        };
 
-    // Receive steps of the previous ring step, slice by slice: the chunk they filled is the one
-    // sent at the current ring step.
-    let mut prev_recv: Vec<StepId> = Vec::new();
-    // Send steps of each reduce-scatter step; the all-gather receive of the same chunk
-    // overwrites what they read (in place even the Input), so it waits for them.
-    let mut rs_sends: Vec<Vec<StepId>> = Vec::with_capacity(n - 1);
+        // Receive steps of the previous ring step, slice by slice: the chunk they filled is the one
+        // sent at the current ring step.
+        let mut prev_recv: Vec<StepId> = Vec::new();
+        // Send steps of each reduce-scatter step; the all-gather receive of the same chunk
+        // overwrites what they read (in place even the Input), so it waits for them.
+        let mut rs_sends: Vec<Vec<StepId>> = Vec::with_capacity(n - 1);
 
-    for s in 0..n - 1 {
-        let src_buf = if s == 0 { BufId::Input } else { BufId::Output };
-        let (sends, recvs) = b.exchange(
-            &chunk_slices(before(rank, s, n)),
-            &chunk_slices(before(rank, s + 1, n)),
-            |b, k, (o, l)| b.send(next, Region::new(src_buf, o, l), dep_at(&prev_recv, k)),
-            |b, _, (o, l)| {
-                let (input, output) = (
-                    Region::new(BufId::Input, o, l),
-                    Region::new(BufId::Output, o, l),
-                );
-                b.recv_reduce(prev, input, output, Vec::new())
-            },
-        );
-        rs_sends.push(sends);
-        prev_recv = recvs;
-    }
+        for s in 0..n - 1 {
+            let src_buf = if s == 0 { BufId::Input } else { BufId::Output };
+            let (sends, recvs) = b.exchange(
+                &chunk_slices(before(rank, s, n)),
+                &chunk_slices(before(rank, s + 1, n)),
+                |b, k, (o, l)| b.send(next, Region::new(src_buf, o, l), dep_at(&prev_recv, k)),
+                |b, _, (o, l)| {
+                    let (input, output) = (
+                        Region::new(BufId::Input, o, l),
+                        Region::new(BufId::Output, o, l),
+                    );
+                    b.recv_reduce(prev, input, output, Vec::new())
+                },
+            );
+            rs_sends.push(sends);
+            prev_recv = recvs;
+        }
 
-    for t in 0..n - 1 {
-        // Chunk rank + 1 - t is sent, chunk rank - t received.
-        let overwritten = rs_sends.get(t).map(Vec::as_slice).unwrap_or(&[]);
-        let (_, recvs) = b.exchange(
-            &chunk_slices((rank + 1 + n - t) % n),
-            &chunk_slices(before(rank, t, n)),
-            |b, k, (o, l)| {
-                b.send(
-                    next,
-                    Region::new(BufId::Output, o, l),
-                    dep_at(&prev_recv, k),
-                )
-            },
-            |b, k, (o, l)| {
-                b.recv_copy(
-                    prev,
-                    Region::new(BufId::Output, o, l),
-                    dep_at(overwritten, k),
-                )
-            },
-        );
-        prev_recv = recvs;
-    }
-    Ok(b.finish(vec![next], vec![prev], 0))
+        for t in 0..n - 1 {
+            // Chunk rank + 1 - t is sent, chunk rank - t received.
+            let overwritten = rs_sends.get(t).map(Vec::as_slice).unwrap_or(&[]);
+            let (_, recvs) = b.exchange(
+                &chunk_slices((rank + 1 + n - t) % n),
+                &chunk_slices(before(rank, t, n)),
+                |b, k, (o, l)| {
+                    b.send(
+                        next,
+                        Region::new(BufId::Output, o, l),
+                        dep_at(&prev_recv, k),
+                    )
+                },
+                |b, k, (o, l)| {
+                    b.recv_copy(
+                        prev,
+                        Region::new(BufId::Output, o, l),
+                        dep_at(overwritten, k),
+                    )
+                },
+            );
+            prev_recv = recvs;
+        }
+        Ok(ring.finish(b, 0))
+    })
 }
 
 /// Ring reduce-scatter.
@@ -110,57 +106,53 @@ pub fn ring_reduce_scatter(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    total(count, n)?;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    let next = (rank + 1) % n;
-    let prev = before(rank, 1, n);
-    let block_slices: Vec<_> = slices(0, count, slice_elems).collect();
-    // Where the partial sum written at step s lives.
-    let slot = |s: usize| Region::new(BufId::Scratch, (s % 2) * count, count);
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        total(count, n)?;
+        let ring @ Ring { next, prev } = Ring::around(rank, n);
+        let block_slices: Vec<_> = slices(0, count, slice_elems).collect();
+        // Where the partial sum written at step s lives.
+        let slot = |s: usize| Region::new(BufId::Scratch, (s % 2) * count, count);
 
-    let mut prev_recv: Vec<StepId> = Vec::new();
-    let mut prev_send: Vec<StepId> = Vec::new();
-    for s in 0..n - 1 {
-        let last = s == n - 2;
-        let recv_block = before(rank, s + 2, n);
-        let src = if s == 0 {
-            Region::new(BufId::Input, before(rank, 1, n) * count, count)
-        } else {
-            slot(s - 1)
-        };
-        let dst = if last {
-            Region::new(BufId::Output, 0, count)
-        } else {
-            slot(s)
-        };
-        // The slot written now was last read by the previous step's send (from s = 2 on).
-        let overwritten: &[StepId] = if !last && s >= 2 { &prev_send } else { &[] };
-        let (sends, recvs) = b.exchange(
-            &block_slices,
-            &block_slices,
-            |b, k, (o, l)| {
-                b.send(
-                    next,
-                    Region::new(src.buf, src.offset + o, l),
-                    dep_at(&prev_recv, k),
-                )
-            },
-            |b, k, (o, l)| {
-                let input = Region::new(BufId::Input, recv_block * count + o, l);
-                let partial = Region::new(dst.buf, dst.offset + o, l);
-                b.recv_reduce(prev, input, partial, dep_at(overwritten, k))
-            },
-        );
-        prev_recv = recvs;
-        prev_send = sends;
-    }
-    let scratch = (n - 2).min(2) * count;
-    Ok(b.finish(vec![next], vec![prev], scratch))
+        let mut prev_recv: Vec<StepId> = Vec::new();
+        let mut prev_send: Vec<StepId> = Vec::new();
+        for s in 0..n - 1 {
+            let last = s == n - 2;
+            let recv_block = before(rank, s + 2, n);
+            let src = if s == 0 {
+                Region::new(BufId::Input, before(rank, 1, n) * count, count)
+            } else {
+                slot(s - 1)
+            };
+            let dst = if last {
+                Region::new(BufId::Output, 0, count)
+            } else {
+                slot(s)
+            };
+            // The slot written now was last read by the previous step's send (from s = 2 on).
+            let overwritten: &[StepId] = if !last && s >= 2 { &prev_send } else { &[] };
+            let (sends, recvs) = b.exchange(
+                &block_slices,
+                &block_slices,
+                |b, k, (o, l)| {
+                    b.send(
+                        next,
+                        Region::new(src.buf, src.offset + o, l),
+                        dep_at(&prev_recv, k),
+                    )
+                },
+                |b, k, (o, l)| {
+                    let input = Region::new(BufId::Input, recv_block * count + o, l);
+                    let partial = Region::new(dst.buf, dst.offset + o, l);
+                    b.recv_reduce(prev, input, partial, dep_at(overwritten, k))
+                },
+            );
+            prev_recv = recvs;
+            prev_send = sends;
+        }
+        let scratch = (n - 2).min(2) * count;
+        Ok(ring.finish(b, scratch))
+    })
 }
 
 /// Ring all-gather.
@@ -175,50 +167,47 @@ pub fn ring_all_gather(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    total(count, n)?;
-    let mut b = Builder::default();
-    b.copy(
-        Region::new(BufId::Input, 0, count),
-        Region::new(BufId::Output, rank * count, count),
-    );
-    if n == 1 {
-        return Ok(b.finish(Vec::new(), Vec::new(), 0));
-    }
-    let next = (rank + 1) % n;
-    let prev = before(rank, 1, n);
-    let block_slices: Vec<_> = slices(0, count, slice_elems).collect();
-    let mut prev_recv: Vec<StepId> = Vec::new();
-    for t in 0..n - 1 {
-        // Block rank - t goes out (the Input at t = 0), block rank - t - 1 comes in.
-        let src = if t == 0 {
-            Region::new(BufId::Input, 0, count)
-        } else {
-            Region::new(BufId::Output, before(rank, t, n) * count, count)
-        };
-        let recv_block = before(rank, t + 1, n);
-        let (_, recvs) = b.exchange(
-            &block_slices,
-            &block_slices,
-            |b, k, (o, l)| {
-                b.send(
-                    next,
-                    Region::new(src.buf, src.offset + o, l),
-                    dep_at(&prev_recv, k),
-                )
-            },
-            |b, _, (o, l)| {
-                b.recv_copy(
-                    prev,
-                    Region::new(BufId::Output, recv_block * count + o, l),
-                    Vec::new(),
-                )
-            },
+    // One rank: the copy into block 0 is all.
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        total(count, n)?;
+        b.copy(
+            Region::new(BufId::Input, 0, count),
+            Region::new(BufId::Output, rank * count, count),
         );
-        prev_recv = recvs;
-    }
-    Ok(b.finish(vec![next], vec![prev], 0))
+        let ring @ Ring { next, prev } = Ring::around(rank, n);
+        let block_slices: Vec<_> = slices(0, count, slice_elems).collect();
+        let mut prev_recv: Vec<StepId> = Vec::new();
+        for t in 0..n - 1 {
+            // Block rank - t goes out (the Input at t = 0), block rank - t - 1 comes in.
+            let src = if t == 0 {
+                Region::new(BufId::Input, 0, count)
+            } else {
+                Region::new(BufId::Output, before(rank, t, n) * count, count)
+            };
+            let recv_block = before(rank, t + 1, n);
+            let (_, recvs) = b.exchange(
+                &block_slices,
+                &block_slices,
+                |b, k, (o, l)| {
+                    b.send(
+                        next,
+                        Region::new(src.buf, src.offset + o, l),
+                        dep_at(&prev_recv, k),
+                    )
+                },
+                |b, _, (o, l)| {
+                    b.recv_copy(
+                        prev,
+                        Region::new(BufId::Output, recv_block * count + o, l),
+                        Vec::new(),
+                    )
+                },
+            );
+            prev_recv = recvs;
+        }
+        Ok(ring.finish(b, 0))
+    })
 }
 
 /// Pipelined chain broadcast along `root -> root + 1 -> ... -> root + nranks - 1`.
@@ -233,34 +222,29 @@ pub fn chain_broadcast(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_root(root, nranks)?;
-    let n = nranks;
-    let mut b = Builder::default();
-    let next = (rank + 1) % n;
-    let prev = before(rank, 1, n);
-    let pos = before(rank, root, n);
-    if rank == root {
-        b.copy(
-            Region::new(BufId::Input, 0, count),
-            Region::new(BufId::Output, 0, count),
-        );
-        if n > 1 {
+    // One rank: the root's copy is all.
+    collective(rank, nranks, Some(root), count, |mut b| {
+        let chain = Chain::starting_at(root, rank, nranks);
+        let Ring { next, prev } = chain.ring;
+        if rank == root {
+            b.copy(
+                Region::new(BufId::Input, 0, count),
+                Region::new(BufId::Output, 0, count),
+            );
             for (o, l) in slices(0, count, slice_elems) {
                 b.send(next, Region::new(BufId::Input, o, l), Vec::new());
             }
-        }
-    } else {
-        for (o, l) in slices(0, count, slice_elems) {
-            let r = b.recv_copy(prev, Region::new(BufId::Output, o, l), Vec::new());
-            if pos + 1 < n {
-                b.send(next, Region::new(BufId::Output, o, l), vec![r]);
+        } else {
+            for (o, l) in slices(0, count, slice_elems) {
+                let r = b.recv_copy(prev, Region::new(BufId::Output, o, l), Vec::new());
+                if !chain.is_last() {
+                    b.send(next, Region::new(BufId::Output, o, l), vec![r]);
+                }
             }
         }
-    }
-    let send_peers = if pos + 1 < n { vec![next] } else { Vec::new() };
-    let recv_peers = if pos > 0 { vec![prev] } else { Vec::new() };
-    Ok(b.finish(send_peers, recv_peers, 0))
+        let (send_peers, recv_peers) = chain.peers();
+        Ok(b.finish(send_peers, recv_peers, 0))
+    })
 }
 
 /// Pipelined chain reduce toward `root`, along `root + 1 -> root + 2 -> ... -> root`.
@@ -275,34 +259,15 @@ pub fn chain_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_root(root, nranks)?;
-    let n = nranks;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    let next = (rank + 1) % n;
-    let prev = before(rank, 1, n);
-    // Position in the chain: 0 is root + 1, n - 1 is the root.
-    let pos = before(rank, root + 1, n);
-    let mut scratch = 0;
-    for (o, l) in slices(0, count, slice_elems) {
-        let input = Region::new(BufId::Input, o, l);
-        if pos == 0 {
-            b.send(next, input, Vec::new());
-        } else if pos + 1 < n {
-            let partial = Region::new(BufId::Scratch, o, l);
-            let r = b.recv_reduce(prev, input, partial, Vec::new());
-            b.send(next, partial, vec![r]);
-            scratch = count;
-        } else {
-            b.recv_reduce(prev, input, Region::new(BufId::Output, o, l), Vec::new());
-        }
-    }
-    let send_peers = if pos + 1 < n { vec![next] } else { Vec::new() };
-    let recv_peers = if pos > 0 { vec![prev] } else { Vec::new() };
-    Ok(b.finish(send_peers, recv_peers, scratch))
+    collective(rank, nranks, Some(root), count, |mut b| {
+        // Position 0 is root + 1, n - 1 the root.
+        let chain = Chain::starting_at(root + 1, rank, nranks);
+        let output = |o: usize, l: usize| Region::new(BufId::Output, o, l);
+        chain.fold(&mut b, 0, count, slice_elems, &output);
+        let scratch = if chain.is_middle() { count } else { 0 };
+        let (send_peers, recv_peers) = chain.peers();
+        Ok(b.finish(send_peers, recv_peers, scratch))
+    })
 }
 
 /// Latency-optimal all-reduce for small messages: recursive doubling (⌈log2 n⌉ exchange rounds,
@@ -339,105 +304,102 @@ pub fn recursive_doubling_all_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    // n >= 2, so p >= 2 and there is at least one round.
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let extra = n - p;
-    let parts: Vec<(usize, usize)> = slices(0, count, slice_elems).collect();
-    let at = |buf: BufId, (o, l): (usize, usize)| Region::new(buf, o, l);
-    let other = |buf: BufId| {
-        if buf == BufId::Output {
-            BufId::Scratch
-        } else {
-            BufId::Output
-        }
-    };
-
-    if rank >= p {
-        let q = rank - p;
-        for &s in &parts {
-            let sent = b.send(q, at(BufId::Input, s), Vec::new());
-            // In place, this Output slice is the Input slice being sent.
-            b.recv_copy(q, at(BufId::Output, s), vec![sent]);
-        }
-        return Ok(b.finish(vec![q], vec![q], 0));
-    }
-
-    let rounds = p.trailing_zeros() as usize;
-    let folds = rank < extra;
-    let mut send_peers = Vec::with_capacity(rounds + 1);
-    let mut recv_peers = Vec::with_capacity(rounds + 1);
-
-    // Steps that wrote the current accumulator, slice by slice (none while it is the Input), and
-    // the sends of the previous round (which read the buffer the current round writes).
-    let mut prev_recv: Vec<StepId> = Vec::new();
-    let mut prev_send: Vec<StepId> = Vec::new();
-    // Buffers of the current accumulator X and of the next one Y.
-    let (mut x, mut y) = if folds {
-        // Y of round k is Output when rounds - 1 - k is even: the last round writes Output.
-        let first_y = if (rounds - 1).is_multiple_of(2) {
-            BufId::Output
-        } else {
-            BufId::Scratch
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        // n >= 2, so p >= 2 and there is at least one round.
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let parts: Vec<(usize, usize)> = slices(0, count, slice_elems).collect();
+        let at = |buf: BufId, (o, l): (usize, usize)| Region::new(buf, o, l);
+        let other = |buf: BufId| {
+            if buf == BufId::Output {
+                BufId::Scratch
+            } else {
+                BufId::Output
+            }
         };
-        let acc = other(first_y);
-        let hi = rank + p;
-        recv_peers.push(hi);
-        for &s in &parts {
-            prev_recv.push(b.recv_reduce(hi, at(BufId::Input, s), at(acc, s), Vec::new()));
-        }
-        (acc, first_y)
-    } else {
-        (BufId::Input, BufId::Scratch)
-    };
 
-    let mut d = 1usize;
-    while d < p {
-        let partner = rank ^ d;
-        send_peers.push(partner);
-        recv_peers.push(partner);
-        // The receive writes Y, which the previous round's send read.
-        (prev_send, prev_recv) = b.exchange(
-            &parts,
-            &parts,
-            |b, k, s| b.send(partner, at(x, s), dep_at(&prev_recv, k)),
-            |b, k, s| {
+        if rank >= p {
+            let q = rank - p;
+            for &s in &parts {
+                let sent = b.send(q, at(BufId::Input, s), Vec::new());
+                // In place, this Output slice is the Input slice being sent.
+                b.recv_copy(q, at(BufId::Output, s), vec![sent]);
+            }
+            return Ok(b.finish(vec![q], vec![q], 0));
+        }
+
+        let rounds = p.trailing_zeros() as usize;
+        let folds = rank < extra;
+        let mut send_peers = Vec::with_capacity(rounds + 1);
+        let mut recv_peers = Vec::with_capacity(rounds + 1);
+
+        // Steps that wrote the current accumulator, slice by slice (none while it is the Input), and
+        // the sends of the previous round (which read the buffer the current round writes).
+        let mut prev_recv: Vec<StepId> = Vec::new();
+        let mut prev_send: Vec<StepId> = Vec::new();
+        // Buffers of the current accumulator X and of the next one Y.
+        let (mut x, mut y) = if folds {
+            // Y of round k is Output when rounds - 1 - k is even: the last round writes Output.
+            let first_y = if (rounds - 1).is_multiple_of(2) {
+                BufId::Output
+            } else {
+                BufId::Scratch
+            };
+            let acc = other(first_y);
+            let hi = rank + p;
+            recv_peers.push(hi);
+            for &s in &parts {
+                prev_recv.push(b.recv_reduce(hi, at(BufId::Input, s), at(acc, s), Vec::new()));
+            }
+            (acc, first_y)
+        } else {
+            (BufId::Input, BufId::Scratch)
+        };
+
+        let mut d = 1usize;
+        while d < p {
+            let partner = rank ^ d;
+            send_peers.push(partner);
+            recv_peers.push(partner);
+            // The receive writes Y, which the previous round's send read.
+            (prev_send, prev_recv) = b.exchange(
+                &parts,
+                &parts,
+                |b, k, s| b.send(partner, at(x, s), dep_at(&prev_recv, k)),
+                |b, k, s| {
+                    let mut deps = dep_at(&prev_recv, k);
+                    deps.extend(dep_at(&prev_send, k));
+                    b.recv_reduce(partner, at(x, s), at(y, s), deps)
+                },
+            );
+            (x, y) = (y, other(y));
+            d <<= 1;
+        }
+
+        if folds {
+            // x is Output here (see above).
+            let hi = rank + p;
+            send_peers.push(hi);
+            for (k, &s) in parts.iter().enumerate() {
+                b.send(hi, at(x, s), dep_at(&prev_recv, k));
+            }
+        } else if x == BufId::Scratch {
+            // Output was last read by the final round (its Input, in place, when there is one round).
+            for (k, &s) in parts.iter().enumerate() {
                 let mut deps = dep_at(&prev_recv, k);
                 deps.extend(dep_at(&prev_send, k));
-                b.recv_reduce(partner, at(x, s), at(y, s), deps)
-            },
-        );
-        (x, y) = (y, other(y));
-        d <<= 1;
-    }
-
-    if folds {
-        // x is Output here (see above).
-        let hi = rank + p;
-        send_peers.push(hi);
-        for (k, &s) in parts.iter().enumerate() {
-            b.send(hi, at(x, s), dep_at(&prev_recv, k));
+                b.push(
+                    Action::Copy {
+                        src: at(BufId::Scratch, s),
+                        dst: at(BufId::Output, s),
+                    },
+                    deps,
+                );
+            }
         }
-    } else if x == BufId::Scratch {
-        // Output was last read by the final round (its Input, in place, when there is one round).
-        for (k, &s) in parts.iter().enumerate() {
-            let mut deps = dep_at(&prev_recv, k);
-            deps.extend(dep_at(&prev_send, k));
-            b.push(
-                Action::Copy {
-                    src: at(BufId::Scratch, s),
-                    dst: at(BufId::Output, s),
-                },
-                deps,
-            );
-        }
-    }
-    Ok(b.finish(send_peers, recv_peers, count))
+        Ok(b.finish(send_peers, recv_peers, count))
+    })
 }
 
 /// Recursive-halving reduce-scatter for a power-of-two number of ranks: `log2 n` exchange
@@ -456,53 +418,49 @@ pub fn recursive_halving_reduce_scatter(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_power_of_two(nranks)?;
-    let n = nranks;
-    let all = total(count, n)?;
-    if n == 1 {
-        // One rank: the ring's schedule, a copy of Input into Output.
-        return ring_reduce_scatter(rank, n, count, slice_elems);
-    }
-    let mut b = Builder::default();
-    // The previous round's writes to Scratch. Each round reads only inside the window the
-    // previous one wrote, so older writes never matter.
-    let mut written = Writes::default();
-    let mut peers = Vec::new();
-    let (mut window, mut d) = (0usize, n / 2);
-    while d >= 1 {
-        let partner = rank ^ d;
-        peers.push(partner);
-        let (first, last) = (d == n / 2, d == 1);
-        // Blocks [window, window + 2d) split in two halves of d blocks.
-        let (keep, give) = if rank & d == 0 {
-            (window, window + d)
-        } else {
-            (window + d, window)
-        };
-        let partial = if first { BufId::Input } else { BufId::Scratch };
-        for (o, l) in slices(0, d * count, slice_elems) {
-            let start = give * count + o;
-            let deps = written.overlapping(start, l);
-            b.send(partner, Region::new(partial, start, l), deps);
-        }
-        let mut now_written = Writes::default();
-        for (o, l) in slices(0, d * count, slice_elems) {
-            let start = keep * count + o;
-            let deps = written.overlapping(start, l);
-            let dst = if last {
-                Region::new(BufId::Output, o, l)
+    collective(rank, nranks, None, count, |mut b| {
+        check_power_of_two(nranks)?;
+        let n = nranks;
+        let all = total(count, n)?;
+        // The previous round's writes to Scratch. Each round reads only inside the window the
+        // previous one wrote, so older writes never matter.
+        let mut written = Writes::default();
+        let mut peers = Vec::new();
+        let (mut window, mut d) = (0usize, n / 2);
+        while d >= 1 {
+            let partner = rank ^ d;
+            peers.push(partner);
+            let (first, last) = (d == n / 2, d == 1);
+            // Blocks [window, window + 2d) split in two halves of d blocks.
+            let (keep, give) = if rank & d == 0 {
+                (window, window + d)
             } else {
-                Region::new(BufId::Scratch, start, l)
+                (window + d, window)
             };
-            let step = b.recv_reduce(partner, Region::new(partial, start, l), dst, deps);
-            now_written.record(start, l, step);
+            let partial = if first { BufId::Input } else { BufId::Scratch };
+            for (o, l) in slices(0, d * count, slice_elems) {
+                let start = give * count + o;
+                let deps = written.overlapping(start, l);
+                b.send(partner, Region::new(partial, start, l), deps);
+            }
+            let mut now_written = Writes::default();
+            for (o, l) in slices(0, d * count, slice_elems) {
+                let start = keep * count + o;
+                let deps = written.overlapping(start, l);
+                let dst = if last {
+                    Region::new(BufId::Output, o, l)
+                } else {
+                    Region::new(BufId::Scratch, start, l)
+                };
+                let step = b.recv_reduce(partner, Region::new(partial, start, l), dst, deps);
+                now_written.record(start, l, step);
+            }
+            written = now_written;
+            window = keep;
+            d /= 2;
         }
-        written = now_written;
-        window = keep;
-        d /= 2;
-    }
-    Ok(b.finish(peers.clone(), peers, if n > 2 { all } else { 0 }))
+        Ok(b.finish(peers.clone(), peers, if n > 2 { all } else { 0 }))
+    })
 }
 
 /// Recursive-doubling all-gather for a power-of-two number of ranks: `log2 n` exchange rounds
@@ -519,50 +477,51 @@ pub fn recursive_doubling_all_gather(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_power_of_two(nranks)?;
-    let n = nranks;
-    total(count, n)?;
-    let mut b = Builder::default();
-    // Who wrote which elements of Output.
-    let mut writers = Writes::default();
-    if let Some(c) = b.copy(
-        Region::new(BufId::Input, 0, count),
-        Region::new(BufId::Output, rank * count, count),
-    ) {
-        writers.record(rank * count, count, c);
-    }
-    let mut peers = Vec::new();
-    let mut d = 1usize;
-    while d < n {
-        let partner = rank ^ d;
-        let mine = (rank & !(d - 1)) * count;
-        let theirs = (partner & !(d - 1)) * count;
-        peers.push(partner);
-        let mut received = Vec::new();
-        for (o, l) in slices(0, d * count, slice_elems) {
-            if d == 1 {
-                b.send(partner, Region::new(BufId::Input, o, l), Vec::new());
-            } else {
-                let deps = writers.overlapping(mine + o, l);
-                b.send(partner, Region::new(BufId::Output, mine + o, l), deps);
+    // One rank: the copy into block 0 is all.
+    collective(rank, nranks, None, count, |mut b| {
+        check_power_of_two(nranks)?;
+        let n = nranks;
+        total(count, n)?;
+        // Who wrote which elements of Output.
+        let mut writers = Writes::default();
+        if let Some(c) = b.copy(
+            Region::new(BufId::Input, 0, count),
+            Region::new(BufId::Output, rank * count, count),
+        ) {
+            writers.record(rank * count, count, c);
+        }
+        let mut peers = Vec::new();
+        let mut d = 1usize;
+        while d < n {
+            let partner = rank ^ d;
+            let mine = (rank & !(d - 1)) * count;
+            let theirs = (partner & !(d - 1)) * count;
+            peers.push(partner);
+            let mut received = Vec::new();
+            for (o, l) in slices(0, d * count, slice_elems) {
+                if d == 1 {
+                    b.send(partner, Region::new(BufId::Input, o, l), Vec::new());
+                } else {
+                    let deps = writers.overlapping(mine + o, l);
+                    b.send(partner, Region::new(BufId::Output, mine + o, l), deps);
+                }
+                let r = b.recv_copy(
+                    partner,
+                    Region::new(BufId::Output, theirs + o, l),
+                    Vec::new(),
+                );
+                received.push((theirs + o, l, r));
             }
-            let r = b.recv_copy(
-                partner,
-                Region::new(BufId::Output, theirs + o, l),
-                Vec::new(),
-            );
-            received.push((theirs + o, l, r));
+            for (start, len, step) in received {
+                writers.record(start, len, step);
+            }
+            match d.checked_mul(2) {
+                Some(x) => d = x,
+                None => break,
+            }
         }
-        for (start, len, step) in received {
-            writers.record(start, len, step);
-        }
-        match d.checked_mul(2) {
-            Some(x) => d = x,
-            None => break,
-        }
-    }
-    Ok(b.finish(peers.clone(), peers, 0))
+        Ok(b.finish(peers.clone(), peers, 0))
+    })
 }
 
 /// Dissemination barrier: in round `k` (while `d = 2^k < nranks`) a rank sends one element from

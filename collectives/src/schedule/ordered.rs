@@ -21,38 +21,12 @@
 //! of one round of `n - 1` steps in parallel, and moves about as many bytes per link; see
 //! `docs/performance.md` for what it costs.
 
-use super::build::{before, check_rank, check_root, slices, total, Builder};
-use super::{BufId, Region, Schedule, ScheduleError, StepId};
+use super::build::{collective, total, Chain, Ring};
+use super::{BufId, Region, Schedule, ScheduleError};
 
-/// The fold of `Input[from .. from + count]` along the chain `0 → … → n-1`: returns, per slice,
-/// the step that last touched the Input slice on this rank (to order a later write of the same
-/// memory after it) and, on rank n-1, the step that wrote the result slice into `result(o, l)`.
-/// Middle ranks keep partial values in Scratch at the same offsets.
-fn fold(
-    b: &mut Builder,
-    rank: usize,
-    n: usize,
-    from: usize,
-    count: usize,
-    slice_elems: usize,
-    result: &dyn Fn(usize, usize) -> Region,
-) -> Vec<(usize, usize, StepId)> {
-    let mut done = Vec::new();
-    for (o, l) in slices(from, count, slice_elems) {
-        let input = Region::new(BufId::Input, o, l);
-        let id = if rank == 0 {
-            b.send(1, input, Vec::new())
-        } else if rank + 1 < n {
-            let partial = Region::new(BufId::Scratch, o, l);
-            let r = b.recv_reduce(rank - 1, input, partial, Vec::new());
-            b.send(rank + 1, partial, vec![r]);
-            r
-        } else {
-            b.recv_reduce(rank - 1, input, result(o, l), Vec::new())
-        };
-        done.push((o, l, id));
-    }
-    done
+/// The fold of every rank's Input into rank n-1: the chain `0 → … → n-1`.
+fn fold_chain(rank: usize, n: usize) -> Chain {
+    Chain::starting_at(0, rank, n)
 }
 
 /// Deterministic all-reduce: the fold to rank n-1, then a chain broadcast `n-1 → 0 → … → n-2`.
@@ -64,30 +38,27 @@ pub fn ordered_all_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    let output = |o: usize, l: usize| Region::new(BufId::Output, o, l);
-    let folded = fold(&mut b, rank, n, 0, count, slice_elems, &output);
-    // The broadcast chain n-1 → 0 → … → n-2 uses the same links as the fold.
-    let next = (rank + 1) % n;
-    let prev = before(rank, 1, n);
-    for (o, l, touched) in folded {
-        if rank == n - 1 {
-            b.send(next, output(o, l), vec![touched]);
-        } else {
-            // Output may be the Input this rank folded in (in place): overwrite it after.
-            let r = b.recv_copy(prev, output(o, l), vec![touched]);
-            if rank + 2 < n {
-                b.send(next, output(o, l), vec![r]);
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        let chain = fold_chain(rank, n);
+        let output = |o: usize, l: usize| Region::new(BufId::Output, o, l);
+        let folded = chain.fold(&mut b, 0, count, slice_elems, &output);
+        // The broadcast chain n-1 → 0 → … → n-2 uses the same links as the fold.
+        let ring @ Ring { next, prev } = chain.ring;
+        for (o, l, touched) in folded {
+            if rank == n - 1 {
+                b.send(next, output(o, l), vec![touched]);
+            } else {
+                // Output may be the Input this rank folded in (in place): overwrite it after.
+                let r = b.recv_copy(prev, output(o, l), vec![touched]);
+                if rank + 2 < n {
+                    b.send(next, output(o, l), vec![r]);
+                }
             }
         }
-    }
-    let scratch = if rank > 0 && rank + 1 < n { count } else { 0 };
-    Ok(b.finish(vec![next], vec![prev], scratch))
+        let scratch = if chain.is_middle() { count } else { 0 };
+        Ok(ring.finish(b, scratch))
+    })
 }
 
 /// Deterministic reduce: the fold to rank n-1, which then sends the result to `root` unless it
@@ -100,50 +71,40 @@ pub fn ordered_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_root(root, nranks)?;
-    let n = nranks;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let last = n - 1;
-    let mut b = Builder::default();
-    let result = |o: usize, l: usize| {
-        let buf = if root == last {
-            BufId::Output
-        } else {
-            BufId::Scratch
+    collective(rank, nranks, Some(root), count, |mut b| {
+        let n = nranks;
+        let last = n - 1;
+        let chain = fold_chain(rank, n);
+        let result = |o: usize, l: usize| {
+            let buf = if root == last {
+                BufId::Output
+            } else {
+                BufId::Scratch
+            };
+            Region::new(buf, o, l)
         };
-        Region::new(buf, o, l)
-    };
-    let folded = fold(&mut b, rank, n, 0, count, slice_elems, &result);
-    let mut send_peers = Vec::new();
-    let mut recv_peers = Vec::new();
-    if rank + 1 < n {
-        send_peers.push(rank + 1);
-    }
-    if rank > 0 {
-        recv_peers.push(rank - 1);
-    }
-    if root != last {
-        if rank == last {
-            for &(o, l, r) in &folded {
-                b.send(root, result(o, l), vec![r]);
+        let folded = chain.fold(&mut b, 0, count, slice_elems, &result);
+        let (mut send_peers, mut recv_peers) = chain.peers();
+        if root != last {
+            if rank == last {
+                for &(o, l, r) in &folded {
+                    b.send(root, result(o, l), vec![r]);
+                }
+                send_peers.push(root);
+            } else if rank == root {
+                for &(o, l, touched) in &folded {
+                    b.recv_copy(last, Region::new(BufId::Output, o, l), vec![touched]);
+                }
+                recv_peers.push(last);
             }
-            send_peers.push(root);
-        } else if rank == root {
-            for &(o, l, touched) in &folded {
-                b.recv_copy(last, Region::new(BufId::Output, o, l), vec![touched]);
-            }
-            recv_peers.push(last);
         }
-    }
-    let scratch = if rank > 0 && (rank + 1 < n || root != last) {
-        count
-    } else {
-        0
-    };
-    Ok(b.finish(send_peers, recv_peers, scratch))
+        let scratch = if rank > 0 && (rank + 1 < n || root != last) {
+            count
+        } else {
+            0
+        };
+        Ok(b.finish(send_peers, recv_peers, scratch))
+    })
 }
 
 /// Deterministic reduce-scatter (`count` elements per block, Input `nranks × count`): the fold
@@ -156,60 +117,43 @@ pub fn ordered_reduce_scatter(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    let all = total(count, n)?;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let last = n - 1;
-    let mut b = Builder::default();
-    // Rank n-1 folds its own block straight into Output, the others' into Scratch.
-    let own = last * count;
-    let result = |o: usize, l: usize| {
-        if (own..own + count).contains(&o) {
-            Region::new(BufId::Output, o - own, l)
-        } else {
-            Region::new(BufId::Scratch, o, l)
-        }
-    };
-    let mut folded = Vec::new();
-    for j in 0..n {
-        folded.extend(fold(
-            &mut b,
-            rank,
-            n,
-            j * count,
-            count,
-            slice_elems,
-            &result,
-        ));
-    }
-    let mut send_peers = Vec::new();
-    let mut recv_peers = Vec::new();
-    if rank + 1 < n {
-        send_peers.push(rank + 1);
-    }
-    if rank > 0 {
-        recv_peers.push(rank - 1);
-    }
-    let block_of = |o: usize| o.checked_div(count).unwrap_or(0);
-    if rank == last {
-        for &(o, l, r) in &folded {
-            let j = block_of(o);
-            if j != last {
-                b.send(j, result(o, l), vec![r]);
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        let all = total(count, n)?;
+        let last = n - 1;
+        let chain = fold_chain(rank, n);
+        // Rank n-1 folds its own block straight into Output, the others' into Scratch.
+        let own = last * count;
+        let result = |o: usize, l: usize| {
+            if (own..own + count).contains(&o) {
+                Region::new(BufId::Output, o - own, l)
+            } else {
+                Region::new(BufId::Scratch, o, l)
             }
+        };
+        let mut folded = Vec::new();
+        for j in 0..n {
+            folded.extend(chain.fold(&mut b, j * count, count, slice_elems, &result));
         }
-        send_peers.extend(0..last);
-    } else {
-        let mine = rank * count;
-        // The folds that read this rank's block of the Input (Output in place) come first.
-        for &(o, l, touched) in folded.iter().filter(|f| block_of(f.0) == rank) {
-            b.recv_copy(last, Region::new(BufId::Output, o - mine, l), vec![touched]);
+        let (mut send_peers, mut recv_peers) = chain.peers();
+        let block_of = |o: usize| o.checked_div(count).unwrap_or(0);
+        if rank == last {
+            for &(o, l, r) in &folded {
+                let j = block_of(o);
+                if j != last {
+                    b.send(j, result(o, l), vec![r]);
+                }
+            }
+            send_peers.extend(0..last);
+        } else {
+            let mine = rank * count;
+            // The folds that read this rank's block of the Input (Output in place) come first.
+            for &(o, l, touched) in folded.iter().filter(|f| block_of(f.0) == rank) {
+                b.recv_copy(last, Region::new(BufId::Output, o - mine, l), vec![touched]);
+            }
+            recv_peers.push(last);
         }
-        recv_peers.push(last);
-    }
-    let scratch = if rank > 0 { all } else { 0 };
-    Ok(b.finish(send_peers, recv_peers, scratch))
+        let scratch = if rank > 0 { all } else { 0 };
+        Ok(b.finish(send_peers, recv_peers, scratch))
+    })
 }

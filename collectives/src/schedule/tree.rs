@@ -13,7 +13,7 @@
 //! Like the other builders, these compute one rank's steps from (rank, nranks, root, count,
 //! slice) alone and perform no I/O (see [`crate::schedule`] for the execution rules).
 
-use super::build::{check_rank, check_root, even_chunk, slices, Builder};
+use super::build::{collective, even_chunk, slices, Builder};
 use super::{BufId, Region, Schedule, ScheduleError, StepId};
 
 /// How ranks are placed on the positions of a heap-shaped tree.
@@ -95,6 +95,28 @@ fn node_peers(node: &TreeNode, list: &mut Vec<usize>) {
     }
 }
 
+/// One slice on its way up through this rank: its children's partial results, in order,
+/// combined with its Input slice `input` into `acc` (each combination waiting for the one
+/// before), then the partial result (a leaf's Input slice) sent to the parent. Returns the last
+/// combination (none at a leaf) and the send (none at the root).
+fn climb(
+    b: &mut Builder,
+    node: &TreeNode,
+    input: Region,
+    acc: Region,
+) -> (Option<StepId>, Option<StepId>) {
+    let mut last: Option<StepId> = None;
+    for &c in &node.children {
+        let local = if last.is_some() { acc } else { input };
+        last = Some(b.recv_reduce(c, local, acc, last.into_iter().collect()));
+    }
+    let src = if last.is_some() { acc } else { input };
+    let sent = node
+        .parent
+        .map(|p| b.send(p, src, last.into_iter().collect()));
+    (last, sent)
+}
+
 /// Double binary tree all-reduce.
 ///
 /// Input and Output hold `count` elements each and may be the same memory. The buffer is split
@@ -117,76 +139,57 @@ pub fn tree_all_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    let n = nranks;
-    if n == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    let trees = double_tree_nodes(rank, n);
-    let parts: [Vec<(usize, usize)>; 2] = [0, 1].map(|t| {
-        let (o, l) = even_chunk(t, count, 2);
-        slices(o, l, slice_elems).collect()
-    });
-    let nslices = parts[0].len().max(parts[1].len());
-    let lag = 2 * ceil_log2(n) + 1;
-    // Per tree and slice: the last step that wrote the Output slice in the reduce phase (none at
-    // a leaf), and the send to the parent (none at the root).
-    let mut reduced: [Vec<Option<StepId>>; 2] = [vec![None; nslices], vec![None; nslices]];
-    let mut sent_up: [Vec<Option<StepId>>; 2] = [vec![None; nslices], vec![None; nslices]];
-    let out = |(o, l): (usize, usize)| Region::new(BufId::Output, o, l);
-    for g in 0..nslices + lag {
-        for (t, node) in trees.iter().enumerate() {
-            let Some(&s) = parts[t].get(g) else {
+    collective(rank, nranks, None, count, |mut b| {
+        let n = nranks;
+        let trees = double_tree_nodes(rank, n);
+        let parts: [Vec<(usize, usize)>; 2] = [0, 1].map(|t| {
+            let (o, l) = even_chunk(t, count, 2);
+            slices(o, l, slice_elems).collect()
+        });
+        let nslices = parts[0].len().max(parts[1].len());
+        let lag = 2 * ceil_log2(n) + 1;
+        // Per tree and slice: the last step that wrote the Output slice in the reduce phase (none at
+        // a leaf), and the send to the parent (none at the root).
+        let mut reduced: [Vec<Option<StepId>>; 2] = [vec![None; nslices], vec![None; nslices]];
+        let mut sent_up: [Vec<Option<StepId>>; 2] = [vec![None; nslices], vec![None; nslices]];
+        let out = |(o, l): (usize, usize)| Region::new(BufId::Output, o, l);
+        for g in 0..nslices + lag {
+            for (t, node) in trees.iter().enumerate() {
+                let Some(&s) = parts[t].get(g) else {
+                    continue;
+                };
+                let input = Region::new(BufId::Input, s.0, s.1);
+                (reduced[t][g], sent_up[t][g]) = climb(&mut b, node, input, out(s));
+            }
+            let Some(k) = g.checked_sub(lag) else {
                 continue;
             };
-            let mut last: Option<StepId> = None;
-            for &c in &node.children {
-                let local = if last.is_some() {
-                    out(s)
-                } else {
-                    Region::new(BufId::Input, s.0, s.1)
+            for (t, node) in trees.iter().enumerate() {
+                let Some(&s) = parts[t].get(k) else {
+                    continue;
                 };
-                last = Some(b.recv_reduce(c, local, out(s), last.into_iter().collect()));
-            }
-            reduced[t][g] = last;
-            if let Some(p) = node.parent {
-                let src = if last.is_some() {
-                    out(s)
-                } else {
-                    Region::new(BufId::Input, s.0, s.1)
+                let ready = match node.parent {
+                    Some(p) => {
+                        let deps = sent_up[t].get(k).copied().flatten().into_iter().collect();
+                        b.recv_copy(p, out(s), deps)
+                    }
+                    // The root (n >= 2, so it has a child and wrote the slice).
+                    None => match reduced[t].get(k).copied().flatten() {
+                        Some(id) => id,
+                        None => continue,
+                    },
                 };
-                sent_up[t][g] = Some(b.send(p, src, last.into_iter().collect()));
-            }
-        }
-        let Some(k) = g.checked_sub(lag) else {
-            continue;
-        };
-        for (t, node) in trees.iter().enumerate() {
-            let Some(&s) = parts[t].get(k) else {
-                continue;
-            };
-            let ready = match node.parent {
-                Some(p) => {
-                    let deps = sent_up[t].get(k).copied().flatten().into_iter().collect();
-                    b.recv_copy(p, out(s), deps)
+                for &c in &node.children {
+                    b.send(c, out(s), vec![ready]);
                 }
-                // The root (n >= 2, so it has a child and wrote the slice).
-                None => match reduced[t].get(k).copied().flatten() {
-                    Some(id) => id,
-                    None => continue,
-                },
-            };
-            for &c in &node.children {
-                b.send(c, out(s), vec![ready]);
             }
         }
-    }
-    let mut peers = Vec::new();
-    for node in &trees {
-        node_peers(node, &mut peers);
-    }
-    Ok(b.finish(peers.clone(), peers, 0))
+        let mut peers = Vec::new();
+        for node in &trees {
+            node_peers(node, &mut peers);
+        }
+        Ok(b.finish(peers.clone(), peers, 0))
+    })
 }
 
 /// Pipelined binary-tree broadcast from `root`.
@@ -202,31 +205,31 @@ pub fn tree_broadcast(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_root(root, nranks)?;
-    let node = tree_node(Labeling::Rotated { root }, rank, nranks);
-    let mut b = Builder::default();
-    if rank == root {
-        b.copy(
-            Region::new(BufId::Input, 0, count),
-            Region::new(BufId::Output, 0, count),
-        );
-    }
-    for (o, l) in slices(0, count, slice_elems) {
-        let deps = match node.parent {
-            Some(p) => vec![b.recv_copy(p, Region::new(BufId::Output, o, l), Vec::new())],
-            None => Vec::new(),
-        };
-        let src = if node.parent.is_some() {
-            BufId::Output
-        } else {
-            BufId::Input
-        };
-        for &c in &node.children {
-            b.send(c, Region::new(src, o, l), deps.clone());
+    // One rank: the root's copy is all.
+    collective(rank, nranks, Some(root), count, |mut b| {
+        let node = tree_node(Labeling::Rotated { root }, rank, nranks);
+        if rank == root {
+            b.copy(
+                Region::new(BufId::Input, 0, count),
+                Region::new(BufId::Output, 0, count),
+            );
         }
-    }
-    Ok(b.finish(node.children.clone(), node.parent.into_iter().collect(), 0))
+        for (o, l) in slices(0, count, slice_elems) {
+            let deps = match node.parent {
+                Some(p) => vec![b.recv_copy(p, Region::new(BufId::Output, o, l), Vec::new())],
+                None => Vec::new(),
+            };
+            let src = if node.parent.is_some() {
+                BufId::Output
+            } else {
+                BufId::Input
+            };
+            for &c in &node.children {
+                b.send(c, Region::new(src, o, l), deps.clone());
+            }
+        }
+        Ok(b.finish(node.children.clone(), node.parent.into_iter().collect(), 0))
+    })
 }
 
 /// Pipelined binary-tree reduce toward `root`.
@@ -242,46 +245,27 @@ pub fn tree_reduce(
     count: usize,
     slice_elems: usize,
 ) -> Result<Schedule, ScheduleError> {
-    check_rank(rank, nranks)?;
-    check_root(root, nranks)?;
-    if nranks == 1 {
-        return Ok(Builder::single_rank(count));
-    }
-    let mut b = Builder::default();
-    let node = tree_node(Labeling::Rotated { root }, rank, nranks);
-    let acc = if node.parent.is_none() {
-        BufId::Output
-    } else {
-        BufId::Scratch
-    };
-    let mut used_scratch = false;
-    for (o, l) in slices(0, count, slice_elems) {
-        let mut last: Option<StepId> = None;
-        for &c in &node.children {
-            let local = if last.is_some() {
-                Region::new(acc, o, l)
-            } else {
-                Region::new(BufId::Input, o, l)
-            };
-            last =
-                Some(b.recv_reduce(c, local, Region::new(acc, o, l), last.into_iter().collect()));
+    collective(rank, nranks, Some(root), count, |mut b| {
+        let node = tree_node(Labeling::Rotated { root }, rank, nranks);
+        let acc = if node.parent.is_none() {
+            BufId::Output
+        } else {
+            BufId::Scratch
+        };
+        let mut used_scratch = false;
+        for (o, l) in slices(0, count, slice_elems) {
+            let input = Region::new(BufId::Input, o, l);
+            let (reduced, sent) = climb(&mut b, &node, input, Region::new(acc, o, l));
+            // A partial result sent on from Scratch.
+            used_scratch |= reduced.is_some() && sent.is_some();
         }
-        if let Some(p) = node.parent {
-            let src = if last.is_some() {
-                used_scratch = true;
-                Region::new(acc, o, l)
-            } else {
-                Region::new(BufId::Input, o, l)
-            };
-            b.send(p, src, last.into_iter().collect());
-        }
-    }
-    let scratch = if used_scratch { count } else { 0 };
-    Ok(b.finish(
-        node.parent.into_iter().collect(),
-        node.children.clone(),
-        scratch,
-    ))
+        let scratch = if used_scratch { count } else { 0 };
+        Ok(b.finish(
+            node.parent.into_iter().collect(),
+            node.children.clone(),
+            scratch,
+        ))
+    })
 }
 
 #[cfg(test)]
