@@ -3,37 +3,28 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// The data types of NCCL (`ncclDataType_t`), with nccl-tests' names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u8)]
-pub enum DataType {
-    Int8 = 0,
-    Uint8 = 1,
-    Int32 = 2,
-    Uint32 = 3,
-    Int64 = 4,
-    Uint64 = 5,
-    Float16 = 6,
-    Float32 = 7,
-    Float64 = 8,
-    Bfloat16 = 9,
+wire_enum! {
+    /// The data types of NCCL (`ncclDataType_t`), with nccl-tests' names.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum DataType {
+        Int8 = 0 => "int8",
+        Uint8 = 1 => "uint8",
+        Int32 = 2 => "int32",
+        Uint32 = 3 => "uint32",
+        Int64 = 4 => "int64",
+        Uint64 = 5 => "uint64",
+        Float16 = 6 => "half",
+        Float32 = 7 => "float",
+        Float64 = 8 => "double",
+        Bfloat16 = 9 => "bfloat16",
+    }
+    /// Every data type, in wire-code order.
+    const ALL;
+    /// nccl-tests' name for the type (`int8`, `half`, `float`, `bfloat16`, ...).
+    fn name;
 }
 
 impl DataType {
-    /// Every data type, in wire-code order.
-    pub const ALL: [DataType; 10] = [
-        DataType::Int8,
-        DataType::Uint8,
-        DataType::Int32,
-        DataType::Uint32,
-        DataType::Int64,
-        DataType::Uint64,
-        DataType::Float16,
-        DataType::Float32,
-        DataType::Float64,
-        DataType::Bfloat16,
-    ];
-
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
@@ -44,44 +35,12 @@ impl DataType {
         }
     }
 
-    /// nccl-tests' name for the type (`int8`, `half`, `float`, `bfloat16`, ...).
-    pub const fn name(self) -> &'static str {
-        match self {
-            DataType::Int8 => "int8",
-            DataType::Uint8 => "uint8",
-            DataType::Int32 => "int32",
-            DataType::Uint32 => "uint32",
-            DataType::Int64 => "int64",
-            DataType::Uint64 => "uint64",
-            DataType::Float16 => "half",
-            DataType::Float32 => "float",
-            DataType::Float64 => "double",
-            DataType::Bfloat16 => "bfloat16",
-        }
-    }
-
     /// True for the floating-point types.
     pub const fn is_float(self) -> bool {
         matches!(
             self,
             DataType::Float16 | DataType::Float32 | DataType::Float64 | DataType::Bfloat16
         )
-    }
-
-    /// The type with this wire code, if any.
-    pub fn from_code(code: u8) -> Option<DataType> {
-        DataType::ALL.get(code as usize).copied()
-    }
-
-    /// The wire code of this type.
-    pub const fn code(self) -> u8 {
-        self as u8
-    }
-}
-
-impl fmt::Display for DataType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 

@@ -9,6 +9,8 @@
 #![forbid(unsafe_code)]
 
 pub mod algorithm;
+#[macro_use]
+mod codes;
 pub mod call;
 pub mod dtype;
 mod half_simd;

@@ -99,38 +99,26 @@ pub enum Combiner {
     Max,
 }
 
-/// The kind of a collective operation (named in errors and op headers).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum OpKind {
-    AllReduce = 1,
-    Reduce = 2,
-    Broadcast = 3,
-    AllGather = 4,
-    ReduceScatter = 5,
-    AllToAll = 6,
-    SendRecv = 7,
-    Barrier = 8,
+wire_enum! {
+    /// The kind of a collective operation (named in errors and op headers).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum OpKind {
+        AllReduce = 1 => "all-reduce",
+        Reduce = 2 => "reduce",
+        Broadcast = 3 => "broadcast",
+        AllGather = 4 => "all-gather",
+        ReduceScatter = 5 => "reduce-scatter",
+        AllToAll = 6 => "all-to-all",
+        SendRecv = 7 => "send/recv",
+        Barrier = 8 => "barrier",
+    }
+    /// Every kind, in wire-code order.
+    const ALL;
+    /// Lower-case name with hyphens, as `weft perf` spells it (`all-reduce`).
+    fn name;
 }
 
 impl OpKind {
-    /// Every kind, in wire-code order.
-    pub const ALL: [OpKind; 8] = [
-        OpKind::AllReduce,
-        OpKind::Reduce,
-        OpKind::Broadcast,
-        OpKind::AllGather,
-        OpKind::ReduceScatter,
-        OpKind::AllToAll,
-        OpKind::SendRecv,
-        OpKind::Barrier,
-    ];
-
-    /// The kind with this wire code, if any.
-    pub fn from_code(code: u8) -> Option<OpKind> {
-        OpKind::ALL.iter().copied().find(|k| *k as u8 == code)
-    }
-
     /// Whether a call of this kind reduces (its reduction matters).
     pub const fn has_reduction(self) -> bool {
         matches!(
@@ -142,25 +130,5 @@ impl OpKind {
     /// Whether a call of this kind has a root.
     pub const fn has_root(self) -> bool {
         matches!(self, OpKind::Reduce | OpKind::Broadcast)
-    }
-
-    /// Lower-case name with hyphens, as `weft perf` spells it (`all-reduce`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            OpKind::AllReduce => "all-reduce",
-            OpKind::Reduce => "reduce",
-            OpKind::Broadcast => "broadcast",
-            OpKind::AllGather => "all-gather",
-            OpKind::ReduceScatter => "reduce-scatter",
-            OpKind::AllToAll => "all-to-all",
-            OpKind::SendRecv => "send/recv",
-            OpKind::Barrier => "barrier",
-        }
-    }
-}
-
-impl fmt::Display for OpKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
