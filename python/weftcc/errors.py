@@ -4,7 +4,10 @@ message."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
+
+# The exception class of each C result code (filled in as the classes below are defined).
+_BY_CODE: Dict[int, type] = {}
 
 # weftOpKind_t codes (the C header's weftOp* constants) and their names.
 OP_NAMES = {
@@ -30,6 +33,14 @@ class WeftError(RuntimeError):
 
     code = -1
 
+    def __init_subclass__(cls, code: Optional[int] = None, **kwargs):
+        # The classes below name their C result code, by which from_facts finds them; a
+        # subclass that names none keeps its parent's.
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            _BY_CODE[code] = cls
+
     def __init__(
         self,
         message: str,
@@ -47,67 +58,36 @@ class WeftError(RuntimeError):
         self.seq = seq
 
 
-class CudaError(WeftError):
+class CudaError(WeftError, code=1):
     """The CUDA driver is missing or a CUDA call failed."""
 
-    code = 1
 
-
-class SystemFailure(WeftError):
+class SystemFailure(WeftError, code=2):
     """The operating system or a transport failed (sockets, shared memory, bootstrap)."""
 
-    code = 2
 
-
-class InternalError(WeftError):
+class InternalError(WeftError, code=3):
     """A bug in weftcc."""
 
-    code = 3
 
-
-class InvalidArgument(WeftError, ValueError):
+class InvalidArgument(WeftError, ValueError, code=4):
     """A bad argument; nothing was sent and the communicator stays usable."""
 
-    code = 4
 
-
-class InvalidUsage(WeftError):
+class InvalidUsage(WeftError, code=5):
     """A call out of order (unbalanced groups, a device send as the first device call)."""
 
-    code = 5
 
-
-class RemoteError(WeftError):
+class RemoteError(WeftError, code=6):
     """Another rank failed, died, timed out, aborted or called a different collective."""
 
-    code = 6
 
-
-class Timeout(WeftError, TimeoutError):
+class Timeout(WeftError, TimeoutError, code=8):
     """An operation of this rank made no progress within the timeout."""
 
-    code = 8
 
-
-class Aborted(WeftError):
+class Aborted(WeftError, code=9):
     """`abort()` was called on this communicator (on this rank)."""
-
-    code = 9
-
-
-_BY_CODE = {
-    cls.code: cls
-    for cls in (
-        CudaError,
-        SystemFailure,
-        InternalError,
-        InvalidArgument,
-        InvalidUsage,
-        RemoteError,
-        Timeout,
-        Aborted,
-    )
-}
 
 
 def from_facts(
