@@ -657,20 +657,29 @@ class ProcessGroupWeft(dist.ProcessGroup):
         )
         return self._submit(call, opts, list(output_tensors), job)
 
-    def gather(self, output_lists, input_list, opts):
-        call = "gather"
-        inp = self._one(call, input_list)
-        dtype = _dtype(call, inp)
+    def _rooted(self, call, opts, lists, tensors, root_sends):
+        """A gather (`root_sends` False: `lists` holds the outputs, `tensors` the input) or a
+        scatter (`lists` the inputs, `tensors` the output): the root moves `lists[0][q]` from or
+        to every other rank q and its own block between its tensor and `lists[0][root]`; every
+        other rank moves its tensor to or from the root."""
+        mine = self._one(call, tensors)
+        dtype = _dtype(call, mine)
+        per_rank = list(lists[0]) if lists else []
         root, me, n = opts.rootRank, self.rank(), self.size()
-        outs = list(output_lists[0]) if output_lists else []
         if me == root:
-            if len(outs) != n:
-                raise _unsupported(call, f"{len(outs)} output tensors on the root for {n} ranks")
-            others = [q for q in range(n) if q != me]
-            job = self._exchange(call, {}, {q: outs[q] for q in others}, (inp, outs[me]), dtype)
+            if len(per_rank) != n:
+                side = "input" if root_sends else "output"
+                raise _unsupported(call, f"{len(per_rank)} {side} tensors on the root for {n} ranks")
+            peers = {q: per_rank[q] for q in range(n) if q != me}
+            own = (per_rank[me], mine) if root_sends else (mine, per_rank[me])
         else:
-            job = self._exchange(call, {root: inp}, {}, None, dtype)
-        return self._submit(call, opts, outs, job)
+            peers, own = {root: mine}, None
+        sending = (me == root) == root_sends
+        job = self._exchange(call, peers if sending else {}, {} if sending else peers, own, dtype)
+        return self._submit(call, opts, [mine] if root_sends else per_rank, job)
+
+    def gather(self, output_lists, input_list, opts):
+        return self._rooted("gather", opts, output_lists, input_list, root_sends=False)
 
     def gather_single(self, output, input, opts):
         call = "gather"
@@ -685,19 +694,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         return self.gather([outs], [input], opts)
 
     def scatter(self, output_tensors, input_lists, opts):
-        call = "scatter"
-        out = self._one(call, output_tensors)
-        dtype = _dtype(call, out)
-        root, me, n = opts.rootRank, self.rank(), self.size()
-        ins = list(input_lists[0]) if input_lists else []
-        if me == root:
-            if len(ins) != n:
-                raise _unsupported(call, f"{len(ins)} input tensors on the root for {n} ranks")
-            others = [q for q in range(n) if q != me]
-            job = self._exchange(call, {q: ins[q] for q in others}, {}, (ins[me], out), dtype)
-        else:
-            job = self._exchange(call, {}, {root: out}, None, dtype)
-        return self._submit(call, opts, [out], job)
+        return self._rooted("scatter", opts, input_lists, output_tensors, root_sends=True)
 
     # torch's newer names for the single-tensor forms.
     all_gather_single = _allgather_base
