@@ -9,6 +9,7 @@ import numpy as np
 
 import weftcc
 from weftcc import PreMulSum, ReduceOp
+from worker_report import exit_with
 
 failures = []
 
@@ -191,10 +192,7 @@ def main():
         {"matrix": matrix, "abort": abort, "timeout": timeout}[mode](comm)
     finally:
         comm.close()
-    for f in failures:
-        print(f"rank {comm.rank}: FAIL {f}")
-    print(f"rank {comm.rank}: {mode}: {len(failures)} failures")
-    sys.exit(1 if failures else 0)
+    exit_with(failures, f"rank {comm.rank}: ", mode)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import weftcc
 import weftcc.torch  # noqa: F401  registers the "weft" backend
+from worker_report import exit_with
 
 failures = []
 
@@ -271,9 +272,7 @@ def main():
     faulthandler.dump_traceback_later(float(os.environ.get("WEFT_TEST_STACKS_AFTER", "100")), exit=False)
     if mode == "init":
         init_method(sys.argv[2:])
-        for f in failures:
-            print(f"FAIL {f}")
-        sys.exit(1 if failures else 0)
+        exit_with(failures)
     dist.init_process_group("weft")
     if dist.get_backend() != "weft":
         failures.append(f"backend {dist.get_backend()}")
@@ -281,10 +280,7 @@ def main():
     r = dist.get_rank()
     if mode == "matrix":
         dist.destroy_process_group()
-    for f in failures:
-        print(f"rank {r}: FAIL {f}")
-    print(f"rank {r}: {mode}: {len(failures)} failures")
-    sys.exit(1 if failures else 0)
+    exit_with(failures, f"rank {r}: ", mode)
 
 
 if __name__ == "__main__":
