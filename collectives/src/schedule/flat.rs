@@ -134,16 +134,10 @@ pub fn ring_reduce_scatter(
             let (sends, recvs) = b.exchange(
                 &block_slices,
                 &block_slices,
-                |b, k, (o, l)| {
-                    b.send(
-                        next,
-                        Region::new(src.buf, src.offset + o, l),
-                        dep_at(&prev_recv, k),
-                    )
-                },
+                |b, k, (o, l)| b.send(next, src.part(o, l), dep_at(&prev_recv, k)),
                 |b, k, (o, l)| {
                     let input = Region::new(BufId::Input, recv_block * count + o, l);
-                    let partial = Region::new(dst.buf, dst.offset + o, l);
+                    let partial = dst.part(o, l);
                     b.recv_reduce(prev, input, partial, dep_at(overwritten, k))
                 },
             );
@@ -189,13 +183,7 @@ pub fn ring_all_gather(
             let (_, recvs) = b.exchange(
                 &block_slices,
                 &block_slices,
-                |b, k, (o, l)| {
-                    b.send(
-                        next,
-                        Region::new(src.buf, src.offset + o, l),
-                        dep_at(&prev_recv, k),
-                    )
-                },
+                |b, k, (o, l)| b.send(next, src.part(o, l), dep_at(&prev_recv, k)),
                 |b, _, (o, l)| {
                     b.recv_copy(
                         prev,

@@ -71,6 +71,11 @@ impl Region {
     pub const fn end(&self) -> usize {
         self.offset + self.len
     }
+
+    /// The `len` elements `offset` elements into this region.
+    pub(crate) const fn part(self, offset: usize, len: usize) -> Self {
+        Region::new(self.buf, self.offset + offset, len)
+    }
 }
 
 /// What a step does.
