@@ -28,7 +28,6 @@ pub mod dial;
 pub mod error;
 pub mod mem;
 pub mod mesh;
-pub mod model;
 pub mod mux;
 pub mod net;
 pub mod process;

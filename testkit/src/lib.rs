@@ -1,0 +1,7 @@
+//! Test support for weftcc's crates; a dev-dependency only, never part of the library.
+//!
+//! * [`model`]: exhaustive interleaving exploration for the concurrency protocols (the
+//!   shared-memory ring and its doorbells and the dial handshake in `weftcc-transports`, the
+//!   communicator's ticket protocol in `weftcc-comm`).
+
+pub mod model;
