@@ -4,4 +4,6 @@
 //!   shared-memory ring and its doorbells and the dial handshake in `weftcc-transports`, the
 //!   communicator's ticket protocol in `weftcc-comm`).
 
+#![forbid(unsafe_code)]
+
 pub mod model;
