@@ -141,7 +141,7 @@ mod tests {
 /// ticket's call runs only on its turn, in ticket order, and nobody waits forever.
 #[cfg(test)]
 mod model {
-    use weftcc_transports::model::{explore, Faulty, Model, Violation};
+    use weftcc_testkit::model::{explore, Faulty, Model, Violation};
 
     #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
     enum Pc {

@@ -737,7 +737,7 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{explore, Faulty, Model, Violation};
+    use weftcc_testkit::model::{explore, Faulty, Model, Violation};
 
     /// Three ranks, each with a main thread that wants its peers in a given order and an
     /// acceptor; dials and answers in flight are unordered.

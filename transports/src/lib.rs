@@ -17,21 +17,20 @@
 //! shared-memory tuning knobs (`WEFT_SHM_CMA*`, `WEFT_SHM_LL_MAX`). The runtime reads the rest
 //! of the configuration ([`MeshConfig`]) and passes it in.
 //!
-//! * [`process`]: termination signals and worker pre-exec setup for launchers (`weft run`).
+//! * [`limits`]: the open-files limit a rank's connections need, checked and raised.
 //!
-//! `unsafe` in this crate is confined to shared-memory mapping, atomics in shared memory,
-//! futex/pidfd system calls and the launcher's signal handler and pre-exec hook ([`process`]);
-//! each block carries a `// SAFETY:` comment.
+//! `unsafe` in this crate is confined to shared-memory mapping, atomics in shared memory and
+//! futex/pidfd system calls; each block carries a `// SAFETY:` comment. (The launcher's signal
+//! handler and pre-exec hook live with `weft run`, in the CLI binary.)
 
 pub mod conn;
 pub mod dial;
 pub mod error;
+pub mod limits;
 pub mod mem;
 pub mod mesh;
-pub mod model;
 pub mod mux;
 pub mod net;
-pub mod process;
 pub mod ring;
 pub mod shm;
 mod socket;

@@ -617,7 +617,7 @@ impl Mesh {
         // doorbell and the listeners.
         let per_peer =
             cfg.stripes.sockets() + usize::from(cfg.stripes.threads > 0) + cfg.stripes.threads;
-        if let Err(e) = crate::process::ensure_open_files((peers_at_most * per_peer) as u64 + 4) {
+        if let Err(e) = crate::limits::ensure_open_files((peers_at_most * per_peer) as u64 + 4) {
             // Every rank computes the same need against its limit: all fail alike.
             leave_together(store, ns, n, rank, &deadline)?;
             return Err(e);

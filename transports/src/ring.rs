@@ -4,8 +4,8 @@
 //! bytes the sender has written (it alone stores it), and `tail`, the bytes the receiver has
 //! consumed (it alone stores it). Each end keeps its own counter and the other's as last read,
 //! a lower bound of the real one: a stale value only under-states data or space. The shared-memory
-//! transport ([`crate::shm`]) runs these rules over counters in a mapped segment;
-//! `crate::model`'s tests run them over every interleaving of a small ring.
+//! transport ([`crate::shm`]) runs these rules over counters in a mapped segment; this module's
+//! tests run them over every interleaving of a small ring (`weftcc_testkit::model`).
 
 /// Why a counter read from the other end cannot be right.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +128,7 @@ impl RecvCursor {
 #[cfg(test)]
 mod model {
     use super::*;
-    use crate::model::{explore, Faulty, Model, Violation};
+    use weftcc_testkit::model::{explore, Faulty, Model, Violation};
 
     /// A doorbell (`H_DOORBELL`) and its sleeping count (`H_SLEEPING`), one per segment.
     #[derive(Clone, Copy, Default, PartialEq, Eq, Hash, Debug)]

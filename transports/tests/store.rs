@@ -406,7 +406,7 @@ fn get_all_larger_than_a_frame_is_answered_in_parts() {
 fn four_thousand_clients_all_gather_their_records() {
     const CLIENTS: usize = 4096;
     // Each client's socket and the server's end of it, in this one process.
-    if let Err(e) = weftcc_transports::process::ensure_open_files(2 * CLIENTS as u64) {
+    if let Err(e) = weftcc_transports::limits::ensure_open_files(2 * CLIENTS as u64) {
         eprintln!("skipping: {e}");
         return;
     }

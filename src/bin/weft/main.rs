@@ -10,7 +10,9 @@
 //! * `weft trace`: ask a running job's ranks to write their flight recorders (`dump`), and line
 //!   the files up (`merge`).
 
-#![forbid(unsafe_code)]
+// `deny` rather than `forbid`: `weft run`'s process control (run/process.rs) opts in for its
+// signal handler and pre-exec hook.
+#![deny(unsafe_code)]
 
 mod job;
 mod job_status;

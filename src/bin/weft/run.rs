@@ -10,6 +10,11 @@
 //! after a grace period, and output readers are waited for only briefly after the workers exit
 //! (a grandchild that keeps a pipe open cannot hold the launcher).
 
+// The launcher's two OS-edge `unsafe` calls (signal handler, pre-exec hook), each with its
+// `// SAFETY:` comment; the rest of the binary stays free of `unsafe`.
+#[allow(unsafe_code)]
+mod process;
+
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -20,9 +25,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
-use weftcc_transports::process::{
-    catch_termination_signals, launch_as_worker, take_pending_signal,
-};
+use process::{catch_termination_signals, launch_as_worker, take_pending_signal};
 use weftcc_transports::shm::remove_orphan_segments;
 
 /// How long stopped workers get between SIGTERM and SIGKILL.

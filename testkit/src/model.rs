@@ -1,8 +1,9 @@
-//! Exhaustive interleaving exploration for the concurrency protocols (the shared-memory ring and
-//! its doorbells here, the communicator's ticket protocol in `weftcc-comm`): a protocol is written
-//! as a [`Model`], a state machine whose threads each take one atomic step at a time, and
-//! [`explore`] visits every state any interleaving reaches, checking an invariant in each and
-//! that no reachable state leaves unfinished threads with nothing to do (a lost wake-up).
+//! Exhaustive interleaving exploration for the concurrency protocols (the shared-memory ring,
+//! its doorbells and the dial rule in `weftcc-transports`, the communicator's ticket protocol in
+//! `weftcc-comm`): a protocol is written as a [`Model`], a state machine whose threads each take
+//! one atomic step at a time, and [`explore`] visits every state any interleaving reaches,
+//! checking an invariant in each and that no reachable state leaves unfinished threads with
+//! nothing to do (a lost wake-up).
 //!
 //! Steps are sequentially consistent. That is exact for what the models check: the wake-up
 //! handshakes use `SeqCst` on both sides, and the counters they guard are single-writer and

@@ -1,0 +1,9 @@
+//! Test support for weftcc's crates; a dev-dependency only, never part of the library.
+//!
+//! * [`model`]: exhaustive interleaving exploration for the concurrency protocols (the
+//!   shared-memory ring and its doorbells and the dial handshake in `weftcc-transports`, the
+//!   communicator's ticket protocol in `weftcc-comm`).
+
+#![forbid(unsafe_code)]
+
+pub mod model;
