@@ -134,15 +134,31 @@ impl ScheduleCache {
 /// settings are fixed per communicator; the choice follows from the kind and the bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct CallShape {
-    pub(crate) kind: OpKind,
-    pub(crate) count: usize,
-    pub(crate) esize: usize,
-    pub(crate) root: usize,
+    kind: OpKind,
+    count: usize,
+    esize: usize,
+    root: usize,
     /// In-place all-to-all (the only collective whose schedule differs in place).
-    pub(crate) in_place: bool,
+    in_place: bool,
     /// Deterministic mode folds this call in rank order (a float reduction): an integer call of
     /// the same element size must not reuse its schedule, nor it an integer call's.
-    pub(crate) ordered: bool,
+    ordered: bool,
+}
+
+impl CallShape {
+    /// The shape of `call`, in place or not, on a communicator in deterministic mode or not:
+    /// the fields a call ignores (a root it has no use for) are left out, so they never split
+    /// the cache.
+    pub(crate) fn of(call: &RawOp, in_place: bool, deterministic: bool) -> CallShape {
+        CallShape {
+            kind: call.kind,
+            count: call.count,
+            esize: call.dtype.size(),
+            root: if call.has_root() { call.root } else { 0 },
+            in_place: in_place && call.kind == OpKind::AllToAll,
+            ordered: deterministic && call.order_sensitive(),
+        }
+    }
 }
 
 /// What makes two calls' schedules identical: the shape and the tuner's choice.

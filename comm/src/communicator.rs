@@ -9,7 +9,7 @@ use crate::env::LaunchInfo;
 use crate::error::{Error, Result};
 use crate::failure::ALARM_TIMEOUT;
 use crate::group::Group;
-use crate::inner::{Inner, Parts};
+use crate::inner::{Inner, StoreLinks};
 use crate::records::identity::RankIdentity;
 use crate::records::note::AbortCause;
 use crate::records::session_key;
@@ -184,19 +184,19 @@ impl Communicator {
             warn_unimplemented_protocols(&config.proto);
         }
         let deterministic = config.deterministic;
-        let inner = Arc::new(Inner::new(Parts {
-            rank,
-            size: nranks,
-            namespace,
+        let links = StoreLinks {
+            id: id.clone(),
+            client,
+            alarm,
+            host: store_host,
+        };
+        let inner = Arc::new(Inner::new(
+            (rank, nranks, namespace),
             config,
             tuner,
             mesh,
-            store: client,
-            alarm,
-            store_addr: id.addr.clone(),
-            token: id.token.clone(),
-            store_host,
-        }));
+            links,
+        ));
         let watcher = if nranks > 1 {
             let w = Arc::clone(&inner);
             Some(
@@ -569,10 +569,7 @@ impl Communicator {
                 seq: 0,
                 reason: "this rank is missing from its own split group".into(),
             })?;
-        let id = UniqueId {
-            addr: inner.store_addr.clone(),
-            token: inner.token.clone(),
-        };
+        let id = inner.id.clone();
         let client =
             StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
                 Error::Bootstrap {

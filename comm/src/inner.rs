@@ -3,7 +3,7 @@
 //! protocol in `failure`, progress and the flight recorder), and the path of one call through
 //! them: validate, take the turn, prepare the schedule, map the buffers, execute, record.
 
-use crate::bootstrap::StoreHost;
+use crate::bootstrap::{StoreHost, UniqueId};
 use crate::cache::{CallShape, Preparer, ScheduleCache};
 use crate::config::{sends_pinned, CommConfig};
 use crate::error::{Error, Result};
@@ -54,8 +54,8 @@ pub(crate) struct Inner {
     pub(crate) state: Mutex<State>,
     /// Connection to the bootstrap store for splits and connection set-up.
     pub(crate) store: Mutex<StoreClient>,
-    pub(crate) store_addr: String,
-    pub(crate) token: String,
+    /// The job's id: its store's address and token.
+    pub(crate) id: UniqueId,
     /// Keeps rank 0's store alive while any communicator using it lives.
     pub(crate) store_host: Option<Arc<StoreHost>>,
     pub(crate) splits: AtomicU64,
@@ -117,42 +117,43 @@ pub(crate) struct Run<'a> {
     pub(crate) collective_seq: u64,
 }
 
-/// Who the parts of an [`Inner`] are made for, and the connections they start from.
-pub(crate) struct Parts {
-    pub(crate) rank: usize,
-    pub(crate) size: usize,
-    pub(crate) namespace: String,
-    pub(crate) config: CommConfig,
-    pub(crate) tuner: Tuner,
-    pub(crate) mesh: Mesh,
-    pub(crate) store: StoreClient,
+/// A communicator's links to its job's bootstrap store: the job's id, a connection for set-up
+/// and splits, one for publishing failures, and (on the rank serving it) the store itself.
+pub(crate) struct StoreLinks {
+    pub(crate) id: UniqueId,
+    pub(crate) client: StoreClient,
+    /// With a short timeout: reporting an error must never wait long on a stuck store.
     pub(crate) alarm: StoreClient,
-    pub(crate) store_addr: String,
-    pub(crate) token: String,
-    pub(crate) store_host: Option<Arc<StoreHost>>,
+    pub(crate) host: Option<Arc<StoreHost>>,
 }
 
 impl Inner {
-    pub(crate) fn new(p: Parts) -> Inner {
+    /// Rank `rank` of `size` in the communicator `namespace`, over `mesh`.
+    pub(crate) fn new(
+        (rank, size, namespace): (usize, usize, String),
+        config: CommConfig,
+        tuner: Tuner,
+        mesh: Mesh,
+        links: StoreLinks,
+    ) -> Inner {
         Inner {
-            rank: p.rank,
-            size: p.size,
-            failures: Failures::new(p.rank, p.size, &p.namespace, p.alarm),
-            namespace: p.namespace,
-            tuner: p.tuner,
-            timeout_ms: AtomicU64::new(millis(p.config.timeout)),
-            trace: FlightRecorder::new(p.config.trace_buffer),
-            settings: p.config,
+            rank,
+            size,
+            failures: Failures::new(rank, size, &namespace, links.alarm),
+            namespace,
+            tuner,
+            timeout_ms: AtomicU64::new(millis(config.timeout)),
+            trace: FlightRecorder::new(config.trace_buffer),
+            settings: config,
             abort: AtomicBool::new(false),
             current: CurrentOp::default(),
             progress: Progress::default(),
             trace_dump_due: AtomicBool::new(false),
             turns: Turns::default(),
-            state: Mutex::new(State::new(p.mesh, p.size)),
-            store: Mutex::new(p.store),
-            store_addr: p.store_addr,
-            token: p.token,
-            store_host: p.store_host,
+            state: Mutex::new(State::new(mesh, size)),
+            store: Mutex::new(links.client),
+            id: links.id,
+            store_host: links.host,
             splits: AtomicU64::new(0),
             watcher_stop: AtomicBool::new(false),
         }
@@ -328,14 +329,7 @@ impl Inner {
         let mut entry = TraceEntry::start(call.kind, seq, call.dtype, count as u64);
         entry.redop = call.has_reduction().then_some(call.op);
         entry.root = call.has_root().then_some(call.root);
-        let shape = CallShape {
-            kind: call.kind,
-            count,
-            esize: call.dtype.size(),
-            root: if call.has_root() { call.root } else { 0 },
-            in_place: plan.in_place && call.kind == OpKind::AllToAll,
-            ordered: self.settings.deterministic && call.order_sensitive(),
-        };
+        let shape = CallShape::of(call, plan.in_place, self.settings.deterministic);
         let State {
             mesh,
             scratch,
@@ -505,7 +499,7 @@ impl Inner {
         let me = RankIdentity::this_process(self.size);
         TraceDump {
             format: TRACE_FORMAT.into(),
-            job: job_tag(&self.token),
+            job: job_tag(&self.id.token),
             namespace: self.namespace.clone(),
             rank: self.rank,
             nranks: self.size,
@@ -551,7 +545,7 @@ impl Inner {
             .unwrap_or_else(default_dump_dir);
         let dump = self.trace_dump(DumpReason::Request);
         let key = DumpRequest::answer_key(request.id, &self.namespace, self.rank);
-        let (addr, token) = (self.store_addr.clone(), self.token.clone());
+        let (addr, token) = (self.id.addr.clone(), self.id.token.clone());
         let spawned = std::thread::Builder::new()
             .name("weft-trace-dump".into())
             .spawn(move || {
