@@ -30,6 +30,7 @@ pub use weftcc_comm::{
     Tuner, UniqueId,
 };
 pub use weftcc_cuda as cuda;
+pub use weftcc_settings as settings;
 pub use weftcc_topology as topology;
 pub use weftcc_topology::tuner::{Protocol, Selection};
 pub use weftcc_transports as transports;

@@ -87,7 +87,7 @@ pub(crate) fn lib_fail(e: &Error) -> weftResult_t {
 /// The result code of a library error.
 pub(crate) fn code_of(e: &Error) -> weftResult_t {
     match e {
-        Error::InvalidArgument { .. } | Error::Config(_) => weftInvalidArgument,
+        Error::InvalidArgument { .. } | Error::Config(_) | Error::Setting(_) => weftInvalidArgument,
         // What this rank saw itself, or weftCommAbort called here; another rank's failure, its
         // timeout or its abort, learnt through the job, is a remote error.
         Error::Timeout {

@@ -28,7 +28,7 @@ impl UniqueId {
     /// `WEFT_SOCKET_IFNAME`) and returns its id. Call it on the process that will be rank 0.
     pub fn new() -> Result<UniqueId> {
         let ip = weftcc_transports::tcp::select_interface(
-            std::env::var("WEFT_SOCKET_IFNAME").ok().as_deref(),
+            weftcc_settings::SOCKET_IFNAME.value().as_deref(),
             None,
         )
         .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;

@@ -80,7 +80,7 @@ impl Communicator {
     ) -> Result<Communicator> {
         crate::logging::init();
         // The pure core reads no environment: the process-wide kernel choice is made here.
-        reduce::set_wide_kernels(std::env::var_os("WEFT_NO_AVX512").is_none());
+        reduce::set_wide_kernels(!weftcc_settings::NO_AVX512.flag()?);
         if nranks == 0 || rank >= nranks {
             return Err(Error::Config(format!(
                 "rank {rank} is out of range for {nranks} ranks"
@@ -137,7 +137,7 @@ impl Communicator {
             namespace: namespace.clone(),
             timeout: config.timeout,
             buffsize: config.buffsize,
-            shm_ll_max: shm_low_latency_max(&config.proto),
+            shm_ll_max: shm_low_latency_max(&config.proto)?,
             connect: config.connect,
             share_splits: config.split_share,
             net: config.net.clone(),

@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use std::time::Duration;
 use weftcc_collectives::{Algorithm, OpKind};
 use weftcc_topology::tuner::{Calibration, Protocol, Selection};
+use weftcc_transports::TransportError;
 pub use weftcc_transports::{parse_size, ConnectMode, InvalidSize};
 
 /// Default largest message (slice) of a pipelined transfer, in bytes (`WEFT_SLICE_BYTES`).
@@ -82,104 +83,69 @@ pub struct CommConfig {
 }
 
 impl CommConfig {
-    /// Defaults overridden by the environment.
+    /// Defaults overridden by the environment (the settings of `weftcc-settings`).
     pub fn from_env() -> Result<CommConfig> {
-        let size = |name: &str, default: usize| -> Result<usize> {
-            match std::env::var(name) {
-                Ok(v) if !v.trim().is_empty() => parse_size(&v)
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| Error::Config(format!("{name}={v:?} is not a positive size"))),
-                _ => Ok(default),
+        use weftcc_settings as s;
+        let backoff = Backoff::default();
+        let calibration = match s::CALIBRATION.path() {
+            Some(path) => {
+                let read = |e: String| s::CALIBRATION.invalid(&path.to_string_lossy(), e);
+                let text = std::fs::read_to_string(&path).map_err(|e| read(e.to_string()))?;
+                Some(Calibration::from_json(&text).map_err(|e| read(e.to_string()))?)
             }
-        };
-        let micros = |name: &str, default: Duration| -> Result<Duration> {
-            match std::env::var(name) {
-                Ok(v) if !v.trim().is_empty() => v
-                    .trim()
-                    .parse::<u64>()
-                    .map(Duration::from_micros)
-                    .map_err(|_| {
-                        Error::Config(format!("{name}={v:?} is not a number of microseconds"))
-                    }),
-                _ => Ok(default),
-            }
+            None => None,
         };
         Ok(CommConfig {
             timeout: env::timeout_from_env()?,
-            shm_disable: env::flag("WEFT_SHM_DISABLE"),
-            socket_ifname: std::env::var("WEFT_SOCKET_IFNAME")
-                .ok()
-                .filter(|s| !s.is_empty()),
+            shm_disable: s::SHM_DISABLE.flag()?,
+            socket_ifname: s::SOCKET_IFNAME.value(),
             host_id: weftcc_topology::host_id(),
-            buffsize: match std::env::var("WEFT_BUFFSIZE") {
-                Ok(v) if !v.trim().is_empty() => Some(size("WEFT_BUFFSIZE", 0)?),
-                _ => None,
-            },
-            split_share: env::flag("WEFT_SPLIT_SHARE"),
-            deterministic: env::flag("WEFT_DETERMINISTIC"),
-            net: weftcc_transports::net::NetChoice::from_env()
-                .map_err(|e| Error::Config(e.to_string()))?,
+            buffsize: s::BUFFSIZE.size()?,
+            split_share: s::SPLIT_SHARE.flag()?,
+            deterministic: s::DETERMINISTIC.flag()?,
+            net: weftcc_transports::net::NetChoice::from_env().map_err(config_error)?,
             stripes: weftcc_transports::tcp_stripes::StripePlan::from_env()
-                .map_err(|e| Error::Config(e.to_string()))?,
-            connect: match std::env::var("WEFT_CONNECT") {
-                Ok(v) if !v.trim().is_empty() => {
-                    ConnectMode::parse(&v).map_err(|e| Error::Config(e.to_string()))?
-                }
-                _ => ConnectMode::default(),
-            },
-            slice_bytes: size("WEFT_SLICE_BYTES", DEFAULT_SLICE_BYTES)?,
-            algo: Selection::from_env("WEFT_ALGO").map_err(|e| Error::Config(e.to_string()))?,
-            proto: Selection::from_env("WEFT_PROTO").map_err(|e| Error::Config(e.to_string()))?,
-            calibration: match std::env::var("WEFT_CALIBRATION") {
-                Ok(path) if !path.trim().is_empty() => {
-                    let text = std::fs::read_to_string(path.trim())
-                        .map_err(|e| Error::Config(format!("WEFT_CALIBRATION={path:?}: {e}")))?;
-                    Some(
-                        Calibration::from_json(&text).map_err(|e| {
-                            Error::Config(format!("WEFT_CALIBRATION={path:?}: {e}"))
-                        })?,
-                    )
-                }
-                _ => None,
-            },
+                .map_err(config_error)?,
+            connect: s::CONNECT
+                .parse(|v| ConnectMode::parse(v).map_err(|_| "eager or on-demand"))?
+                .unwrap_or_default(),
+            slice_bytes: s::SLICE_BYTES.size()?.unwrap_or(DEFAULT_SLICE_BYTES),
+            algo: Selection::from_setting(&s::ALGO).map_err(|e| Error::Config(e.to_string()))?,
+            proto: Selection::from_setting(&s::PROTO).map_err(|e| Error::Config(e.to_string()))?,
+            calibration,
             backoff: Backoff {
-                spin: micros("WEFT_SPIN_US", Backoff::default().spin)?,
-                yield_for: micros("WEFT_YIELD_US", Backoff::default().yield_for)?,
+                spin: s::SPIN_US.micros()?.unwrap_or(backoff.spin),
+                yield_for: s::YIELD_US.micros()?.unwrap_or(backoff.yield_for),
             },
-            oversubscribed_spin: match std::env::var("WEFT_SPIN_US") {
-                Ok(v) if !v.trim().is_empty() => None,
-                _ => Some(Duration::ZERO),
-            },
-            pinned_max_bytes: match std::env::var("WEFT_SHM_CMA_MAX_OP") {
-                Ok(v) if !v.trim().is_empty() => Some(size("WEFT_SHM_CMA_MAX_OP", 0)?),
-                _ => None,
-            },
-            trace_buffer: match std::env::var("WEFT_TRACE_BUFFER_SIZE") {
-                Ok(v) if !v.trim().is_empty() => v.trim().parse::<usize>().map_err(|_| {
-                    Error::Config(format!(
-                        "WEFT_TRACE_BUFFER_SIZE={v:?} is not a number of operations"
-                    ))
-                })?,
-                _ => crate::trace::DEFAULT_TRACE_BUFFER,
-            },
-            trace_dump_dir: std::env::var_os("WEFT_TRACE_DUMP_DIR")
-                .filter(|d| !d.is_empty())
-                .map(std::path::PathBuf::from),
+            oversubscribed_spin: (!s::SPIN_US.is_set()).then_some(Duration::ZERO),
+            pinned_max_bytes: s::SHM_CMA_MAX_OP.size()?,
+            trace_buffer: s::TRACE_BUFFER_SIZE
+                .number()?
+                .map_or(crate::trace::DEFAULT_TRACE_BUFFER, |n| n as usize),
+            trace_dump_dir: s::TRACE_DUMP_DIR.path(),
         })
+    }
+}
+
+/// A transport's configuration error as the communicator's: a setting that does not parse
+/// stays typed.
+fn config_error(e: TransportError) -> Error {
+    match e {
+        TransportError::Setting(s) => Error::Setting(s),
+        other => Error::Config(other.to_string()),
     }
 }
 
 /// The largest write shared memory sends as a low-latency message: `WEFT_SHM_LL_MAX` (default
 /// [`weftcc_transports::shm::LL_MAX`]), or 0 when `proto` excludes `LL` for every collective.
-pub(crate) fn shm_low_latency_max(proto: &Selection<Protocol>) -> usize {
+pub(crate) fn shm_low_latency_max(proto: &Selection<Protocol>) -> Result<usize> {
     let ll_allowed = weftcc_topology::tuner::Collective::ALL
         .into_iter()
         .any(|c| proto.allows(c, Protocol::Ll));
     if ll_allowed {
-        weftcc_transports::shm::ll_max_bytes()
+        weftcc_transports::shm::ll_max_bytes().map_err(config_error)
     } else {
-        0
+        Ok(0)
     }
 }
 
@@ -261,7 +227,7 @@ mod tests {
 
     #[test]
     fn weft_proto_turns_shared_memory_low_latency_messages_off_only_when_excluded_everywhere() {
-        let ll = weftcc_transports::shm::ll_max_bytes();
+        let ll = weftcc_transports::shm::ll_max_bytes().expect("WEFT_SHM_LL_MAX");
         assert!(ll > 0);
         for (spec, want) in [
             ("", ll),
@@ -271,7 +237,11 @@ mod tests {
             ("^LL", 0),
         ] {
             let proto = Selection::parse(spec).expect("spec");
-            assert_eq!(shm_low_latency_max(&proto), want, "WEFT_PROTO={spec:?}");
+            assert_eq!(
+                shm_low_latency_max(&proto).expect("settings"),
+                want,
+                "WEFT_PROTO={spec:?}"
+            );
         }
     }
 }

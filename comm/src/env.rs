@@ -38,11 +38,19 @@ pub struct LaunchInfo {
     pub token: String,
 }
 
+/// Whether a launcher (weft run, torchrun, srun, mpirun) started this process as one rank of a
+/// job: one of their rank variables is set.
+pub fn started_by_launcher() -> bool {
+    let vars = weftcc_settings::process_environment();
+    ["WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]
+        .iter()
+        .any(|k| vars.contains_key(*k))
+}
+
 impl LaunchInfo {
     /// Reads the process environment.
     pub fn from_env() -> Result<LaunchInfo> {
-        let vars: HashMap<String, String> = std::env::vars().collect();
-        Self::from_vars(&vars)
+        Self::from_vars(&weftcc_settings::process_environment())
     }
 
     /// Reads launch information from a map of environment variables.
@@ -227,34 +235,11 @@ fn first_count(v: Option<&str>) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// Reads `WEFT_TIMEOUT` (seconds, fractions allowed).
+/// Reads `WEFT_TIMEOUT` (seconds, fractions allowed; [`DEFAULT_TIMEOUT`] when unset).
 pub fn timeout_from_env() -> Result<Duration> {
-    match std::env::var("WEFT_TIMEOUT") {
-        Ok(v) if !v.trim().is_empty() => {
-            let secs: f64 = v.trim().parse().map_err(|_| {
-                Error::Config(format!("WEFT_TIMEOUT={v:?} is not a number of seconds"))
-            })?;
-            if !(secs > 0.0 && secs.is_finite()) {
-                return Err(Error::Config(format!(
-                    "WEFT_TIMEOUT={v:?} must be positive"
-                )));
-            }
-            Ok(Duration::from_secs_f64(secs))
-        }
-        _ => Ok(DEFAULT_TIMEOUT),
-    }
-}
-
-/// True when an environment flag is set to 1/true/yes/on.
-pub fn flag(name: &str) -> bool {
-    std::env::var(name)
-        .map(|v| {
-            matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "1" | "true" | "yes" | "on"
-            )
-        })
-        .unwrap_or(false)
+    Ok(weftcc_settings::TIMEOUT
+        .seconds()?
+        .unwrap_or(DEFAULT_TIMEOUT))
 }
 
 #[cfg(test)]

@@ -92,6 +92,9 @@ pub enum Error {
     /// The environment or configuration is incomplete or invalid.
     #[error("configuration: {0}")]
     Config(String),
+    /// A setting's value does not parse (it names the variable, the value and what it takes).
+    #[error("configuration: {0}")]
+    Setting(#[from] weftcc_settings::SettingError),
     /// An invariant of weftcc itself broke (a bug): reported instead of panicking.
     #[error("rank {rank}: internal error during {op} #{seq}: {reason}")]
     Internal {
@@ -152,7 +155,7 @@ impl Error {
             Error::Mismatch { .. } => "mismatch",
             Error::Transport { .. } => "transport",
             Error::Bootstrap { .. } => "bootstrap",
-            Error::Config(_) => "config",
+            Error::Config(_) | Error::Setting(_) => "config",
             Error::Internal { .. } => "internal",
         }
     }
@@ -213,7 +216,7 @@ impl Error {
                 rank: Some(*rank),
                 ..ErrorFacts::default()
             },
-            Error::Config(_) => ErrorFacts::default(),
+            Error::Config(_) | Error::Setting(_) => ErrorFacts::default(),
         }
     }
 
@@ -230,7 +233,10 @@ impl Error {
 
     /// True for errors that leave the communicator unusable.
     pub fn is_fatal(&self) -> bool {
-        !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))
+        !matches!(
+            self,
+            Error::InvalidArgument { .. } | Error::Config(_) | Error::Setting(_)
+        )
     }
 }
 

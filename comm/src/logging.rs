@@ -7,19 +7,19 @@
 pub fn init() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let Ok(level) = std::env::var("WEFT_DEBUG") else {
+        let Some(level) = weftcc_settings::DEBUG.value() else {
             return;
         };
-        let level = match level.trim().to_ascii_lowercase().as_str() {
-            "" | "none" | "off" => return,
+        let level = match level.to_ascii_lowercase().as_str() {
+            "none" | "off" => return,
             "warn" => "warn",
             "info" => "info",
             "debug" => "debug",
             "trace" => "trace",
             _ => "info",
         };
-        let filter = match std::env::var("WEFT_DEBUG_SUBSYS") {
-            Ok(subsys) if !subsys.trim().is_empty() && subsys.trim() != "ALL" => subsys
+        let filter = match weftcc_settings::DEBUG_SUBSYS.value() {
+            Some(subsys) if subsys != "ALL" => subsys
                 .split(',')
                 .map(|s| format!("weftcc::{}={level}", s.trim().to_ascii_lowercase()))
                 .collect::<Vec<_>>()

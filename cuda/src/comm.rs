@@ -66,30 +66,30 @@ pub enum Transport {
     Hierarchical,
 }
 
-/// `WEFT_CUDA_IPC=0` forces the staged transport.
-pub const IPC_ENV: &str = "WEFT_CUDA_IPC";
-/// `WEFT_CUDA_HIERARCHICAL=0` stages every operation of ranks on several hosts instead of
-/// using CUDA IPC inside each host.
-pub const HIERARCHICAL_ENV: &str = "WEFT_CUDA_HIERARCHICAL";
-/// `WEFT_CUDA_CHECK_HEADERS=0` skips the IPC path's operation-header exchange (`headers.rs`):
-/// enqueueing then never waits for the other ranks' CPUs, and mismatched collectives or
-/// send/recv sizes between the GPUs of one host go undetected (NCCL's behaviour). Default 1; if any rank sets 0, no
-/// rank checks (they must agree, or the checking ones would wait in the exchange).
-pub const CHECK_HEADERS_ENV: &str = "WEFT_CUDA_CHECK_HEADERS";
-/// Bytes per chunk of a staged all-reduce, broadcast or reduce (`staged.rs`): a larger call
-/// runs as one host operation per chunk, so the GPU's copy of one chunk to or from pinned
-/// memory overlaps the host network's work on another. 0 stages each call whole. Default
-/// [`DEFAULT_STAGE_CHUNK`]; the smallest of the ranks' settings is used (they must cut alike),
-/// and 0 when any rank's GPU lacks stream memory operations.
-pub const STAGE_CHUNK_ENV: &str = "WEFT_CUDA_STAGE_CHUNK";
-/// Default for [`STAGE_CHUNK_ENV`]: off. An earlier version of the chunked path measured
+// `WEFT_CUDA_IPC=0` forces the staged transport.
+// (Read through `weftcc_settings::CUDA_IPC`.)
+// `WEFT_CUDA_HIERARCHICAL=0` stages every operation of ranks on several hosts instead of
+// using CUDA IPC inside each host.
+// (Read through `weftcc_settings::CUDA_HIERARCHICAL`.)
+// `WEFT_CUDA_CHECK_HEADERS=0` skips the IPC path's operation-header exchange (`headers.rs`):
+// enqueueing then never waits for the other ranks' CPUs, and mismatched collectives or
+// send/recv sizes between the GPUs of one host go undetected (NCCL's behaviour). Default 1; if any rank sets 0, no
+// rank checks (they must agree, or the checking ones would wait in the exchange).
+// (Read through `weftcc_settings::CUDA_CHECK_HEADERS`.)
+// Bytes per chunk of a staged all-reduce, broadcast or reduce (`staged.rs`): a larger call
+// runs as one host operation per chunk, so the GPU's copy of one chunk to or from pinned
+// memory overlaps the host network's work on another. 0 stages each call whole. Default
+// [`DEFAULT_STAGE_CHUNK`]; the smallest of the ranks' settings is used (they must cut alike),
+// and 0 when any rank's GPU lacks stream memory operations.
+// (Read through `weftcc_settings::CUDA_STAGE_CHUNK`.)
+/// Default of `WEFT_CUDA_STAGE_CHUNK`: off. An earlier version of the chunked path measured
 /// 1.25–1.32× faster at 64–256 MiB (2 ranks staged, H200); this one has not run on a GPU yet.
 pub const DEFAULT_STAGE_CHUNK: usize = 0;
-/// Bytes per IPC slot (the largest message of a pipelined transfer); default
-/// [`DEFAULT_SLOT_BYTES`].
-pub const SLOT_ENV: &str = "WEFT_CUDA_SLOT_BYTES";
-/// Slots per peer (messages in flight per pair); default [`DEFAULT_DEPTH`].
-pub const DEPTH_ENV: &str = "WEFT_CUDA_DEPTH";
+// Bytes per IPC slot (the largest message of a pipelined transfer); default
+// [`DEFAULT_SLOT_BYTES`].
+// (Read through `weftcc_settings::CUDA_SLOT_BYTES`.)
+// Slots per peer (messages in flight per pair); default [`DEFAULT_DEPTH`].
+// (Read through `weftcc_settings::CUDA_DEPTH`.)
 /// Default IPC slot size. Every message costs a few stream operations (wait, copy or kernel,
 /// flag write) of some 15 µs together, so large slots carry the bandwidth: on an H100, 2-rank
 /// all-reduce of 512 MiB reached 63 GB/s bus bandwidth with 1 MiB slots, 306 with 16 MiB
@@ -99,15 +99,15 @@ pub const DEFAULT_SLOT_BYTES: usize = 16 << 20;
 /// (4 measured within 5 % of 2 with 16 MiB slots, for twice the memory). The inbox holds
 /// `(ranks - 1) × depth × slot` bytes: 32 MiB per peer by default.
 pub const DEFAULT_DEPTH: usize = 2;
-/// Largest all-reduce (bytes) that runs recursive doubling instead of the ring over IPC; 0
-/// always uses the ring. Default [`DEFAULT_RD_MAX`].
-pub const RD_MAX_ENV: &str = "WEFT_CUDA_RD_MAX";
-/// Smallest all-reduce (bytes) of the hierarchical transport that is sharded across hosts
-/// (reduce-scatter inside the host, all-reduce of each shard across, all-gather); smaller ones
-/// reduce to local rank 0, all-reduce among local ranks 0, broadcast inside the host. 0 always
-/// shards. Default `weftcc_collectives::tiers::DEFAULT_SHARD_MIN` (128 KiB).
-pub const SHARD_MIN_ENV: &str = "WEFT_CUDA_SHARD_MIN";
-/// Default for [`RD_MAX_ENV`]. Each message on the IPC path costs a fixed ~15–20 µs of stream
+// Largest all-reduce (bytes) that runs recursive doubling instead of the ring over IPC; 0
+// always uses the ring. Default [`DEFAULT_RD_MAX`].
+// (Read through `weftcc_settings::CUDA_RD_MAX`.)
+// Smallest all-reduce (bytes) of the hierarchical transport that is sharded across hosts
+// (reduce-scatter inside the host, all-reduce of each shard across, all-gather); smaller ones
+// reduce to local rank 0, all-reduce among local ranks 0, broadcast inside the host. 0 always
+// shards. Default `weftcc_collectives::tiers::DEFAULT_SHARD_MIN` (128 KiB).
+// (Read through `weftcc_settings::CUDA_SHARD_MIN`.)
+/// Default of `WEFT_CUDA_RD_MAX`. Each message on the IPC path costs a fixed ~15–20 µs of stream
 /// operations, and the ring's `2 (n - 1)` dependent steps pay it in series where recursive
 /// doubling's `log2 n` rounds (two more when `n` is not a power of two) move the whole buffer
 /// each: fewer, larger messages win until bandwidth dominates. On an H100 (ranks sharing it,
@@ -138,20 +138,41 @@ fn stream_mem_ops(ctx: &Context) -> bool {
     probe().is_ok()
 }
 
-/// A size from the environment where 0 is a valid value (unset or unparsable: `default`).
-fn env_bytes(name: &str, default: usize) -> usize {
-    env_size(name).unwrap_or(default)
+/// The device path's settings, read once when a device communicator is made. A value that
+/// does not parse fails the creation on every rank: it is checked with the others, like every
+/// choice made there (a rank that gave up alone would leave the others waiting).
+struct DeviceSettings {
+    gdr_level: weftcc_topology::PathClass,
+    ipc: bool,
+    hierarchical: bool,
+    check_headers: bool,
+    stage_chunk: usize,
+    slot_bytes: usize,
+    depth: usize,
+    rd_max: usize,
+    shard_min: usize,
 }
 
-/// A positive size from the environment (unset, unparsable or 0: `default`).
-fn env_usize(name: &str, default: usize) -> usize {
-    env_size(name).filter(|&v| v > 0).unwrap_or(default)
-}
-
-fn env_size(name: &str) -> Option<usize> {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| weftcc_comm::config::parse_size(&v).ok())
+impl DeviceSettings {
+    fn read() -> Result<DeviceSettings> {
+        use weftcc_settings as s;
+        let host = |e: weftcc_settings::SettingError| CudaError::Host(e.into());
+        Ok(DeviceSettings {
+            gdr_level: weftcc_topology::netpath::gdr_level_from_env()
+                .map_err(|e| CudaError::Other(e.to_string()))?,
+            ipc: s::CUDA_IPC.flag_or(true).map_err(host)?,
+            hierarchical: s::CUDA_HIERARCHICAL.flag_or(true).map_err(host)?,
+            check_headers: s::CUDA_CHECK_HEADERS.flag_or(true).map_err(host)?,
+            stage_chunk: (s::CUDA_STAGE_CHUNK.size().map_err(host)?).unwrap_or(DEFAULT_STAGE_CHUNK),
+            slot_bytes: (s::CUDA_SLOT_BYTES.size().map_err(host)?)
+                .unwrap_or(DEFAULT_SLOT_BYTES)
+                .next_multiple_of(16),
+            depth: (s::CUDA_DEPTH.number().map_err(host)?).map_or(DEFAULT_DEPTH, |d| d as usize),
+            rd_max: (s::CUDA_RD_MAX.size().map_err(host)?).unwrap_or(DEFAULT_RD_MAX),
+            shard_min: (s::CUDA_SHARD_MIN.size().map_err(host)?)
+                .unwrap_or(weftcc_collectives::tiers::DEFAULT_SHARD_MIN),
+        })
+    }
 }
 
 /// A device buffer argument, untyped: address and bytes.
@@ -275,9 +296,9 @@ pub struct DeviceComm {
     /// to the end of the enqueue, so that header order and enqueue order agree.
     headers: Mutex<HeaderSeqs>,
     /// IPC: whether collectives and send/recv groups exchange and compare their headers
-    /// ([`CHECK_HEADERS_ENV`]).
+    /// ([`weftcc_settings::CUDA_CHECK_HEADERS`]).
     check_headers: bool,
-    /// Staged: bytes per chunk of element-wise collectives ([`STAGE_CHUNK_ENV`], agreed).
+    /// Staged: bytes per chunk of element-wise collectives ([`weftcc_settings::CUDA_STAGE_CHUNK`], agreed).
     stage_chunk: usize,
     /// Wire code of the last operation enqueued (named in timeouts).
     last_op: AtomicU8,
@@ -311,7 +332,7 @@ static SHARED_GPU_WARNING: Once = Once::new();
 const REC: usize = 128;
 
 fn hostname() -> String {
-    std::env::var("WEFT_HOST_ID").unwrap_or_else(|_| {
+    weftcc_settings::HOST_ID.value().unwrap_or_else(|| {
         nix::unistd::gethostname()
             .map(|h| h.to_string_lossy().into_owned())
             .unwrap_or_else(|_| "unknown".into())
@@ -325,12 +346,12 @@ impl DeviceComm {
     pub fn new(host: Communicator, ctx: Context) -> Result<DeviceComm> {
         let (rank, size) = (host.rank(), host.size());
         // Checked with the other ranks: a rank that gave up alone would leave them waiting.
-        let gdr_level = weftcc_topology::netpath::gdr_level_from_env();
+        let settings = DeviceSettings::read();
         ctx.bind()?;
         // Local facts: host, GPU, and whether this rank can take part in IPC.
         let info = crate::driver::device_info(ctx.ordinal())?;
         let mem_ops = stream_mem_ops(&ctx);
-        let ipc_allowed = std::env::var(IPC_ENV).map_or(true, |v| v != "0");
+        let ipc_allowed = settings.as_ref().is_ok_and(|s| s.ipc);
         let kernels_ok = ctx.load_kernels();
         let mut mine = [0u8; REC];
         let h = hostname();
@@ -341,7 +362,7 @@ impl DeviceComm {
         mine[64..64 + bus.len()].copy_from_slice(bus);
         mine[120] = u8::from(mem_ops && ipc_allowed);
         mine[121] = u8::from(kernels_ok.is_ok());
-        mine[122] = u8::from(gdr_level.is_ok());
+        mine[122] = u8::from(settings.is_ok());
         let mut all = vec![0u8; REC * size];
         host.all_gather(&mine[..], &mut all[..])?;
         let field = |r: usize, a: usize, b: usize| {
@@ -350,12 +371,15 @@ impl DeviceComm {
             String::from_utf8_lossy(&s[..end]).into_owned()
         };
         if let Some(bad) = (0..size).find(|&r| all[r * REC + 122] == 0) {
-            return Err(CudaError::Other(match &gdr_level {
-                Err(e) if bad == rank => e.to_string(),
-                _ => format!("rank {bad}: its WEFT_NET_GDR_LEVEL is not a level (LOC…SYS, 0-4)"),
-            }));
+            return Err(match settings {
+                Err(e) if bad == rank => e,
+                _ => CudaError::Other(format!(
+                    "rank {bad}: one of its WEFT_* settings does not parse (its own error names it)"
+                )),
+            });
         }
-        let gdr_level = gdr_level.unwrap_or(weftcc_topology::netpath::DEFAULT_GDR_LEVEL);
+        let settings = settings?;
+        let gdr_level = settings.gdr_level;
         let hosts: Vec<String> = (0..size).map(|r| field(r, 0, 64)).collect();
         let layout = HostLayout::from_labels(&hosts);
         let one_host = layout.hosts() == 1;
@@ -394,7 +418,7 @@ impl DeviceComm {
         let all_flags = (0..size).all(|r| all[r * REC + 120] == 1 && all[r * REC + 121] == 1);
         // Hierarchical only where some host has several ranks (else it is staging with extra
         // steps; it also keeps the tiers, made by this function, from recursing).
-        let tiers_allowed = std::env::var(HIERARCHICAL_ENV).map_or(true, |v| v != "0");
+        let tiers_allowed = settings.hierarchical;
         let mut vote = [
             u8::from(one_host && p2p_ok && all_flags),
             u8::from(
@@ -435,11 +459,7 @@ impl DeviceComm {
                 log_paths(rank, &layout, &local, &cross, gdr_level);
                 // Every rank must shard the same calls (the plans differ otherwise): the
                 // smallest of the ranks' settings.
-                let mut shard_min =
-                    [
-                        env_bytes(SHARD_MIN_ENV, weftcc_collectives::tiers::DEFAULT_SHARD_MIN)
-                            as u64,
-                    ];
+                let mut shard_min = [settings.shard_min as u64];
                 host.all_reduce_in_place(&mut shard_min[..], ReduceOp::Min)?;
                 let shard_min = usize::try_from(shard_min[0]).unwrap_or(usize::MAX);
                 Some(Arc::new(Tiers::new(layout, local, cross, shard_min)))
@@ -466,11 +486,10 @@ impl DeviceComm {
         let mut stage_chunk = 0;
         let (ipc, proxy) = match transport {
             Transport::Ipc => {
-                let mut check = [u8::from(env_size(CHECK_HEADERS_ENV) != Some(0))];
+                let mut check = [u8::from(settings.check_headers)];
                 host.all_reduce_in_place(&mut check[..], ReduceOp::Min)?;
                 check_headers = check[0] == 1;
-                let slot = env_usize(SLOT_ENV, DEFAULT_SLOT_BYTES).next_multiple_of(16);
-                let depth = env_usize(DEPTH_ENV, DEFAULT_DEPTH);
+                let (slot, depth) = (settings.slot_bytes, settings.depth);
                 let peers = Arc::new(Mutex::new(IpcPeers::connect(&host, &ctx, slot, depth)?));
                 // When the host communicator fails (a rank died, timed out or aborted; another
                 // rank's failure as the watcher learns it), every GPU wait of ours is released
@@ -492,11 +511,7 @@ impl DeviceComm {
                 // Every rank must cut staged calls into the same chunks.
                 // Chunks only where every stream waits for the proxy by itself (stream memory
                 // operations): without, each piece would be waited for on the host.
-                let wanted = if mem_ops {
-                    env_bytes(STAGE_CHUNK_ENV, DEFAULT_STAGE_CHUNK)
-                } else {
-                    0
-                };
+                let wanted = if mem_ops { settings.stage_chunk } else { 0 };
                 let mut chunk = [wanted as u64];
                 host.all_reduce_in_place(&mut chunk[..], ReduceOp::Min)?;
                 stage_chunk = usize::try_from(chunk[0]).unwrap_or(usize::MAX);
@@ -512,7 +527,7 @@ impl DeviceComm {
             size,
             shared,
             ipc,
-            rd_max: env_bytes(RD_MAX_ENV, DEFAULT_RD_MAX),
+            rd_max: settings.rd_max,
             proxy,
             tiers,
             seq: AtomicU64::new(0),

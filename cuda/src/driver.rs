@@ -11,8 +11,7 @@ use crate::error::{CudaError, Result};
 use cudarc::driver::sys;
 use std::sync::OnceLock;
 
-/// Environment variable that makes weftcc behave as if no driver were installed (`1`).
-pub const DISABLE_ENV: &str = "WEFT_CUDA_DISABLE";
+use weftcc_settings::CUDA_DISABLE;
 
 /// The outcome of the one-time driver check of this process.
 static DRIVER: OnceLock<std::result::Result<(), String>> = OnceLock::new();
@@ -22,31 +21,30 @@ static NVRTC: OnceLock<std::result::Result<(), String>> = OnceLock::new();
 /// True when the CUDA driver library can be loaded and initialised (never panics). Cheap after
 /// the first call (no allocation): the C ABI asks it on every host call.
 pub fn driver_present() -> bool {
-    DRIVER
-        .get_or_init(|| {
-            let disabled = std::env::var(DISABLE_ENV).is_ok_and(|v| v == "1");
-            probe_driver(disabled)
-        })
-        .is_ok()
+    DRIVER.get_or_init(probe_unless_disabled).is_ok()
 }
 
 /// Checks once per process that the driver can be loaded and initialised; every driver call in
 /// this crate is reached only after this returned `Ok`.
 pub fn ensure_driver() -> Result<()> {
     DRIVER
-        .get_or_init(|| {
-            let disabled = std::env::var(DISABLE_ENV).is_ok_and(|v| v == "1");
-            probe_driver(disabled)
-        })
+        .get_or_init(probe_unless_disabled)
         .clone()
         .map_err(CudaError::NoDriver)
+}
+
+/// [`probe_driver`] as `WEFT_CUDA_DISABLE` says (a value that does not parse is the reason
+/// there is no driver).
+fn probe_unless_disabled() -> std::result::Result<(), String> {
+    let disabled = CUDA_DISABLE.flag().map_err(|e| e.to_string())?;
+    probe_driver(disabled)
 }
 
 /// The check behind [`ensure_driver`], without the process-wide cache (`disabled` stands for
 /// `WEFT_CUDA_DISABLE=1`), so tests can exercise the "absent" branch on any machine.
 pub(crate) fn probe_driver(disabled: bool) -> std::result::Result<(), String> {
     if disabled {
-        return Err(format!("{DISABLE_ENV}=1 is set"));
+        return Err(format!("{}=1 is set", CUDA_DISABLE.name));
     }
     // SAFETY: is_culib_present only tries to dlopen the library names and drops the handle; it
     // calls no driver function.
@@ -365,7 +363,7 @@ mod tests {
     fn guard_reports_no_driver_instead_of_panicking() {
         // The forced-absent branch runs on every machine.
         let e = probe_driver(true).unwrap_err();
-        assert!(e.contains(DISABLE_ENV), "{e}");
+        assert!(e.contains(CUDA_DISABLE.name), "{e}");
         // The real probe: on a machine without libcuda every entry point must return NoDriver
         // (cudarc would panic if any of them reached the FFI).
         let present = driver_present();

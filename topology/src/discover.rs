@@ -312,10 +312,8 @@ pub fn discover() -> Discovered {
 /// `/proc/sys/kernel/random/boot_id` is unreadable). Ranks with equal ids share a host: the
 /// communicator connects them with shared memory and lays out hierarchical algorithms by it.
 pub fn host_id() -> String {
-    if let Ok(id) = std::env::var("WEFT_HOST_ID") {
-        if !id.trim().is_empty() {
-            return id.trim().to_string();
-        }
+    if let Some(id) = weftcc_settings::HOST_ID.value() {
+        return id;
     }
     let host = hostname().unwrap_or_else(|| "unknown-host".into());
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")

@@ -6,8 +6,7 @@ use crate::error::{Result, TopoError};
 use crate::model::{class_rank, NicKind, PathClass, Topology};
 use serde::{Deserialize, Serialize};
 
-/// The variable naming the GPUDirect RDMA distance limit.
-pub const GDR_LEVEL_ENV: &str = "WEFT_NET_GDR_LEVEL";
+use weftcc_settings::NET_GDR_LEVEL;
 
 /// The default limit: through PCIe switches, not through the CPU's host bridge (NCCL's usual
 /// default on x86 servers).
@@ -37,16 +36,17 @@ pub fn parse_gdr_level(s: &str) -> Result<PathClass> {
             | PathClass::Sys),
         ) => Ok(c),
         _ => Err(TopoError::Invalid(format!(
-            "{GDR_LEVEL_ENV}={s:?}: expected LOC, PIX, PXB, PHB, NODE, SYS or 0-4"
+            "{}={s:?}: expected LOC, PIX, PXB, PHB, NODE, SYS or 0-4",
+            NET_GDR_LEVEL.name
         ))),
     }
 }
 
 /// The level from the environment (`WEFT_NET_GDR_LEVEL`, else [`DEFAULT_GDR_LEVEL`]).
 pub fn gdr_level_from_env() -> Result<PathClass> {
-    match std::env::var(GDR_LEVEL_ENV) {
-        Ok(v) => parse_gdr_level(&v),
-        Err(_) => Ok(DEFAULT_GDR_LEVEL),
+    match NET_GDR_LEVEL.value() {
+        Some(v) => parse_gdr_level(&v),
+        None => Ok(DEFAULT_GDR_LEVEL),
     }
 }
 

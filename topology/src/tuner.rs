@@ -690,17 +690,17 @@ where
         Ok(Selection { rules })
     }
 
-    /// Reads and parses an environment variable (unset or empty: no restriction).
-    pub fn from_env(var: &str) -> Result<Selection<T>> {
-        match std::env::var(var) {
-            Ok(v) => Selection::parse(&v).map_err(|e| {
+    /// Reads and parses a setting (`WEFT_ALGO`, `WEFT_PROTO`; unset or empty: no restriction).
+    pub fn from_setting(setting: &weftcc_settings::Setting) -> Result<Selection<T>> {
+        match setting.value() {
+            Some(v) => Selection::parse(&v).map_err(|e| {
                 let msg = match e {
                     TopoError::Tuner(m) => m,
                     other => other.to_string(),
                 };
-                TopoError::Tuner(format!("{var}={v:?}: {msg}"))
+                TopoError::Tuner(format!("{}={v:?}: {msg}", setting.name))
             }),
-            Err(_) => Ok(Selection::default()),
+            None => Ok(Selection::default()),
         }
     }
 

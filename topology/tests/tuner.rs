@@ -237,15 +237,27 @@ fn calibration_from_perf_rows_reproduces_them() {
 }
 
 #[test]
-fn env_errors_name_the_variable() {
-    // A variable name no other test uses.
-    std::env::set_var("WEFT_TOPO_TEST_ALGO", "ring,bogus");
-    let e = Selection::<Algorithm>::from_env("WEFT_TOPO_TEST_ALGO").unwrap_err();
+fn setting_errors_name_the_variable() {
+    // Settings no other test uses (a test may declare its own).
+    static ALGO: weftcc_settings::Setting = weftcc_settings::Setting {
+        name: "WEFT_TOPO_TEST_ALGO",
+        kind: weftcc_settings::Kind::Text,
+        default: "all",
+        doc: "test",
+    };
+    static UNSET: weftcc_settings::Setting = weftcc_settings::Setting {
+        name: "WEFT_TOPO_TEST_UNSET",
+        kind: weftcc_settings::Kind::Text,
+        default: "all",
+        doc: "test",
+    };
+    std::env::set_var(ALGO.name, "ring,bogus");
+    let e = Selection::<Algorithm>::from_setting(&ALGO).unwrap_err();
     assert_eq!(
         e.to_string(),
         "tuner: WEFT_TOPO_TEST_ALGO=\"ring,bogus\": unknown algorithm \"bogus\" (ring, tree, rd, hier)"
     );
-    assert!(Selection::<Algorithm>::from_env("WEFT_TOPO_TEST_UNSET")
+    assert!(Selection::<Algorithm>::from_setting(&UNSET)
         .unwrap()
         .is_unrestricted());
 }

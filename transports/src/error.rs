@@ -72,9 +72,12 @@ pub enum TransportError {
         /// The frame limit.
         limit: usize,
     },
-    /// A configuration value (environment variable, address) is invalid.
+    /// A configuration value (an address, a combination of settings) is invalid.
     #[error("configuration: {0}")]
     Config(String),
+    /// A setting's value does not parse.
+    #[error(transparent)]
+    Setting(#[from] weftcc_settings::SettingError),
     /// The bootstrap store was shut down cleanly by its owner (not a failure of the peer).
     #[error("bootstrap store closed")]
     StoreClosed,

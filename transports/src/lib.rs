@@ -12,10 +12,12 @@
 //!   the transport per pair; splits share their parent's connections.
 //! * [`mux`]: several communicators over one connection (frames per communicator).
 //!
-//! Environment variables read by this crate: `WEFT_BUFFSIZE` ([`shm::buffsize_from_env`]),
-//! `WEFT_SOCKET_FAMILY` ([`tcp::Family::from_env`], read by [`mesh::Mesh::establish`]) and the
-//! shared-memory tuning knobs (`WEFT_SHM_CMA*`, `WEFT_SHM_LL_MAX`). The runtime reads the rest
-//! of the configuration ([`MeshConfig`]) and passes it in.
+//! Settings read by this crate (through `weftcc-settings`, the one table of `WEFT_*`
+//! variables): `WEFT_SOCKET_FAMILY` ([`tcp::Family::from_env`], read by
+//! [`mesh::Mesh::establish`]), the shared-memory knobs (`WEFT_SHM_CMA*`, `WEFT_SHM_LL_MAX`),
+//! the TCP striping ([`tcp_stripes::StripePlan::from_env`]) and the network choice
+//! ([`net::NetChoice::from_env`]). The runtime reads the rest of the configuration
+//! ([`MeshConfig`]) and passes it in.
 //!
 //! * [`limits`]: the open-files limit a rank's connections need, checked and raised.
 //!
@@ -43,7 +45,8 @@ pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
 pub use mesh::{ConnectError, ConnectMode, Mesh, MeshConfig};
 pub use store::{StoreClient, StoreServer};
-pub use util::{fnv1a64, lock, parse_size, InvalidSize};
+pub use util::{fnv1a64, lock};
+pub use weftcc_settings::{parse_size, InvalidSize};
 
 /// A fresh random job token (32 hex characters) for launchers that start all ranks themselves.
 pub fn random_token() -> error::Result<String> {

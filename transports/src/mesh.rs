@@ -51,8 +51,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Default bootstrap timeout of [`MeshConfig::from_env`].
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Longest slice the mesh waiter sleeps on the futex before looking at TCP sockets again when it
 /// waits for both kinds of peers.
 pub const MIXED_WAIT_SLICE: Duration = Duration::from_micros(200);

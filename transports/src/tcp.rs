@@ -30,7 +30,7 @@ use crate::error::{Result, TransportError};
 pub use crate::socket::SOCKET_BUFFER_BYTES;
 use crate::socket::{accept_within, configure_stream, dial_socket, listen};
 use crate::tcp_stripes::{open_stripes, EngineSignal, Side, StripePlan, StripedTcp};
-use crate::util::{env_nonempty, fnv1a64, AlignedBuf, Deadline};
+use crate::util::{fnv1a64, AlignedBuf, Deadline};
 use nix::sys::eventfd::EventFd;
 use socket2::Socket;
 use std::collections::HashMap;
@@ -82,7 +82,8 @@ impl Family {
 
     /// The family requested by `WEFT_SOCKET_FAMILY`, if set.
     pub fn from_env() -> Result<Option<Family>> {
-        env_nonempty("WEFT_SOCKET_FAMILY")
+        weftcc_settings::SOCKET_FAMILY
+            .value()
             .map(|v| Family::parse(&v))
             .transpose()
     }

@@ -96,17 +96,9 @@ impl StripePlan {
     /// The plan `WEFT_SOCKET_NTHREADS` (0–16, default 0) and `WEFT_NSOCKS_PERTHREAD` (1–64,
     /// default 1) ask for; their product is at most [`MAX_SOCKETS`].
     pub fn from_env() -> Result<StripePlan> {
-        use crate::util::{env_var, ranged};
-        let threads = ranged(
-            "WEFT_SOCKET_NTHREADS",
-            env_var("WEFT_SOCKET_NTHREADS").as_deref(),
-            0..=16,
-        )?;
-        let per = ranged(
-            "WEFT_NSOCKS_PERTHREAD",
-            env_var("WEFT_NSOCKS_PERTHREAD").as_deref(),
-            1..=MAX_SOCKETS as u32,
-        )?;
+        use weftcc_settings::{NSOCKS_PERTHREAD, SOCKET_NTHREADS};
+        let threads = SOCKET_NTHREADS.number()?;
+        let per = NSOCKS_PERTHREAD.number()?;
         StripePlan::new(threads.unwrap_or(0) as usize, per.unwrap_or(1) as usize)
     }
 

@@ -23,42 +23,6 @@ pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A byte size that [`parse_size`] does not understand.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid size {0:?} (expected a number of bytes with an optional K, M, G or T suffix: 4194304, 512K, 4MiB, 1.5M)")]
-pub struct InvalidSize(pub String);
-
-/// Parses a byte size: `4194304`, `512K`, `4M`, `1G`, `1T` (powers of 1024, case-insensitive,
-/// optionally followed by `B` or `iB`: `64KB`, `4MiB`), and fractions with a suffix (`1.5M`).
-/// The one grammar of every size weftcc reads: `WEFT_BUFFSIZE` and friends, `weft perf -b/-e`.
-pub fn parse_size(text: &str) -> std::result::Result<usize, InvalidSize> {
-    let bad = || InvalidSize(text.to_string());
-    let lower = text.trim().to_ascii_lowercase();
-    let stripped = lower
-        .strip_suffix("ib")
-        .or_else(|| lower.strip_suffix('b'))
-        .unwrap_or(&lower);
-    let (digits, shift) = match stripped.chars().last() {
-        Some('k') => (&stripped[..stripped.len() - 1], 10),
-        Some('m') => (&stripped[..stripped.len() - 1], 20),
-        Some('g') => (&stripped[..stripped.len() - 1], 30),
-        Some('t') => (&stripped[..stripped.len() - 1], 40),
-        _ => (stripped, 0),
-    };
-    let digits = digits.trim();
-    if let Ok(n) = digits.parse::<usize>() {
-        return n.checked_mul(1usize << shift).ok_or_else(bad);
-    }
-    let scale = (1u64 << shift) as f64;
-    match digits.parse::<f64>() {
-        // A fraction only with a suffix, and only if it fits.
-        Ok(v) if shift > 0 && v.is_finite() && v >= 0.0 && v * scale < usize::MAX as f64 => {
-            Ok((v * scale) as usize)
-        }
-        _ => Err(bad()),
-    }
-}
-
 /// `nbytes` random bytes from the OS, as lowercase hex.
 pub(crate) fn random_hex(nbytes: usize) -> Result<String> {
     let mut b = vec![0u8; nbytes];
@@ -67,41 +31,6 @@ pub(crate) fn random_hex(nbytes: usize) -> Result<String> {
         message: e.to_string(),
     })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
-
-/// Reads an environment variable; unset or empty reads as `None`.
-pub(crate) fn env_nonempty(name: &str) -> Option<String> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => Some(v.trim().to_string()),
-        _ => None,
-    }
-}
-
-/// A set, non-blank environment variable.
-pub(crate) fn env_var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-/// The number `text` of variable `name`, checked against `range`; `None` when unset.
-pub(crate) fn ranged(
-    name: &str,
-    text: Option<&str>,
-    range: std::ops::RangeInclusive<u32>,
-) -> Result<Option<u32>> {
-    text.map(|t| {
-        t.trim()
-            .parse::<u32>()
-            .ok()
-            .filter(|v| range.contains(v))
-            .ok_or_else(|| {
-                TransportError::Config(format!(
-                    "{name}={t:?}: expected a number from {} to {}",
-                    range.start(),
-                    range.end()
-                ))
-            })
-    })
-    .transpose()
 }
 
 /// A point in time after which an operation gives up.
@@ -353,35 +282,6 @@ pub(crate) fn recv_fds(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ranged_numbers_are_checked() {
-        assert_eq!(ranged("X", None, 1..=16).unwrap(), None);
-        assert_eq!(ranged("X", Some(" 4 "), 1..=16).unwrap(), Some(4));
-        for bad in ["0", "17", "two", "-1"] {
-            let e = ranged("WEFT_IB_QPS_PER_CONNECTION", Some(bad), 1..=16).unwrap_err();
-            assert!(e.to_string().contains("from 1 to 16"), "{e}");
-        }
-    }
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4194304").unwrap(), 4 << 20);
-        assert_eq!(parse_size("512K").unwrap(), 512 << 10);
-        assert_eq!(parse_size("4m").unwrap(), 4 << 20);
-        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert!(parse_size("").is_err());
-        assert!(parse_size("x").is_err());
-        assert!(parse_size("99999999999999999999G").is_err());
-        assert_eq!(parse_size("64KB"), Ok(64 << 10));
-        assert_eq!(parse_size("8B"), Ok(8));
-        assert_eq!(parse_size("2T"), Ok(2 << 40));
-        assert_eq!(parse_size("1.5M"), Ok(3 << 19));
-        assert!(parse_size("1.5").is_err());
-        assert!(parse_size("-1").is_err());
-        assert!(parse_size("abc").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
 
     #[test]
     fn aligned() {

@@ -46,9 +46,9 @@ impl JobArgs {
         }
         let vars: HashMap<String, String> = match self.pid {
             Some(pid) => process_environment(pid)?,
-            None => std::env::vars().collect(),
+            None => weftcc::settings::process_environment(),
         };
-        if let Some(id) = vars.get("WEFT_UNIQUE_ID") {
+        if let Some(id) = vars.get(weftcc::settings::UNIQUE_ID.name) {
             return id.parse().map_err(|e: weftcc::Error| e.to_string());
         }
         let info = LaunchInfo::from_vars(&vars).map_err(|e| match self.pid {

@@ -165,12 +165,7 @@ fn options(args: &PerfArgs) -> Result<Options, String> {
     })
 }
 
-/// True when a launcher (weft run, torchrun, srun, mpirun) started this process as one rank.
-fn started_by_launcher() -> bool {
-    ["WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some())
-}
+use weftcc::comm::env::started_by_launcher;
 
 /// Entry point of `weft perf`.
 pub fn main(args: PerfArgs) -> i32 {
@@ -261,15 +256,14 @@ fn self_launch(np: usize) -> i32 {
     // Unbound by default: measured here (2 ranks, 8 B and 128 B all-reduce, alternating runs),
     // ranks pinned to cores were 5-10 % slower than ranks the kernel places; WEFT_CPU_BIND=core
     // pins them as mpirun pins OpenMPI's.
-    let cpu_bind = match std::env::var("WEFT_CPU_BIND") {
-        Ok(v) => match <CpuBind as clap::ValueEnum>::from_str(&v, true) {
-            Ok(b) => b,
-            Err(_) => {
-                eprintln!("weft perf: WEFT_CPU_BIND={v:?}: expected none or core");
-                return 2;
-            }
-        },
-        Err(_) => CpuBind::None,
+    let cpu_bind = weftcc::settings::CPU_BIND
+        .parse(|v| <CpuBind as clap::ValueEnum>::from_str(v, true).map_err(|_| "none or core"));
+    let cpu_bind = match cpu_bind {
+        Ok(b) => b.unwrap_or(CpuBind::None),
+        Err(e) => {
+            eprintln!("weft perf: {e}");
+            return 2;
+        }
     };
     let launch = Launch {
         nproc_per_node: np,
@@ -394,15 +388,7 @@ fn gather_ranks(comm: &Communicator) -> Result<Vec<(u64, u64, String)>, Error> {
     let host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "unknown".into());
-    let local: u64 = [
-        "WEFT_LOCAL_RANK",
-        "LOCAL_RANK",
-        "SLURM_LOCALID",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-    ]
-    .iter()
-    .find_map(|k| std::env::var(k).ok()?.parse().ok())
-    .unwrap_or(comm.rank() as u64);
+    let local = weftcc::LaunchInfo::from_env().map_or(comm.rank(), |i| i.local_rank) as u64;
     let mut mine = [0u8; REC];
     mine[..8].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
     mine[8..16].copy_from_slice(&local.to_le_bytes());

@@ -251,15 +251,16 @@ fn run(args: TopoArgs) -> Result<(), String> {
     let mut opts = ReportOptions {
         nhosts: args.hosts as usize,
         ranks_per_host: args.ranks.map(|r| r as usize),
-        algos: Selection::from_env("WEFT_ALGO").map_err(|e| e.to_string())?,
-        protos: Selection::from_env("WEFT_PROTO").map_err(|e| e.to_string())?,
+        algos: Selection::from_setting(&weftcc::settings::ALGO).map_err(|e| e.to_string())?,
+        protos: Selection::from_setting(&weftcc::settings::PROTO).map_err(|e| e.to_string())?,
         gdr_level: weftcc_topology::netpath::gdr_level_from_env().map_err(|e| e.to_string())?,
         ..ReportOptions::default()
     };
-    if let Ok(v) = std::env::var("WEFT_BUFFSIZE") {
-        opts.buffsize = Some(
-            weftcc_transports::parse_size(&v).map_err(|e| format!("WEFT_BUFFSIZE: {e}"))? as u64,
-        );
+    if let Some(bytes) = weftcc::settings::BUFFSIZE
+        .size()
+        .map_err(|e| e.to_string())?
+    {
+        opts.buffsize = Some(bytes as u64);
     }
     if let Some(p) = &args.calibration {
         opts.calibration = Some(

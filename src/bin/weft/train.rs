@@ -176,17 +176,16 @@ fn config(a: &TrainArgs) -> Result<TrainConfig, String> {
     })
 }
 
-fn launched() -> bool {
-    ["WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
+use weftcc::comm::env::started_by_launcher as launched;
+
+/// The restart count of torchrun's (and `weft run`'s) elastic agent.
+fn restart_count() -> String {
+    weftcc::settings::foreign("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
 }
 
 fn kill_hook() -> Option<(usize, u64)> {
-    let first_attempt = std::env::var("TORCHELASTIC_RESTART_COUNT")
-        .map(|v| v.trim() == "0")
-        .unwrap_or(true);
-    let spec = std::env::var("WEFT_TRAIN_KILL_AT").ok()?;
+    let first_attempt = restart_count() == "0";
+    let spec = weftcc::settings::TRAIN_KILL_AT.value()?;
     let (r, s) = spec.split_once(':')?;
     first_attempt.then_some((r.trim().parse().ok()?, s.trim().parse().ok()?))
 }
@@ -215,7 +214,7 @@ pub fn main(args: TrainArgs) -> i32 {
         println!(
             "weft train: {} ranks, restart {}, hidden {:?}, batch {} x accum {} x {} ranks, bucket {} B (first {} B), hook {:?}",
             comm.size(),
-            std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|_| "0".into()),
+            restart_count(),
             cfg.hidden,
             cfg.batch,
             cfg.accum,

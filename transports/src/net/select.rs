@@ -24,9 +24,10 @@
 use super::verbs::{VerbsConfig, VerbsProvider};
 use super::{ofi, NetError, Provider};
 use crate::error::{Result, TransportError};
-use crate::util::{env_var, lock, parse_size, ranged};
+use crate::util::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use weftcc_settings as settings;
 
 /// Default receive ring of a network connection.
 pub const DEFAULT_RING: usize = 2 << 20;
@@ -99,26 +100,21 @@ impl NetChoice {
 
     /// From `WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER` and `WEFT_NET_BUFFSIZE`.
     pub fn from_env() -> Result<NetChoice> {
-        let var = env_var;
-        let streams = ranged(
-            "WEFT_IB_QPS_PER_CONNECTION",
-            var("WEFT_IB_QPS_PER_CONNECTION").as_deref(),
-            1..=super::stream::MAX_STREAMS as u32,
-        )?;
-        let rendezvous = match var("WEFT_NET_RNDV_THRESHOLD") {
-            None => DEFAULT_RENDEZVOUS,
-            Some(text) => parse_size(&text)
-                .map_err(|e| TransportError::Config(format!("WEFT_NET_RNDV_THRESHOLD: {}", e.0)))?,
-        };
+        let streams = settings::IB_QPS_PER_CONNECTION.number()?;
+        let rendezvous = settings::NET_RNDV_THRESHOLD
+            .size()?
+            .unwrap_or(DEFAULT_RENDEZVOUS);
         Ok(NetChoice {
             verbs: VerbsConfig::from_env()?,
-            streams: streams.map_or(1, |n| n as usize),
+            streams: streams
+                .map_or(1, |n| n as usize)
+                .min(super::stream::MAX_STREAMS),
             rendezvous,
             ..NetChoice::parse(
-                var("WEFT_NET").as_deref(),
-                var("WEFT_IB_DISABLE").as_deref(),
-                var("WEFT_OFI_PROVIDER").as_deref(),
-                var("WEFT_NET_BUFFSIZE").as_deref(),
+                settings::NET.value().as_deref(),
+                settings::IB_DISABLE.value().as_deref(),
+                settings::OFI_PROVIDER.value().as_deref(),
+                settings::NET_BUFFSIZE.value().as_deref(),
             )?
         })
     }
@@ -142,26 +138,13 @@ impl NetChoice {
                 )))
             }
         };
-        let ib_disable = match ib_disable.map(str::trim) {
-            None | Some("0") => false,
-            Some("1") => true,
-            Some(other) => {
-                return Err(TransportError::Config(format!(
-                    "WEFT_IB_DISABLE={other:?}: expected 0 or 1"
-                )))
-            }
-        };
-        let ring = match buffsize {
+        let ib_disable = settings::IB_DISABLE.flag_in(ib_disable, false)?;
+        let ring = match settings::NET_BUFFSIZE.size_in(buffsize)? {
             None => DEFAULT_RING,
-            Some(text) => {
-                let n = parse_size(text)
-                    .map_err(|e| TransportError::Config(format!("WEFT_NET_BUFFSIZE: {}", e.0)))?;
-                if !(4096..=1 << 30).contains(&n) {
-                    return Err(TransportError::Config(format!(
-                        "WEFT_NET_BUFFSIZE={text}: expected 4K to 1G"
-                    )));
-                }
-                n.next_power_of_two()
+            Some(n) if n <= 1 << 30 => n.next_power_of_two(),
+            Some(_) => {
+                let text = buffsize.unwrap_or_default();
+                return Err(settings::NET_BUFFSIZE.invalid(text, "4K to 1G").into());
             }
         };
         Ok(NetChoice {
@@ -264,11 +247,17 @@ mod tests {
         );
         for bad in [
             NetChoice::parse(Some("infiniband"), None, None, None),
-            NetChoice::parse(None, Some("yes"), None, None),
+            NetChoice::parse(None, Some("maybe"), None, None),
             NetChoice::parse(None, None, None, Some("1k")),
             NetChoice::parse(None, None, None, Some("lots")),
         ] {
-            assert!(matches!(bad, Err(TransportError::Config(_))), "{bad:?}");
+            assert!(
+                matches!(
+                    bad,
+                    Err(TransportError::Config(_) | TransportError::Setting(_))
+                ),
+                "{bad:?}"
+            );
         }
     }
 

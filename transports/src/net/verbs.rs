@@ -135,12 +135,12 @@ impl Default for VerbsConfig {
 impl VerbsConfig {
     /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`.
     pub fn from_env() -> Result<VerbsConfig> {
-        let var = crate::util::env_var;
+        use weftcc_settings::{IB_GID_INDEX, IB_HCA, IB_RETRY_CNT, IB_TIMEOUT};
         VerbsConfig::parse(
-            var("WEFT_IB_HCA").as_deref(),
-            var("WEFT_IB_GID_INDEX").as_deref(),
-            var("WEFT_IB_TIMEOUT").as_deref(),
-            var("WEFT_IB_RETRY_CNT").as_deref(),
+            IB_HCA.value().as_deref(),
+            IB_GID_INDEX.value().as_deref(),
+            IB_TIMEOUT.value().as_deref(),
+            IB_RETRY_CNT.value().as_deref(),
         )
     }
 
@@ -151,13 +151,16 @@ impl VerbsConfig {
         timeout: Option<&str>,
         retry_cnt: Option<&str>,
     ) -> Result<VerbsConfig> {
-        let number = crate::util::ranged;
+        use weftcc_settings::{IB_GID_INDEX, IB_RETRY_CNT, IB_TIMEOUT};
         let d = VerbsConfig::default();
         Ok(VerbsConfig {
             hca: hca.map(HcaSpec::parse).transpose()?.unwrap_or_default(),
-            gid_index: number("WEFT_IB_GID_INDEX", gid_index, 0..=255)?,
-            timeout: number("WEFT_IB_TIMEOUT", timeout, 1..=31)?.map_or(d.timeout, |v| v as u8),
-            retry_cnt: number("WEFT_IB_RETRY_CNT", retry_cnt, 0..=7)?
+            gid_index: IB_GID_INDEX.number_in(gid_index)?.map(|v| v as u32),
+            timeout: IB_TIMEOUT
+                .number_in(timeout)?
+                .map_or(d.timeout, |v| v as u8),
+            retry_cnt: IB_RETRY_CNT
+                .number_in(retry_cnt)?
                 .map_or(d.retry_cnt, |v| v as u8),
         })
     }

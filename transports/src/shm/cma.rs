@@ -2,8 +2,9 @@
 //! [`super`]).
 
 use super::layout::MAGIC;
-use crate::util::{env_nonempty, parse_size};
+use crate::error::Result;
 use nix::errno::Errno;
+use weftcc_settings::{SHM_CMA, SHM_CMA_MIN};
 
 /// What peers read out of this process to prove that `process_vm_readv` works.
 pub(super) static CMA_COOKIE: u64 = MAGIC ^ 0x00c0_ffee_00c0_ffee;
@@ -14,16 +15,11 @@ pub(super) const CMA_STAGE_BYTES: usize = 256 << 10;
 
 /// Smallest write sent by reference instead of through the ring: `WEFT_SHM_CMA_MIN` bytes
 /// (default [`DEFAULT_CMA_MIN`]); `None` when `WEFT_SHM_CMA=0` disables single copy.
-pub fn cma_min_bytes() -> Option<usize> {
-    if env_nonempty("WEFT_SHM_CMA").is_some_and(|v| v == "0") {
-        return None;
+pub fn cma_min_bytes() -> Result<Option<usize>> {
+    if !SHM_CMA.flag_or(true)? {
+        return Ok(None);
     }
-    Some(
-        env_nonempty("WEFT_SHM_CMA_MIN")
-            .and_then(|v| parse_size(&v).ok())
-            .unwrap_or(DEFAULT_CMA_MIN)
-            .max(8),
-    )
+    Ok(Some(SHM_CMA_MIN.size()?.unwrap_or(DEFAULT_CMA_MIN).max(8)))
 }
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`; returns how many were copied.
 pub(super) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Result<usize, Errno> {

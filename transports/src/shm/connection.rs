@@ -80,7 +80,7 @@ impl ShmConnection {
         let tx_tail_seen = remote.u64_at(tx + R_TAIL).load(Ordering::Acquire);
         // Like the head above: continue after what the receiver has consumed.
         let tx_ll = remote.u64_at(tx + R_LL_DONE).load(Ordering::Acquire);
-        let cma_min = cma_min_bytes();
+        let cma_min = cma_min_bytes()?;
         let peer_pid = remote.owner_pid() as i32;
         if cma_min.is_some() {
             // Enable references on the ring the peer writes to us only if we can read its memory.
@@ -120,7 +120,7 @@ impl ShmConnection {
             stage: Vec::new(),
             stage_start: 0,
             stage_end: 0,
-            ll_max: ll_max_bytes(),
+            ll_max: ll_max_bytes()?,
             tx_ll,
             tx_ll_done_seen: tx_ll,
             rx_ll,

@@ -2,14 +2,13 @@
 //! (module docs of [`super`]).
 
 use super::layout::{LL_FIRST_DATA, LL_LINE_DATA, LL_MAX};
-use crate::util::{env_nonempty, parse_size};
+use crate::error::Result;
+use weftcc_settings::SHM_LL_MAX;
 
 /// Largest write a sender posts as a low-latency message: `WEFT_SHM_LL_MAX` bytes, clamped to
 /// [`LL_MAX`] (the default); 0 sends every write through the ring. Receivers always accept them.
-pub fn ll_max_bytes() -> usize {
-    env_nonempty("WEFT_SHM_LL_MAX")
-        .and_then(|v| parse_size(&v).ok())
-        .map_or(LL_MAX, |v| v.min(LL_MAX))
+pub fn ll_max_bytes() -> Result<usize> {
+    Ok(SHM_LL_MAX.size()?.map_or(LL_MAX, |v| v.min(LL_MAX)))
 }
 
 /// Lines a low-latency message of `len` bytes occupies.

@@ -106,6 +106,6 @@ pub use layout::{page_size, segment_size, LL_MAX};
 pub use low_latency::ll_max_bytes;
 pub use segment::{remove_orphan_segments, ORPHAN_GRACE};
 pub use space::{
-    auto_capacity, buffsize_from_env, check_host_shm, check_shm_space, host_shm_limits, ring_bytes,
-    ring_capacity, shm_free_bytes, DEFAULT_BUFFSIZE, MAX_BUFFSIZE, MIN_BUFFSIZE,
+    auto_capacity, check_host_shm, check_shm_space, host_shm_limits, ring_bytes, ring_capacity,
+    shm_free_bytes, DEFAULT_BUFFSIZE, MAX_BUFFSIZE, MIN_BUFFSIZE,
 };

@@ -2,7 +2,6 @@
 
 use super::layout::Layout;
 use crate::error::{Result, TransportError};
-use crate::util::{env_nonempty, parse_size};
 
 /// Default ring capacity (bytes per directed peer pair): 1 MiB. Four 256 KiB slices in flight
 /// keep large transfers pipelined, and a ring this small stays in cache (a larger one cycles
@@ -23,17 +22,6 @@ pub fn ring_capacity(requested: usize) -> usize {
         .checked_next_power_of_two()
         .unwrap_or(MAX_BUFFSIZE)
         .min(MAX_BUFFSIZE)
-}
-
-/// The ring capacity from `WEFT_BUFFSIZE` (bytes, `K`/`M`/`G` suffixes accepted), normalized by
-/// [`ring_capacity`]; [`DEFAULT_BUFFSIZE`] when unset.
-pub fn buffsize_from_env() -> Result<usize> {
-    match env_nonempty("WEFT_BUFFSIZE") {
-        Some(v) => parse_size(&v)
-            .map(ring_capacity)
-            .map_err(|e| TransportError::Config(format!("WEFT_BUFFSIZE: {e}"))),
-        None => Ok(DEFAULT_BUFFSIZE),
-    }
 }
 
 fn fmt_mib(bytes: u64) -> String {

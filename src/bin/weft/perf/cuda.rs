@@ -50,16 +50,9 @@ pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i3
     }
 }
 
+/// This rank's index on its host, as its launcher says (a job of one: its rank).
 fn local_rank(comm: &Communicator) -> usize {
-    [
-        "WEFT_LOCAL_RANK",
-        "LOCAL_RANK",
-        "SLURM_LOCALID",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-    ]
-    .iter()
-    .find_map(|k| std::env::var(k).ok()?.parse().ok())
-    .unwrap_or(comm.rank())
+    weftcc::LaunchInfo::from_env().map_or(comm.rank(), |i| i.local_rank)
 }
 
 fn run(comm: Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool, CudaError> {

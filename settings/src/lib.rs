@@ -1,0 +1,334 @@
+//! weftcc's settings: every `WEFT_*` environment variable the library, the CUDA path and the
+//! `weft` tool read, declared once in [`ALL`] (name, kind, default, one-line doc) with the
+//! parser its kind implies, in the spirit of NCCL's `NCCL_PARAM`. The process environment is
+//! read here and nowhere else (besides `weft run`, which writes its workers' environment):
+//! a `WEFT_*` variable through its [`Setting`], another program's variable (a launcher's
+//! `RANK`, SLURM's `SLURM_PROCID`, …) through [`foreign`] or [`process_environment`].
+//!
+//! A value that does not parse is a [`SettingError`] naming the variable, its value and what
+//! was expected; unset and empty (or blank) values read as unset everywhere.
+
+mod size;
+mod table;
+
+pub use size::{parse_size, InvalidSize};
+pub use table::*;
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::fmt::Display;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What a setting's value is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// On or off: `1`, `true`, `yes`, `on`, or `0`, `false`, `no`, `off` (any case).
+    Flag,
+    /// A whole number from `min` to `max`.
+    Number { min: u64, max: u64 },
+    /// A byte size ([`parse_size`]: `4194304`, `512K`, `4MiB`, `1.5M`) of at least `min`.
+    Size { min: usize },
+    /// Seconds, fractions allowed, more than zero.
+    Seconds,
+    /// Whole microseconds.
+    Micros,
+    /// Text in a grammar of its own, which its reader parses ([`Setting::parse`]).
+    Text,
+    /// A file or directory.
+    Path,
+    /// Written by `weft run` into its workers' environment (read back by the runtime).
+    Launcher,
+}
+
+/// One environment variable: its name, kind, default (as the docs state it) and meaning.
+#[derive(Debug)]
+pub struct Setting {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+/// A setting's value that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name}={value:?}: expected {expected}")]
+pub struct SettingError {
+    /// The variable.
+    pub name: &'static str,
+    /// Its value as set.
+    pub value: String,
+    /// What its kind allows.
+    pub expected: String,
+}
+
+impl Setting {
+    /// The value, trimmed; `None` when unset, empty or blank (or not Unicode).
+    pub fn value(&self) -> Option<String> {
+        let v = std::env::var(self.name).ok()?;
+        let v = v.trim();
+        (!v.is_empty()).then(|| v.to_string())
+    }
+
+    /// Whether the variable is set to something other than blanks.
+    pub fn is_set(&self) -> bool {
+        self.value().is_some()
+    }
+
+    /// The error for `value` of this setting.
+    pub fn invalid(&self, value: &str, expected: impl Into<String>) -> SettingError {
+        SettingError {
+            name: self.name,
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    /// The value through `parse` (a grammar its reader owns); `None` when unset. `parse`'s
+    /// error becomes what was expected.
+    pub fn parse<T, E: Display>(
+        &self,
+        parse: impl FnOnce(&str) -> Result<T, E>,
+    ) -> Result<Option<T>, SettingError> {
+        self.parse_in(self.value().as_deref(), parse)
+    }
+
+    /// [`Setting::parse`] of a value given (`None` or blank: unset) rather than read.
+    pub fn parse_in<T, E: Display>(
+        &self,
+        text: Option<&str>,
+        parse: impl FnOnce(&str) -> Result<T, E>,
+    ) -> Result<Option<T>, SettingError> {
+        let Some(v) = text.map(str::trim).filter(|v| !v.is_empty()) else {
+            return Ok(None);
+        };
+        parse(v)
+            .map(Some)
+            .map_err(|e| self.invalid(v, e.to_string()))
+    }
+
+    /// A [`Kind::Flag`]: `default` when unset.
+    pub fn flag_or(&self, default: bool) -> Result<bool, SettingError> {
+        self.flag_in(self.value().as_deref(), default)
+    }
+
+    /// A [`Kind::Flag`] that is off unless set.
+    pub fn flag(&self) -> Result<bool, SettingError> {
+        self.flag_or(false)
+    }
+
+    /// [`Setting::flag_or`] of a value given.
+    pub fn flag_in(&self, text: Option<&str>, default: bool) -> Result<bool, SettingError> {
+        debug_assert_eq!(self.kind, Kind::Flag, "{} is not a flag", self.name);
+        Ok(self.parse_in(text, parse_flag)?.unwrap_or(default))
+    }
+
+    /// A [`Kind::Number`], checked against its range.
+    pub fn number(&self) -> Result<Option<u64>, SettingError> {
+        self.number_in(self.value().as_deref())
+    }
+
+    /// [`Setting::number`] of a value given.
+    pub fn number_in(&self, text: Option<&str>) -> Result<Option<u64>, SettingError> {
+        let Kind::Number { min, max } = self.kind else {
+            debug_assert!(false, "{} is not a number", self.name);
+            return Ok(None);
+        };
+        self.parse_in(text, |v| {
+            v.parse::<u64>()
+                .ok()
+                .filter(|n| (min..=max).contains(n))
+                .ok_or(format!("a whole number from {min} to {max}"))
+        })
+    }
+
+    /// A [`Kind::Size`] in bytes, at least its minimum.
+    pub fn size(&self) -> Result<Option<usize>, SettingError> {
+        self.size_in(self.value().as_deref())
+    }
+
+    /// [`Setting::size`] of a value given.
+    pub fn size_in(&self, text: Option<&str>) -> Result<Option<usize>, SettingError> {
+        let Kind::Size { min } = self.kind else {
+            debug_assert!(false, "{} is not a size", self.name);
+            return Ok(None);
+        };
+        self.parse_in(text, |v| {
+            parse_size(v).ok().filter(|&n| n >= min).ok_or(if min > 0 {
+                format!("a size of at least {min} bytes (4194304, 512K, 4MiB, 1.5M)")
+            } else {
+                "a size (4194304, 512K, 4MiB, 1.5M)".to_string()
+            })
+        })
+    }
+
+    /// A [`Kind::Seconds`].
+    pub fn seconds(&self) -> Result<Option<Duration>, SettingError> {
+        debug_assert_eq!(self.kind, Kind::Seconds, "{} is not in seconds", self.name);
+        self.parse(|v| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s > 0.0 && s.is_finite())
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or("a positive number of seconds")
+        })
+    }
+
+    /// A [`Kind::Micros`].
+    pub fn micros(&self) -> Result<Option<Duration>, SettingError> {
+        debug_assert_eq!(self.kind, Kind::Micros, "{} is not in µs", self.name);
+        self.parse(|v| {
+            v.parse::<u64>()
+                .map(Duration::from_micros)
+                .map_err(|_| "a whole number of microseconds")
+        })
+    }
+
+    /// A [`Kind::Path`] (any bytes the platform allows); `None` when unset or empty.
+    pub fn path(&self) -> Option<PathBuf> {
+        debug_assert_eq!(self.kind, Kind::Path, "{} is not a path", self.name);
+        std::env::var_os(self.name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    }
+}
+
+/// The one grammar of on/off values.
+fn parse_flag(v: &str) -> Result<bool, &'static str> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err("1, true, yes or on; 0, false, no or off"),
+    }
+}
+
+/// The setting named `name`, if weftcc declares one.
+pub fn find(name: &str) -> Option<&'static Setting> {
+    ALL.iter().copied().find(|s| s.name == name)
+}
+
+/// A variable of another program that weftcc reads (a launcher's `RANK`, SLURM's
+/// `SLURM_PROCID`, OpenMP's `OMP_NUM_THREADS`, …), trimmed; `None` when unset or blank.
+/// weftcc's own variables are read through their [`Setting`].
+pub fn foreign(name: &str) -> Option<String> {
+    debug_assert!(
+        !name.starts_with("WEFT_"),
+        "{name} is weftcc's own: use its Setting"
+    );
+    let v = std::env::var(name).ok()?;
+    let v = v.trim();
+    (!v.is_empty()).then(|| v.to_string())
+}
+
+/// Whether another program's variable is present at all (even empty or not Unicode).
+pub fn foreign_present(name: &str) -> bool {
+    std::env::var_os(name).is_some()
+}
+
+/// The whole process environment (Unicode entries), for readers of a launcher's variables
+/// that look at many names at once (`LaunchInfo::from_env`, `weft status --pid` of this
+/// process).
+pub fn process_environment() -> HashMap<String, String> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
+/// A `WEFT_*` variable's raw value, as the operating system holds it (for a launcher that
+/// passes a setting on unchanged).
+pub fn raw(setting: &Setting) -> Option<OsString> {
+    std::env::var_os(setting.name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_var<R>(name: &str, value: &str, f: impl FnOnce() -> R) -> R {
+        // Each test uses variables of its own, so tests running in parallel do not meet.
+        std::env::set_var(name, value);
+        let r = f();
+        std::env::remove_var(name);
+        r
+    }
+
+    static T_FLAG: Setting = Setting {
+        name: "WEFT_SETTINGS_TEST_FLAG",
+        kind: Kind::Flag,
+        default: "off",
+        doc: "",
+    };
+    static T_NUM: Setting = Setting {
+        name: "WEFT_SETTINGS_TEST_NUM",
+        kind: Kind::Number { min: 1, max: 16 },
+        default: "1",
+        doc: "",
+    };
+    static T_SIZE: Setting = Setting {
+        name: "WEFT_SETTINGS_TEST_SIZE",
+        kind: Kind::Size { min: 1 },
+        default: "1M",
+        doc: "",
+    };
+    static T_SECS: Setting = Setting {
+        name: "WEFT_SETTINGS_TEST_SECS",
+        kind: Kind::Seconds,
+        default: "600",
+        doc: "",
+    };
+
+    #[test]
+    fn values_parse_by_kind_and_bad_ones_name_the_variable() {
+        assert_eq!(T_FLAG.flag(), Ok(false));
+        assert_eq!(with_var(T_FLAG.name, " On ", || T_FLAG.flag()), Ok(true));
+        assert_eq!(
+            with_var(T_FLAG.name, "0", || T_FLAG.flag_or(true)),
+            Ok(false)
+        );
+        assert_eq!(
+            with_var(T_FLAG.name, "  ", || T_FLAG.flag_or(true)),
+            Ok(true)
+        );
+        let e = with_var(T_FLAG.name, "maybe", || T_FLAG.flag()).unwrap_err();
+        assert_eq!(e.name, "WEFT_SETTINGS_TEST_FLAG");
+        assert!(e
+            .to_string()
+            .starts_with("WEFT_SETTINGS_TEST_FLAG=\"maybe\": expected"));
+
+        assert_eq!(with_var(T_NUM.name, " 4 ", || T_NUM.number()), Ok(Some(4)));
+        for bad in ["0", "17", "-1", "x", "4.5"] {
+            let e = with_var(T_NUM.name, bad, || T_NUM.number()).unwrap_err();
+            assert_eq!(e.expected, "a whole number from 1 to 16", "{bad}");
+        }
+        assert_eq!(
+            with_var(T_SIZE.name, "4MiB", || T_SIZE.size()),
+            Ok(Some(4 << 20))
+        );
+        assert!(with_var(T_SIZE.name, "0", || T_SIZE.size()).is_err());
+        assert!(with_var(T_SIZE.name, "lots", || T_SIZE.size()).is_err());
+        assert_eq!(
+            with_var(T_SECS.name, "0.5", || T_SECS.seconds()),
+            Ok(Some(Duration::from_millis(500)))
+        );
+        for bad in ["0", "-3", "inf", "NaN", "1e30", "soon"] {
+            assert!(
+                with_var(T_SECS.name, bad, || T_SECS.seconds()).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_declared_name_is_weft_and_unique() {
+        let mut names: Vec<&str> = ALL.iter().map(|s| s.name).collect();
+        assert!(names.iter().all(|n| n.starts_with("WEFT_")));
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "a variable is declared twice");
+        assert!(
+            ALL.iter().all(|s| !s.doc.is_empty()),
+            "every setting says what it is"
+        );
+    }
+}

@@ -1,0 +1,151 @@
+//! The table: one declaration per variable. README.md's configuration table lists exactly these
+//! (a test holds the two together).
+
+use crate::{Kind, Setting};
+
+/// Declares each setting as a `pub static` and lists them all in [`ALL`].
+macro_rules! settings {
+    ($( $ident:ident = $name:literal, $kind:expr, $default:literal, $doc:literal; )*) => {
+        $(
+            #[doc = $doc]
+            pub static $ident: Setting = Setting {
+                name: $name,
+                kind: $kind,
+                default: $default,
+                doc: $doc,
+            };
+        )*
+        /// Every setting, in declaration order.
+        pub static ALL: &[&Setting] = &[$(&$ident),*];
+    };
+}
+
+use Kind::*;
+
+settings! {
+    // The communicator.
+    TIMEOUT = "WEFT_TIMEOUT", Seconds, "600",
+        "Seconds an operation may go without progress before it fails with a timeout.";
+    CONNECT = "WEFT_CONNECT", Text, "on demand",
+        "`eager` connects every pair of ranks at start-up instead of on first use.";
+    SPLIT_SHARE = "WEFT_SPLIT_SHARE", Flag, "off",
+        "Splits share their parent's connections (every rank must set it alike).";
+    DETERMINISTIC = "WEFT_DETERMINISTIC", Flag, "off",
+        "Floating-point reductions fold every element in rank order: bitwise identical results.";
+    SLICE_BYTES = "WEFT_SLICE_BYTES", Size { min: 1 }, "256K",
+        "Largest message of a pipelined transfer.";
+    ALGO = "WEFT_ALGO", Text, "all",
+        "Algorithms the tuner may pick, in NCCL_ALGO syntax.";
+    PROTO = "WEFT_PROTO", Text, "all",
+        "Protocols, in NCCL_PROTO syntax.";
+    CALIBRATION = "WEFT_CALIBRATION", Path, "built-in figures",
+        "Measured link figures for the tuner (a file from `weft topo --save-calibration`).";
+    SPIN_US = "WEFT_SPIN_US", Micros, "2",
+        "Microseconds an idle rank spins before it yields the CPU.";
+    YIELD_US = "WEFT_YIELD_US", Micros, "1000",
+        "Microseconds an idle rank yields the CPU before it sleeps.";
+    NO_AVX512 = "WEFT_NO_AVX512", Flag, "off",
+        "f16/bf16 reductions use the portable kernels even where the CPU has AVX-512.";
+    TRACE_BUFFER_SIZE = "WEFT_TRACE_BUFFER_SIZE", Number { min: 0, max: 1 << 24 }, "2000",
+        "Operations the flight recorder keeps per communicator (0: none).";
+    TRACE_DUMP_DIR = "WEFT_TRACE_DUMP_DIR", Path, "unset",
+        "Directory the flight recorder is written to when a communicator fails.";
+    DEBUG = "WEFT_DEBUG", Text, "off",
+        "Log level on stderr: WARN, INFO, DEBUG or TRACE.";
+    DEBUG_SUBSYS = "WEFT_DEBUG_SUBSYS", Text, "all",
+        "Subsystems to log: INIT, NET, SHM, BOOTSTRAP, OP, TUNING, ERROR.";
+    HOST_ID = "WEFT_HOST_ID", Text, "hostname + boot id",
+        "This host's identity: ranks with equal ids use shared memory.";
+    CPU_BIND = "WEFT_CPU_BIND", Text, "none",
+        "`core` pins local rank k to the k-th allowed CPU; `none` leaves placement to the kernel.";
+
+    // Shared memory.
+    SHM_DISABLE = "WEFT_SHM_DISABLE", Flag, "off",
+        "Use TCP between ranks of one host.";
+    BUFFSIZE = "WEFT_BUFFSIZE", Size { min: 1 }, "1M",
+        "Shared-memory ring per connected peer.";
+    SHM_CMA = "WEFT_SHM_CMA", Flag, "on",
+        "The single-copy path (process_vm_readv); 0 sends every byte through the ring.";
+    SHM_CMA_MIN = "WEFT_SHM_CMA_MIN", Size { min: 0 }, "64K",
+        "Smallest message sent by reference.";
+    SHM_CMA_MAX_OP = "WEFT_SHM_CMA_MAX_OP", Size { min: 1 }, "no bound",
+        "Largest operation sent single-copy.";
+    SHM_LL_MAX = "WEFT_SHM_LL_MAX", Size { min: 0 }, "440",
+        "Largest write sent as a low-latency message (0: none).";
+
+    // TCP.
+    SOCKET_IFNAME = "WEFT_SOCKET_IFNAME", Text, "all but lo, docker*",
+        "Interfaces for TCP: prefixes, ^ excludes, = exact.";
+    SOCKET_FAMILY = "WEFT_SOCKET_FAMILY", Text, "IPv4 first",
+        "AF_INET or AF_INET6.";
+    SOCKET_NTHREADS = "WEFT_SOCKET_NTHREADS", Number { min: 0, max: 16 }, "0",
+        "Helper threads per TCP connection.";
+    NSOCKS_PERTHREAD = "WEFT_NSOCKS_PERTHREAD", Number { min: 1, max: 64 }, "1",
+        "Sockets per helper thread.";
+
+    // Networks with one-sided writes.
+    NET = "WEFT_NET", Text, "auto",
+        "Network between hosts: ib, ofi, socket (or loopback, auto).";
+    IB_DISABLE = "WEFT_IB_DISABLE", Flag, "off",
+        "No InfiniBand in the automatic choice.";
+    IB_HCA = "WEFT_IB_HCA", Text, "the first active port",
+        "Verbs devices and ports, NCCL syntax.";
+    IB_GID_INDEX = "WEFT_IB_GID_INDEX", Number { min: 0, max: 255 }, "the first RoCE v2 IPv4 entry",
+        "GID table entry for RoCE.";
+    IB_TIMEOUT = "WEFT_IB_TIMEOUT", Number { min: 1, max: 31 }, "20",
+        "Queue-pair ACK timeout exponent.";
+    IB_RETRY_CNT = "WEFT_IB_RETRY_CNT", Number { min: 0, max: 7 }, "7",
+        "Queue-pair retries before a write fails.";
+    IB_QPS_PER_CONNECTION = "WEFT_IB_QPS_PER_CONNECTION", Number { min: 1, max: 16 }, "1",
+        "Endpoints (queue pairs) per network connection.";
+    OFI_PROVIDER = "WEFT_OFI_PROVIDER", Text, "the first with RDMA hardware",
+        "libfabric provider.";
+    NET_BUFFSIZE = "WEFT_NET_BUFFSIZE", Size { min: 4096 }, "2M",
+        "Receive ring of each network connection (power of two, 4K to 1G).";
+    NET_RNDV_THRESHOLD = "WEFT_NET_RNDV_THRESHOLD", Size { min: 0 }, "0",
+        "Smallest copied message a waiting receiver offers to be written straight into.";
+    NET_GDR_LEVEL = "WEFT_NET_GDR_LEVEL", Text, "PXB",
+        "Farthest GPU-NIC path for GPUDirect RDMA: LOC, PIX, PXB, PHB, NODE, SYS or 0-4.";
+
+    // GPUs.
+    CUDA_DISABLE = "WEFT_CUDA_DISABLE", Flag, "off",
+        "Act as if no CUDA driver were installed.";
+    CUDA_IPC = "WEFT_CUDA_IPC", Flag, "on",
+        "CUDA IPC between the GPUs of a host; 0 forces the staged transport.";
+    CUDA_HIERARCHICAL = "WEFT_CUDA_HIERARCHICAL", Flag, "on",
+        "IPC inside each host when ranks span hosts; 0 stages every operation.";
+    CUDA_CHECK_HEADERS = "WEFT_CUDA_CHECK_HEADERS", Flag, "on",
+        "Operation headers exchanged on the IPC path (mismatch detection).";
+    CUDA_STAGE_CHUNK = "WEFT_CUDA_STAGE_CHUNK", Size { min: 0 }, "0",
+        "Bytes per chunk of a staged all-reduce, broadcast or reduce (0: whole).";
+    CUDA_SLOT_BYTES = "WEFT_CUDA_SLOT_BYTES", Size { min: 1 }, "16M",
+        "Bytes per IPC slot.";
+    CUDA_DEPTH = "WEFT_CUDA_DEPTH", Number { min: 1, max: 64 }, "2",
+        "IPC slots per peer.";
+    CUDA_RD_MAX = "WEFT_CUDA_RD_MAX", Size { min: 0 }, "4M",
+        "Largest all-reduce run by recursive doubling over IPC (0: always the ring).";
+    CUDA_SHARD_MIN = "WEFT_CUDA_SHARD_MIN", Size { min: 0 }, "128K",
+        "Smallest hierarchical all-reduce sharded across hosts.";
+
+    // Written by `weft run` for its workers.
+    RANK = "WEFT_RANK", Launcher, "",
+        "This worker's rank.";
+    WORLD_SIZE = "WEFT_WORLD_SIZE", Launcher, "",
+        "Ranks in the job.";
+    LOCAL_RANK = "WEFT_LOCAL_RANK", Launcher, "",
+        "This worker's rank on its host.";
+    LOCAL_WORLD_SIZE = "WEFT_LOCAL_WORLD_SIZE", Launcher, "",
+        "Ranks on this host.";
+    MASTER_ADDR = "WEFT_MASTER_ADDR", Launcher, "",
+        "Address of the job's bootstrap store.";
+    MASTER_PORT = "WEFT_MASTER_PORT", Launcher, "",
+        "Port of the job's bootstrap store.";
+    JOB_TOKEN = "WEFT_JOB_TOKEN", Launcher, "",
+        "The job's token (authenticates to its store).";
+
+    // The `weft` tool.
+    UNIQUE_ID = "WEFT_UNIQUE_ID", Text, "unset",
+        "A job's unique id in a rank's environment: `weft status --pid` and `weft trace --pid` read it.";
+    TRAIN_KILL_AT = "WEFT_TRAIN_KILL_AT", Text, "unset",
+        "`weft train` fault injection: `RANK:STEP` exits that rank at that step (first attempt).";
+}
