@@ -7,6 +7,11 @@
 //! `Avg` (a division) and `PreMulSum` with a non-integral result can round; there the tolerance is
 //! two units in the last place of the type (the library rounds the exact sum once to the type,
 //! then divides in f32 or f64 and rounds again).
+//!
+//! `cargo test` runs a slice of the matrix (`Extent::Slice`): every collective, type, reduction,
+//! count, placement and wire on 1, 2, 3 and 8 ranks, rotated so that every pair of dimensions
+//! still meets (`ci_slices_cover_every_pair` checks it) but not their whole product. The
+//! `full_*` tests (`#[ignore]`d) run all of it: `scripts/full_matrix.sh`.
 
 mod common;
 
@@ -284,7 +289,7 @@ fn run_case<T: Val>(
     None
 }
 
-/// The small counts every case runs (the large one is added in `run_colls`).
+/// The small counts every case runs (the large one is `LARGE`).
 fn counts(n: usize) -> Vec<usize> {
     let mut c = vec![0, 1, 2 * n + 1, 1001];
     if n > 2 {
@@ -293,43 +298,145 @@ fn counts(n: usize) -> Vec<usize> {
     c
 }
 
-fn run_type<T: Val>(comm: &Communicator, large: bool, errors: &mut Vec<String>) {
-    run_colls::<T>(comm, &COLLS, large, errors)
+/// Millions of elements: the pipelined path.
+const LARGE: usize = (4 << 20) + 3;
+
+/// The element types, numbered for `Case::ty` (the slices rotate through them in this order).
+const TYPES: [&str; 10] = [
+    "i8", "u8", "i32", "u32", "i64", "u64", "f16", "f32", "f64", "bf16",
+];
+
+/// One call of the matrix on every rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Case {
+    coll: Coll,
+    /// Index into `TYPES`.
+    ty: usize,
+    op: ReduceOp,
+    count: usize,
+    in_place: bool,
 }
 
-fn run_colls<T: Val>(comm: &Communicator, colls: &[Coll], large: bool, errors: &mut Vec<String>) {
-    let n = comm.size();
-    for &c in colls {
-        let ops: &[ReduceOp] = if has_op(c) { &OPS } else { &[ReduceOp::Sum] };
-        for &op in ops {
-            for count in counts(n) {
+/// How much of the matrix a test runs.
+#[derive(Clone, Copy, Debug)]
+enum Extent {
+    /// All of it: every reduction of every type at the small counts; at the large count every
+    /// reduction for the types marked so and Sum for the others (the pipelined path depends on
+    /// the element size, not on the reduction). `scripts/full_matrix.sh` runs these.
+    Full,
+    /// CI's slice `k` of a list of `of` cases (rank count × wire): every collective, type, small
+    /// count and placement, but each type with two reductions, rotating with the type and `k`,
+    /// and the large count for the types `p` with `p ≡ k (mod min(of, types))` only, so that
+    /// over the list every pair of dimensions still meets (checked by
+    /// `ci_slices_cover_every_pair`).
+    Slice { k: usize, of: usize },
+}
+
+/// The cases of one test on `n` ranks: `types` are `(type, every reduction at the large count
+/// in the full matrix)`, in the order they run.
+fn cases(n: usize, colls: &[Coll], types: &[(usize, bool)], extent: Extent) -> Vec<Case> {
+    let mut out = Vec::new();
+    for (p, &(ty, all_large)) in types.iter().enumerate() {
+        let (small, large): (Vec<ReduceOp>, Vec<ReduceOp>) = match extent {
+            Extent::Full => {
+                let large = if all_large {
+                    OPS.to_vec()
+                } else {
+                    vec![ReduceOp::Sum]
+                };
+                (OPS.to_vec(), large)
+            }
+            Extent::Slice { k, of } => {
+                let two = vec![OPS[(p + k) % OPS.len()], OPS[(p + k + 3) % OPS.len()]];
+                let q = of.min(types.len());
+                let large = if p % q == k % q { two.clone() } else { vec![] };
+                (two, large)
+            }
+        };
+        for &c in colls {
+            let ops = |list: &[ReduceOp]| -> Vec<ReduceOp> {
+                match (has_op(c), list.is_empty()) {
+                    (true, _) | (false, true) => list.to_vec(),
+                    (false, false) => vec![ReduceOp::Sum],
+                }
+            };
+            for op in ops(&small) {
+                for count in counts(n) {
+                    for in_place in [false, true] {
+                        out.push(Case {
+                            coll: c,
+                            ty,
+                            op,
+                            count,
+                            in_place,
+                        });
+                    }
+                }
+            }
+            for op in ops(&large) {
                 for in_place in [false, true] {
-                    errors.extend(run_case::<T>(comm, c, op, count, in_place));
+                    let count = LARGE;
+                    out.push(Case {
+                        coll: c,
+                        ty,
+                        op,
+                        count,
+                        in_place,
+                    });
                 }
             }
         }
-        // Millions of elements (the pipelined path): every collective and placement with Sum,
-        // and with every reduction where `large` asks for it.
-        let large_ops: &[ReduceOp] = if large && has_op(c) {
-            &OPS
-        } else {
-            &[ReduceOp::Sum]
+    }
+    out
+}
+
+/// Runs `cases` on this rank, adding a description of each wrong one to `errors`.
+fn run_cases(comm: &Communicator, cases: &[Case], errors: &mut Vec<String>) {
+    for &Case {
+        coll,
+        ty,
+        op,
+        count,
+        in_place,
+    } in cases
+    {
+        let wrong = match ty {
+            0 => run_case::<i8>(comm, coll, op, count, in_place),
+            1 => run_case::<u8>(comm, coll, op, count, in_place),
+            2 => run_case::<i32>(comm, coll, op, count, in_place),
+            3 => run_case::<u32>(comm, coll, op, count, in_place),
+            4 => run_case::<i64>(comm, coll, op, count, in_place),
+            5 => run_case::<u64>(comm, coll, op, count, in_place),
+            6 => run_case::<f16>(comm, coll, op, count, in_place),
+            7 => run_case::<f32>(comm, coll, op, count, in_place),
+            8 => run_case::<f64>(comm, coll, op, count, in_place),
+            9 => run_case::<bf16>(comm, coll, op, count, in_place),
+            _ => unreachable!("type {ty}"),
         };
-        for &op in large_ops {
-            for in_place in [false, true] {
-                errors.extend(run_case::<T>(comm, c, op, (4 << 20) + 3, in_place));
-            }
-        }
+        errors.extend(wrong);
     }
 }
 
-fn matrix(n: usize, wire: Wire) {
+/// The matrix's types: every reduction at the large count for i8 and f32 (element sizes 1 and
+/// 4), Sum for the others.
+const MATRIX_TYPES: [(usize, bool); 10] = [
+    (0, true),
+    (1, false),
+    (2, false),
+    (3, false),
+    (4, false),
+    (5, false),
+    (6, false),
+    (7, true),
+    (8, false),
+    (9, false),
+];
+
+fn matrix(n: usize, wire: Wire, extent: Extent) {
     if wire == Wire::Net && !common::net_available() {
         return;
     }
-    // Every type, reduction and count (small ones and 4 Mi + 3 elements) for every collective;
-    // at the large count every reduction for i8 and f32 (element sizes 1 and 4) and Sum for the
-    // other types (the pipelined path depends on the element size, not on the reduction).
+    let cases = cases(n, &COLLS, &MATRIX_TYPES, extent);
     let errors = with_ranks(n, wire, |rank, comm| {
         let mut errors = Vec::new();
         if matches!(wire, Wire::Net | Wire::NetLoopback) && n > 1 {
@@ -343,16 +450,7 @@ fn matrix(n: usize, wire: Wire) {
                 ));
             }
         }
-        run_type::<i8>(comm, true, &mut errors);
-        run_type::<u8>(comm, false, &mut errors);
-        run_type::<i32>(comm, false, &mut errors);
-        run_type::<u32>(comm, false, &mut errors);
-        run_type::<i64>(comm, false, &mut errors);
-        run_type::<u64>(comm, false, &mut errors);
-        run_type::<f16>(comm, false, &mut errors);
-        run_type::<f32>(comm, true, &mut errors);
-        run_type::<f64>(comm, false, &mut errors);
-        run_type::<bf16>(comm, false, &mut errors);
+        run_cases(comm, &cases, &mut errors);
         errors
     });
     assert_all_right(errors);
@@ -369,13 +467,33 @@ fn assert_all_right(per_rank: Vec<Vec<String>>) {
     );
 }
 
+/// The forced algorithms' types: i8, u32, i64, f16, f32 (every reduction at the large count),
+/// bf16, f64.
+const FORCED_TYPES: [(usize, bool); 7] = [
+    (0, false),
+    (3, false),
+    (4, false),
+    (6, false),
+    (7, true),
+    (9, false),
+    (8, false),
+];
+
 /// The collectives `WEFT_ALGO=spec` affects, run with that choice forced (so every algorithm
 /// is covered at every size, not only where the tuner would pick it). `hosts` gives each rank's
 /// host: ranks of one host use `wire`, ranks of different hosts TCP.
-fn forced(n: usize, wire: Wire, spec: &str, colls: &[Coll], hosts: Option<&[usize]>) {
+fn forced(
+    n: usize,
+    wire: Wire,
+    spec: &str,
+    colls: &[Coll],
+    hosts: Option<&[usize]>,
+    extent: Extent,
+) {
     if wire == Wire::Net && !common::net_available() {
         return;
     }
+    let cases = cases(n, colls, &FORCED_TYPES, extent);
     let mut cfg = common::config(wire);
     cfg.algo = Selection::parse(spec).expect("algorithm spec");
     let errors = common::with_ranks_configs(
@@ -391,125 +509,343 @@ fn forced(n: usize, wire: Wire, spec: &str, colls: &[Coll], hosts: Option<&[usiz
         },
         |_, comm| {
             let mut errors = Vec::new();
-            run_colls::<i8>(comm, colls, false, &mut errors);
-            run_colls::<u32>(comm, colls, false, &mut errors);
-            run_colls::<i64>(comm, colls, false, &mut errors);
-            run_colls::<f16>(comm, colls, false, &mut errors);
-            run_colls::<f32>(comm, colls, true, &mut errors);
-            run_colls::<bf16>(comm, colls, false, &mut errors);
-            run_colls::<f64>(comm, colls, false, &mut errors);
+            run_cases(comm, &cases, &mut errors);
             errors
         },
     );
     assert_all_right(errors);
 }
 
-#[test]
-fn ring_all_reduce_at_every_size() {
-    for (n, wire) in [
-        (2, Wire::Shm),
-        (3, Wire::Tcp),
-        (5, Wire::Shm),
-        (8, Wire::Shm),
-        (4, Wire::Net),
-        (2, Wire::TcpStriped),
-    ] {
-        forced(n, wire, "ring", &[Coll::AllReduce], None);
+/// CI runs slice `k` of a list of `of` (rank count, wire) cases; the full matrix all of each.
+fn extent(full: bool, k: usize, of: usize) -> Extent {
+    if full {
+        Extent::Full
+    } else {
+        Extent::Slice { k, of }
     }
 }
+
+/// Runs `forced` for every (rank count, wire) of `list`.
+fn forced_list(list: &[(usize, Wire)], spec: &str, colls: &[Coll], full: bool) {
+    for (k, &(n, wire)) in list.iter().enumerate() {
+        forced(n, wire, spec, colls, None, extent(full, k, list.len()));
+    }
+}
+
+const RING: [(usize, Wire); 6] = [
+    (2, Wire::Shm),
+    (3, Wire::Tcp),
+    (5, Wire::Shm),
+    (8, Wire::Shm),
+    (4, Wire::Net),
+    (2, Wire::TcpStriped),
+];
+
+#[test]
+fn ring_all_reduce_at_every_size() {
+    forced_list(&RING, "ring", &[Coll::AllReduce], false);
+}
+
+#[test]
+#[ignore = "full matrix: scripts/full_matrix.sh"]
+fn full_ring_all_reduce_at_every_size() {
+    forced_list(&RING, "ring", &[Coll::AllReduce], true);
+}
+
+const RD_ALL_REDUCE: [(usize, Wire); 5] = [
+    (2, Wire::Tcp),
+    (3, Wire::Shm),
+    (4, Wire::Shm),
+    (6, Wire::Tcp),
+    (8, Wire::Shm),
+];
 
 #[test]
 fn recursive_doubling_all_reduce_at_every_size() {
-    for (n, wire) in [
-        (2, Wire::Tcp),
-        (3, Wire::Shm),
-        (4, Wire::Shm),
-        (6, Wire::Tcp),
-        (8, Wire::Shm),
-    ] {
-        forced(n, wire, "rd", &[Coll::AllReduce], None);
-    }
+    forced_list(&RD_ALL_REDUCE, "rd", &[Coll::AllReduce], false);
 }
 
-/// `rd` for all-gather: recursive doubling where it is implemented (power-of-two rank counts, up
-/// to `RD_ALL_GATHER_MAX_BYTES`), the ring elsewhere.
+#[test]
+#[ignore = "full matrix: scripts/full_matrix.sh"]
+fn full_recursive_doubling_all_reduce_at_every_size() {
+    forced_list(&RD_ALL_REDUCE, "rd", &[Coll::AllReduce], true);
+}
+
+/// `rd` for all-gather and reduce-scatter: recursive doubling and halving where they are
+/// implemented (power-of-two rank counts, up to `RD_ALL_GATHER_MAX_BYTES` and
+/// `RD_REDUCE_SCATTER_MAX_BYTES`), the ring elsewhere.
+const RD: [(usize, Wire); 4] = [
+    (2, Wire::Tcp),
+    (4, Wire::Shm),
+    (8, Wire::Shm),
+    (3, Wire::Shm),
+];
+
 #[test]
 fn recursive_doubling_all_gather_at_every_size() {
-    for (n, wire) in [
-        (2, Wire::Tcp),
-        (4, Wire::Shm),
-        (8, Wire::Shm),
-        (3, Wire::Shm),
-    ] {
-        forced(n, wire, "rd", &[Coll::AllGather], None);
-    }
+    forced_list(&RD, "rd", &[Coll::AllGather], false);
 }
 
-/// `rd` for reduce-scatter: recursive halving where it is implemented (power-of-two rank
-/// counts, up to `RD_REDUCE_SCATTER_MAX_BYTES`), the ring elsewhere.
+#[test]
+#[ignore = "full matrix: scripts/full_matrix.sh"]
+fn full_recursive_doubling_all_gather_at_every_size() {
+    forced_list(&RD, "rd", &[Coll::AllGather], true);
+}
+
 #[test]
 fn recursive_halving_reduce_scatter_at_every_size() {
-    for (n, wire) in [
-        (2, Wire::Tcp),
-        (4, Wire::Shm),
-        (8, Wire::Shm),
-        (3, Wire::Shm),
-    ] {
-        forced(n, wire, "rd", &[Coll::ReduceScatter], None);
-    }
+    forced_list(&RD, "rd", &[Coll::ReduceScatter], false);
 }
+
+#[test]
+#[ignore = "full matrix: scripts/full_matrix.sh"]
+fn full_recursive_halving_reduce_scatter_at_every_size() {
+    forced_list(&RD, "rd", &[Coll::ReduceScatter], true);
+}
+
+const TREE: [(usize, Wire); 5] = [
+    (2, Wire::Shm),
+    (3, Wire::Tcp),
+    (5, Wire::Shm),
+    (8, Wire::Shm),
+    (4, Wire::Net),
+];
+const TREE_COLLS: [Coll; 3] = [Coll::AllReduce, Coll::Broadcast, Coll::Reduce];
 
 #[test]
 fn tree_algorithms_at_every_size() {
-    let colls = [Coll::AllReduce, Coll::Broadcast, Coll::Reduce];
-    for (n, wire) in [
-        (2, Wire::Shm),
-        (3, Wire::Tcp),
-        (5, Wire::Shm),
-        (8, Wire::Shm),
-        (4, Wire::Net),
-    ] {
-        forced(n, wire, "tree", &colls, None);
+    forced_list(&TREE, "tree", &TREE_COLLS, false);
+}
+
+#[test]
+#[ignore = "full matrix: scripts/full_matrix.sh"]
+fn full_tree_algorithms_at_every_size() {
+    forced_list(&TREE, "tree", &TREE_COLLS, true);
+}
+
+/// 2 hosts x 2 ranks (interleaved), uneven hosts (1 + 3 + 2 ranks), one rank per host.
+const HIER: [(Wire, &[usize]); 3] = [
+    (Wire::Shm, &[0, 1, 0, 1]),
+    (Wire::Shm, &[0, 1, 1, 2, 2, 1]),
+    (Wire::Tcp, &[0, 1, 2]),
+];
+
+fn hierarchical(full: bool) {
+    for (k, (wire, hosts)) in HIER.into_iter().enumerate() {
+        let extent = extent(full, k, HIER.len());
+        forced(
+            hosts.len(),
+            wire,
+            "hier",
+            &[Coll::AllReduce],
+            Some(hosts),
+            extent,
+        );
     }
 }
 
 #[test]
 fn hierarchical_all_reduce_at_every_size() {
-    // 2 hosts x 2 ranks (interleaved), uneven hosts (1 + 3 + 2 ranks), one rank per host.
-    let cases: [(Wire, &[usize]); 3] = [
-        (Wire::Shm, &[0, 1, 0, 1]),
-        (Wire::Shm, &[0, 1, 1, 2, 2, 1]),
-        (Wire::Tcp, &[0, 1, 2]),
-    ];
-    for (wire, hosts) in cases {
-        forced(hosts.len(), wire, "hier", &[Coll::AllReduce], Some(hosts));
-    }
+    hierarchical(false);
+}
+
+#[test]
+#[ignore = "full matrix: scripts/full_matrix.sh"]
+fn full_hierarchical_all_reduce_at_every_size() {
+    hierarchical(true);
+}
+
+/// The matrix's (rank count, wire) cases: CI's, each running its slice of the list (1, 2, 3 and
+/// 8 ranks; every wire), then the full matrix's others.
+const MATRIX: [(&str, usize, Wire); 16] = [
+    ("shm_1_rank", 1, Wire::Shm),
+    ("shm_2_ranks", 2, Wire::Shm),
+    ("shm_3_ranks", 3, Wire::Shm),
+    ("shm_8_ranks", 8, Wire::Shm),
+    ("tcp_1_rank", 1, Wire::Tcp),
+    ("tcp_2_ranks", 2, Wire::Tcp),
+    ("tcp_3_ranks", 3, Wire::Tcp),
+    ("tcp_striped_3_ranks", 3, Wire::TcpStriped),
+    ("net_2_ranks", 2, Wire::Net),
+    ("net_3_ranks", 3, Wire::Net),
+    ("net_loopback_3_ranks", 3, Wire::NetLoopback),
+    ("shm_4_ranks", 4, Wire::Shm),
+    ("shm_5_ranks", 5, Wire::Shm),
+    ("tcp_4_ranks", 4, Wire::Tcp),
+    ("tcp_5_ranks", 5, Wire::Tcp),
+    ("tcp_8_ranks", 8, Wire::Tcp),
+];
+
+/// How many of `MATRIX` CI runs (as slices).
+const CI_MATRIX: usize = 11;
+
+/// Runs `MATRIX`'s case `name`: CI's slice, or all of it.
+fn matrix_case(name: &str, full: bool) {
+    let k = MATRIX
+        .iter()
+        .position(|m| m.0 == name)
+        .expect("a case of MATRIX");
+    let (_, n, wire) = MATRIX[k];
+    matrix(n, wire, extent(full || k >= CI_MATRIX, k, CI_MATRIX));
 }
 
 macro_rules! matrix_tests {
-    ($($name:ident: $n:expr, $wire:expr;)*) => {$(
+    ($($name:ident, $full:ident;)*) => {$(
         #[test]
         fn $name() {
-            matrix($n, $wire);
+            matrix_case(stringify!($name), false);
+        }
+
+        #[test]
+        #[ignore = "full matrix: scripts/full_matrix.sh"]
+        fn $full() {
+            matrix_case(stringify!($name), true);
         }
     )*};
 }
 
 matrix_tests! {
-    shm_1_rank: 1, Wire::Shm;
-    shm_2_ranks: 2, Wire::Shm;
-    shm_3_ranks: 3, Wire::Shm;
-    shm_4_ranks: 4, Wire::Shm;
-    shm_5_ranks: 5, Wire::Shm;
-    shm_8_ranks: 8, Wire::Shm;
-    tcp_1_rank: 1, Wire::Tcp;
-    tcp_2_ranks: 2, Wire::Tcp;
-    tcp_3_ranks: 3, Wire::Tcp;
-    tcp_4_ranks: 4, Wire::Tcp;
-    tcp_5_ranks: 5, Wire::Tcp;
-    tcp_8_ranks: 8, Wire::Tcp;
-    tcp_striped_3_ranks: 3, Wire::TcpStriped;
-    net_2_ranks: 2, Wire::Net;
-    net_3_ranks: 3, Wire::Net;
-    net_loopback_3_ranks: 3, Wire::NetLoopback;
+    shm_1_rank, full_shm_1_rank;
+    shm_2_ranks, full_shm_2_ranks;
+    shm_3_ranks, full_shm_3_ranks;
+    shm_8_ranks, full_shm_8_ranks;
+    tcp_1_rank, full_tcp_1_rank;
+    tcp_2_ranks, full_tcp_2_ranks;
+    tcp_3_ranks, full_tcp_3_ranks;
+    tcp_striped_3_ranks, full_tcp_striped_3_ranks;
+    net_2_ranks, full_net_2_ranks;
+    net_3_ranks, full_net_3_ranks;
+    net_loopback_3_ranks, full_net_loopback_3_ranks;
+}
+
+/// The full matrix's other rank counts (CI covers them by the slices' 1, 2, 3 and 8 ranks).
+macro_rules! full_matrix_tests {
+    ($($name:ident;)*) => {$(
+        #[test]
+        #[ignore = "full matrix: scripts/full_matrix.sh"]
+        fn $name() {
+            matrix_case(stringify!($name).trim_start_matches("full_"), true);
+        }
+    )*};
+}
+
+full_matrix_tests! {
+    full_shm_4_ranks;
+    full_shm_5_ranks;
+    full_tcp_4_ranks;
+    full_tcp_5_ranks;
+    full_tcp_8_ranks;
+}
+
+/// The (rank count, wire) cases of a test.
+type Sizes = [(usize, Wire)];
+
+/// The dimensions of one case in a (rank count, wire) test, as labels: collective, type,
+/// reduction (`-` for collectives without one), count, placement, rank count, wire.
+fn labels(c: &Case, n: usize, wire: Wire) -> [String; 7] {
+    let count = match c.count {
+        LARGE => "large".to_string(),
+        0 | 1 | 1001 => c.count.to_string(),
+        x if x == 2 * n + 1 => "2n+1".to_string(),
+        x if x + 1 == n => "n-1".to_string(),
+        x => panic!("count {x} of no class"),
+    };
+    let op = if has_op(c.coll) {
+        format!("{}", c.op)
+    } else {
+        "-".to_string()
+    };
+    [
+        format!("{:?}", c.coll),
+        TYPES[c.ty].to_string(),
+        op,
+        count,
+        c.in_place.to_string(),
+        n.to_string(),
+        format!("{wire:?}"),
+    ]
+}
+
+/// Every pair of dimension values that the full matrix runs on `full` (rank count, wire) cases
+/// and CI on `ci`, for values CI has at all (a rank count CI leaves to the full matrix does not
+/// count), except pairs of rank count and wire (the cases themselves).
+fn missing_pairs(
+    full: &[(usize, Wire, Vec<Case>)],
+    ci: &[(usize, Wire, Vec<Case>)],
+) -> Vec<String> {
+    use std::collections::HashSet;
+    let pairs = |set: &[(usize, Wire, Vec<Case>)]| {
+        let mut pairs = HashSet::new();
+        let mut values = HashSet::new();
+        for (n, wire, cases) in set {
+            for c in cases {
+                let l = labels(c, *n, *wire);
+                for a in 0..l.len() {
+                    values.insert((a, l[a].clone()));
+                    for b in a + 1..l.len() {
+                        if (a, b) != (5, 6) {
+                            pairs.insert((a, l[a].clone(), b, l[b].clone()));
+                        }
+                    }
+                }
+            }
+        }
+        (pairs, values)
+    };
+    let (full_pairs, _) = pairs(full);
+    let (ci_pairs, ci_values) = pairs(ci);
+    let mut missing: Vec<String> = full_pairs
+        .into_iter()
+        .filter(|(a, va, b, vb)| {
+            ci_values.contains(&(*a, va.clone())) && ci_values.contains(&(*b, vb.clone()))
+        })
+        .filter(|p| !ci_pairs.contains(p))
+        .map(|p| format!("{p:?}"))
+        .collect();
+    missing.sort();
+    missing
+}
+
+/// CI's slices still meet every pair of dimensions the full matrix does: every collective, type,
+/// reduction, count, placement, rank count and wire with each other.
+#[test]
+fn ci_slices_cover_every_pair() {
+    let matrix = |full: bool, range: std::ops::Range<usize>| -> Vec<(usize, Wire, Vec<Case>)> {
+        MATRIX[range]
+            .iter()
+            .enumerate()
+            .map(|(k, &(_, n, wire))| {
+                let e = extent(full, k, CI_MATRIX);
+                (n, wire, cases(n, &COLLS, &MATRIX_TYPES, e))
+            })
+            .collect()
+    };
+    let mut missing = missing_pairs(&matrix(true, 0..MATRIX.len()), &matrix(false, 0..CI_MATRIX));
+    let hier: Vec<(usize, Wire)> = HIER.iter().map(|(w, h)| (h.len(), *w)).collect();
+    let forced: [(&Sizes, &[Coll]); 6] = [
+        (&RING, &[Coll::AllReduce]),
+        (&RD_ALL_REDUCE, &[Coll::AllReduce]),
+        (&RD, &[Coll::AllGather]),
+        (&RD, &[Coll::ReduceScatter]),
+        (&TREE, &TREE_COLLS),
+        (&hier, &[Coll::AllReduce]),
+    ];
+    for (list, colls) in forced {
+        let run = |full: bool| -> Vec<(usize, Wire, Vec<Case>)> {
+            list.iter()
+                .enumerate()
+                .map(|(k, &(n, wire))| {
+                    let e = extent(full, k, list.len());
+                    (n, wire, cases(n, colls, &FORCED_TYPES, e))
+                })
+                .collect()
+        };
+        missing.extend(missing_pairs(&run(true), &run(false)));
+    }
+    assert!(
+        missing.is_empty(),
+        "{} pairs of the full matrix that CI's slices miss, first ones:\n{}",
+        missing.len(),
+        missing[..missing.len().min(20)].join("\n")
+    );
 }
