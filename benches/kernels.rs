@@ -61,7 +61,10 @@ fn kernels_at(c: &mut Criterion, label: &str, bytes: usize) {
 
 fn kernels(c: &mut Criterion) {
     // As the communicator does: `WEFT_NO_AVX512` keeps f16/bf16 on the portable kernels.
-    weftcc::collectives::reduce::set_wide_kernels(std::env::var_os("WEFT_NO_AVX512").is_none());
+    let portable = weftcc::settings::NO_AVX512
+        .flag()
+        .unwrap_or_else(|e| panic!("{e}"));
+    weftcc::collectives::reduce::set_wide_kernels(!portable);
     kernels_at(c, "1MiB", 1 << 20);
     kernels_at(c, "64MiB", 64 << 20);
 }

@@ -8,6 +8,8 @@
 //! A value that does not parse is a [`SettingError`] naming the variable, its value and what
 //! was expected; unset and empty (or blank) values read as unset everywhere.
 
+#![forbid(unsafe_code)]
+
 mod size;
 mod table;
 
