@@ -117,5 +117,20 @@ impl TransportError {
     }
 }
 
+impl From<weftcc_base::OsError> for TransportError {
+    fn from(e: weftcc_base::OsError) -> Self {
+        TransportError::io(e.what, e.source)
+    }
+}
+
+impl From<weftcc_base::TimedOut> for TransportError {
+    fn from(e: weftcc_base::TimedOut) -> Self {
+        TransportError::Timeout {
+            what: e.what,
+            after: e.after,
+        }
+    }
+}
+
 /// Result alias for this crate.
 pub type Result<T> = std::result::Result<T, TransportError>;
