@@ -6,6 +6,8 @@
 //! [`TimedOut`] (what was waited for, and for how long); each crate above turns them into its own
 //! error type through `From`.
 
+#![forbid(unsafe_code)]
+
 pub mod socket;
 
 use std::time::{Duration, Instant};

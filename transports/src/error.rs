@@ -1,4 +1,4 @@
-//! Errors of the transport and bootstrap layer.
+//! Errors of the transport layer (the bootstrap store's own errors travel inside them).
 
 use std::time::Duration;
 
@@ -59,25 +59,12 @@ pub enum TransportError {
          (`ulimit -n`, or LimitNOFILE for a service), or run fewer ranks per process"
     )]
     FileLimit { needed: u64, soft: u64, hard: u64 },
-    /// A store answer would not fit one frame even for a single key.
-    #[error(
-        "the bootstrap store's answer for {keys} key(s) would be {bytes} bytes, over its \
-         {limit}-byte frame limit"
-    )]
-    StoreTooLarge {
-        /// Keys asked for.
-        keys: usize,
-        /// Size of the answer.
-        bytes: u64,
-        /// The frame limit.
-        limit: usize,
-    },
     /// A configuration value (environment variable, address) is invalid.
     #[error("configuration: {0}")]
     Config(String),
-    /// The bootstrap store was shut down cleanly by its owner (not a failure of the peer).
-    #[error("bootstrap store closed")]
-    StoreClosed,
+    /// The bootstrap store failed (timed out, closed, lost, refused): its own error, unchanged.
+    #[error(transparent)]
+    Store(#[from] weftcc_store::StoreError),
     /// A network provider (RDMA, libfabric) failed; `peer` where one connection was concerned.
     #[error("network{}: {source}", peer.map(|p| format!(" (rank {p})")).unwrap_or_default())]
     Net {
