@@ -15,8 +15,8 @@
 //! The crates behind this facade: [`collectives`] (the pure core: types, reductions, call
 //! shapes, schedules and their simulator), [`comm`] (the runtime: the communicator and its
 //! configuration, bootstrap, failure protocol and tuner), [`transports`] (the `Connection`
-//! trait, shared memory, TCP, bootstrap store), [`topology`] and [`cuda`] (device buffers, NVRTC
-//! kernels and CUDA IPC; builds and runs without CUDA).
+//! trait, shared memory, TCP), [`store`] (the bootstrap key-value store), [`topology`] and
+//! [`cuda`] (device buffers, NVRTC kernels and CUDA IPC; builds and runs without CUDA).
 
 #![forbid(unsafe_code)]
 
@@ -31,6 +31,7 @@ pub use weftcc_comm::{
 };
 pub use weftcc_cuda as cuda;
 pub use weftcc_settings as settings;
+pub use weftcc_store as store;
 pub use weftcc_topology as topology;
 pub use weftcc_topology::tuner::{Protocol, Selection};
 pub use weftcc_transports as transports;

@@ -540,11 +540,7 @@ fn hostile_connections_to_the_bootstrap_port_do_not_disturb_the_job() {
         hostile.push(s);
     }
     // A client with the right protocol but another job's token.
-    let wrong = weftcc::transports::store::StoreClient::connect(
-        &addr,
-        "not-the-token",
-        Duration::from_secs(2),
-    );
+    let wrong = weftcc::store::StoreClient::connect(&addr, "not-the-token", Duration::from_secs(2));
     assert!(wrong.is_err(), "a wrong token must be refused");
 
     let cfg = config(Wire::Shm);

@@ -76,7 +76,7 @@ fn wait_for_session(port: &str, rank: usize) {
     while Instant::now() < deadline {
         // One connection, once the store is up (rank 0 starts it).
         if store.is_none() {
-            store = weftcc::transports::StoreClient::connect(
+            store = weftcc::store::StoreClient::connect(
                 &format!("127.0.0.1:{port}"),
                 &token,
                 Duration::from_millis(500),

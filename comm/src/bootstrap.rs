@@ -8,8 +8,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
+use weftcc_store::{StoreClient, StoreServer};
 use weftcc_transports::lock;
-use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
 
 /// What a program passes between ranks to form a communicator: the rendezvous address where
@@ -34,8 +34,12 @@ impl UniqueId {
         .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
         let token = weftcc_transports::random_token()
             .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
-        let server = StoreServer::start(std::net::SocketAddr::new(ip, 0), &token)
-            .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
+        let server = StoreServer::start(std::net::SocketAddr::new(ip, 0), &token).map_err(|e| {
+            Error::Bootstrap {
+                rank: 0,
+                source: e.into(),
+            }
+        })?;
         let id = UniqueId {
             addr: server.local_addr().to_string(),
             token,

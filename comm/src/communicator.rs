@@ -25,9 +25,9 @@ use std::time::Duration;
 use weftcc_collectives::call::RawOp;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_collectives::{reduce, DataType, Element, OpKind, ReduceOp};
+use weftcc_store::{StoreClient, StoreServer};
 use weftcc_transports::lock;
 use weftcc_transports::mesh::{count_out, Mesh, MeshConfig};
-use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::TransportError;
 /// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in
 /// an `Arc`) to call [`Communicator::abort`] from another thread.
@@ -93,14 +93,15 @@ impl Communicator {
                 Some(s) => Some(s),
                 None => {
                     let bind = bind_address(&id.addr).map_err(boot)?;
-                    let server = StoreServer::start(bind, &id.token).map_err(boot)?;
+                    let server = StoreServer::start(bind, &id.token).map_err(|e| boot(e.into()))?;
                     Some(Arc::new(StoreHost::new(server, id)))
                 }
             }
         } else {
             None
         };
-        let client = StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        let client = StoreClient::connect(&id.addr, &id.token, config.timeout)
+            .map_err(|e| boot(e.into()))?;
         Communicator::build(
             rank,
             nranks,
@@ -145,8 +146,8 @@ impl Communicator {
         };
         // Every store connection first: the mesh's closing barrier then guarantees that all ranks
         // hold theirs before any rank can return (and rank 0 drop the store).
-        let mut watch_client =
-            StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        let mut watch_client = StoreClient::connect(&id.addr, &id.token, config.timeout)
+            .map_err(|e| boot(e.into()))?;
         // The watcher's connection is this rank's session in the store: its polls are the
         // rank's signs of life for diagnoses and `weft status` (crate::status).
         watch_client
@@ -154,10 +155,11 @@ impl Communicator {
                 &session_key(&namespace, rank),
                 RankIdentity::this_process(nranks).encode().as_bytes(),
             )
-            .map_err(boot)?;
+            .map_err(|e| boot(e.into()))?;
         // Connected as patiently as the others (a store busy with a large job's set-up); its
         // requests, failure reports, then wait little.
-        let mut alarm = StoreClient::connect(&id.addr, &id.token, config.timeout).map_err(boot)?;
+        let mut alarm = StoreClient::connect(&id.addr, &id.token, config.timeout)
+            .map_err(|e| boot(e.into()))?;
         alarm.set_default_timeout(ALARM_TIMEOUT);
         let mesh = match split_mesh {
             Some(m) => m,
@@ -489,7 +491,7 @@ impl Communicator {
         let child_ns = color.map(|c| format!("{prefix}/c{c}"));
         let chosen = inner.run_blocking(OpKind::Barrier, |inner, st| {
             let mut store = lock(&inner.store);
-            let boot = |source| Error::Bootstrap {
+            let boot = |source: TransportError| Error::Bootstrap {
                 rank: inner.rank,
                 source,
             };
@@ -499,11 +501,13 @@ impl Communicator {
             };
             store
                 .set(&format!("{prefix}/{}", inner.rank), mine.as_bytes())
-                .map_err(boot)?;
+                .map_err(|e| boot(e.into()))?;
             let mut members = Vec::new();
             // Every rank's choice in one request (n requests to rank 0 in all, not n²).
             let keys: Vec<String> = (0..inner.size).map(|r| format!("{prefix}/{r}")).collect();
-            let choices = store.get_all(&keys, inner.timeout()).map_err(boot)?;
+            let choices = store
+                .get_all(&keys, inner.timeout())
+                .map_err(|e| boot(e.into()))?;
             for (r, v) in choices.iter().enumerate() {
                 let v = String::from_utf8_lossy(v).to_string();
                 let mut it = v.split_whitespace();
@@ -574,7 +578,7 @@ impl Communicator {
             StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
                 Error::Bootstrap {
                     rank: inner.rank,
-                    source,
+                    source: source.into(),
                 }
             })?;
         let config = inner.config();

@@ -22,6 +22,7 @@ use weftcc_collectives::op::{Combiner, OpKind};
 use weftcc_collectives::reduce;
 use weftcc_collectives::schedule::layout::{BufferMap, Placement};
 use weftcc_collectives::schedule::{Action, Region, Schedule};
+use weftcc_store::StoreError;
 use weftcc_transports::{Connection, IdleWaiter, Interest, TransportError};
 
 /// Longest single sleep of the idle loop: bounds how late an abort, poison or deadline is seen.
@@ -115,6 +116,10 @@ impl Context<'_> {
     pub(crate) fn transport(&self, peer: usize, e: TransportError) -> Error {
         match e {
             TransportError::PeerLost { detail, .. } => self.lost(peer, detail),
+            // The store's host went while this rank asked it for peers' addresses.
+            TransportError::Store(StoreError::Lost { detail }) => {
+                self.lost(peer, format!("bootstrap store: {detail}"))
+            }
             TransportError::Aborted => self.aborted(),
             source => Error::Transport {
                 rank: self.rank,

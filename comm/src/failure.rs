@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 use weftcc_collectives::OpKind;
+use weftcc_store::{LocalStore, StoreClient};
 use weftcc_transports::lock;
-use weftcc_transports::store::{LocalStore, StoreClient};
 
 /// How often the watcher thread re-polls the store for a job-wide abort.
 pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(100);
@@ -467,7 +467,7 @@ impl Failures {
 /// the job's failure unless another was published first. Every rank learns it from its watcher,
 /// even ranks that never exchange data with the dead one directly.
 ///
-/// [`StoreServer::on_session_closed`]: weftcc_transports::store::StoreServer::on_session_closed
+/// [`StoreServer::on_session_closed`]: weftcc_store::StoreServer::on_session_closed
 pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut LocalStore<'_>) {
     let Some((namespace, rank)) = split_session_key(key) else {
         return;
@@ -498,7 +498,7 @@ mod tests {
 
     #[test]
     fn the_store_publishes_the_death_of_a_joined_rank_that_did_not_leave() {
-        use weftcc_transports::store::StoreServer;
+        use weftcc_store::StoreServer;
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").expect("store");
         server.on_session_closed(Arc::new(lost_by_the_store));
         let addr = server.local_addr().to_string();

@@ -26,9 +26,9 @@ use weftcc_collectives::call::{self, Plan, RawOp};
 use weftcc_collectives::header::OpDesc;
 use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::{reduce, DataType, OpKind, ReduceOp};
+use weftcc_store::StoreClient;
 use weftcc_transports::lock;
 use weftcc_transports::mesh::Mesh;
-use weftcc_transports::store::StoreClient;
 
 pub(crate) struct Inner {
     pub(crate) rank: usize,

@@ -15,8 +15,8 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 use weftcc_collectives::{Algorithm, DataType, OpKind, ReduceOp};
+use weftcc_store::StoreClient;
 use weftcc_transports::lock;
-use weftcc_transports::store::StoreClient;
 
 /// Entries kept per communicator when `WEFT_TRACE_BUFFER_SIZE` is not set.
 pub const DEFAULT_TRACE_BUFFER: usize = 2000;

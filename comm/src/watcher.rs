@@ -12,8 +12,7 @@ use crate::trace::{read_request, requests_made};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use weftcc_transports::store::StoreClient;
-use weftcc_transports::TransportError;
+use weftcc_store::{StoreClient, StoreError};
 
 /// Watches the store for a job-wide abort, and for the death of the store's host (rank 0).
 pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
@@ -49,8 +48,8 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                 keep_alive(&inner, &mut client, &mut requests);
                 return;
             }
-            Err(TransportError::Timeout { .. }) => continue,
-            Err(TransportError::StoreClosed) => return,
+            Err(StoreError::Timeout { .. }) => continue,
+            Err(StoreError::Closed) => return,
             Err(e) => {
                 if inner.watcher_stop.load(Ordering::SeqCst) {
                     return;
@@ -82,7 +81,7 @@ fn keep_alive(inner: &Inner, client: &mut StoreClient, requests: &mut DumpReques
         // A request without a server-side wait: a store that is gone costs the client's margin
         // (the communicator's drop joins this thread), not its timeout.
         match client.get(&inner.failures.store_key(SETTLED_ALL_KEY), Duration::ZERO) {
-            Ok(_) | Err(TransportError::Timeout { .. }) => {}
+            Ok(_) | Err(StoreError::Timeout { .. }) => {}
             Err(_) => return,
         }
     }

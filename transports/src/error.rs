@@ -1,4 +1,4 @@
-//! Errors of the transport and bootstrap layer.
+//! Errors of the transport layer (the bootstrap store's own errors travel inside them).
 
 use std::time::Duration;
 
@@ -59,28 +59,15 @@ pub enum TransportError {
          (`ulimit -n`, or LimitNOFILE for a service), or run fewer ranks per process"
     )]
     FileLimit { needed: u64, soft: u64, hard: u64 },
-    /// A store answer would not fit one frame even for a single key.
-    #[error(
-        "the bootstrap store's answer for {keys} key(s) would be {bytes} bytes, over its \
-         {limit}-byte frame limit"
-    )]
-    StoreTooLarge {
-        /// Keys asked for.
-        keys: usize,
-        /// Size of the answer.
-        bytes: u64,
-        /// The frame limit.
-        limit: usize,
-    },
     /// A configuration value (an address, a combination of settings) is invalid.
     #[error("configuration: {0}")]
     Config(String),
     /// A setting's value does not parse.
     #[error(transparent)]
     Setting(#[from] weftcc_settings::SettingError),
-    /// The bootstrap store was shut down cleanly by its owner (not a failure of the peer).
-    #[error("bootstrap store closed")]
-    StoreClosed,
+    /// The bootstrap store failed (timed out, closed, lost, refused): its own error, unchanged.
+    #[error(transparent)]
+    Store(#[from] weftcc_store::StoreError),
     /// A network provider (RDMA, libfabric) failed; `peer` where one connection was concerned.
     #[error("network{}: {source}", peer.map(|p| format!(" (rank {p})")).unwrap_or_default())]
     Net {
@@ -116,6 +103,21 @@ impl TransportError {
                 }
             }
             _ => TransportError::io(what, err),
+        }
+    }
+}
+
+impl From<weftcc_base::OsError> for TransportError {
+    fn from(e: weftcc_base::OsError) -> Self {
+        TransportError::io(e.what, e.source)
+    }
+}
+
+impl From<weftcc_base::TimedOut> for TransportError {
+    fn from(e: weftcc_base::TimedOut) -> Self {
+        TransportError::Timeout {
+            what: e.what,
+            after: e.after,
         }
     }
 }

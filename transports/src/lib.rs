@@ -7,9 +7,9 @@
 //! * [`shm`]: ranks on the same host, through rings in shared memory with futex doorbells.
 //! * [`tcp`]: ranks on different hosts (or with `WEFT_SHM_DISABLE=1`), through socket2 streams.
 //! * [`mem`]: an in-process transport for tests (threads standing in for ranks).
-//! * [`store`]: the bootstrap key-value store served by rank 0, and its client.
 //! * [`mesh`]: connects the ranks of a communicator when they first need each other, choosing
-//!   the transport per pair; splits share their parent's connections.
+//!   the transport per pair; splits share their parent's connections. The ranks find each other
+//!   through the bootstrap store (`weftcc-store`, a crate of its own below this one).
 //! * [`mux`]: several communicators over one connection (frames per communicator).
 //!
 //! Settings read by this crate (through `weftcc-settings`, the one table of `WEFT_*`
@@ -36,7 +36,6 @@ pub mod net;
 pub mod ring;
 pub mod shm;
 mod socket;
-pub mod store;
 pub mod tcp;
 pub mod tcp_stripes;
 mod util;
@@ -44,7 +43,6 @@ mod util;
 pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
 pub use mesh::{ConnectError, ConnectMode, Mesh, MeshConfig};
-pub use store::{StoreClient, StoreServer};
 pub use util::{fnv1a64, lock};
 pub use weftcc_settings::{parse_size, InvalidSize};
 

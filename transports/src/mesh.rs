@@ -41,7 +41,6 @@ use crate::mem::{self, Doorbell, MemWaiter};
 use crate::mux::{self, ChannelId, Mux, Signal};
 use crate::net::{self, NetChoice, NetConnection, Provider};
 use crate::shm::{self, ShmEndpoint, ShmWaiter};
-use crate::store::StoreClient;
 use crate::tcp::{self, Family, TcpEndpoint, TcpPollHandle, TcpWaiter};
 use crate::tcp_stripes::StripePlan;
 use crate::util::{lock, Deadline};
@@ -50,6 +49,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use weftcc_store::{StoreClient, StoreError};
 
 /// Longest slice the mesh waiter sleeps on the futex before looking at TCP sockets again when it
 /// waits for both kinds of peers.
@@ -268,7 +268,7 @@ fn name_the_missing(
     n: usize,
     e: TransportError,
 ) -> TransportError {
-    let TransportError::Timeout { after, .. } = &e else {
+    let TransportError::Store(StoreError::Timeout { after, .. }) = &e else {
         return e;
     };
     let mut missing = Vec::new();
@@ -276,10 +276,8 @@ fn name_the_missing(
     for r in 0..n {
         match store.get(&format!("{ns}/host/{r}"), Duration::ZERO) {
             Ok(_) => {}
-            Err(TransportError::Timeout { .. }) if missing.len() < MAX_NAMED_MISSING => {
-                missing.push(r)
-            }
-            Err(TransportError::Timeout { .. }) => more += 1,
+            Err(StoreError::Timeout { .. }) if missing.len() < MAX_NAMED_MISSING => missing.push(r),
+            Err(StoreError::Timeout { .. }) => more += 1,
             Err(_) => return e,
         }
     }
@@ -800,9 +798,9 @@ impl Mesh {
                 .iter()
                 .map(|&p| format!("{ns}/addr/{}", self.members[p]))
                 .collect();
-            let fail = |source| ConnectError {
+            let fail = |source: StoreError| ConnectError {
                 peer: need_addr[0],
-                source,
+                source: source.into(),
             };
             let values = store.get_all(&keys, deadline.remaining()).map_err(fail)?;
             for (&p, raw) in need_addr.iter().zip(values) {

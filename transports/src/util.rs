@@ -1,10 +1,12 @@
-//! Small helpers shared by the transports: hashing, size parsing, deadlines, aligned buffers and
-//! the futex / pidfd system calls.
+//! Small helpers shared by the transports: hashing, aligned buffers and the futex /
+//! pidfd system calls; [`lock`] and deadlines come from `weftcc-base` (the store shares them).
 
 use crate::error::{Result, TransportError};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::atomic::AtomicU32;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+pub use weftcc_base::lock;
+pub(crate) use weftcc_base::Deadline;
 
 /// 64-bit FNV-1a hash; stable across processes and builds (used for namespace hashes).
 pub fn fnv1a64(data: &[u8]) -> u64 {
@@ -16,13 +18,6 @@ pub fn fnv1a64(data: &[u8]) -> u64 {
     h
 }
 
-/// Locks a mutex, recovering from poisoning: a panic on another thread must not cascade into
-/// every thread that touches the same state (weftcc's state stays consistent across a panic:
-/// counters are updated after the work they count). The one such helper of every weftcc crate.
-pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// `nbytes` random bytes from the OS, as lowercase hex.
 pub(crate) fn random_hex(nbytes: usize) -> Result<String> {
     let mut b = vec![0u8; nbytes];
@@ -31,41 +26,6 @@ pub(crate) fn random_hex(nbytes: usize) -> Result<String> {
         message: e.to_string(),
     })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
-
-/// A point in time after which an operation gives up.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Deadline {
-    end: Option<Instant>,
-    total: Duration,
-}
-
-impl Deadline {
-    pub(crate) fn after(total: Duration) -> Self {
-        Deadline {
-            end: Instant::now().checked_add(total),
-            total,
-        }
-    }
-
-    /// Time left (zero once expired). A duration too large to represent never expires.
-    pub(crate) fn remaining(&self) -> Duration {
-        match self.end {
-            Some(end) => end.saturating_duration_since(Instant::now()),
-            None => Duration::from_secs(u64::from(u32::MAX)),
-        }
-    }
-
-    pub(crate) fn expired(&self) -> bool {
-        self.remaining().is_zero()
-    }
-
-    pub(crate) fn timeout_error(&self, what: impl Into<String>) -> TransportError {
-        TransportError::Timeout {
-            what: what.into(),
-            after: self.total,
-        }
-    }
 }
 
 /// A heap byte buffer whose usable region starts 8-byte aligned, built in safe code (the backing

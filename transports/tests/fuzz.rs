@@ -10,10 +10,10 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-use weftcc_transports::store::{StoreServer, MAX_FRAME, STORE_VERSION};
+use weftcc_store::{StoreClient, StoreServer, MAX_FRAME, STORE_VERSION};
 use weftcc_transports::tcp::{self, IfnameSpec};
 use weftcc_transports::tcp_stripes::StripePlan;
-use weftcc_transports::{net, parse_size, ConnectMode, StoreClient};
+use weftcc_transports::{net, parse_size, ConnectMode};
 
 fn cases() -> u32 {
     std::env::var("WEFT_FUZZ_CASES")

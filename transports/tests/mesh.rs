@@ -1,8 +1,8 @@
 //! Establishing meshes over a store (shared memory, TCP, both) and exchanging data on every pair.
 
 use std::time::{Duration, Instant};
+use weftcc_store::{StoreClient, StoreServer};
 use weftcc_transports::mesh::{ConnectMode, Mesh, MeshConfig};
-use weftcc_transports::store::{StoreClient, StoreServer};
 use weftcc_transports::{shm, Interest};
 
 const N: usize = 4;

@@ -32,7 +32,7 @@ pub fn abort_count_key(abort_key: &str) -> String {
     format!("{abort_key}-count")
 }
 
-/// The store session a rank's failure watcher names (see `weftcc_transports::store`): its
+/// The store session a rank's failure watcher names (see `weftcc_store`): its
 /// connection's requests, one every a tenth of a second, are the rank's signs of
 /// life.
 pub fn session_key(namespace: &str, rank: usize) -> String {

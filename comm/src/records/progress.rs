@@ -8,7 +8,7 @@
 use super::session_rank;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use weftcc_collectives::OpKind;
-use weftcc_transports::store::SessionInfo;
+use weftcc_store::SessionInfo;
 
 /// A rank that had not entered the collective another rank timed out in, or that had
 /// stopped giving signs of life.

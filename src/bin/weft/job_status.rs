@@ -17,8 +17,7 @@ use weftcc::comm::records::identity::RankIdentity;
 use weftcc::comm::records::note::{AbortCause, FailureNote};
 use weftcc::comm::records::progress::{behind, now_ms, Behind, ProgressRecord, SILENT_AFTER};
 use weftcc::comm::records::{progress_key, session_prefix, session_rank, ABORT_KEY};
-use weftcc::transports::store::{SessionInfo, StoreClient};
-use weftcc::transports::TransportError;
+use weftcc::store::{SessionInfo, StoreClient, StoreError};
 use weftcc::{Error, Result, UniqueId};
 use weftcc_collectives::OpKind;
 
@@ -233,7 +232,10 @@ impl JobStatus {
     /// Reads the communicator under `namespace` (the job's own is `WORLD_NAMESPACE`) through
     /// the store at `id` (any rank's id: the rendezvous address and job token).
     pub fn read_namespace(id: &UniqueId, namespace: &str, timeout: Duration) -> Result<JobStatus> {
-        let boot = |source: TransportError| Error::Bootstrap { rank: 0, source };
+        let boot = |source: StoreError| Error::Bootstrap {
+            rank: 0,
+            source: source.into(),
+        };
         let mut store = StoreClient::connect(&id.addr, &id.token, timeout).map_err(boot)?;
         let sessions = store.sessions(&session_prefix(namespace)).map_err(boot)?;
         let nranks = sessions
@@ -251,12 +253,12 @@ impl JobStatus {
         // Every record at once when all exist; else one at a time, without waiting.
         let records: Vec<Option<ProgressRecord>> = match store.get_all(&keys, Duration::ZERO) {
             Ok(values) => values.iter().map(|v| ProgressRecord::decode(v)).collect(),
-            Err(TransportError::Timeout { .. }) => {
+            Err(StoreError::Timeout { .. }) => {
                 let mut out = Vec::with_capacity(nranks);
                 for k in &keys {
                     out.push(match store.get(k, Duration::ZERO) {
                         Ok(v) => ProgressRecord::decode(&v),
-                        Err(TransportError::Timeout { .. }) => None,
+                        Err(StoreError::Timeout { .. }) => None,
                         Err(e) => return Err(boot(e)),
                     });
                 }
@@ -266,7 +268,7 @@ impl JobStatus {
         };
         let note = match store.get(&format!("{namespace}/{ABORT_KEY}"), Duration::ZERO) {
             Ok(v) => FailureNote::decode(&v),
-            Err(TransportError::Timeout { .. }) => None,
+            Err(StoreError::Timeout { .. }) => None,
             Err(e) => return Err(boot(e)),
         };
         let ranks = rank_statuses(&sessions, namespace, &records, nranks, now_ms());

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weftcc::comm::records::identity::WORLD_NAMESPACE;
 use weftcc::comm::records::trace::{DumpRequest, TraceDump, REQUESTS_KEY};
-use weftcc::transports::StoreClient;
+use weftcc::store::StoreClient;
 
 #[derive(Args, Debug)]
 pub struct TraceArgs {
