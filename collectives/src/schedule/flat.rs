@@ -25,12 +25,7 @@ use super::{Action, BufId, Part, Region, Schedule, ScheduleError, StepId};
 /// then passes the reduced chunks around. Every transfer is split into messages of at most
 /// `slice_elems` elements, each send of a received slice depending only on that slice.
 pub fn ring_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         let ring @ Ring { next, prev } = Ring::around(rank, n);
@@ -102,12 +97,7 @@ pub fn ring_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
 /// (into Output at the last step). A receive into a slot waits for the send that read the slot's
 /// previous contents, slice by slice. `scratch_elems` is `min(nranks - 2, 2) * count`.
 pub fn ring_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         total(count, n)?;
@@ -159,12 +149,7 @@ pub fn ring_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
 /// `rank - t - 1` into Output; forwarding a slice waits for its receipt.
 pub fn ring_all_gather(part: Part) -> Result<Schedule, ScheduleError> {
     // One rank: the copy into block 0 is all.
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         total(count, n)?;
@@ -208,12 +193,7 @@ pub fn ring_all_gather(part: Part) -> Result<Schedule, ScheduleError> {
 /// from Output as soon as it has arrived. Only the root's Input is read.
 pub fn chain_broadcast(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
     // One rank: the root's copy is all.
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, Some(root), |mut b| {
         let chain = Chain::starting_at(root, rank, nranks);
         let Ring { next, prev } = chain.ring;
@@ -244,12 +224,7 @@ pub fn chain_broadcast(part: Part, root: usize) -> Result<Schedule, ScheduleErro
 /// with its Input slice into Scratch and forwards it; the root combines into Output. Non-root
 /// ranks never write Output. Middle ranks need `scratch_elems = count`.
 pub fn chain_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, Some(root), |mut b| {
         // Position 0 is root + 1, n - 1 the root.
         let chain = Chain::starting_at(root + 1, rank, nranks);
@@ -290,12 +265,7 @@ pub fn chain_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> 
 /// messages of at most `slice_elems` elements with per-slice deps. Ranks `< p` need
 /// `scratch_elems = count`; ranks `>= p` and a single rank need none.
 pub fn recursive_doubling_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         // n >= 2, so p >= 2 and there is at least one round.
@@ -405,12 +375,7 @@ pub fn recursive_doubling_all_reduce(part: Part) -> Result<Schedule, ScheduleErr
 /// out like Input; the last round (the window is then this rank's block) reduces into Output.
 /// Every step that reads partial sums waits for the previous round's steps that wrote them.
 pub fn recursive_halving_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         check_power_of_two(nranks)?;
         let n = nranks;
@@ -466,12 +431,7 @@ pub fn recursive_halving_reduce_scatter(part: Part) -> Result<Schedule, Schedule
 /// sent slice waits for the steps that wrote its elements (the copy, earlier receives).
 pub fn recursive_doubling_all_gather(part: Part) -> Result<Schedule, ScheduleError> {
     // One rank: the copy into block 0 is all.
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         check_power_of_two(nranks)?;
         let n = nranks;
@@ -555,12 +515,7 @@ pub fn dissemination_barrier(rank: usize, nranks: usize) -> Result<Schedule, Sch
 /// (`scratch_elems = nranks * count`); sends read Scratch, and the receive into a slice waits
 /// for that slice's copy. The own block stays where it is.
 pub fn pairwise_all_to_all(part: Part, in_place: bool) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     check_rank(rank, nranks)?;
     let n = nranks;
     let all = total(count, n)?;

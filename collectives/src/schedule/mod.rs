@@ -52,6 +52,13 @@ pub struct Part {
     pub slice_elems: usize,
 }
 
+impl Part {
+    /// `(rank, nranks, count, slice_elems)`, for a builder's body.
+    pub(crate) const fn fields(self) -> (usize, usize, usize, usize) {
+        (self.rank, self.nranks, self.count, self.slice_elems)
+    }
+}
+
 /// A logical buffer a step addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BufId {

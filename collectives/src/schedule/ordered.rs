@@ -33,12 +33,7 @@ fn fold_chain(rank: usize, n: usize) -> Chain {
 /// Input and Output hold `count` elements each and may be the same memory. Ranks other than
 /// the ends need `scratch_elems = count`.
 pub fn ordered_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         let chain = fold_chain(rank, n);
@@ -66,12 +61,7 @@ pub fn ordered_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
 /// is the root. Non-root ranks never write Output; ranks other than rank 0 and the root need
 /// `scratch_elems = count`.
 pub fn ordered_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, Some(root), |mut b| {
         let n = nranks;
         let last = n - 1;
@@ -113,12 +103,7 @@ pub fn ordered_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError
 /// be block `rank` of the Input (in place). Ranks but rank 0 need `scratch_elems = nranks ×
 /// count`.
 pub fn ordered_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         let all = total(count, n)?;

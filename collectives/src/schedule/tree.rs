@@ -134,12 +134,7 @@ fn climb(
 /// FIFOs. The broadcast receive into an Output slice waits for the send that read it (in place,
 /// a leaf's Input slice). No scratch space.
 pub fn tree_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, None, |mut b| {
         let n = nranks;
         let trees = double_tree_nodes(rank, n);
@@ -201,12 +196,7 @@ pub fn tree_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
 /// instead of the chain's `n - 1`, at the price of sending every slice twice from interior ranks.
 pub fn tree_broadcast(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
     // One rank: the root's copy is all.
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, Some(root), |mut b| {
         let node = tree_node(Labeling::Rotated { root }, rank, nranks);
         if rank == root {
@@ -240,12 +230,7 @@ pub fn tree_broadcast(part: Part, root: usize) -> Result<Schedule, ScheduleError
 /// Output at the root) and sends the partial result on as soon as it is complete. Non-root ranks
 /// never write Output; interior non-root ranks need `scratch_elems = count`.
 pub fn tree_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
-    let Part {
-        rank,
-        nranks,
-        count,
-        slice_elems,
-    } = part;
+    let (rank, nranks, count, slice_elems) = part.fields();
     collective(part, Some(root), |mut b| {
         let node = tree_node(Labeling::Rotated { root }, rank, nranks);
         let acc = if node.parent.is_none() {
