@@ -88,15 +88,17 @@ unsafe fn collective(comm: weftComm_t, call: Call, stream: weftStream_t) -> Outc
     from_lib(c.execute_raw(call.op, Some(send), recv))
 }
 
-/// The arguments every collective entry point takes, in the C order (the reduction and the
-/// root, which only some take, go to [`Args::run`]).
+/// The arguments every collective entry point takes ([`Args::new`] takes them in the C order;
+/// the reduction and the root, which only some take, go to [`Args::run`]).
 struct Args {
+    /// Where the call runs.
+    comm: weftComm_t,
+    stream: weftStream_t,
+    /// What it runs on.
     send: *const c_void,
     recv: *mut c_void,
     count: usize,
     datatype: weftDataType_t,
-    comm: weftComm_t,
-    stream: weftStream_t,
 }
 
 /// A collective's checked arguments, which the layout of its buffers depends on.
@@ -142,12 +144,12 @@ impl Args {
         stream: weftStream_t,
     ) -> Self {
         Args {
+            comm,
+            stream,
             send,
             recv,
             count,
             datatype,
-            comm,
-            stream,
         }
     }
 
