@@ -88,6 +88,125 @@ unsafe fn collective(comm: weftComm_t, call: Call, stream: weftStream_t) -> Outc
     from_lib(c.execute_raw(call.op, Some(send), recv))
 }
 
+/// The arguments every collective entry point takes ([`Args::new`] takes them in the C order;
+/// the reduction and the root, which only some take, go to [`Args::run`]).
+struct Args {
+    /// Where the call runs.
+    comm: weftComm_t,
+    stream: weftStream_t,
+    /// What it runs on.
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: weftDataType_t,
+}
+
+/// A collective's checked arguments, which the layout of its buffers depends on.
+struct Sizes {
+    /// This rank.
+    rank: usize,
+    /// The root of broadcast and reduce (0 for the others).
+    root: usize,
+    /// `count` elements, in bytes.
+    bytes: usize,
+    /// nranks × `count` elements, in bytes (0 for the collectives whose buffers are not
+    /// nranks blocks).
+    all: usize,
+}
+
+impl Call {
+    /// The call with no send buffer (a rank that reads none).
+    fn without_send(self) -> Self {
+        Call {
+            send: std::ptr::null(),
+            send_bytes: 0,
+            ..self
+        }
+    }
+
+    /// The call with no receive buffer (a rank that writes none).
+    fn without_recv(self) -> Self {
+        Call {
+            recv: std::ptr::null_mut(),
+            recv_bytes: 0,
+            ..self
+        }
+    }
+}
+
+impl Args {
+    const fn new(
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        datatype: weftDataType_t,
+        comm: weftComm_t,
+        stream: weftStream_t,
+    ) -> Self {
+        Args {
+            comm,
+            stream,
+            send,
+            recv,
+            count,
+            datatype,
+        }
+    }
+
+    /// An entry point's body: the handle, the data type, the sizes, the root and the reduction
+    /// are checked in that order; `layout` turns the call of `count` elements on each side, in
+    /// place when the buffers are equal, into the collective's own, which [`collective`] runs.
+    ///
+    /// # Safety
+    /// As [`collective`], for the buffers `layout` returns.
+    unsafe fn run(
+        self,
+        kind: OpKind,
+        op: Option<weftRedOp_t>,
+        root: Option<c_int>,
+        layout: impl FnOnce(Call, Sizes) -> Call,
+    ) -> Outcome {
+        // SAFETY: per the contract.
+        let h = unsafe { handle_ref(self.comm) }?;
+        let c = &h.comm;
+        let dt = dtype_of(c, kind, self.datatype)?;
+        let bytes = byte_len(c, kind, self.count, dt)?;
+        let all = if matches!(
+            kind,
+            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll
+        ) {
+            byte_len(c, kind, self.count.saturating_mul(c.size()), dt)?
+        } else {
+            0
+        };
+        let mut raw = RawOp::new(kind, dt, self.count);
+        let root = match root {
+            Some(root) => rank_of(c, kind, "root", root)?,
+            None => 0,
+        };
+        raw = raw.with_root(root);
+        if let Some(op) = op {
+            raw = raw.with_op(op_of(h, kind, op)?);
+        }
+        let call = Call {
+            op: raw,
+            send: self.send,
+            send_bytes: bytes,
+            recv: self.recv,
+            recv_bytes: bytes,
+            in_place_offset: Some(0),
+        };
+        let sizes = Sizes {
+            rank: c.rank(),
+            root,
+            bytes,
+            all,
+        };
+        // SAFETY: per the contract.
+        unsafe { collective(self.comm, layout(call, sizes), self.stream) }
+    }
+}
+
 /// All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
 ///
 /// # Safety
@@ -102,25 +221,9 @@ pub unsafe extern "C" fn weftAllReduce(
     comm: weftComm_t,
     stream: weftStream_t,
 ) -> weftResult_t {
-    entry(|| {
-        let kind = OpKind::AllReduce;
-        // SAFETY: per the contract.
-        let h = unsafe { handle_ref(comm) }?;
-        let c = &h.comm;
-        let dt = dtype_of(c, kind, datatype)?;
-        let bytes = byte_len(c, kind, count, dt)?;
-        let op = RawOp::new(kind, dt, count).with_op(op_of(h, kind, op)?);
-        let call = Call {
-            op,
-            send: sendbuff,
-            send_bytes: bytes,
-            recv: recvbuff,
-            recv_bytes: bytes,
-            in_place_offset: Some(0),
-        };
-        // SAFETY: per the contract.
-        unsafe { collective(comm, call, stream) }
-    })
+    let args = Args::new(sendbuff, recvbuff, count, datatype, comm, stream);
+    // SAFETY: per the contract.
+    entry(|| unsafe { args.run(OpKind::AllReduce, Some(op), None, |call, _| call) })
 }
 
 /// Broadcast of `count` elements from `root`'s `sendbuff` into every `recvbuff`; in place when
@@ -138,29 +241,17 @@ pub unsafe extern "C" fn weftBroadcast(
     comm: weftComm_t,
     stream: weftStream_t,
 ) -> weftResult_t {
-    entry(|| {
-        let kind = OpKind::Broadcast;
-        // SAFETY: per the contract.
-        let c = unsafe { comm_ref(comm) }?;
-        let me = c.rank();
-        let dt = dtype_of(c, kind, datatype)?;
-        let bytes = byte_len(c, kind, count, dt)?;
-        let root = rank_of(c, kind, "root", root)?;
-        let (send, send_bytes) = if me == root {
-            (sendbuff, bytes)
-        } else {
-            (std::ptr::null(), 0)
-        };
-        let call = Call {
-            op: RawOp::new(kind, dt, count).with_root(root),
-            send,
-            send_bytes,
-            recv: recvbuff,
-            recv_bytes: bytes,
-            in_place_offset: Some(0),
-        };
-        // SAFETY: per the contract.
-        unsafe { collective(comm, call, stream) }
+    let args = Args::new(sendbuff, recvbuff, count, datatype, comm, stream);
+    // SAFETY: per the contract.
+    entry(|| unsafe {
+        args.run(OpKind::Broadcast, None, Some(root), |call, s| {
+            // Only the root reads its send buffer.
+            if s.rank == s.root {
+                call
+            } else {
+                call.without_send()
+            }
+        })
     })
 }
 
@@ -180,34 +271,17 @@ pub unsafe extern "C" fn weftReduce(
     comm: weftComm_t,
     stream: weftStream_t,
 ) -> weftResult_t {
-    entry(|| {
-        let kind = OpKind::Reduce;
-        // SAFETY: per the contract.
-        let h = unsafe { handle_ref(comm) }?;
-        let c = &h.comm;
-        let me = c.rank();
-        let dt = dtype_of(c, kind, datatype)?;
-        let bytes = byte_len(c, kind, count, dt)?;
-        let root = rank_of(c, kind, "root", root)?;
-        let op = RawOp::new(kind, dt, count)
-            .with_op(op_of(h, kind, op)?)
-            .with_root(root);
-        let in_place = std::ptr::eq(sendbuff, recvbuff);
-        let (recv, recv_bytes) = if me == root || in_place {
-            (recvbuff, bytes)
-        } else {
-            (std::ptr::null_mut(), 0)
-        };
-        let call = Call {
-            op,
-            send: sendbuff,
-            send_bytes: bytes,
-            recv,
-            recv_bytes,
-            in_place_offset: Some(0),
-        };
-        // SAFETY: per the contract.
-        unsafe { collective(comm, call, stream) }
+    let args = Args::new(sendbuff, recvbuff, count, datatype, comm, stream);
+    // SAFETY: per the contract.
+    entry(|| unsafe {
+        args.run(OpKind::Reduce, Some(op), Some(root), |call, s| {
+            // Only the root writes its receive buffer (which in place is the send buffer).
+            if s.rank == s.root || std::ptr::eq(call.send, call.recv) {
+                call
+            } else {
+                call.without_recv()
+            }
+        })
     })
 }
 
@@ -225,23 +299,14 @@ pub unsafe extern "C" fn weftAllGather(
     comm: weftComm_t,
     stream: weftStream_t,
 ) -> weftResult_t {
-    entry(|| {
-        let kind = OpKind::AllGather;
-        // SAFETY: per the contract.
-        let c = unsafe { comm_ref(comm) }?;
-        let dt = dtype_of(c, kind, datatype)?;
-        let block = byte_len(c, kind, sendcount, dt)?;
-        let all = byte_len(c, kind, sendcount.saturating_mul(c.size()), dt)?;
-        let call = Call {
-            op: RawOp::new(kind, dt, sendcount),
-            send: sendbuff,
-            send_bytes: block,
-            recv: recvbuff,
-            recv_bytes: all,
-            in_place_offset: Some(c.rank() * block),
-        };
-        // SAFETY: per the contract.
-        unsafe { collective(comm, call, stream) }
+    let args = Args::new(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+    // SAFETY: per the contract.
+    entry(|| unsafe {
+        args.run(OpKind::AllGather, None, None, |call, s| Call {
+            recv_bytes: s.all,
+            in_place_offset: Some(s.rank * s.bytes),
+            ..call
+        })
     })
 }
 
@@ -262,39 +327,31 @@ pub unsafe extern "C" fn weftReduceScatter(
     comm: weftComm_t,
     stream: weftStream_t,
 ) -> weftResult_t {
-    entry(|| {
-        let kind = OpKind::ReduceScatter;
-        // SAFETY: per the contract.
-        let h = unsafe { handle_ref(comm) }?;
-        let c = &h.comm;
-        let dt = dtype_of(c, kind, datatype)?;
-        let block = byte_len(c, kind, recvcount, dt)?;
-        let all = byte_len(c, kind, recvcount.saturating_mul(c.size()), dt)?;
-        let op = RawOp::new(kind, dt, recvcount).with_op(op_of(h, kind, op)?);
-        let in_place = recvbuff as usize == (sendbuff as usize).wrapping_add(c.rank() * block);
-        let call = if in_place && block > 0 {
-            // The whole in-place buffer starts at sendbuff.
-            let whole = sendbuff as *mut c_void;
-            Call {
-                op,
-                send: whole,
-                send_bytes: all,
-                recv: whole,
-                recv_bytes: all,
-                in_place_offset: Some(0),
+    let args = Args::new(sendbuff, recvbuff, recvcount, datatype, comm, stream);
+    // SAFETY: per the contract.
+    entry(|| unsafe {
+        args.run(OpKind::ReduceScatter, Some(op), None, |call, s| {
+            let (block, all) = (s.bytes, s.all);
+            let in_place = call.recv as usize == (call.send as usize).wrapping_add(s.rank * block);
+            if in_place && block > 0 {
+                // The whole in-place buffer starts at sendbuff.
+                let whole = call.send as *mut c_void;
+                Call {
+                    send: whole,
+                    send_bytes: all,
+                    recv: whole,
+                    recv_bytes: all,
+                    ..call
+                }
+            } else {
+                Call {
+                    send_bytes: all,
+                    recv_bytes: block,
+                    in_place_offset: None,
+                    ..call
+                }
             }
-        } else {
-            Call {
-                op,
-                send: sendbuff,
-                send_bytes: all,
-                recv: recvbuff,
-                recv_bytes: block,
-                in_place_offset: None,
-            }
-        };
-        // SAFETY: per the contract.
-        unsafe { collective(comm, call, stream) }
+        })
     })
 }
 
@@ -312,22 +369,14 @@ pub unsafe extern "C" fn weftAllToAll(
     comm: weftComm_t,
     stream: weftStream_t,
 ) -> weftResult_t {
-    entry(|| {
-        let kind = OpKind::AllToAll;
-        // SAFETY: per the contract.
-        let c = unsafe { comm_ref(comm) }?;
-        let dt = dtype_of(c, kind, datatype)?;
-        let all = byte_len(c, kind, count.saturating_mul(c.size()), dt)?;
-        let call = Call {
-            op: RawOp::new(kind, dt, count),
-            send: sendbuff,
-            send_bytes: all,
-            recv: recvbuff,
-            recv_bytes: all,
-            in_place_offset: Some(0),
-        };
-        // SAFETY: per the contract.
-        unsafe { collective(comm, call, stream) }
+    let args = Args::new(sendbuff, recvbuff, count, datatype, comm, stream);
+    // SAFETY: per the contract.
+    entry(|| unsafe {
+        args.run(OpKind::AllToAll, None, None, |call, s| Call {
+            send_bytes: s.all,
+            recv_bytes: s.all,
+            ..call
+        })
     })
 }
 

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use weftcc_collectives::schedule::hierarchical::{self, HostLayout};
 use weftcc_collectives::schedule::sim::{self, RankMemory, SimError};
 use weftcc_collectives::schedule::tree;
-use weftcc_collectives::schedule::{self, p2p, Action, Schedule, ScheduleError};
+use weftcc_collectives::schedule::{self, p2p, Action, Part, Schedule, ScheduleError};
 use weftcc_collectives::{Combiner, DataType};
 
 const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];
@@ -158,6 +158,18 @@ struct Params {
     mixed: bool,
 }
 
+impl Params {
+    /// Rank `rank`'s part in the collective these parameters describe.
+    fn part(&self, rank: usize) -> Part {
+        Part {
+            rank,
+            nranks: self.n,
+            count: self.count,
+            slice_elems: self.slice,
+        }
+    }
+}
+
 fn params(max_count: usize) -> impl Strategy<Value = Params> {
     (
         1usize..=16,
@@ -257,7 +269,9 @@ const IDENTICAL_ALL_REDUCES: [BlockBuilder; 2] = [
 /// The hierarchical all-reduce on a random host layout of `n` ranks.
 fn hierarchical_on(n: usize, seed: u64) -> impl Build {
     let hosts = layout(n, seed);
-    move |r, _, count, slice| hierarchical::hierarchical_all_reduce(r, &hosts, count, slice)
+    move |part: Part| {
+        hierarchical::hierarchical_all_reduce(part.rank, &hosts, part.count, part.slice_elems)
+    }
 }
 
 fn layout(n: usize, seed: u64) -> HostLayout {
@@ -281,7 +295,7 @@ fn check_all_reduce_with(p: &Params, builder: impl Build) -> Result<(), TestCase
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| input_data(p, &mut rng, p.count)).collect();
-    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(p.part(r)))?;
     check_slices(&scheds, p.slice)?;
     let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
@@ -313,14 +327,13 @@ fn same_size_memory(
     inputs.iter().enumerate().map(memory).collect()
 }
 
-/// A builder of the (rank, nranks, count, slice) form, closures included.
-trait Build: Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError> {}
+/// A builder that takes a [`Part`], closures included.
+trait Build: Fn(Part) -> Result<Schedule, ScheduleError> {}
 
-impl<F: Fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>> Build for F {}
+impl<F: Fn(Part) -> Result<Schedule, ScheduleError>> Build for F {}
 
-/// The signature shared by the all-gather and reduce-scatter builders (rank, nranks, count,
-/// slice).
-type BlockBuilder = fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
+/// The signature shared by the all-gather and reduce-scatter builders.
+type BlockBuilder = fn(Part) -> Result<Schedule, ScheduleError>;
 
 fn check_reduce_scatter_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
@@ -328,7 +341,7 @@ fn check_reduce_scatter_with(p: &Params, builder: BlockBuilder) -> Result<(), Te
     let inputs: Vec<Vec<u8>> = (0..p.n)
         .map(|_| input_data(p, &mut rng, p.n * p.count))
         .collect();
-    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(p.part(r)))?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .enumerate()
@@ -358,7 +371,7 @@ fn check_all_gather_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCa
     let mut rng = Rng(p.seed);
     let block = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(block)).collect();
-    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(p.part(r)))?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
         .enumerate()
@@ -381,14 +394,14 @@ fn check_all_gather_with(p: &Params, builder: BlockBuilder) -> Result<(), TestCa
     Ok(())
 }
 
-/// The signature shared by the rooted builders (rank, nranks, root, count, slice).
-type RootedBuilder = fn(usize, usize, usize, usize, usize) -> Result<Schedule, ScheduleError>;
+/// The signature shared by the rooted builders (the part, then the root).
+type RootedBuilder = fn(Part, usize) -> Result<Schedule, ScheduleError>;
 
 fn check_broadcast_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseError> {
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
-    let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(p.part(r), p.root))?;
     check_slices(&scheds, p.slice)?;
     let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
@@ -405,7 +418,7 @@ fn check_reduce_with(p: &Params, builder: RootedBuilder) -> Result<(), TestCaseE
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| input_data(p, &mut rng, p.count)).collect();
-    let scheds = build(p.n, |r| builder(r, p.n, p.root, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(p.part(r), p.root))?;
     check_slices(&scheds, p.slice)?;
     let sentinels: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(bytes)).collect();
     let mut mem = same_size_memory(p, &inputs, |r| sentinels[r].clone());
@@ -431,7 +444,7 @@ fn check_all_to_all(p: &Params) -> Result<(), TestCaseError> {
     let total = p.n * block;
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|_| rng.bytes(total)).collect();
     let scheds = build(p.n, |r| {
-        schedule::pairwise_all_to_all(r, p.n, p.count, p.slice, p.in_place)
+        schedule::pairwise_all_to_all(p.part(r), p.in_place)
     })?;
     let mut mem: Vec<RankMemory> = inputs
         .iter()
@@ -779,7 +792,7 @@ fn check_float_all_reduce_identical(p: &Params, builder: impl Build) -> Result<(
     let mut rng = Rng(p.seed);
     let bytes = p.count * p.dtype.size();
     let inputs: Vec<Vec<u8>> = (0..p.n).map(|r| inexact_data(p, r)).collect();
-    let scheds = build(p.n, |r| builder(r, p.n, p.count, p.slice))?;
+    let scheds = build(p.n, |r| builder(p.part(r)))?;
     let mut mem = same_size_memory(p, &inputs, |_| rng.bytes(bytes));
     sim_ok(simulate(p, &mut rng, &scheds, &mut mem))?;
     let first = mem[0].output().unwrap().to_vec();

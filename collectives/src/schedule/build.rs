@@ -1,7 +1,7 @@
 //! What every schedule builder shares: argument checks, ring arithmetic, slicing, and the
 //! [`Builder`] that accumulates steps.
 
-use super::{Action, BufId, Region, Schedule, ScheduleError, Step, StepId, MAX_RANKS};
+use super::{Action, BufId, Part, Region, Schedule, ScheduleError, Step, StepId, MAX_RANKS};
 
 pub(crate) fn check_rank(rank: usize, nranks: usize) -> Result<(), ScheduleError> {
     if nranks == 0 {
@@ -70,18 +70,22 @@ pub(crate) fn slices(
     })
 }
 
-/// How every builder of a collective starts: `rank` is checked, then `root` where the
+/// How every builder of a collective starts: the `part`'s rank is checked, then `root` where the
 /// collective has one, and a single rank gets [`Builder::single_rank`] (the whole schedule of
 /// every collective there: Input copied to Output). `body` builds the schedule of two ranks or
 /// more on a fresh [`Builder`]; checks that cannot fail for one rank (a power of two, the total
 /// count) belong in it.
 pub(crate) fn collective(
-    rank: usize,
-    nranks: usize,
+    part: Part,
     root: Option<usize>,
-    count: usize,
     body: impl FnOnce(Builder) -> Result<Schedule, ScheduleError>,
 ) -> Result<Schedule, ScheduleError> {
+    let Part {
+        rank,
+        nranks,
+        count,
+        ..
+    } = part;
     check_rank(rank, nranks)?;
     if let Some(root) = root {
         check_root(root, nranks)?;

@@ -14,7 +14,7 @@ use super::build::{
     before, check_power_of_two, check_rank, collective, dep_at, even_chunk, slices, total, Builder,
     Chain, Ring, Writes,
 };
-use super::{Action, BufId, Region, Schedule, ScheduleError, StepId};
+use super::{Action, BufId, Part, Region, Schedule, ScheduleError, StepId};
 
 /// Ring all-reduce (reduce-scatter then all-gather around the ring `rank -> rank + 1`).
 ///
@@ -24,13 +24,9 @@ use super::{Action, BufId, Region, Schedule, ScheduleError, StepId};
 /// after `nranks - 1` steps it holds the fully reduced chunk `rank + 1`; the all-gather phase
 /// then passes the reduced chunks around. Every transfer is split into messages of at most
 /// `slice_elems` elements, each send of a received slice depending only on that slice.
-pub fn ring_all_reduce(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn ring_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         let ring @ Ring { next, prev } = Ring::around(rank, n);
         let chunk_slices = |chunk: usize| -> Vec<(usize, usize)> {
@@ -100,13 +96,9 @@ pub fn ring_all_reduce(
 /// of block `rank - s - 2`, which it combines with its own Input block into Scratch slot `s % 2`
 /// (into Output at the last step). A receive into a slot waits for the send that read the slot's
 /// previous contents, slice by slice. `scratch_elems` is `min(nranks - 2, 2) * count`.
-pub fn ring_reduce_scatter(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn ring_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         total(count, n)?;
         let ring @ Ring { next, prev } = Ring::around(rank, n);
@@ -155,14 +147,10 @@ pub fn ring_reduce_scatter(
 /// rank's Input (a local copy, skipped by the engine when Input is that block, i.e. in place).
 /// At step `t` a rank sends block `rank - t` (its Input at `t = 0`) and receives block
 /// `rank - t - 1` into Output; forwarding a slice waits for its receipt.
-pub fn ring_all_gather(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
+pub fn ring_all_gather(part: Part) -> Result<Schedule, ScheduleError> {
     // One rank: the copy into block 0 is all.
-    collective(rank, nranks, None, count, |mut b| {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         total(count, n)?;
         b.copy(
@@ -203,15 +191,10 @@ pub fn ring_all_gather(
 /// The root copies Input to Output (skipped in place) and sends Input slice by slice; every
 /// other rank receives each slice into Output and, unless it is last in the chain, forwards it
 /// from Output as soon as it has arrived. Only the root's Input is read.
-pub fn chain_broadcast(
-    rank: usize,
-    nranks: usize,
-    root: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
+pub fn chain_broadcast(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
     // One rank: the root's copy is all.
-    collective(rank, nranks, Some(root), count, |mut b| {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, Some(root), |mut b| {
         let chain = Chain::starting_at(root, rank, nranks);
         let Ring { next, prev } = chain.ring;
         if rank == root {
@@ -240,14 +223,9 @@ pub fn chain_broadcast(
 /// The first rank of the chain sends its Input; each middle rank combines every received slice
 /// with its Input slice into Scratch and forwards it; the root combines into Output. Non-root
 /// ranks never write Output. Middle ranks need `scratch_elems = count`.
-pub fn chain_reduce(
-    rank: usize,
-    nranks: usize,
-    root: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, Some(root), count, |mut b| {
+pub fn chain_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, Some(root), |mut b| {
         // Position 0 is root + 1, n - 1 the root.
         let chain = Chain::starting_at(root + 1, rank, nranks);
         let output = |o: usize, l: usize| Region::new(BufId::Output, o, l);
@@ -286,13 +264,9 @@ pub fn chain_reduce(
 /// result from Scratch to Output when the number of rounds is odd. Every transfer is split into
 /// messages of at most `slice_elems` elements with per-slice deps. Ranks `< p` need
 /// `scratch_elems = count`; ranks `>= p` and a single rank need none.
-pub fn recursive_doubling_all_reduce(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn recursive_doubling_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         // n >= 2, so p >= 2 and there is at least one round.
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
@@ -400,13 +374,9 @@ pub fn recursive_doubling_all_reduce(
 /// reduces the partner's copy of the other half with its own. Partial sums live in Scratch, laid
 /// out like Input; the last round (the window is then this rank's block) reduces into Output.
 /// Every step that reads partial sums waits for the previous round's steps that wrote them.
-pub fn recursive_halving_reduce_scatter(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn recursive_halving_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         check_power_of_two(nranks)?;
         let n = nranks;
         let all = total(count, n)?;
@@ -459,14 +429,10 @@ pub fn recursive_halving_reduce_scatter(
 /// and its partner `r ^ d` exchange the `d` blocks each holds, the aligned group starting at
 /// block `r & !(d - 1)`: contiguous in Output, so one transfer each way, split into slices. Each
 /// sent slice waits for the steps that wrote its elements (the copy, earlier receives).
-pub fn recursive_doubling_all_gather(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
+pub fn recursive_doubling_all_gather(part: Part) -> Result<Schedule, ScheduleError> {
     // One rank: the copy into block 0 is all.
-    collective(rank, nranks, None, count, |mut b| {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         check_power_of_two(nranks)?;
         let n = nranks;
         total(count, n)?;
@@ -548,13 +514,8 @@ pub fn dissemination_barrier(rank: usize, nranks: usize) -> Result<Schedule, Sch
 /// rank's own) is first copied slice by slice to the same place in Scratch
 /// (`scratch_elems = nranks * count`); sends read Scratch, and the receive into a slice waits
 /// for that slice's copy. The own block stays where it is.
-pub fn pairwise_all_to_all(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-    in_place: bool,
-) -> Result<Schedule, ScheduleError> {
+pub fn pairwise_all_to_all(part: Part, in_place: bool) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
     check_rank(rank, nranks)?;
     let n = nranks;
     let all = total(count, n)?;

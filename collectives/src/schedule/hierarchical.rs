@@ -18,7 +18,7 @@
 //! step touching this rank's chunk waits for the cross-host steps that wrote it.
 
 use super::build::{check_rank, even_chunk, slices};
-use super::{ring_all_reduce, Action, BufId, Region, Schedule, ScheduleError, Step, StepId};
+use super::{ring_all_reduce, Action, BufId, Part, Region, Schedule, ScheduleError, Step, StepId};
 
 /// Which host each rank is on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,7 +200,12 @@ pub fn hierarchical_all_reduce(
     let nhosts = layout.hosts();
 
     // Phases 1 and 3: the host's ring all-reduce, local peers mapped to ranks.
-    let local = ring_all_reduce(i, m, count, slice_elems)?;
+    let local = ring_all_reduce(Part {
+        rank: i,
+        nranks: m,
+        count,
+        slice_elems,
+    })?;
     let rs_steps = if m == 1 {
         local.steps.len()
     } else {
@@ -272,7 +277,12 @@ pub fn hierarchical_all_reduce(
                     mem[(chunk_of(ps, count, hm) + hm - 1) % hm]
                 })
                 .collect();
-            let ring = ring_all_reduce(h, nhosts, pl, slice_elems)?;
+            let ring = ring_all_reduce(Part {
+                rank: h,
+                nranks: nhosts,
+                count: pl,
+                slice_elems,
+            })?;
             let base = steps.len();
             let to_owner = |p: usize| owners[p];
             for st in &ring.steps {

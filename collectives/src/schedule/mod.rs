@@ -2,7 +2,7 @@
 //!
 //! A [`Schedule`] is what one rank does for one collective: a list of [`Step`]s (send a region,
 //! receive a region and copy or reduce it in, copy locally) with explicit dependencies. It is
-//! computed from (rank, nranks, count, slice size) alone and performs no I/O, so tests execute
+//! computed from a [`Part`] (rank, nranks, count, slice size) alone and performs no I/O, so tests execute
 //! schedules of every rank in memory (see [`sim`]) and the communicator's engine executes
 //! the same schedule over real transports.
 //!
@@ -39,6 +39,25 @@ pub use flat::{
     ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 };
 pub use select::{select, Collective};
+
+/// One rank's part in a collective: what every builder takes (the rooted ones take the root
+/// beside it). Named fields, so the four counts cannot be swapped silently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub rank: usize,
+    pub nranks: usize,
+    /// Elements per rank, as in the call.
+    pub count: usize,
+    /// The largest message, in elements.
+    pub slice_elems: usize,
+}
+
+impl Part {
+    /// `(rank, nranks, count, slice_elems)`, for a builder's body.
+    pub(crate) const fn fields(self) -> (usize, usize, usize, usize) {
+        (self.rank, self.nranks, self.count, self.slice_elems)
+    }
+}
 
 /// A logical buffer a step addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

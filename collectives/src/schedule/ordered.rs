@@ -22,7 +22,7 @@
 //! `docs/performance.md` for what it costs.
 
 use super::build::{collective, total, Chain, Ring};
-use super::{BufId, Region, Schedule, ScheduleError};
+use super::{BufId, Part, Region, Schedule, ScheduleError};
 
 /// The fold of every rank's Input into rank n-1: the chain `0 → … → n-1`.
 fn fold_chain(rank: usize, n: usize) -> Chain {
@@ -32,13 +32,9 @@ fn fold_chain(rank: usize, n: usize) -> Chain {
 /// Deterministic all-reduce: the fold to rank n-1, then a chain broadcast `n-1 → 0 → … → n-2`.
 /// Input and Output hold `count` elements each and may be the same memory. Ranks other than
 /// the ends need `scratch_elems = count`.
-pub fn ordered_all_reduce(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn ordered_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         let chain = fold_chain(rank, n);
         let output = |o: usize, l: usize| Region::new(BufId::Output, o, l);
@@ -64,14 +60,9 @@ pub fn ordered_all_reduce(
 /// Deterministic reduce: the fold to rank n-1, which then sends the result to `root` unless it
 /// is the root. Non-root ranks never write Output; ranks other than rank 0 and the root need
 /// `scratch_elems = count`.
-pub fn ordered_reduce(
-    rank: usize,
-    nranks: usize,
-    root: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, Some(root), count, |mut b| {
+pub fn ordered_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, Some(root), |mut b| {
         let n = nranks;
         let last = n - 1;
         let chain = fold_chain(rank, n);
@@ -111,13 +102,9 @@ pub fn ordered_reduce(
 /// of the whole Input to rank n-1, which keeps its block and sends block j to rank j. Output may
 /// be block `rank` of the Input (in place). Ranks but rank 0 need `scratch_elems = nranks ×
 /// count`.
-pub fn ordered_reduce_scatter(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn ordered_reduce_scatter(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         let all = total(count, n)?;
         let last = n - 1;

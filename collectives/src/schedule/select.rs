@@ -7,7 +7,7 @@ use super::tree::{tree_all_reduce, tree_broadcast, tree_reduce};
 use super::{
     chain_broadcast, chain_reduce, dissemination_barrier, pairwise_all_to_all,
     recursive_doubling_all_gather, recursive_doubling_all_reduce, recursive_halving_reduce_scatter,
-    ring_all_gather, ring_all_reduce, ring_reduce_scatter, Schedule, ScheduleError,
+    ring_all_gather, ring_all_reduce, ring_reduce_scatter, Part, Schedule, ScheduleError,
 };
 use crate::algorithm::Algorithm;
 use crate::op::OpKind;
@@ -26,6 +26,18 @@ pub struct Collective {
     pub slice_elems: usize,
     /// Input and output are the same memory (only all-to-all's schedule differs then).
     pub in_place: bool,
+}
+
+impl Collective {
+    /// What the builders take: rank, nranks, count and slice size.
+    pub fn part(&self) -> Part {
+        Part {
+            rank: self.rank,
+            nranks: self.nranks,
+            count: self.count,
+            slice_elems: self.slice_elems,
+        }
+    }
 }
 
 /// The schedule `algorithm` gives `call`. An algorithm that has no schedule for the collective
@@ -48,32 +60,33 @@ pub fn select(
         slice_elems: slice,
         in_place,
     } = *call;
+    let p = call.part();
     match (kind, algorithm) {
-        (OpKind::AllReduce, Algorithm::Ordered) => ordered_all_reduce(r, n, count, slice),
-        (OpKind::Reduce, Algorithm::Ordered) => ordered_reduce(r, n, root, count, slice),
-        (OpKind::ReduceScatter, Algorithm::Ordered) => ordered_reduce_scatter(r, n, count, slice),
-        (OpKind::AllReduce, Algorithm::Rd) => recursive_doubling_all_reduce(r, n, count, slice),
-        (OpKind::AllReduce, Algorithm::Tree) => tree_all_reduce(r, n, count, slice),
+        (OpKind::AllReduce, Algorithm::Ordered) => ordered_all_reduce(p),
+        (OpKind::Reduce, Algorithm::Ordered) => ordered_reduce(p, root),
+        (OpKind::ReduceScatter, Algorithm::Ordered) => ordered_reduce_scatter(p),
+        (OpKind::AllReduce, Algorithm::Rd) => recursive_doubling_all_reduce(p),
+        (OpKind::AllReduce, Algorithm::Tree) => tree_all_reduce(p),
         (OpKind::AllReduce, Algorithm::Hier) => match hosts {
             Some(layout) if layout.nranks() == n => {
                 hierarchical_all_reduce(r, layout, count, slice)
             }
-            _ => ring_all_reduce(r, n, count, slice),
+            _ => ring_all_reduce(p),
         },
-        (OpKind::AllReduce, Algorithm::Ring) => ring_all_reduce(r, n, count, slice),
-        (OpKind::Reduce, Algorithm::Tree) => tree_reduce(r, n, root, count, slice),
-        (OpKind::Reduce, _) => chain_reduce(r, n, root, count, slice),
-        (OpKind::Broadcast, Algorithm::Tree) => tree_broadcast(r, n, root, count, slice),
-        (OpKind::Broadcast, _) => chain_broadcast(r, n, root, count, slice),
+        (OpKind::AllReduce, Algorithm::Ring) => ring_all_reduce(p),
+        (OpKind::Reduce, Algorithm::Tree) => tree_reduce(p, root),
+        (OpKind::Reduce, _) => chain_reduce(p, root),
+        (OpKind::Broadcast, Algorithm::Tree) => tree_broadcast(p, root),
+        (OpKind::Broadcast, _) => chain_broadcast(p, root),
         (OpKind::AllGather, Algorithm::Rd) if n.is_power_of_two() => {
-            recursive_doubling_all_gather(r, n, count, slice)
+            recursive_doubling_all_gather(p)
         }
-        (OpKind::AllGather, _) => ring_all_gather(r, n, count, slice),
+        (OpKind::AllGather, _) => ring_all_gather(p),
         (OpKind::ReduceScatter, Algorithm::Rd) if n.is_power_of_two() => {
-            recursive_halving_reduce_scatter(r, n, count, slice)
+            recursive_halving_reduce_scatter(p)
         }
-        (OpKind::ReduceScatter, _) => ring_reduce_scatter(r, n, count, slice),
-        (OpKind::AllToAll, _) => pairwise_all_to_all(r, n, count, slice, in_place),
+        (OpKind::ReduceScatter, _) => ring_reduce_scatter(p),
+        (OpKind::AllToAll, _) => pairwise_all_to_all(p, in_place),
         (OpKind::Barrier, _) => dissemination_barrier(r, n),
         (OpKind::SendRecv, _) => Err(ScheduleError::NotCollective { kind }),
     }
@@ -100,30 +113,21 @@ mod tests {
         let c = call(OpKind::AllReduce, 1, 4);
         assert_eq!(
             select(&c, Algorithm::Rd, None),
-            recursive_doubling_all_reduce(1, 4, 10, 3)
+            recursive_doubling_all_reduce(c.part())
         );
-        assert_eq!(
-            select(&c, Algorithm::Tree, None),
-            tree_all_reduce(1, 4, 10, 3)
-        );
-        assert_eq!(
-            select(&c, Algorithm::Hier, None),
-            ring_all_reduce(1, 4, 10, 3)
-        );
+        assert_eq!(select(&c, Algorithm::Tree, None), tree_all_reduce(c.part()));
+        assert_eq!(select(&c, Algorithm::Hier, None), ring_all_reduce(c.part()));
         let hosts = HostLayout::from_labels(&[0, 0, 1, 1]);
         assert_eq!(
             select(&c, Algorithm::Hier, Some(&hosts)),
             hierarchical_all_reduce(1, &hosts, 10, 3)
         );
         let ag = call(OpKind::AllGather, 1, 3);
-        assert_eq!(
-            select(&ag, Algorithm::Rd, None),
-            ring_all_gather(1, 3, 10, 3)
-        );
+        assert_eq!(select(&ag, Algorithm::Rd, None), ring_all_gather(ag.part()));
         let rs = call(OpKind::ReduceScatter, 1, 4);
         assert_eq!(
             select(&rs, Algorithm::Rd, None),
-            recursive_halving_reduce_scatter(1, 4, 10, 3)
+            recursive_halving_reduce_scatter(rs.part())
         );
         let a2a = Collective {
             in_place: true,
@@ -131,7 +135,7 @@ mod tests {
         };
         assert_eq!(
             select(&a2a, Algorithm::Tree, None),
-            pairwise_all_to_all(2, 3, 10, 3, true)
+            pairwise_all_to_all(a2a.part(), true)
         );
         assert_eq!(
             select(&call(OpKind::SendRecv, 0, 2), Algorithm::Ring, None),

@@ -5,6 +5,16 @@ use super::tree::{tree_all_reduce, tree_broadcast, tree_reduce};
 use super::*;
 use std::collections::HashMap;
 
+/// The part of rank `rank` of `nranks` in a collective of `count` elements.
+fn part(rank: usize, nranks: usize, count: usize, slice_elems: usize) -> Part {
+    Part {
+        rank,
+        nranks,
+        count,
+        slice_elems,
+    }
+}
+
 /// Elements of Input and Output every rank's schedule may address (besides its Scratch).
 struct Sizes {
     input: usize,
@@ -108,7 +118,7 @@ fn grid(mut f: impl FnMut(usize, usize, usize)) {
 fn ring_all_reduce_structure() {
     grid(|n, count, slice| {
         let s: Vec<_> = (0..n)
-            .map(|r| ring_all_reduce(r, n, count, slice).unwrap())
+            .map(|r| ring_all_reduce(part(r, n, count, slice)).unwrap())
             .collect();
         let sizes = Sizes::new(count, count);
         check_all(&s, &sizes, slice, true);
@@ -117,13 +127,15 @@ fn ring_all_reduce_structure() {
 
 /// [`check_all`] on every rank's reduce-scatter schedule from `build`; returns them.
 fn check_reduce_scatter_shape(
-    build: fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
+    build: fn(Part) -> Result<Schedule, ScheduleError>,
     n: usize,
     count: usize,
     slice: usize,
     all_peers_talk: bool,
 ) -> Vec<Schedule> {
-    let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
+    let s: Vec<_> = (0..n)
+        .map(|r| build(part(r, n, count, slice)).unwrap())
+        .collect();
     let sizes = Sizes::new(n * count, count);
     check_all(&s, &sizes, slice, all_peers_talk);
     s
@@ -141,7 +153,7 @@ fn ring_reduce_scatter_structure() {
 /// For a builder of power-of-two rank counts only: whether `n` is one, after checking that
 /// any other count is refused.
 fn power_of_two_or_refused(
-    build: fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
+    build: fn(Part) -> Result<Schedule, ScheduleError>,
     n: usize,
     count: usize,
     slice: usize,
@@ -150,7 +162,7 @@ fn power_of_two_or_refused(
         return true;
     }
     assert_eq!(
-        build(0, n, count, slice),
+        build(part(0, n, count, slice)),
         Err(ScheduleError::NotPowerOfTwo { nranks: n })
     );
     false
@@ -175,13 +187,15 @@ fn recursive_halving_reduce_scatter_structure() {
 
 /// [`check_all`] on every rank's all-gather schedule from `build`.
 fn check_all_gather_shape(
-    build: fn(usize, usize, usize, usize) -> Result<Schedule, ScheduleError>,
+    build: fn(Part) -> Result<Schedule, ScheduleError>,
     n: usize,
     count: usize,
     slice: usize,
     all_peers_talk: bool,
 ) {
-    let s: Vec<_> = (0..n).map(|r| build(r, n, count, slice).unwrap()).collect();
+    let s: Vec<_> = (0..n)
+        .map(|r| build(part(r, n, count, slice)).unwrap())
+        .collect();
     let sizes = Sizes::new(count, n * count);
     check_all(&s, &sizes, slice, all_peers_talk);
 }
@@ -206,11 +220,11 @@ fn chain_structure() {
         for root in 0..n {
             let sizes = Sizes::new(count, count);
             let s: Vec<_> = (0..n)
-                .map(|r| chain_broadcast(r, n, root, count, slice).unwrap())
+                .map(|r| chain_broadcast(part(r, n, count, slice), root).unwrap())
                 .collect();
             check_all(&s, &sizes, slice, false);
             let s: Vec<_> = (0..n)
-                .map(|r| chain_reduce(r, n, root, count, slice).unwrap())
+                .map(|r| chain_reduce(part(r, n, count, slice), root).unwrap())
                 .collect();
             check_all(&s, &sizes, slice, false);
             for (r, sched) in s.iter().enumerate() {
@@ -235,7 +249,7 @@ fn all_to_all_and_barrier_structure() {
     grid(|n, count, slice| {
         for in_place in [false, true] {
             let s: Vec<_> = (0..n)
-                .map(|r| pairwise_all_to_all(r, n, count, slice, in_place).unwrap())
+                .map(|r| pairwise_all_to_all(part(r, n, count, slice), in_place).unwrap())
                 .collect();
             let sizes = Sizes::new(n * count, n * count);
             check_all(&s, &sizes, slice, true);
@@ -273,17 +287,17 @@ fn count_zero_keeps_peers_and_emits_no_steps() {
     for n in 2..=5 {
         for r in 0..n {
             for s in [
-                ring_all_reduce(r, n, 0, 4).unwrap(),
-                ring_reduce_scatter(r, n, 0, 4).unwrap(),
-                ring_all_gather(r, n, 0, 4).unwrap(),
-                pairwise_all_to_all(r, n, 0, 4, true).unwrap(),
+                ring_all_reduce(part(r, n, 0, 4)).unwrap(),
+                ring_reduce_scatter(part(r, n, 0, 4)).unwrap(),
+                ring_all_gather(part(r, n, 0, 4)).unwrap(),
+                pairwise_all_to_all(part(r, n, 0, 4), true).unwrap(),
             ] {
                 assert!(s.steps.is_empty());
                 assert!(!s.send_peers.is_empty() && !s.recv_peers.is_empty());
             }
         }
     }
-    let s = ring_all_reduce(0, 1, 0, 4).unwrap();
+    let s = ring_all_reduce(part(0, 1, 0, 4)).unwrap();
     assert!(s.steps.is_empty() && s.send_peers.is_empty());
 }
 
@@ -295,17 +309,20 @@ fn invalid_arguments_are_errors() {
     let overflow = |count, nranks| ScheduleError::CountOverflow { count, nranks };
     let half = usize::MAX / 2;
     let cases = [
-        (ring_all_reduce(0, 0, 5, 1), NoRanks),
-        (ring_reduce_scatter(3, 3, 5, 1), rank(3, 3)),
-        (chain_broadcast(0, 3, 3, 5, 1), root(3, 3)),
-        (chain_reduce(0, 2, 7, 5, 1), root(7, 2)),
-        (ring_all_gather(0, 4, half, 1), overflow(half, 4)),
-        (pairwise_all_to_all(0, 3, half, 1, false), overflow(half, 3)),
+        (ring_all_reduce(part(0, 0, 5, 1)), NoRanks),
+        (ring_reduce_scatter(part(3, 3, 5, 1)), rank(3, 3)),
+        (chain_broadcast(part(0, 3, 5, 1), 3), root(3, 3)),
+        (chain_reduce(part(0, 2, 5, 1), 7), root(7, 2)),
+        (ring_all_gather(part(0, 4, half, 1)), overflow(half, 4)),
+        (
+            pairwise_all_to_all(part(0, 3, half, 1), false),
+            overflow(half, 3),
+        ),
         (dissemination_barrier(1, 1), rank(1, 1)),
-        (tree_all_reduce(0, 0, 5, 1), NoRanks),
-        (tree_all_reduce(2, 2, 5, 1), rank(2, 2)),
-        (tree_broadcast(0, 3, 3, 5, 1), root(3, 3)),
-        (tree_reduce(0, 2, 9, 5, 1), root(9, 2)),
+        (tree_all_reduce(part(0, 0, 5, 1)), NoRanks),
+        (tree_all_reduce(part(2, 2, 5, 1)), rank(2, 2)),
+        (tree_broadcast(part(0, 3, 5, 1), 3), root(3, 3)),
+        (tree_reduce(part(0, 2, 5, 1), 9), root(9, 2)),
     ];
     for (i, (got, want)) in cases.into_iter().enumerate() {
         assert_eq!(got, Err(want), "case {i}");
@@ -315,7 +332,13 @@ fn invalid_arguments_are_errors() {
         Err(ScheduleError::TooManyRanks { .. })
     ));
     // Huge counts with one rank are fine (a single copy).
-    assert_eq!(ring_all_reduce(0, 1, usize::MAX, 0).unwrap().steps.len(), 1);
+    assert_eq!(
+        ring_all_reduce(part(0, 1, usize::MAX, 0))
+            .unwrap()
+            .steps
+            .len(),
+        1
+    );
 }
 
 #[test]
@@ -377,7 +400,7 @@ fn check_rejects_malformed_schedules() {
 fn ring_all_reduce_shape() {
     // 4 ranks, 8 elements, slices of 1: chunks of 2 elements, 2 slices per chunk,
     // 3 reduce-scatter + 3 all-gather steps, each 2 sends + 2 receives.
-    let s = ring_all_reduce(1, 4, 8, 1).unwrap();
+    let s = ring_all_reduce(part(1, 4, 8, 1)).unwrap();
     assert_eq!(s.steps.len(), 6 * 4);
     assert_eq!(
         (s.send_peers.clone(), s.recv_peers.clone()),
@@ -419,7 +442,7 @@ fn recursive_doubling_all_reduce_structure() {
         for count in COUNTS {
             for slice in SLICES {
                 let s: Vec<_> = (0..n)
-                    .map(|r| recursive_doubling_all_reduce(r, n, count, slice).unwrap())
+                    .map(|r| recursive_doubling_all_reduce(part(r, n, count, slice)).unwrap())
                     .collect();
                 let sizes = Sizes::new(count, count);
                 check_all(&s, &sizes, slice, true);
@@ -451,7 +474,7 @@ fn peers(s: &Schedule) -> (Vec<usize>, Vec<usize>) {
 #[test]
 fn recursive_doubling_all_reduce_peers() {
     for count in [0, 5] {
-        let rd = |r, n| recursive_doubling_all_reduce(r, n, count, 2).unwrap();
+        let rd = |r, n| recursive_doubling_all_reduce(part(r, n, count, 2)).unwrap();
         // Two ranks: one round.
         assert_eq!(peers(&rd(0, 2)), (vec![1], vec![1]));
         assert_eq!(peers(&rd(1, 2)), (vec![0], vec![0]));
@@ -473,7 +496,7 @@ fn recursive_doubling_all_reduce_peers() {
             assert_eq!(peers(&rd(r, 6)), (want.clone(), want.clone()), "rank {r}");
         }
     }
-    let one = recursive_doubling_all_reduce(0, 1, 5, 2).unwrap();
+    let one = recursive_doubling_all_reduce(part(0, 1, 5, 2)).unwrap();
     assert!(one.send_peers.is_empty() && one.recv_peers.is_empty());
     assert_eq!(one.scratch_elems, 0);
     assert_eq!(
@@ -486,13 +509,13 @@ fn recursive_doubling_all_reduce_peers() {
             deps: Vec::new()
         }]
     );
-    assert!(recursive_doubling_all_reduce(0, 1, 0, 2)
+    assert!(recursive_doubling_all_reduce(part(0, 1, 0, 2))
         .unwrap()
         .steps
         .is_empty());
     for n in 2..=9 {
         for r in 0..n {
-            assert!(recursive_doubling_all_reduce(r, n, 0, 3)
+            assert!(recursive_doubling_all_reduce(part(r, n, 0, 3))
                 .unwrap()
                 .steps
                 .is_empty());
@@ -504,7 +527,7 @@ fn recursive_doubling_all_reduce_peers() {
 fn recursive_doubling_all_reduce_shape() {
     // Two ranks, 4 elements, slices of 2: send Input, combine into Scratch (in place, Output
     // is the Input being sent), then copy each slice once it is combined and sent.
-    let s = recursive_doubling_all_reduce(1, 2, 4, 2).unwrap();
+    let s = recursive_doubling_all_reduce(part(1, 2, 4, 2)).unwrap();
     let send = |o| Action::Send {
         peer: 0,
         src: Region::new(BufId::Input, o, 2),
@@ -535,7 +558,7 @@ fn recursive_doubling_all_reduce_shape() {
     );
     // Three ranks: rank 0 folds rank 2 in (into Scratch, so its single round writes Output)
     // and sends the result from Output; rank 2 receives each slice after sending it.
-    let s = recursive_doubling_all_reduce(0, 3, 2, 0).unwrap();
+    let s = recursive_doubling_all_reduce(part(0, 3, 2, 0)).unwrap();
     assert_eq!(s.scratch_elems, 2);
     let region = |buf, o| Region::new(buf, o, 1);
     assert_eq!(
@@ -577,7 +600,7 @@ fn recursive_doubling_all_reduce_shape() {
             &[3]
         )
     );
-    let s = recursive_doubling_all_reduce(2, 3, 2, 0).unwrap();
+    let s = recursive_doubling_all_reduce(part(2, 3, 2, 0)).unwrap();
     assert_eq!(s.scratch_elems, 0);
     assert_eq!(
         s.steps[1],
@@ -594,23 +617,23 @@ fn recursive_doubling_all_reduce_shape() {
 #[test]
 fn recursive_doubling_all_reduce_invalid_arguments() {
     assert_eq!(
-        recursive_doubling_all_reduce(0, 0, 5, 1),
+        recursive_doubling_all_reduce(part(0, 0, 5, 1)),
         Err(ScheduleError::NoRanks)
     );
     assert_eq!(
-        recursive_doubling_all_reduce(4, 4, 5, 1),
+        recursive_doubling_all_reduce(part(4, 4, 5, 1)),
         Err(ScheduleError::RankOutOfRange { rank: 4, nranks: 4 })
     );
     assert!(matches!(
-        recursive_doubling_all_reduce(0, usize::MAX, 5, 1),
+        recursive_doubling_all_reduce(part(0, usize::MAX, 5, 1)),
         Err(ScheduleError::TooManyRanks { .. })
     ));
     // Large communicators and huge counts with few slices are fine.
-    let s = recursive_doubling_all_reduce(MAX_RANKS - 1, MAX_RANKS, 3, 1).unwrap();
+    let s = recursive_doubling_all_reduce(part(MAX_RANKS - 1, MAX_RANKS, 3, 1)).unwrap();
     assert_eq!(s.send_peers.len(), 24);
-    let s = recursive_doubling_all_reduce(3, 5, usize::MAX, usize::MAX).unwrap();
+    let s = recursive_doubling_all_reduce(part(3, 5, usize::MAX, usize::MAX)).unwrap();
     assert_eq!(s.steps.len(), 2 * 2);
     s.check(5).unwrap();
-    let s = recursive_doubling_all_reduce(5, 6, usize::MAX, usize::MAX).unwrap();
+    let s = recursive_doubling_all_reduce(part(5, 6, usize::MAX, usize::MAX)).unwrap();
     assert_eq!(s.steps.len(), 2);
 }

@@ -14,7 +14,7 @@
 //! slice) alone and perform no I/O (see [`crate::schedule`] for the execution rules).
 
 use super::build::{collective, even_chunk, slices, Builder};
-use super::{BufId, Region, Schedule, ScheduleError, StepId};
+use super::{BufId, Part, Region, Schedule, ScheduleError, StepId};
 
 /// How ranks are placed on the positions of a heap-shaped tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,13 +133,9 @@ fn climb(
 /// dependency points to an earlier round, which makes the schedule deadlock-free with bounded
 /// FIFOs. The broadcast receive into an Output slice waits for the send that read it (in place,
 /// a leaf's Input slice). No scratch space.
-pub fn tree_all_reduce(
-    rank: usize,
-    nranks: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, None, count, |mut b| {
+pub fn tree_all_reduce(part: Part) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, None, |mut b| {
         let n = nranks;
         let trees = double_tree_nodes(rank, n);
         let parts: [Vec<(usize, usize)>; 2] = [0, 1].map(|t| {
@@ -198,15 +194,10 @@ pub fn tree_all_reduce(
 /// children; every other rank receives each slice from its parent into Output and forwards it to
 /// its children as soon as it has arrived. Only the root's Input is read. Depth `⌊log2 n⌋`
 /// instead of the chain's `n - 1`, at the price of sending every slice twice from interior ranks.
-pub fn tree_broadcast(
-    rank: usize,
-    nranks: usize,
-    root: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
+pub fn tree_broadcast(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
     // One rank: the root's copy is all.
-    collective(rank, nranks, Some(root), count, |mut b| {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, Some(root), |mut b| {
         let node = tree_node(Labeling::Rotated { root }, rank, nranks);
         if rank == root {
             b.copy(
@@ -238,14 +229,9 @@ pub fn tree_broadcast(
 /// rank combines its Input slice with its children's partial results (into Scratch, or into
 /// Output at the root) and sends the partial result on as soon as it is complete. Non-root ranks
 /// never write Output; interior non-root ranks need `scratch_elems = count`.
-pub fn tree_reduce(
-    rank: usize,
-    nranks: usize,
-    root: usize,
-    count: usize,
-    slice_elems: usize,
-) -> Result<Schedule, ScheduleError> {
-    collective(rank, nranks, Some(root), count, |mut b| {
+pub fn tree_reduce(part: Part, root: usize) -> Result<Schedule, ScheduleError> {
+    let (rank, nranks, count, slice_elems) = part.fields();
+    collective(part, Some(root), |mut b| {
         let node = tree_node(Labeling::Rotated { root }, rank, nranks);
         let acc = if node.parent.is_none() {
             BufId::Output
@@ -331,7 +317,16 @@ mod tests {
                 children: vec![0, 1]
             }
         );
-        let s = tree_broadcast(0, 5, 2, 4, 2).unwrap();
+        let s = tree_broadcast(
+            Part {
+                rank: 0,
+                nranks: 5,
+                count: 4,
+                slice_elems: 2,
+            },
+            2,
+        )
+        .unwrap();
         assert_eq!(s.recv_peers, vec![3]);
         assert!(s.send_peers.is_empty());
         assert_eq!(
@@ -346,9 +341,21 @@ mod tests {
     /// Invalid arguments are checked with the flat builders' in `schedule::tests`.
     #[test]
     fn huge_counts_and_large_communicators_build() {
-        let s = tree_all_reduce(5, 9, usize::MAX, usize::MAX).unwrap();
+        let s = tree_all_reduce(Part {
+            rank: 5,
+            nranks: 9,
+            count: usize::MAX,
+            slice_elems: usize::MAX,
+        })
+        .unwrap();
         s.check(9).unwrap();
-        let s = tree_all_reduce(1 << 20, crate::schedule::MAX_RANKS, 3, 1).unwrap();
+        let s = tree_all_reduce(Part {
+            rank: 1 << 20,
+            nranks: crate::schedule::MAX_RANKS,
+            count: 3,
+            slice_elems: 1,
+        })
+        .unwrap();
         s.check(crate::schedule::MAX_RANKS).unwrap();
     }
 
@@ -356,7 +363,13 @@ mod tests {
     fn count_zero_keeps_peers() {
         for n in 2..=9 {
             for r in 0..n {
-                let s = tree_all_reduce(r, n, 0, 3).unwrap();
+                let s = tree_all_reduce(Part {
+                    rank: r,
+                    nranks: n,
+                    count: 0,
+                    slice_elems: 3,
+                })
+                .unwrap();
                 assert!(s.steps.is_empty());
                 assert!(!s.send_peers.is_empty());
                 assert_eq!(s.send_peers, s.recv_peers);
