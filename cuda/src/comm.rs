@@ -621,14 +621,8 @@ impl DeviceComm {
     /// operations in flight is garbage). The host communicator is aborted too, so the other
     /// ranks learn of it.
     pub fn abort(&self) {
-        self.shared.poison(&CudaError::Other(format!(
-            "rank {}: device communicator aborted",
-            self.rank
-        )));
-        if let Some(ipc) = &self.ipc {
-            let g = lock(ipc);
-            let _ = g.release_all();
-        }
+        let e = CudaError::Other(format!("rank {}: device communicator aborted", self.rank));
+        poison_and_release(&self.shared, self.ipc.as_deref(), &e);
         if let Some(t) = &self.tiers {
             t.abort();
         }
@@ -793,11 +787,7 @@ impl DeviceComm {
             },
         };
         if !matches!(e, CudaError::InvalidArgument { .. }) {
-            self.shared.poison(&e);
-            if let Some(ipc) = &self.ipc {
-                let g = lock(ipc);
-                let _ = g.release_all();
-            }
+            poison_and_release(&self.shared, self.ipc.as_deref(), &e);
             // Stages already enqueued may wait for peers that wait for the stage that failed
             // (a flat stage too: the host communicator is aborted with the tiers).
             if let Some(t) = &self.tiers {
@@ -1090,11 +1080,20 @@ fn end_because(
     e: &weftcc_comm::Error,
     release: bool,
 ) {
-    shared.poison(&CudaError::Host(e.clone()));
+    let e = CudaError::Host(e.clone());
     if release {
-        if let Some(ipc) = ipc {
-            let _ = lock(ipc).release_all();
-        }
+        poison_and_release(shared, ipc, &e);
+    } else {
+        shared.poison(&e);
+    }
+}
+
+/// Poisons a device communicator with `e` and releases every GPU wait of ours on the IPC flags
+/// (the data of operations in flight is then garbage).
+fn poison_and_release(shared: &Shared, ipc: Option<&Mutex<IpcPeers>>, e: &CudaError) {
+    shared.poison(e);
+    if let Some(ipc) = ipc {
+        let _ = lock(ipc).release_all();
     }
 }
 
@@ -1161,44 +1160,55 @@ impl Staging {
     }
 }
 
-/// Enqueues a copy of device memory `src` into `dst` (pinned) at byte `at`.
-fn copy_to_pinned(dst: &PinnedBuffer, at: usize, src: DevSpan, stream: &Stream) -> Result<()> {
-    if src.bytes == 0 {
-        return Ok(());
-    }
-    if at.checked_add(src.bytes).is_none_or(|end| end > dst.len()) {
-        return Err(CudaError::Other("staging buffer too small".into()));
-    }
-    // SAFETY: `dst` holds at least at + src.bytes bytes of pinned memory (checked), kept alive
-    // by `Staging` (current or outgrown buffers are freed only when the communicator is
-    // dropped); `src` is device memory valid per the enqueue contract.
-    check("cuMemcpyDtoHAsync", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(
-            dst.host_ptr().add(at).cast(),
-            src.ptr,
-            src.bytes,
-            stream.as_raw(),
-        )
-    })
+/// Which way a staging copy goes between device memory and a pinned buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Toward {
+    /// Device memory into the pinned buffer.
+    Pinned,
+    /// The pinned buffer into device memory.
+    Device,
 }
 
-/// Enqueues a copy of `src` (pinned) from byte `at` into device memory `dst`.
-fn copy_from_pinned(dst: DevSpan, src: &PinnedBuffer, at: usize, stream: &Stream) -> Result<()> {
-    if dst.bytes == 0 {
-        return Ok(());
+/// Whether a copy of `bytes` at byte `at` of a `len`-byte staging buffer has anything to do
+/// (not when empty); an error where it does not fit.
+fn staging_fits(len: usize, at: usize, bytes: usize) -> Result<bool> {
+    if bytes == 0 {
+        return Ok(false);
     }
-    if at.checked_add(dst.bytes).is_none_or(|end| end > src.len()) {
+    if at.checked_add(bytes).is_none_or(|end| end > len) {
         return Err(CudaError::Other("staging buffer too small".into()));
     }
-    // SAFETY: as in copy_to_pinned, in the other direction.
-    check("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(
-            dst.ptr,
-            src.host_ptr().add(at).cast(),
-            dst.bytes,
-            stream.as_raw(),
-        )
-    })
+    Ok(true)
+}
+
+/// Enqueues a copy between device memory `dev` and the pinned `pinned` from byte `at`, the way
+/// `dir` says.
+fn copy_pinned(
+    dir: Toward,
+    dev: DevSpan,
+    pinned: &PinnedBuffer,
+    at: usize,
+    stream: &Stream,
+) -> Result<()> {
+    if !staging_fits(pinned.len(), at, dev.bytes)? {
+        return Ok(());
+    }
+    // SAFETY: `pinned` holds at least at + dev.bytes bytes of pinned memory (checked), kept
+    // alive by `Staging` (current or outgrown buffers are freed only when the communicator is
+    // dropped); `dev` is device memory valid per the enqueue contract.
+    unsafe {
+        let host = pinned.host_ptr().add(at).cast();
+        match dir {
+            Toward::Pinned => check(
+                "cuMemcpyDtoHAsync",
+                sys::cuMemcpyDtoHAsync_v2(host, dev.ptr, dev.bytes, stream.as_raw()),
+            ),
+            Toward::Device => check(
+                "cuMemcpyHtoDAsync",
+                sys::cuMemcpyHtoDAsync_v2(dev.ptr, host, dev.bytes, stream.as_raw()),
+            ),
+        }
+    }
 }
 
 /// The caller's stream as the staged transport drives it (`staged.rs`).
@@ -1218,7 +1228,7 @@ impl StagingStream for GpuStaging<'_> {
             Side::Input => self.input,
             Side::Output => self.output,
         };
-        copy_to_pinned(buf, at, src, self.stream)
+        copy_pinned(Toward::Pinned, src, buf, at, self.stream)
     }
 
     fn mark(&self) -> Result<Box<dyn Ready>> {
@@ -1245,7 +1255,7 @@ impl StagingStream for GpuStaging<'_> {
     }
 
     fn copy_back(&self, at: usize, dst: DevSpan) -> Result<()> {
-        copy_from_pinned(dst, self.output, at, self.stream)
+        copy_pinned(Toward::Device, dst, self.output, at, self.stream)
     }
 }
 
@@ -1330,5 +1340,20 @@ impl DeviceComm {
     /// The data type of a call (for callers working with raw buffers).
     pub fn dtype_of<T: Element>() -> DataType {
         T::DTYPE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_staging_copy_must_fit_its_buffer() {
+        assert!(!staging_fits(0, 0, 0).unwrap(), "nothing to copy");
+        assert!(!staging_fits(8, 100, 0).unwrap(), "empty: not checked");
+        assert!(staging_fits(16, 8, 8).unwrap());
+        assert!(staging_fits(16, 0, 16).unwrap());
+        assert!(staging_fits(16, 9, 8).is_err());
+        assert!(staging_fits(16, usize::MAX, 1).is_err(), "overflow");
     }
 }

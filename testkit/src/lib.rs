@@ -1,9 +1,24 @@
 //! Test support for weftcc's crates; a dev-dependency only, never part of the library.
 //!
+//! * [`fuzz`]: proptest run for many cases over one target (`WEFT_FUZZ_CASES`), the count
+//!   printed: the fuzz tests of `weftcc-transports` and `weftcc-topology`.
+//! * [`shm_names`]: what a job left in `/dev/shm`.
 //! * [`model`]: exhaustive interleaving exploration for the concurrency protocols (the
 //!   shared-memory ring and its doorbells and the dial handshake in `weftcc-transports`, the
 //!   communicator's ticket protocol in `weftcc-comm`).
 
 #![forbid(unsafe_code)]
 
+pub mod fuzz;
 pub mod model;
+
+/// The names in `/dev/shm` that start with `prefix` (a job's shared-memory objects: tests check
+/// that none is left under a name).
+pub fn shm_names(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .expect("/dev/shm")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}

@@ -342,6 +342,11 @@ fn gdr_verdict(r: &Report, p: &NicPair) -> String {
     }
 }
 
+/// An optional field of a line: `{before}{value}{after}`, or nothing where it is not known.
+fn known(before: &str, value: Option<impl std::fmt::Display>, after: &str) -> String {
+    value.map_or(String::new(), |v| format!("{before}{v}{after}"))
+}
+
 /// Plain-text rendering.
 pub fn render_text(r: &Report) -> String {
     let t = &r.topology;
@@ -359,9 +364,8 @@ pub fn render_text(r: &Report) -> String {
             "cpu: NUMA node {}  cpus {}{}{}",
             c.numa,
             c.cpulist.as_deref().unwrap_or("?"),
-            c.cpus.map_or(String::new(), |n| format!(" ({n})")),
-            c.mem_bytes
-                .map_or(String::new(), |m| format!("  memory {}", human_bytes(m)))
+            known(" (", c.cpus, ")"),
+            known("  memory ", c.mem_bytes.map(human_bytes), "")
         );
     }
     for g in &t.gpus {
@@ -369,13 +373,9 @@ pub fn render_text(r: &Report) -> String {
             o,
             "gpu: GPU{}{}{}{}",
             g.index,
-            g.name
-                .as_deref()
-                .map_or(String::new(), |n| format!("  {n}")),
-            g.bus_id
-                .as_deref()
-                .map_or(String::new(), |b| format!("  bus {b}")),
-            g.numa.map_or(String::new(), |n| format!("  NUMA {n}"))
+            known("  ", g.name.as_deref(), ""),
+            known("  bus ", g.bus_id.as_deref(), ""),
+            known("  NUMA ", g.numa, "")
         );
     }
     for n in &t.nics {
@@ -389,9 +389,8 @@ pub fn render_text(r: &Report) -> String {
                 String::new()
             },
             n.kind,
-            n.speed_gbit
-                .map_or(String::new(), |s| format!("  {s} Gbit/s")),
-            n.numa.map_or(String::new(), |x| format!("  NUMA {x}"))
+            known("  ", n.speed_gbit, " Gbit/s"),
+            known("  NUMA ", n.numa, "")
         );
         for p in &n.ports {
             let _ = writeln!(
@@ -405,13 +404,10 @@ pub fn render_text(r: &Report) -> String {
                 } else {
                     &p.link_layer
                 },
-                p.rate_gbit
-                    .map_or(String::new(), |r| format!("  {r} Gbit/s")),
+                known("  ", p.rate_gbit, " Gbit/s"),
                 p.gids.len(),
                 if p.gids.len() == 1 { "" } else { "s" },
-                n.bus_id
-                    .as_deref()
-                    .map_or(String::new(), |b| format!("  PCI {b}"))
+                known("  PCI ", n.bus_id.as_deref(), "")
             );
             for (i, gid) in &p.gids {
                 let _ = writeln!(o, "    gid {i}: {gid}");

@@ -25,6 +25,31 @@ fn link(root: &Path, target: &str, rel: &str) {
     std::os::unix::fs::symlink(root.join(target), root.join(rel)).unwrap();
 }
 
+/// Port `port` of the InfiniBand device `mlx5_0`: its rate, state and link layer as sysfs
+/// writes them.
+fn ib_port(root: &Path, port: u32, rate: &str, state: &str, link_layer: &str) {
+    let dir = format!("class/infiniband/mlx5_0/ports/{port}");
+    put(root, &format!("{dir}/rate"), &format!("{rate}\n"));
+    put(root, &format!("{dir}/state"), &format!("{state}\n"));
+    put(
+        root,
+        &format!("{dir}/link_layer"),
+        &format!("{link_layer}\n"),
+    );
+}
+
+/// The PCI device `pci` (under `devices/`) on NUMA node `numa` (-1: none), which the device of
+/// class `class` (`class/net/eth0`) links to.
+fn pci_device(root: &Path, pci: &str, numa: i32, class: &str) {
+    put(
+        root,
+        &format!("devices/{pci}/numa_node"),
+        &format!("{numa}\n"),
+    );
+    fs::create_dir_all(root.join(class)).unwrap();
+    link(root, &format!("devices/{pci}"), &format!("{class}/device"));
+}
+
 fn fake_sysfs(root: &Path) {
     put(root, "devices/system/node/node0/cpulist", "0-15,32-47\n");
     put(
@@ -35,78 +60,62 @@ fn fake_sysfs(root: &Path) {
     put(root, "devices/system/node/node1/cpulist", "16-31,48-63\n");
     put(root, "devices/system/node/possible", "0-1\n");
     // InfiniBand device on node 1, one active 200 Gb/s port.
-    put(root, "devices/pci0000:80/0000:81:00.0/numa_node", "1\n");
-    put(
-        root,
-        "class/infiniband/mlx5_0/ports/1/rate",
-        "200 Gb/sec (4X HDR)\n",
-    );
-    put(root, "class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n");
-    put(
-        root,
-        "class/infiniband/mlx5_0/ports/1/link_layer",
-        "Ethernet\n",
-    );
-    let zero = "0000:0000:0000:0000:0000:0000:0000:0000\n";
-    put(
-        root,
-        "class/infiniband/mlx5_0/ports/1/gids/0",
-        "fe80:0000:0000:0000:0a0b:0cff:fe0d:0e0f\n",
-    );
-    put(root, "class/infiniband/mlx5_0/ports/1/gids/1", zero);
-    put(
-        root,
-        "class/infiniband/mlx5_0/ports/1/gids/3",
-        "0000:0000:0000:0000:0000:ffff:0a00:0001\n",
-    );
+    ib_port(root, 1, "200 Gb/sec (4X HDR)", "4: ACTIVE", "Ethernet");
+    let gid = |i: u32, gid: &str| {
+        put(
+            root,
+            &format!("class/infiniband/mlx5_0/ports/1/gids/{i}"),
+            gid,
+        )
+    };
+    gid(0, "fe80:0000:0000:0000:0a0b:0cff:fe0d:0e0f\n");
+    gid(1, "0000:0000:0000:0000:0000:0000:0000:0000\n");
+    gid(3, "0000:0000:0000:0000:0000:ffff:0a00:0001\n");
     // A second port, down, faster: it must not set the device's speed.
-    put(
+    ib_port(root, 2, "400 Gb/sec (4X NDR)", "1: DOWN", "InfiniBand");
+    pci_device(
         root,
-        "class/infiniband/mlx5_0/ports/2/rate",
-        "400 Gb/sec (4X NDR)\n",
-    );
-    put(root, "class/infiniband/mlx5_0/ports/2/state", "1: DOWN\n");
-    put(
-        root,
-        "class/infiniband/mlx5_0/ports/2/link_layer",
-        "InfiniBand\n",
-    );
-    link(
-        root,
-        "devices/pci0000:80/0000:81:00.0",
-        "class/infiniband/mlx5_0/device",
+        "pci0000:80/0000:81:00.0",
+        1,
+        "class/infiniband/mlx5_0",
     );
     // Physical Ethernet on node 0 (25 Gb/s), virtual docker0 and lo without a device link.
-    put(root, "devices/pci0000:00/0000:01:00.0/numa_node", "0\n");
+    pci_device(root, "pci0000:00/0000:01:00.0", 0, "class/net/eth0");
     put(root, "class/net/eth0/speed", "25000\n");
-    link(
-        root,
-        "devices/pci0000:00/0000:01:00.0",
-        "class/net/eth0/device",
-    );
     put(root, "class/net/docker0/speed", "10000\n");
     put(root, "class/net/lo/speed", "-1\n");
     // A down link reports -1 and no NUMA node (-1).
-    put(root, "devices/pci0000:00/0000:02:00.0/numa_node", "-1\n");
+    pci_device(root, "pci0000:00/0000:02:00.0", -1, "class/net/eth1");
     put(root, "class/net/eth1/speed", "-1\n");
-    link(
-        root,
-        "devices/pci0000:00/0000:02:00.0",
-        "class/net/eth1/device",
-    );
+}
+
+/// An executable shell script `name` in `root`.
+fn script(root: &Path, name: &str, body: &str) -> PathBuf {
+    put(root, name, body);
+    let path = root.join(name);
+    let mut perm = fs::metadata(&path).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    fs::set_permissions(&path, perm).unwrap();
+    path
+}
+
+/// Discovery from the fake sysfs at `root` and the `nvidia_smi` given, without NVML.
+fn faked(root: &Path, nvidia_smi: Option<PathBuf>, timeout: Duration) -> DiscoverOptions {
+    DiscoverOptions {
+        nvml: None,
+        sysfs: root.to_path_buf(),
+        nvidia_smi,
+        shm: None,
+        timeout,
+    }
 }
 
 #[test]
 fn cpu_only_host_from_sysfs() {
     let root = tmpdir("cpu");
     fake_sysfs(&root);
-    let d = discover_with(&DiscoverOptions {
-        nvml: None,
-        sysfs: root.clone(),
-        nvidia_smi: Some(root.join("no-such-nvidia-smi")),
-        shm: None,
-        timeout: Duration::from_secs(5),
-    });
+    let no_smi = Some(root.join("no-such-nvidia-smi"));
+    let d = discover_with(&faked(&root, no_smi, Duration::from_secs(5)));
     let t = &d.topology;
     assert!(t.gpus.is_empty());
     assert!(
@@ -174,24 +183,14 @@ fn gpus_from_a_fake_nvidia_smi() {
     fake_sysfs(&root);
     let fixture = common::fixture_path("pcie4_nic_far.txt");
     let fixture = fixture.display();
-    let script = root.join("nvidia-smi");
-    put(
+    let smi = script(
         &root,
         "nvidia-smi",
         &format!(
             "#!/bin/sh\ncase \"$1 $2\" in\n  'topo -m') cat '{fixture}' ;;\n  'topo -p2p') printf ' \\tGPU0\\tGPU1\\tGPU2\\tGPU3\\n GPU0\\tX\\tOK\\tOK\\tOK\\n GPU1\\tOK\\tX\\tCNS\\tOK\\n GPU2\\tOK\\tCNS\\tX\\tOK\\n GPU3\\tOK\\tOK\\tOK\\tX\\n' ;;\n  *) printf '0, NVIDIA L40S, 00000000:17:00.0\\n1, NVIDIA L40S, 00000000:18:00.0\\n' ;;\nesac\n"
         ),
     );
-    let mut perm = fs::metadata(&script).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-    fs::set_permissions(&script, perm).unwrap();
-    let d = discover_with(&DiscoverOptions {
-        nvml: None,
-        sysfs: root.clone(),
-        nvidia_smi: Some(script),
-        shm: None,
-        timeout: Duration::from_secs(10),
-    });
+    let d = discover_with(&faked(&root, Some(smi), Duration::from_secs(10)));
     let t = &d.topology;
     assert_eq!(t.gpus.len(), 4, "{:?}", d.notes);
     assert_eq!(t.gpus[0].name.as_deref(), Some("NVIDIA L40S"));
@@ -210,19 +209,9 @@ fn gpus_from_a_fake_nvidia_smi() {
 #[test]
 fn a_hanging_nvidia_smi_times_out() {
     let root = tmpdir("hang");
-    put(&root, "nvidia-smi", "#!/bin/sh\nsleep 30\n");
-    let script = root.join("nvidia-smi");
-    let mut perm = fs::metadata(&script).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-    fs::set_permissions(&script, perm).unwrap();
+    let smi = script(&root, "nvidia-smi", "#!/bin/sh\nsleep 30\n");
     let t0 = std::time::Instant::now();
-    let d = discover_with(&DiscoverOptions {
-        nvml: None,
-        sysfs: root.clone(),
-        nvidia_smi: Some(script),
-        shm: None,
-        timeout: Duration::from_millis(300),
-    });
+    let d = discover_with(&faked(&root, Some(smi), Duration::from_millis(300)));
     assert!(t0.elapsed() < Duration::from_secs(10));
     assert!(d.topology.gpus.is_empty());
     assert!(
@@ -262,12 +251,10 @@ fn this_machine() {
 fn no_nvml_driver_gives_a_note_and_falls_back() {
     let root = tmpdir("nonvml");
     fake_sysfs(&root);
+    let no_smi = Some(root.join("no-such-nvidia-smi"));
     let d = discover_with(&DiscoverOptions {
         nvml: Some(root.join("no-such-libnvidia-ml.so.1")),
-        sysfs: root.clone(),
-        nvidia_smi: Some(root.join("no-such-nvidia-smi")),
-        shm: None,
-        timeout: Duration::from_secs(5),
+        ..faked(&root, no_smi, Duration::from_secs(5))
     });
     assert!(d.notes[0].starts_with("NVML: no driver ("), "{:?}", d.notes);
     assert!(d.notes[1].starts_with("no GPUs: "), "{:?}", d.notes);
@@ -277,13 +264,7 @@ fn no_nvml_driver_gives_a_note_and_falls_back() {
     assert_eq!(t.nics.len(), 3);
     t.validate().unwrap();
     // Both disabled: notes say so.
-    let d = discover_with(&DiscoverOptions {
-        nvml: None,
-        nvidia_smi: None,
-        sysfs: root.clone(),
-        shm: None,
-        timeout: Duration::from_secs(5),
-    });
+    let d = discover_with(&faked(&root, None, Duration::from_secs(5)));
     assert_eq!(
         d.notes,
         vec!["NVML: disabled", "no GPUs: nvidia-smi disabled"]

@@ -9,16 +9,9 @@ mod common;
 
 use common::{fixture, fixtures};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use std::sync::atomic::{AtomicU64, Ordering};
+use weftcc_testkit::fuzz::fuzz;
 use weftcc_topology::{nvsmi, xml, Topology};
-
-fn cases() -> u32 {
-    std::env::var("WEFT_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
-}
 
 /// One edit of a text.
 #[derive(Debug, Clone)]
@@ -81,35 +74,24 @@ fn check_parsed(t: &Topology) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// Runs `test` (whether the input parsed, or the failure) on `cases()` values of `strategy`.
-fn run<S: Strategy>(name: &str, strategy: S, test: impl Fn(S::Value) -> Result<bool, TestCaseError>)
-where
-    S::Value: std::fmt::Debug,
-{
-    let n = cases();
-    let mut runner = TestRunner::new(Config {
-        cases: n,
-        failure_persistence: None,
-        ..Config::default()
-    });
-    let ran = AtomicU64::new(0);
+/// Fuzzes `parse` with edits (from `alphabet`) of the `texts`: whatever parses must be valid
+/// and survive the XML round trip, the rest be a typed error. Reports how many parsed.
+fn parses_or_fails<E>(
+    name: &str,
+    texts: &[String],
+    alphabet: &'static str,
+    parse: impl Fn(&str) -> Result<Topology, E>,
+) {
     let parsed = AtomicU64::new(0);
-    let result = runner.run(&strategy, |v| {
-        ran.fetch_add(1, Ordering::Relaxed);
-        test(v)
-            .inspect(|&was_parsed| {
-                if was_parsed {
-                    parsed.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-            .map(|_| ())
+    let ran = fuzz(name, (0..texts.len(), edits(alphabet)), |(i, e)| {
+        if let Ok(t) = parse(&apply(&texts[i], &e)) {
+            check_parsed(&t)?;
+            parsed.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
     });
-    if let Err(e) = result {
-        panic!("{name}: {e}");
-    }
     println!(
-        "fuzz {name}: {} cases run, {} parsed and survived the XML round trip, none panicked",
-        ran.load(Ordering::Relaxed),
+        "fuzz {name}: {} of {ran} parsed and survived the XML round trip, none panicked",
         parsed.load(Ordering::Relaxed)
     );
 }
@@ -117,17 +99,11 @@ where
 #[test]
 fn nvidia_smi_matrices_parse_or_give_a_typed_error() {
     let texts: Vec<String> = fixtures().iter().map(|f| fixture(f)).collect();
-    let n = texts.len();
-    run(
+    parses_or_fails(
         "nvidia-smi topo -m",
-        (
-            0..n,
-            edits("GPUNICX \t\n0123456789NVPIXSYSNODE/A:-,\u{1b}[mCPUAffinity"),
-        ),
-        |(i, e)| match nvsmi::parse(&apply(&texts[i], &e)) {
-            Ok(t) => check_parsed(&t).map(|()| true),
-            Err(_) => Ok(false),
-        },
+        &texts,
+        "GPUNICX \t\n0123456789NVPIXSYSNODE/A:-,\u{1b}[mCPUAffinity",
+        nvsmi::parse,
     );
 }
 
@@ -137,16 +113,10 @@ fn nccl_xml_reads_or_gives_a_typed_error() {
         .iter()
         .map(|f| xml::write(&nvsmi::parse(&fixture(f)).expect("fixture parses")))
         .collect();
-    let n = texts.len();
-    run(
+    parses_or_fails(
         "NCCL XML",
-        (
-            0..n,
-            edits("<>\"/= xabcdefgpunicsystemlinkbusidclass0123456789&;\n"),
-        ),
-        |(i, e)| match xml::read(&apply(&texts[i], &e)) {
-            Ok(t) => check_parsed(&t).map(|()| true),
-            Err(_) => Ok(false),
-        },
+        &texts,
+        "<>\"/= xabcdefgpunicsystemlinkbusidclass0123456789&;\n",
+        xml::read,
     );
 }

@@ -950,43 +950,40 @@ mod tests {
         assert!(states > 10_000, "{states} states");
     }
 
-    fn wanted_by_all() -> Dials {
-        Dials::new([vec![1, 2], vec![2, 0], vec![0, 1]])
+    fn wanted_by_all() -> [Vec<usize>; 3] {
+        [vec![1, 2], vec![2, 0], vec![0, 1]]
+    }
+
+    /// What the model checker finds wrong with the acceptor's `rule` when the ranks `want`
+    /// those peers (it must find something: the rule is broken).
+    fn violation(rule: Rule, want: [Vec<usize>; 3]) -> Violation<Dials> {
+        let mut m = Dials::new(want);
+        m.rule = rule;
+        match explore(m, 1_000_000) {
+            Ok(_) => panic!("{rule:?} passed the model check"),
+            Err(v) => v,
+        }
     }
 
     #[test]
-    fn the_model_finds_a_rule_where_both_dials_win() {
-        let mut m = wanted_by_all();
-        m.rule = Rule::BothWin;
-        assert!(matches!(
-            explore(m, 1_000_000),
-            Err(Violation::Invariant { .. })
-        ));
-    }
-
-    #[test]
-    fn the_model_finds_a_late_losing_dial_refused() {
+    fn the_model_finds_each_broken_rule() {
+        // Both crossing dials win: two connections for one pair.
+        let v = violation(Rule::BothWin, wanted_by_all());
+        assert!(matches!(v, Violation::Invariant { .. }), "{v}");
         // The first rule tried: refuse a dial when a connection exists. A losing dial that
         // arrives after the winner's accept is then refused.
-        let mut m = Dials::new([vec![], vec![2], vec![1]]);
-        m.rule = Rule::RefuseLate;
-        assert!(matches!(
-            explore(m, 1_000_000),
-            Err(Violation::Invariant {
+        let v = violation(Rule::RefuseLate, [vec![], vec![2], vec![1]]);
+        let refused = matches!(
+            v,
+            Violation::Invariant {
                 why: "a dial was refused",
                 ..
-            })
-        ));
-    }
-
-    #[test]
-    fn the_model_finds_a_rule_where_both_dials_wait() {
-        let mut m = wanted_by_all();
-        m.rule = Rule::BothWait;
-        assert!(matches!(
-            explore(m, 1_000_000),
-            Err(Violation::Stuck { .. })
-        ));
+            }
+        );
+        assert!(refused, "{v}");
+        // Both crossing dials wait: nobody moves.
+        let v = violation(Rule::BothWait, wanted_by_all());
+        assert!(matches!(v, Violation::Stuck { .. }), "{v}");
     }
 
     #[test]
@@ -994,7 +991,7 @@ mod tests {
         // The acceptor forgets to mark its link ready on accept: a later dial of its own makes
         // a second connection.
         let f = Faulty {
-            model: wanted_by_all(),
+            model: Dials::new(wanted_by_all()),
             fault: |before, t, after| {
                 if t >= 3 && after.answers.len() > before.answers.len() {
                     let me = t - 3;

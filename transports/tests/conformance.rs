@@ -183,13 +183,47 @@ fn assert_pattern(seed: u64, base: usize, bytes: &[u8]) {
     }
 }
 
+/// How long a scenario waits for its peer: it fails once `limit` has passed since `since`, and
+/// each wait blocks for at most `each`.
+#[derive(Clone, Copy)]
+struct Patience {
+    since: Instant,
+    limit: Duration,
+    each: Duration,
+}
+
+impl Patience {
+    /// From now on.
+    fn new(limit: Duration, each: Duration) -> Patience {
+        Patience {
+            since: Instant::now(),
+            limit,
+            each,
+        }
+    }
+
+    /// After an attempt that moved nothing: fails with `stuck()` once the limit has passed, else
+    /// waits on `waiter` for the peer to signal `interest`.
+    fn idle(
+        &self,
+        waiter: &mut dyn IdleWaiter,
+        interest: &[Interest],
+        stuck: impl FnOnce() -> String,
+    ) {
+        assert!(self.since.elapsed() < self.limit, "{}", stuck());
+        waiter.wait(interest, self.each).expect("wait");
+    }
+}
+
 /// After a receive that got nothing: fails once `DEADLINE` has passed since `start`, else waits
 /// for the peer to signal.
 fn wait_for_data(end: &mut End, start: Instant, stalled: impl FnOnce() -> String) {
-    assert!(start.elapsed() < DEADLINE, "{}", stalled());
-    end.1
-        .wait(&recv_interest(0), Duration::from_millis(20))
-        .expect("wait");
+    let patience = Patience {
+        since: start,
+        limit: DEADLINE,
+        each: Duration::from_millis(20),
+    };
+    patience.idle(&mut *end.1, &recv_interest(0), stalled);
 }
 
 fn send_interest(peer: usize) -> [Interest; 1] {
@@ -223,17 +257,42 @@ fn send_all(end: &mut End, data: &[u8], start: Instant, pinned: bool) {
         };
         off += n;
         if n == 0 {
-            assert!(
-                start.elapsed() < DEADLINE,
-                "send stalled at {off}/{}",
-                data.len()
-            );
-            end.1
-                .wait(&send_interest(peer), Duration::from_millis(100))
-                .expect("wait");
+            let patience = Patience {
+                since: start,
+                limit: DEADLINE,
+                each: Duration::from_millis(100),
+            };
+            patience.idle(&mut *end.1, &send_interest(peer), || {
+                format!("send stalled at {off}/{}", data.len())
+            });
             end.0.check_peer().expect("check_peer");
         }
     }
+}
+
+/// Sends messages of the lengths `msgs`, the stream's bytes patterned from `seed`, back to back
+/// from `end`, and hands `end` back (to be kept alive until the receiver is done: dropping it
+/// early is its own test). `lag(i)` says whether the sender pauses before message `i`, so that
+/// the receiver waits first.
+fn send_messages(
+    mut end: End,
+    seed: u64,
+    msgs: &[usize],
+    start: Instant,
+    pinned: bool,
+    lag: impl Fn(usize) -> bool,
+) -> End {
+    let mut off = 0u64;
+    for (i, &m) in msgs.iter().enumerate() {
+        let mut buf = vec![0u8; m];
+        fill(seed, off, &mut buf);
+        if lag(i) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        send_all(&mut end, &buf, start, pinned);
+        off += m as u64;
+    }
+    end
 }
 
 fn sizes(rng: &mut Rng, count: usize, align8: bool) -> Vec<usize> {
@@ -278,24 +337,14 @@ fn small_writes_between_large(make: fn() -> Option<(End, End)>, pinned: bool) {
 
 /// Sends `msgs` (their lengths) from one end and checks every byte at the other.
 fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usize]) {
-    let Some((mut a, mut b)) = make() else { return };
+    let Some((a, mut b)) = make() else { return };
     let seed = 0x1234_5678;
     let total: usize = msgs.iter().sum();
     let start = Instant::now();
     std::thread::scope(|s| {
         // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
         // result, and with it the sending end, as soon as the sender thread finishes.
-        let _sender = s.spawn(move || {
-            let mut off = 0u64;
-            for &m in msgs {
-                let mut buf = vec![0u8; m];
-                fill(seed, off, &mut buf);
-                send_all(&mut a, &buf, start, pinned);
-                off += m as u64;
-            }
-            // Kept alive until the receiver is done (dropping early is its own test).
-            a
-        });
+        let _sender = s.spawn(move || send_messages(a, seed, msgs, start, pinned, |_| false));
         let mut rng = Rng(seed ^ 0xdead);
         let mut got = 0usize;
         let mut scratch = vec![0u8; 1 << 20];
@@ -341,29 +390,18 @@ fn ordered_delivery(make: fn() -> Option<(End, End)>, pinned: bool, msgs: &[usiz
 /// then offers the destination to the sender for direct writes), while the sender may be ahead
 /// or behind.
 fn pinned_receives(make: fn() -> Option<(End, End)>, pinned: bool) {
-    let Some((mut a, mut b)) = make() else { return };
+    let Some((a, mut b)) = make() else { return };
     let mut rng = Rng(0xfeed);
     let msgs = sizes(&mut rng, 50, false);
     let seed = 0x77;
     let start = Instant::now();
     std::thread::scope(|s| {
-        let msgs_ = msgs.clone();
+        let msgs_ = &msgs;
         // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
         // result, and with it the sending end, as soon as the sender thread finishes.
-        let _sender = s.spawn(move || {
-            let mut off = 0u64;
-            for (i, &m) in msgs_.iter().enumerate() {
-                let mut buf = vec![0u8; m];
-                fill(seed, off, &mut buf);
-                if i % 7 == 3 {
-                    // Now and then the sender lags, so that the receiver waits first.
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                send_all(&mut a, &buf, start, pinned);
-                off += m as u64;
-            }
-            a
-        });
+        // Now and then the sender lags, so that the receiver waits first.
+        let lag = |i| i % 7 == 3;
+        let _sender = s.spawn(move || send_messages(a, seed, msgs_, start, pinned, lag));
         let mut off = 0usize;
         for &m in &msgs {
             let mut dst = vec![0u8; m];
@@ -458,7 +496,7 @@ fn element_wise_reader(make: fn() -> Option<(End, End)>, pinned: bool) {
 
 /// Messages whose lengths are multiples of 8 are lent 8-aligned when consumed in multiples of 8.
 fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
-    let Some((mut a, mut b)) = make() else { return };
+    let Some((a, mut b)) = make() else { return };
     let seed = 77;
     let mut rng = Rng(seed);
     let msgs = sizes(&mut rng, 40, true);
@@ -468,16 +506,7 @@ fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
         let msgs = &msgs;
         // Bound, so `a` (returned) lives until this closure ends: an unbound handle drops the
         // result, and with it the sending end, as soon as the sender thread finishes.
-        let _sender = s.spawn(move || {
-            let mut off = 0u64;
-            for &m in msgs {
-                let mut buf = vec![0u8; m];
-                fill(seed, off, &mut buf);
-                send_all(&mut a, &buf, start, pinned);
-                off += m as u64;
-            }
-            a
-        });
+        let _sender = s.spawn(move || send_messages(a, seed, msgs, start, pinned, |_| false));
         let mut got = 0usize;
         let mut rng = Rng(99);
         while got < total {
@@ -511,7 +540,7 @@ fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
 fn bidirectional(make: fn() -> Option<(End, End)>) {
     let Some((a, b)) = make() else { return };
     const BYTES: usize = 12 << 20;
-    let start = Instant::now();
+    let patience = Patience::new(DEADLINE, Duration::from_millis(100));
     let run = |mut end: End, my_seed: u64, peer_seed: u64| {
         let peer = end.0.peer();
         let mut out = vec![0u8; BYTES];
@@ -542,16 +571,14 @@ fn bidirectional(make: fn() -> Option<(End, End)>) {
                 progress |= n > 0;
             }
             if !progress {
-                assert!(
-                    start.elapsed() < DEADLINE,
-                    "bidirectional stalled: sent {sent} got {got}"
-                );
                 let i = [Interest {
                     peer,
                     recv: got < BYTES,
                     send: sent < BYTES,
                 }];
-                end.1.wait(&i, Duration::from_millis(100)).expect("wait");
+                patience.idle(&mut *end.1, &i, || {
+                    format!("bidirectional stalled: sent {sent} got {got}")
+                });
             }
         }
         end
@@ -568,7 +595,7 @@ fn bidirectional(make: fn() -> Option<(End, End)>) {
 fn wakes_on_data_and_space(make: fn() -> Option<(End, End)>) {
     let Some((mut a, mut b)) = make() else { return };
     // Data: b waits (up to 10 s per call) while a sends after 200 ms.
-    let t0 = Instant::now();
+    let data_wait = Patience::new(Duration::from_secs(5), Duration::from_secs(10));
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(200));
@@ -578,16 +605,13 @@ fn wakes_on_data_and_space(make: fn() -> Option<(End, End)>) {
         while got == 0 {
             got = b.0.try_recv(1, &mut |sl: &[u8]| sl.len()).expect("recv");
             if got == 0 {
-                assert!(
-                    t0.elapsed() < Duration::from_secs(5),
-                    "waiter missed the data wake-up"
-                );
-                b.1.wait(&recv_interest(0), Duration::from_secs(10))
-                    .expect("wait");
+                data_wait.idle(&mut *b.1, &recv_interest(0), || {
+                    "waiter missed the data wake-up".into()
+                });
             }
         }
     });
-    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert!(data_wait.since.elapsed() < data_wait.limit);
 
     // Space: fill a's direction, then b drains after 200 ms while a waits for room.
     let chunk = vec![7u8; 256 << 10];
@@ -609,7 +633,8 @@ fn wakes_on_data_and_space(make: fn() -> Option<(End, End)>) {
             "could not fill the connection"
         );
     }
-    let t1 = Instant::now();
+    let space_wait = Patience::new(Duration::from_secs(5), Duration::from_secs(10));
+    let t1 = space_wait.since;
     let room_seen = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -633,15 +658,12 @@ fn wakes_on_data_and_space(make: fn() -> Option<(End, End)>) {
                 room_seen.store(true, std::sync::atomic::Ordering::Release);
                 break;
             }
-            assert!(
-                t1.elapsed() < Duration::from_secs(5),
-                "waiter missed the space wake-up"
-            );
-            a.1.wait(&send_interest(1), Duration::from_secs(10))
-                .expect("wait");
+            space_wait.idle(&mut *a.1, &send_interest(1), || {
+                "waiter missed the space wake-up".into()
+            });
         }
     });
-    assert!(t1.elapsed() < Duration::from_secs(5));
+    assert!(space_wait.since.elapsed() < space_wait.limit);
 }
 
 /// Ping-pong where every wait may last 5 s: a single lost wake-up would show as a slow round.
@@ -656,20 +678,17 @@ fn no_lost_wakeup(make: fn() -> Option<(End, End)>) {
             if first {
                 assert_eq!(end.0.try_send(&msg).expect("send"), 8);
             }
-            let t = Instant::now();
+            let round = Patience::new(Duration::from_secs(4), Duration::from_secs(5));
+            let t = round.since;
             let mut buf = [0u8; 8];
             let mut got = 0;
             while got < 8 {
                 let n = end.0.try_recv_into(&mut buf[got..]).expect("recv");
                 got += n;
                 if n == 0 {
-                    assert!(
-                        t.elapsed() < Duration::from_secs(4),
-                        "lost wake-up in round {i}"
-                    );
-                    end.1
-                        .wait(&recv_interest(peer), Duration::from_secs(5))
-                        .expect("wait");
+                    round.idle(&mut *end.1, &recv_interest(peer), || {
+                        format!("lost wake-up in round {i}")
+                    });
                 }
             }
             assert_eq!(u64::from_le_bytes(buf), i);
@@ -704,7 +723,7 @@ fn peer_dropped(make: fn() -> Option<(End, End)>) {
     fill(5, 0, &mut data);
     send_all(&mut a, &data, Instant::now(), false);
     drop(a);
-    let t = Instant::now();
+    let patience = Patience::new(Duration::from_secs(5), Duration::from_millis(50));
     // Buffered bytes must still be readable.
     b.0.check_peer()
         .expect("peer must not count as lost while bytes are buffered");
@@ -714,14 +733,9 @@ fn peer_dropped(make: fn() -> Option<(End, End)>) {
             got.extend_from_slice(sl);
             sl.len()
         }) {
-            Ok(0) => {
-                assert!(
-                    t.elapsed() < Duration::from_secs(5),
-                    "no PeerLost after drop"
-                );
-                b.1.wait(&recv_interest(0), Duration::from_millis(50))
-                    .expect("wait");
-            }
+            Ok(0) => patience.idle(&mut *b.1, &recv_interest(0), || {
+                "no PeerLost after drop".into()
+            }),
             Ok(_) => {}
             Err(e) => break e,
         }
@@ -790,8 +804,8 @@ fn pinned_write_to_dropped_peer(make: fn() -> Option<(End, End)>) {
     }
 }
 
-macro_rules! suite {
-    ($name:ident, $make:expr) => {
+macro_rules! suites {
+    ($($name:ident: $make:expr,)*) => {$(
         mod $name {
             use super::*;
             #[test]
@@ -855,26 +869,25 @@ macro_rules! suite {
                 peer_dropped($make);
             }
         }
-    };
+    )*};
 }
 
-suite!(mem_transport, make_mem);
-suite!(shm_transport, make_shm);
-suite!(tcp4_transport, make_tcp4);
-suite!(tcp6_transport, make_tcp6);
-suite!(tcp_one_socket_one_helper, make_tcp_one_helper);
-suite!(tcp_four_sockets_two_helpers, make_tcp_four_sockets);
-suite!(
-    tcp_three_sockets_tiny_stripes,
-    make_tcp_three_sockets_tiny_stripes
-);
-suite!(mux_over_mem, make_mux_mem);
-suite!(mux_over_tcp_four_sockets, make_mux_tcp_four_sockets);
-suite!(mux_over_shm, make_mux_shm);
-suite!(mux_over_tcp4, make_mux_tcp4);
-suite!(net_over_loopback, make_net_loopback);
-suite!(net_over_ofi_tcp, make_net_ofi_tcp);
-suite!(net_over_ofi_tcp_striped, make_net_ofi_tcp_striped);
+suites! {
+    mem_transport: make_mem,
+    shm_transport: make_shm,
+    tcp4_transport: make_tcp4,
+    tcp6_transport: make_tcp6,
+    tcp_one_socket_one_helper: make_tcp_one_helper,
+    tcp_four_sockets_two_helpers: make_tcp_four_sockets,
+    tcp_three_sockets_tiny_stripes: make_tcp_three_sockets_tiny_stripes,
+    mux_over_mem: make_mux_mem,
+    mux_over_tcp_four_sockets: make_mux_tcp_four_sockets,
+    mux_over_shm: make_mux_shm,
+    mux_over_tcp4: make_mux_tcp4,
+    net_over_loopback: make_net_loopback,
+    net_over_ofi_tcp: make_net_ofi_tcp,
+    net_over_ofi_tcp_striped: make_net_ofi_tcp_striped,
+}
 
 // ---------------------------------------------------------------------------------------------
 // A peer process killed with SIGKILL.
@@ -925,7 +938,7 @@ fn shm_child_killed_is_peer_lost() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn child");
-    let t = Instant::now();
+    let hello = Patience::new(Duration::from_secs(20), Duration::from_millis(100));
     let (stream, _) = listener.accept().expect("child dials");
     let mut conn = match seg.connect_over(1, &stream, Duration::from_secs(15)) {
         Ok(c) => c,
@@ -942,29 +955,22 @@ fn shm_child_killed_is_peer_lost() {
         let n = conn.try_recv_into(&mut buf[got..]).expect("recv hello");
         got += n;
         if n == 0 {
-            assert!(t.elapsed() < Duration::from_secs(20), "no hello from child");
-            waiter
-                .wait(&recv_interest(1), Duration::from_millis(100))
-                .expect("wait");
+            hello.idle(&mut waiter, &recv_interest(1), || {
+                "no hello from child".into()
+            });
         }
     }
     assert_eq!(&buf, b"childok!");
     conn.check_peer().expect("child is alive");
 
     child.kill().expect("SIGKILL"); // not reaped yet: the child is a zombie, which must count as dead
-    let killed = Instant::now();
+    let killed = Patience::new(Duration::from_secs(2), Duration::from_millis(20));
     let err = loop {
         match conn.check_peer() {
             Err(e) => break e,
-            Ok(()) => {
-                assert!(
-                    killed.elapsed() < Duration::from_secs(2),
-                    "killed peer not detected within 2 s"
-                );
-                waiter
-                    .wait(&recv_interest(1), Duration::from_millis(20))
-                    .expect("wait");
-            }
+            Ok(()) => killed.idle(&mut waiter, &recv_interest(1), || {
+                "killed peer not detected within 2 s".into()
+            }),
         }
     };
     assert!(
@@ -978,11 +984,6 @@ fn shm_child_killed_is_peer_lost() {
     let _ = child.wait();
     drop(seg);
     // Nothing was ever left under a name, the killed child's memory included.
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&format!("weft-{token}-")))
-        .collect();
+    let left = weftcc_testkit::shm_names(&format!("weft-{token}-"));
     assert!(left.is_empty(), "{left:?}");
 }

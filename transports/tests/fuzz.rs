@@ -5,45 +5,15 @@
 //! many it ran.
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use weftcc_store::{StoreClient, StoreServer, MAX_FRAME, STORE_VERSION};
+use weftcc_testkit::fuzz::fuzz;
 use weftcc_transports::tcp::{self, IfnameSpec};
 use weftcc_transports::tcp_stripes::StripePlan;
 use weftcc_transports::{net, parse_size, ConnectMode};
-
-fn cases() -> u32 {
-    std::env::var("WEFT_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
-}
-
-/// Runs `test` on `cases()` values of `strategy`, failing with the shrunk case, and reports
-/// the count.
-fn fuzz<S: Strategy>(name: &str, strategy: S, test: impl Fn(S::Value) -> Result<(), TestCaseError>)
-where
-    S::Value: std::fmt::Debug,
-{
-    let n = cases();
-    let mut runner = TestRunner::new(Config {
-        cases: n,
-        failure_persistence: None,
-        ..Config::default()
-    });
-    let ran = AtomicU64::new(0);
-    let result = runner.run(&strategy, |v| {
-        ran.fetch_add(1, Ordering::Relaxed);
-        test(v)
-    });
-    println!("fuzz {name}: {} cases run", ran.load(Ordering::Relaxed));
-    if let Err(e) = result {
-        panic!("fuzz {name}: {e}");
-    }
-}
 
 const TOKEN: &str = "fuzz-token";
 

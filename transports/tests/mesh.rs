@@ -172,12 +172,7 @@ fn same_host(_: usize) -> String {
 fn four_ranks_over_shared_memory() {
     let token = run_mesh(false, false, None, same_host, |_, _| "shm");
     // Objects are unlinked as they are made: nothing of the job in /dev/shm.
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&format!("weft-{token}")))
-        .collect();
+    let left = weftcc_testkit::shm_names(&format!("weft-{token}"));
     assert!(left.is_empty(), "{left:?}");
 }
 

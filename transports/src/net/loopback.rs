@@ -4,8 +4,8 @@
 //! order, a peer that vanishes between two writes.
 
 use super::{
-    check_source, remote_address, Completion, Endpoint, Memory, NetError, NetResult, Posted,
-    Provider, Region, Registration, RemoteRegion,
+    check_inline, Completion, Endpoint, Memory, NetError, NetResult, Posted, Provider, Region,
+    Registration, RemoteRegion, Source, Target,
 };
 use crate::util::lock;
 use std::collections::{HashMap, VecDeque};
@@ -188,13 +188,7 @@ impl Drop for LoopEndpoint {
 }
 
 impl LoopEndpoint {
-    fn post(
-        &mut self,
-        data: Vec<u8>,
-        dst: &RemoteRegion,
-        offset: u64,
-        wr_id: u64,
-    ) -> NetResult<Posted> {
+    fn post(&mut self, data: Vec<u8>, dst: Target, wr_id: u64) -> NetResult<Posted> {
         if self.peer.is_none() {
             return Err(NetError::NotConnected { provider: PROVIDER });
         }
@@ -202,12 +196,12 @@ impl LoopEndpoint {
             return Ok(Posted::Full);
         }
         // Regions are addressed from 0: the address is the offset in the registered memory.
-        let offset = remote_address(PROVIDER, dst, offset, data.len())?;
+        let offset = dst.address(PROVIDER, data.len())?;
         let n = self.fabric.posted.fetch_add(1, Ordering::Relaxed);
         self.queue.push_back(Pending {
             wr_id,
             data,
-            dst: *dst,
+            dst: dst.region,
             offset,
             fail: self.fabric.faults.fail_write == Some(n),
             landed: 0,
@@ -311,31 +305,17 @@ impl Endpoint for LoopEndpoint {
         }
     }
 
-    fn write(
-        &mut self,
-        src: &Region,
-        src_offset: usize,
-        len: usize,
-        dst: &RemoteRegion,
-        dst_offset: u64,
-        wr_id: u64,
-    ) -> NetResult<Posted> {
-        check_source(PROVIDER, Some((src, src_offset)), len, 0)?;
+    fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted> {
+        src.check(PROVIDER)?;
         // The peer's bounds are its device's to check (a remote access error, see `place`).
         // SAFETY: in bounds; the caller keeps the source unchanged until completion.
-        let data = unsafe { src.memory.read(src_offset, len, <[u8]>::to_vec) };
-        self.post(data, dst, dst_offset, wr_id)
+        let data = unsafe { src.region.memory.read(src.offset, src.len, <[u8]>::to_vec) };
+        self.post(data, dst, wr_id)
     }
 
-    fn write_inline(
-        &mut self,
-        data: &[u8],
-        dst: &RemoteRegion,
-        dst_offset: u64,
-        wr_id: u64,
-    ) -> NetResult<Posted> {
-        check_source(PROVIDER, None, data.len(), self.inline_max())?;
-        self.post(data.to_vec(), dst, dst_offset, wr_id)
+    fn write_inline(&mut self, data: &[u8], dst: Target, wr_id: u64) -> NetResult<Posted> {
+        check_inline(PROVIDER, data.len(), self.inline_max())?;
+        self.post(data.to_vec(), dst, wr_id)
     }
 
     fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()> {

@@ -105,45 +105,65 @@ pub enum NetError {
 /// Result alias for provider calls.
 pub type NetResult<T> = std::result::Result<T, NetError>;
 
-/// The rule every provider checks before posting a write of `len` bytes to `dst_offset` of the
-/// peer's region `dst`: the range lies inside the region. Returns the address to write to.
-pub fn remote_address(
-    provider: &'static str,
-    dst: &RemoteRegion,
-    dst_offset: u64,
-    len: usize,
-) -> NetResult<u64> {
-    match dst_offset.checked_add(len as u64) {
-        Some(end) if end <= dst.len => Ok(dst.base.wrapping_add(dst_offset)),
+/// The rule every provider checks before posting a write: `len` bytes at `offset` lie inside a
+/// `region`-byte range (a registered source, a peer's region, an endpoint's inline payload).
+fn within(provider: &'static str, offset: u64, len: usize, region: u64) -> NetResult<()> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= region => Ok(()),
         _ => Err(NetError::OutOfBounds {
             provider,
-            offset: dst_offset,
+            offset,
             len,
-            region: dst.len as usize,
+            region: region as usize,
         }),
     }
 }
 
-/// The source side of the same rule: `len` bytes at `offset` of the registered `src`, or an
-/// inline payload of `len` bytes where the endpoint takes at most `inline_max`.
-pub fn check_source(
-    provider: &'static str,
-    src: Option<(&Region, usize)>,
-    len: usize,
-    inline_max: usize,
-) -> NetResult<()> {
-    let (offset, region) = match src {
-        Some((r, offset)) => (offset, r.memory.len()),
-        None => (0, inline_max),
-    };
-    match offset.checked_add(len) {
-        Some(end) if end <= region => Ok(()),
-        _ => Err(NetError::OutOfBounds {
+/// The same rule for an inline payload of `len` bytes where the endpoint takes at most
+/// `inline_max`.
+pub fn check_inline(provider: &'static str, len: usize, inline_max: usize) -> NetResult<()> {
+    within(provider, 0, len, inline_max as u64)
+}
+
+/// What [`Endpoint::write`] sends: `len` bytes at `offset` of a registered region
+/// ([`Region::range`]).
+#[derive(Clone, Copy)]
+pub struct Source<'a> {
+    /// The registered region.
+    pub region: &'a Region,
+    /// The first byte's offset in it.
+    pub offset: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+impl Source<'_> {
+    /// Checks that the range lies inside the region (every provider does before posting).
+    pub fn check(&self, provider: &'static str) -> NetResult<()> {
+        within(
             provider,
-            offset: offset as u64,
-            len,
-            region,
-        }),
+            self.offset as u64,
+            self.len,
+            self.region.memory.len() as u64,
+        )
+    }
+}
+
+/// Where a write lands: `offset` bytes into a peer's region ([`RemoteRegion::at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    /// The peer's region.
+    pub region: RemoteRegion,
+    /// The offset in it.
+    pub offset: u64,
+}
+
+impl Target {
+    /// Checks that a write of `len` bytes here lies inside the peer's region (every provider
+    /// does before posting). Returns the address to write to.
+    pub fn address(&self, provider: &'static str, len: usize) -> NetResult<u64> {
+        within(provider, self.offset, len, self.region.len)?;
+        Ok(self.region.base.wrapping_add(self.offset))
     }
 }
 
@@ -158,6 +178,16 @@ pub struct RemoteRegion {
     pub key: u64,
     /// The region's length in bytes.
     pub len: u64,
+}
+
+impl RemoteRegion {
+    /// The target of a write to `offset` of this region.
+    pub fn at(self, offset: u64) -> Target {
+        Target {
+            region: self,
+            offset,
+        }
+    }
 }
 
 /// What a provider keeps for a registration until it is dropped (deregisters on drop).
@@ -182,6 +212,15 @@ impl Region {
     /// What a peer needs to write into this region.
     pub fn remote(&self) -> RemoteRegion {
         self.registration.remote()
+    }
+
+    /// The source of a write of `len` bytes at `offset` of this region.
+    pub fn range(&self, offset: usize, len: usize) -> Source<'_> {
+        Source {
+            region: self,
+            offset,
+            len,
+        }
     }
 }
 
@@ -237,26 +276,12 @@ pub trait Endpoint: Send {
     fn max_outstanding(&self) -> usize;
     /// Largest payload [`Endpoint::write_inline`] takes.
     fn inline_max(&self) -> usize;
-    /// Posts a write of `len` bytes at `src_offset` of the registered `src` to `dst_offset` of
-    /// the peer's region `dst`. The source must stay unchanged until the write completes.
-    fn write(
-        &mut self,
-        src: &Region,
-        src_offset: usize,
-        len: usize,
-        dst: &RemoteRegion,
-        dst_offset: u64,
-        wr_id: u64,
-    ) -> NetResult<Posted>;
+    /// Posts a write of the registered `src` range to `dst` of the peer's region. The source
+    /// must stay unchanged until the write completes.
+    fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted>;
     /// Posts a write of `data` (at most [`Endpoint::inline_max`] bytes), copied before this
-    /// returns, to `dst_offset` of the peer's region `dst`.
-    fn write_inline(
-        &mut self,
-        data: &[u8],
-        dst: &RemoteRegion,
-        dst_offset: u64,
-        wr_id: u64,
-    ) -> NetResult<Posted>;
+    /// returns, to `dst` of the peer's region.
+    fn write_inline(&mut self, data: &[u8], dst: Target, wr_id: u64) -> NetResult<Posted>;
     /// Makes progress and appends the completions that are ready to `done`.
     fn poll(&mut self, done: &mut Vec<Completion>) -> NetResult<()>;
 }

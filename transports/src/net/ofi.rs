@@ -108,8 +108,8 @@ mod sys {
 
     use super::PROVIDER;
     use crate::net::{
-        check_source, remote_address, Completion, Endpoint, Memory, NetError, NetResult, Posted,
-        Region, Registration, RemoteRegion,
+        check_inline, Completion, Endpoint, Memory, NetError, NetResult, Posted, Region,
+        Registration, RemoteRegion, Source, Target,
     };
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::Arc;
@@ -424,45 +424,31 @@ mod sys {
             self.inject
         }
 
-        fn write(
-            &mut self,
-            src: &Region,
-            src_offset: usize,
-            len: usize,
-            dst: &RemoteRegion,
-            dst_offset: u64,
-            wr_id: u64,
-        ) -> NetResult<Posted> {
+        fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted> {
             self.check_connected()?;
-            check_source(PROVIDER, Some((src, src_offset)), len, 0)?;
-            let raddr = remote_address(PROVIDER, dst, dst_offset, len)?;
+            src.check(PROVIDER)?;
+            let raddr = dst.address(PROVIDER, src.len)?;
             // SAFETY: the source range is inside the registered allocation, which the caller
             // keeps unchanged (and `src` alive) until the write completes; the remote range
             // was checked against the peer's region.
             let rc = unsafe {
                 weft_ofi_write(
                     self.ep,
-                    src.memory.as_ptr().add(src_offset).cast(),
-                    len,
-                    src.registration.local_descriptor(),
+                    src.region.memory.as_ptr().add(src.offset).cast(),
+                    src.len,
+                    src.region.registration.local_descriptor(),
                     raddr,
-                    dst.key,
+                    dst.region.key,
                     wr_id,
                 )
             };
             self.posted("fi_write", rc)
         }
 
-        fn write_inline(
-            &mut self,
-            data: &[u8],
-            dst: &RemoteRegion,
-            dst_offset: u64,
-            wr_id: u64,
-        ) -> NetResult<Posted> {
+        fn write_inline(&mut self, data: &[u8], dst: Target, wr_id: u64) -> NetResult<Posted> {
             self.check_connected()?;
-            check_source(PROVIDER, None, data.len(), self.inject)?;
-            let raddr = remote_address(PROVIDER, dst, dst_offset, data.len())?;
+            check_inline(PROVIDER, data.len(), self.inject)?;
+            let raddr = dst.address(PROVIDER, data.len())?;
             // SAFETY: `data` is valid for the call, and FI_INJECT copies it before returning.
             let rc = unsafe {
                 weft_ofi_write_inline(
@@ -470,7 +456,7 @@ mod sys {
                     data.as_ptr().cast(),
                     data.len(),
                     raddr,
-                    dst.key,
+                    dst.region.key,
                     wr_id,
                 )
             };

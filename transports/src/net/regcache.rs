@@ -109,7 +109,7 @@ impl RegistrationCache {
         let base = NonNull::new(start as *mut u8).unwrap_or(ptr);
         // SAFETY: the pages around the caller's range; the caller keeps the range valid while
         // the lease is held, and nothing outside it is read or written through the
-        // registration (peers write only the leased bytes, checked by `remote_address`).
+        // registration (peers write only the leased bytes, checked by `Target::address`).
         let memory = unsafe { Memory::borrowed(base, span_end - start) };
         let region = Arc::new(self.provider.register(Arc::new(memory))?);
         entries.list.push(Entry {

@@ -320,8 +320,8 @@ mod sys {
 
     use super::{choose_gid, choose_port, gid_table_from_sysfs, PortInfo, VerbsConfig, PROVIDER};
     use crate::net::{
-        check_source, remote_address, Completion, Endpoint, Memory, NetError, NetResult, Posted,
-        Region, Registration, RemoteRegion,
+        check_inline, Completion, Endpoint, Memory, NetError, NetResult, Posted, Region,
+        Registration, RemoteRegion, Source, Target,
     };
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::Arc;
@@ -691,11 +691,11 @@ mod sys {
             }
         }
 
-        fn bounds(&self, dst: &RemoteRegion, dst_offset: u64, len: usize) -> NetResult<u64> {
+        fn bounds(&self, dst: Target, len: usize) -> NetResult<u64> {
             if !self.connected {
                 return Err(NetError::NotConnected { provider: PROVIDER });
             }
-            remote_address(PROVIDER, dst, dst_offset, len)
+            dst.address(PROVIDER, len)
         }
     }
 
@@ -750,27 +750,19 @@ mod sys {
             self.max_inline
         }
 
-        fn write(
-            &mut self,
-            src: &Region,
-            src_offset: usize,
-            len: usize,
-            dst: &RemoteRegion,
-            dst_offset: u64,
-            wr_id: u64,
-        ) -> NetResult<Posted> {
-            let raddr = self.bounds(dst, dst_offset, len)?;
-            check_source(PROVIDER, Some((src, src_offset)), len, 0)?;
+        fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted> {
+            let raddr = self.bounds(dst, src.len)?;
+            src.check(PROVIDER)?;
             // SAFETY: the source range is inside the registered allocation (checked), kept
             // unchanged and alive until the write completes; the remote range was checked.
             let rc = unsafe {
                 weft_ibv_write(
                     self.qp,
-                    src.memory.as_ptr().add(src_offset).cast(),
-                    len,
-                    src.registration.local_descriptor() as u32,
+                    src.region.memory.as_ptr().add(src.offset).cast(),
+                    src.len,
+                    src.region.registration.local_descriptor() as u32,
                     raddr,
-                    dst.key as u32,
+                    dst.region.key as u32,
                     wr_id,
                     0,
                 )
@@ -778,15 +770,9 @@ mod sys {
             self.post("ibv_post_send", rc)
         }
 
-        fn write_inline(
-            &mut self,
-            data: &[u8],
-            dst: &RemoteRegion,
-            dst_offset: u64,
-            wr_id: u64,
-        ) -> NetResult<Posted> {
-            let raddr = self.bounds(dst, dst_offset, data.len())?;
-            check_source(PROVIDER, None, data.len(), self.max_inline)?;
+        fn write_inline(&mut self, data: &[u8], dst: Target, wr_id: u64) -> NetResult<Posted> {
+            let raddr = self.bounds(dst, data.len())?;
+            check_inline(PROVIDER, data.len(), self.max_inline)?;
             // SAFETY: IBV_SEND_INLINE copies `data` before the call returns.
             let rc = unsafe {
                 weft_ibv_write(
@@ -795,7 +781,7 @@ mod sys {
                     data.len(),
                     0,
                     raddr,
-                    dst.key as u32,
+                    dst.region.key as u32,
                     wr_id,
                     1,
                 )

@@ -116,11 +116,7 @@ fn objects_are_unlinked_as_soon_as_they_are_made() {
     let ep = ShmEndpoint::create(&token, "a", 0, MIN_BUFFSIZE).unwrap();
     let ring = ep.incoming_ring(1).unwrap();
     let prefix = job_prefix(&token);
-    let left: Vec<_> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-        .collect();
+    let left = weftcc_testkit::shm_names(&prefix);
     assert!(left.is_empty(), "{left:?}");
     drop((ep, ring));
 }

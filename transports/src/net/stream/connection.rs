@@ -215,7 +215,9 @@ impl NetConnection {
                     unsafe { self.staging.memory.write(at, &data[sent..sent + n]) };
                     let (staging, remote) = (&self.staging, &self.remote);
                     let end = self.send.head + n as u64;
-                    let r = io.post(e, |ep, id| ep.write(staging, at, n, remote, at as u64, id));
+                    let r = io.post(e, |ep, id| {
+                        ep.write(staging.range(at, n), remote.at(at as u64), id)
+                    });
                     if let Ok(Some(id)) = r {
                         io.data.push_back((id, end, false));
                         io.rr = (e + 1) % streams;
@@ -271,7 +273,7 @@ impl NetConnection {
             unsafe { bounce.memory.write(at, data) };
             let end = self.sent + data.len() as u64;
             let r = io.post(e, |ep, id| {
-                ep.write(&bounce, at, data.len(), &p.remote, offset, id)
+                ep.write(bounce.range(at, data.len()), p.remote.at(offset), id)
             });
             if let Ok(Some(id)) = r {
                 io.direct.push_back((id, end, false));
@@ -433,7 +435,11 @@ impl NetConnection {
             let (words, remote) = (Arc::clone(&io.words), io.remote);
             let offset = (self.remote_cap + PROMISE_IN) as u64;
             let r = io.post(0, |ep, id| {
-                ep.write(&words, PROMISE_SOURCE, bytes.len(), &remote, offset, id)
+                ep.write(
+                    words.range(PROMISE_SOURCE, bytes.len()),
+                    remote.at(offset),
+                    id,
+                )
             });
             if let Ok(Some(id)) = r {
                 io.promise_wr = Some(id);

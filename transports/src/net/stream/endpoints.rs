@@ -189,7 +189,7 @@ impl EndpointState {
     ) -> std::result::Result<Option<u64>, NetError> {
         let remote = self.remote;
         if bytes.len() <= self.eps[e].inline_max() {
-            return self.post(e, |ep, id| ep.write_inline(bytes, &remote, offset, id));
+            return self.post(e, |ep, id| ep.write_inline(bytes, remote.at(offset), id));
         }
         let Some(slot) = self.slots.iter().position(Option::is_none) else {
             return Ok(None);
@@ -198,7 +198,11 @@ impl EndpointState {
         unsafe { self.words.memory.write(slot * WORD_SLOT, bytes) };
         let words = Arc::clone(&self.words);
         let posted = self.post(e, |ep, id| {
-            ep.write(&words, slot * WORD_SLOT, bytes.len(), &remote, offset, id)
+            ep.write(
+                words.range(slot * WORD_SLOT, bytes.len()),
+                remote.at(offset),
+                id,
+            )
         })?;
         if let Some(id) = posted {
             self.slots[slot] = Some(id);

@@ -162,14 +162,11 @@ impl NetConnection {
                 if !posted[k] {
                     let zero = 0u64.to_le_bytes();
                     let r = if zero.len() <= ep.inline_max() {
-                        ep.write_inline(&zero, &peer_region, close_word, warm_id(k))
+                        ep.write_inline(&zero, peer_region.at(close_word), warm_id(k))
                     } else {
                         ep.write(
-                            &words,
-                            k * WORD_SLOT,
-                            8,
-                            &peer_region,
-                            close_word,
+                            words.range(k * WORD_SLOT, 8),
+                            peer_region.at(close_word),
                             warm_id(k),
                         )
                     };

@@ -149,18 +149,24 @@ fn writes_landing_in_pieces_never_expose_a_half_written_counter() {
     }
 }
 
+/// Every fault that reorders or splits writes: completions reversed, writes landing in pieces,
+/// data held back, shallow queues.
+fn reordering_and_splitting() -> Faults {
+    Faults {
+        reverse_completions: true,
+        split_writes: true,
+        slow_data: true,
+        queue_depth: Some(6),
+        ..Faults::default()
+    }
+}
+
 #[test]
 fn several_endpoints_keep_the_stream_whatever_order_writes_land_in() {
     // Completions reversed, writes landing in pieces, shallow queues, three endpoints: the
     // head never covers a byte whose write is still on its way.
     for pinned in [false, true] {
-        let faults = Faults {
-            reverse_completions: true,
-            split_writes: true,
-            slow_data: true,
-            queue_depth: Some(6),
-            ..Faults::default()
-        };
+        let faults = reordering_and_splitting();
         let (a, b) = striped(faults, 3);
         transfer(a, b, 1 << 20, pinned).expect("transfer");
     }
@@ -323,13 +329,7 @@ fn rendezvous_and_ring_interleave_without_losing_a_byte() {
     // Messages of 40 000 bytes read pinned while the sender sends in uneven pieces: some
     // promises are taken, some passed over, under every fault that reorders or splits.
     for (streams, pinned) in [(1, true), (1, false), (3, true)] {
-        let faults = Faults {
-            reverse_completions: true,
-            split_writes: true,
-            slow_data: true,
-            queue_depth: Some(6),
-            ..Faults::default()
-        };
+        let faults = reordering_and_splitting();
         let (a, b) = shaped(faults, streams, 1000);
         let (_, b) = transfer_with(a, b, 2 << 20, pinned, Reads::Pinned(40_000)).expect("transfer");
         assert!(b.read == 2 << 20);
@@ -493,28 +493,25 @@ fn hello_address_lists_are_checked() {
 }
 
 #[test]
-fn a_failed_write_is_peer_lost_on_both_ends_not_a_hang() {
+fn a_failed_write_or_a_vanished_peer_is_peer_lost_on_both_ends_not_a_hang() {
     // Write 40 is a data write well into the stream (the handshake wrote 2).
-    let (a, b) = pair(Faults {
+    let failed = Faults {
         fail_write: Some(40),
         ..Faults::default()
-    });
-    let err = transfer(a, b, 1 << 20, true).expect_err("a write failed");
-    assert!(
-        matches!(&err, TransportError::PeerLost { detail, .. } if detail.contains("injected") || detail.contains("closed") || detail.contains("gone")),
-        "{err:?}"
-    );
-}
-
-#[test]
-fn a_peer_that_vanishes_between_data_and_head_is_lost() {
+    };
     // The fabric dies after 31 placed writes: some data without its head, at the latest.
-    let (a, b) = pair(Faults {
+    let vanished = Faults {
         vanish_after: Some(31),
         ..Faults::default()
-    });
-    let err = transfer(a, b, 1 << 20, false).expect_err("the peer vanished");
-    assert!(matches!(err, TransportError::PeerLost { .. }), "{err:?}");
+    };
+    for (faults, pinned) in [(failed, true), (vanished, false)] {
+        let (a, b) = pair(faults);
+        let err = transfer(a, b, 1 << 20, pinned).expect_err("the transfer should have failed");
+        assert!(
+            matches!(&err, TransportError::PeerLost { detail, .. } if detail.contains("injected") || detail.contains("closed") || detail.contains("gone")),
+            "{err:?}"
+        );
+    }
 }
 
 #[test]
