@@ -95,6 +95,10 @@ impl CommConfig {
             }
             None => None,
         };
+        let proto = Selection::from_setting(&s::PROTO).map_err(|e| Error::Config(e.to_string()))?;
+        // Read again by each communicator's set-up; checked here so that a bad value fails
+        // where every other setting does, before any rank waits for another.
+        shm_low_latency_max(&proto)?;
         Ok(CommConfig {
             timeout: env::timeout_from_env()?,
             shm_disable: s::SHM_DISABLE.flag()?,
@@ -111,7 +115,7 @@ impl CommConfig {
                 .unwrap_or_default(),
             slice_bytes: s::SLICE_BYTES.size()?.unwrap_or(DEFAULT_SLICE_BYTES),
             algo: Selection::from_setting(&s::ALGO).map_err(|e| Error::Config(e.to_string()))?,
-            proto: Selection::from_setting(&s::PROTO).map_err(|e| Error::Config(e.to_string()))?,
+            proto,
             calibration,
             backoff: Backoff {
                 spin: s::SPIN_US.micros()?.unwrap_or(backoff.spin),

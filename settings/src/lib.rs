@@ -186,11 +186,11 @@ impl Setting {
         })
     }
 
-    /// A [`Kind::Path`] (any bytes the platform allows); `None` when unset or empty.
+    /// A [`Kind::Path`] (any bytes the platform allows); `None` when unset, empty or blank.
     pub fn path(&self) -> Option<PathBuf> {
         debug_assert_eq!(self.kind, Kind::Path, "{} is not a path", self.name);
         std::env::var_os(self.name)
-            .filter(|v| !v.is_empty())
+            .filter(|v| !v.to_string_lossy().trim().is_empty())
             .map(PathBuf::from)
     }
 }
