@@ -76,8 +76,11 @@ impl Outcome {
 
 /// One staged operation for the proxy.
 pub(crate) struct Job {
+    /// The device communicator's operation number.
     pub(crate) seq: u64,
+    /// Its place in the stream order (module docs).
     pub(crate) ticket: u32,
+    /// What the host communicator runs for it.
     pub(crate) work: Work,
     /// Where the job's bytes start in `input` and `output` (a chunk of a larger call).
     pub(crate) input_at: usize,

@@ -39,6 +39,7 @@ pub(super) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Resu
 /// A write being sent by reference.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct OutRef {
+    /// The write's first byte in this process, and its bytes sent by reference.
     pub(super) addr: usize,
     pub(super) len: usize,
     /// Bytes of the write after the reference (fewer than 8; they follow through the ring).

@@ -74,10 +74,15 @@ fn round_up(v: usize, to: usize) -> Option<usize> {
 /// Sizes of one segment, computed from its slot count and ring capacity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Layout {
+    /// Rings in the segment (one per peer slot).
     pub(super) nslots: usize,
+    /// Bytes of each ring's data area.
     pub(super) capacity: usize,
+    /// The segment header (slot table included), rounded to pages.
     pub(super) header_size: usize,
+    /// Each ring's control page(s) before its data.
     pub(super) ctrl_size: usize,
+    /// The whole segment.
     pub(super) total: usize,
 }
 

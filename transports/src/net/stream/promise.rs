@@ -8,7 +8,9 @@ use crate::net::RemoteRegion;
 /// A promise this side made: the peer may write stream bytes `start..end` straight into the
 /// caller's memory at `addr`.
 pub(super) struct RecvPromise {
+    /// The promise's number (increasing per connection).
     pub(super) seq: u64,
+    /// The stream positions the promise covers, `start..end`.
     pub(super) start: u64,
     pub(super) end: u64,
     /// The destination's first byte (at stream position `start`) and the end of the memory
