@@ -17,7 +17,6 @@ pub use size::{parse_size, InvalidSize};
 pub use table::*;
 
 use std::collections::HashMap;
-use std::ffi::OsString;
 use std::fmt::Display;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -67,9 +66,7 @@ pub struct SettingError {
 impl Setting {
     /// The value, trimmed; `None` when unset, empty or blank (or not Unicode).
     pub fn value(&self) -> Option<String> {
-        let v = std::env::var(self.name).ok()?;
-        let v = v.trim();
-        (!v.is_empty()).then(|| v.to_string())
+        read(self.name)
     }
 
     /// Whether the variable is set to something other than blanks.
@@ -195,6 +192,13 @@ impl Setting {
     }
 }
 
+/// The variable `name`, trimmed; `None` when unset, blank or not Unicode.
+fn read(name: &str) -> Option<String> {
+    let v = std::env::var(name).ok()?;
+    let v = v.trim();
+    (!v.is_empty()).then(|| v.to_string())
+}
+
 /// The one grammar of on/off values.
 fn parse_flag(v: &str) -> Result<bool, &'static str> {
     match v.to_ascii_lowercase().as_str() {
@@ -202,11 +206,6 @@ fn parse_flag(v: &str) -> Result<bool, &'static str> {
         "0" | "false" | "no" | "off" => Ok(false),
         _ => Err("1, true, yes or on; 0, false, no or off"),
     }
-}
-
-/// The setting named `name`, if weftcc declares one.
-pub fn find(name: &str) -> Option<&'static Setting> {
-    ALL.iter().copied().find(|s| s.name == name)
 }
 
 /// A variable of another program that weftcc reads (a launcher's `RANK`, SLURM's
@@ -217,14 +216,7 @@ pub fn foreign(name: &str) -> Option<String> {
         !name.starts_with("WEFT_"),
         "{name} is weftcc's own: use its Setting"
     );
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    (!v.is_empty()).then(|| v.to_string())
-}
-
-/// Whether another program's variable is present at all (even empty or not Unicode).
-pub fn foreign_present(name: &str) -> bool {
-    std::env::var_os(name).is_some()
+    read(name)
 }
 
 /// The whole process environment (Unicode entries), for readers of a launcher's variables
@@ -234,12 +226,6 @@ pub fn process_environment() -> HashMap<String, String> {
     std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect()
-}
-
-/// A `WEFT_*` variable's raw value, as the operating system holds it (for a launcher that
-/// passes a setting on unchanged).
-pub fn raw(setting: &Setting) -> Option<OsString> {
-    std::env::var_os(setting.name)
 }
 
 #[cfg(test)]

@@ -1111,6 +1111,15 @@ impl Helper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_settings_range_is_the_socket_limit() {
+        use weftcc_settings::{Kind, NSOCKS_PERTHREAD};
+        let Kind::Number { min: 1, max } = NSOCKS_PERTHREAD.kind else {
+            panic!("{:?}", NSOCKS_PERTHREAD.kind);
+        };
+        assert_eq!(max, MAX_SOCKETS as u64);
+    }
     use crate::conn::{IdleWaiter, Interest};
     use crate::tcp::{local_pair_striped, loopback, Family};
     use std::net::SocketAddr;

@@ -106,9 +106,7 @@ impl NetChoice {
             .unwrap_or(DEFAULT_RENDEZVOUS);
         Ok(NetChoice {
             verbs: VerbsConfig::from_env()?,
-            streams: streams
-                .map_or(1, |n| n as usize)
-                .min(super::stream::MAX_STREAMS),
+            streams: streams.map_or(1, |n| n as usize),
             rendezvous,
             ..NetChoice::parse(
                 settings::NET.value().as_deref(),
@@ -229,6 +227,14 @@ pub fn open(choice: &NetChoice) -> Result<Option<Arc<dyn Provider>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_settings_range_is_the_stream_limit() {
+        let settings::Kind::Number { min: 1, max } = settings::IB_QPS_PER_CONNECTION.kind else {
+            panic!("{:?}", settings::IB_QPS_PER_CONNECTION.kind);
+        };
+        assert_eq!(max, super::super::stream::MAX_STREAMS as u64);
+    }
 
     #[test]
     fn parses_the_variables() {
