@@ -108,6 +108,13 @@ fn workers_get_torchrun_and_weft_environment() {
         assert_eq!(lines.len(), 1);
         let f: Vec<&str> = lines[0].split(' ').collect();
         let r = rank.to_string();
+        // One node: a free port picked by the launcher, the same for every rank.
+        let port = by_rank(&out.stdout)[&0][0]
+            .split(' ')
+            .nth(11)
+            .unwrap()
+            .to_string();
+        assert!(port.parse::<u16>().unwrap() > 0);
         assert_eq!(
             &f[..17],
             &[
@@ -122,9 +129,9 @@ fn workers_get_torchrun_and_weft_environment() {
                 &r,
                 "3",
                 "127.0.0.1",
-                "29500",
+                &port,
                 "127.0.0.1",
-                "29500",
+                &port,
                 "0",
                 "0",
                 "1"
@@ -880,4 +887,170 @@ fn a_dev_shm_too_small_for_the_rings_is_a_clear_error() {
         return;
     };
     failed_cleanly(&out, &["free but this communicator needs"]);
+}
+
+/// `weft` with `args` (no `run` added), bounded by the deadline.
+fn weft_cmd(args: &[&str], env: &[(&str, &str)]) -> Out {
+    let start = Instant::now();
+    let mut cmd = Command::new(WEFT);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_remove("WEFT_JOB_TOKEN");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    finish(cmd.spawn().expect("start weft"), start)
+}
+
+/// Two single-node jobs on one host at once, neither naming a port: each gets a free one
+/// (both on torchrun's 29500 collided: one rank 0 could not serve its store).
+#[test]
+fn two_single_node_jobs_on_one_host_do_not_collide() {
+    let job = || {
+        spawn(
+            &[
+                "-n",
+                "2",
+                "--",
+                WEFT,
+                "perf",
+                "all-reduce",
+                "-b",
+                "8",
+                "-e",
+                "8",
+                "-w",
+                "1",
+                "-n",
+                "300",
+            ],
+            &[],
+        )
+    };
+    let (start, a, b) = (Instant::now(), job(), job());
+    for out in [finish(a, start), finish(b, start)] {
+        assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    }
+}
+
+/// A port another job holds, named with --master-port: one message from the launcher, saying
+/// what to do, and no rank started.
+#[test]
+fn a_port_in_use_is_reported_once_with_the_way_out() {
+    let held = std::net::TcpListener::bind(("0.0.0.0", 0)).expect("a port");
+    let port = held.local_addr().unwrap().port().to_string();
+    let out = weft(&[
+        "-n",
+        "2",
+        "--master-port",
+        &port,
+        "--",
+        "sh",
+        "-c",
+        "echo started",
+    ]);
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert_eq!(out.stdout, "", "no rank starts");
+    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains(&format!("port {port} (--master-port) is in use"))
+            && out.stderr.contains("--master-port 0"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// A setting weftcc refuses is reported once, by the launcher, before any rank starts (not
+/// once per rank, interleaved); WEFT_DEBUG lists the levels it takes.
+#[test]
+fn bad_settings_are_reported_once_before_any_rank_starts() {
+    for (var, value, says) in [
+        (
+            "WEFT_DEBUG",
+            "LOUD",
+            "WEFT_DEBUG=\"LOUD\": expected one of WARN, INFO, DEBUG, TRACE, OFF, NONE",
+        ),
+        ("WEFT_TIMEOUT", "soon", "WEFT_TIMEOUT=\"soon\": expected"),
+        ("WEFT_ALGO", "fastest", "WEFT_ALGO=\"fastest\""),
+    ] {
+        let out = weft_env(
+            &["-n", "3", "--", "sh", "-c", "echo started"],
+            &[(var, value)],
+        );
+        assert_eq!(out.code, Some(2), "{var}: {}", out.stderr);
+        assert_eq!(out.stdout, "", "{var}: no rank starts");
+        assert_eq!(out.stderr.matches(says).count(), 1, "{}", out.stderr);
+        assert!(
+            out.stderr.ends_with("weft run: no rank started\n"),
+            "{}",
+            out.stderr
+        );
+        // `weft perf` launches its own ranks through the same launcher.
+        let out = weft_cmd(
+            &["perf", "all-reduce", "-b", "8", "-e", "8"],
+            &[(var, value)],
+        );
+        assert_eq!(out.code, Some(2), "{var}: {}", out.stderr);
+        assert_eq!(out.stderr.matches(says).count(), 1, "{}", out.stderr);
+    }
+}
+
+/// `weft status --pid` takes the launcher's pid (the one a user has) as well as a rank's, and
+/// says when there is no such process.
+#[test]
+fn status_takes_the_launchers_pid_and_names_a_missing_process() {
+    let start = Instant::now();
+    let mut launcher = spawn(
+        &[
+            "-n",
+            "2",
+            "--",
+            WEFT,
+            "train",
+            "--epochs",
+            "100000",
+            "--samples",
+            "256",
+            "--no-progress",
+        ],
+        &[],
+    );
+    let pid = launcher.id().to_string();
+    let mut last = None;
+    while start.elapsed() < Duration::from_secs(30) {
+        let out = weft_cmd(&["status", "--pid", &pid], &[]);
+        if out.code == Some(0) && out.stdout.contains("2 ranks") && !out.stdout.contains("JOINING")
+        {
+            last = None;
+            break;
+        }
+        last = Some(out);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = launcher.kill();
+    let _ = finish(launcher, start);
+    if let Some(out) = last {
+        panic!(
+            "weft status --pid <launcher> never showed the job: {:?}\n{}{}",
+            out.code, out.stdout, out.stderr
+        );
+    }
+    let out = weft_cmd(&["status", "--pid", "999999"], &[]);
+    assert_eq!(out.code, Some(2));
+    assert_eq!(out.stderr, "weft status: no such process: 999999\n");
+}
+
+/// `weft train --epochs 0` would do nothing: it is refused.
+#[test]
+fn train_refuses_zero_epochs() {
+    let out = weft_cmd(&["train", "--epochs", "0"], &[]);
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("0 epochs would train nothing"),
+        "{}",
+        out.stderr
+    );
 }

@@ -99,6 +99,8 @@ impl CommConfig {
         // Read again by each communicator's set-up; checked here so that a bad value fails
         // where every other setting does, before any rank waits for another.
         shm_low_latency_max(&proto)?;
+        // The logger is installed without a way to fail: its level is checked here.
+        s::DEBUG.choice()?;
         Ok(CommConfig {
             timeout: env::timeout_from_env()?,
             shm_disable: s::SHM_DISABLE.flag()?,

@@ -7,16 +7,17 @@
 pub fn init() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let Some(level) = weftcc_settings::DEBUG.value() else {
+        // A value that is not one of the levels is refused by `CommConfig::from_env` (and by
+        // `weft run` before it starts a rank); here it leaves logging off.
+        let Ok(Some(level)) = weftcc_settings::DEBUG.choice() else {
             return;
         };
-        let level = match level.to_ascii_lowercase().as_str() {
-            "none" | "off" => return,
-            "warn" => "warn",
-            "info" => "info",
-            "debug" => "debug",
-            "trace" => "trace",
-            _ => "info",
+        let level = match level {
+            "WARN" => "warn",
+            "INFO" => "info",
+            "DEBUG" => "debug",
+            "TRACE" => "trace",
+            _ => return,
         };
         let filter = match weftcc_settings::DEBUG_SUBSYS.value() {
             Some(subsys) if subsys != "ALL" => subsys

@@ -34,6 +34,8 @@ pub enum Kind {
     Seconds,
     /// Whole microseconds.
     Micros,
+    /// One of a few words (any case; [`Setting::choice`] returns the one as declared).
+    Choice(&'static [&'static str]),
     /// Text in a grammar of its own, which its reader parses ([`Setting::parse`]).
     Text,
     /// A file or directory.
@@ -183,6 +185,42 @@ impl Setting {
         })
     }
 
+    /// A [`Kind::Choice`]: the word as declared (matched in any case); an error listing the
+    /// allowed words otherwise.
+    pub fn choice(&self) -> Result<Option<&'static str>, SettingError> {
+        self.choice_in(self.value().as_deref())
+    }
+
+    /// [`Setting::choice`] of a value given.
+    pub fn choice_in(&self, text: Option<&str>) -> Result<Option<&'static str>, SettingError> {
+        let Kind::Choice(words) = self.kind else {
+            debug_assert!(false, "{} is not a choice", self.name);
+            return Ok(None);
+        };
+        self.parse_in(text, |v| {
+            words
+                .iter()
+                .copied()
+                .find(|w| w.eq_ignore_ascii_case(v))
+                .ok_or_else(|| format!("one of {}", words.join(", ")))
+        })
+    }
+
+    /// Checks the value against its kind (flags, numbers, sizes, seconds, microseconds,
+    /// choices); text in a grammar of its own is its reader's to check, paths and the
+    /// launcher's variables are taken as they are.
+    pub fn check(&self) -> Result<(), SettingError> {
+        match self.kind {
+            Kind::Flag => self.flag().map(drop),
+            Kind::Number { .. } => self.number().map(drop),
+            Kind::Size { .. } => self.size().map(drop),
+            Kind::Seconds => self.seconds().map(drop),
+            Kind::Micros => self.micros().map(drop),
+            Kind::Choice(_) => self.choice().map(drop),
+            Kind::Text | Kind::Path | Kind::Launcher => Ok(()),
+        }
+    }
+
     /// A [`Kind::Path`] (any bytes the platform allows); `None` when unset, empty or blank.
     pub fn path(&self) -> Option<PathBuf> {
         debug_assert_eq!(self.kind, Kind::Path, "{} is not a path", self.name);
@@ -190,6 +228,12 @@ impl Setting {
             .filter(|v| !v.to_string_lossy().trim().is_empty())
             .map(PathBuf::from)
     }
+}
+
+/// Every declared setting whose value does not fit its kind ([`Setting::check`]), in
+/// declaration order: what a launcher checks once before it starts any rank.
+pub fn check_all() -> Vec<SettingError> {
+    ALL.iter().filter_map(|s| s.check().err()).collect()
 }
 
 /// The variable `name`, trimmed; `None` when unset, blank or not Unicode.
@@ -304,6 +348,43 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    static T_CHOICE: Setting = Setting {
+        name: "WEFT_SETTINGS_TEST_CHOICE",
+        kind: Kind::Choice(&["WARN", "INFO"]),
+        default: "off",
+        doc: "",
+    };
+
+    #[test]
+    fn a_choice_is_one_of_its_words_in_any_case_and_an_error_lists_them() {
+        assert_eq!(T_CHOICE.choice(), Ok(None));
+        assert_eq!(
+            with_var(T_CHOICE.name, " info ", || T_CHOICE.choice()),
+            Ok(Some("INFO"))
+        );
+        let e = with_var(T_CHOICE.name, "LOUD", || T_CHOICE.choice()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "WEFT_SETTINGS_TEST_CHOICE=\"LOUD\": expected one of WARN, INFO"
+        );
+        assert!(with_var(T_CHOICE.name, "LOUD", || T_CHOICE.check()).is_err());
+        assert!(with_var(T_NUM.name, "99", || T_NUM.check()).is_err());
+        assert!(with_var(T_SECS.name, "soon", || T_SECS.check()).is_err());
+        assert_eq!(with_var(T_FLAG.name, "yes", || T_FLAG.check()), Ok(()));
+    }
+
+    #[test]
+    fn check_all_names_every_bad_declared_setting() {
+        // Declared settings of kinds no other test of this binary sets.
+        std::env::set_var(DEBUG.name, "LOUD");
+        std::env::set_var(CUDA_DEPTH.name, "0");
+        let bad: Vec<&str> = check_all().iter().map(|e| e.name).collect();
+        std::env::remove_var(DEBUG.name);
+        std::env::remove_var(CUDA_DEPTH.name);
+        assert!(bad.contains(&"WEFT_DEBUG"), "{bad:?}");
+        assert!(bad.contains(&"WEFT_CUDA_DEPTH"), "{bad:?}");
     }
 
     #[test]

@@ -50,8 +50,8 @@ settings! {
         "Operations the flight recorder keeps per communicator (0: none).";
     TRACE_DUMP_DIR = "WEFT_TRACE_DUMP_DIR", Path, "unset",
         "Directory the flight recorder is written to when a communicator fails.";
-    DEBUG = "WEFT_DEBUG", Text, "off",
-        "Log level on stderr: WARN, INFO, DEBUG or TRACE.";
+    DEBUG = "WEFT_DEBUG", Choice(&["WARN", "INFO", "DEBUG", "TRACE", "OFF", "NONE"]), "off",
+        "Log level on stderr: WARN, INFO, DEBUG or TRACE (OFF or NONE: no log).";
     DEBUG_SUBSYS = "WEFT_DEBUG_SUBSYS", Text, "all",
         "Subsystems to log: INIT, NET, SHM, BOOTSTRAP, OP, TUNING, ERROR.";
     HOST_ID = "WEFT_HOST_ID", Text, "hostname + boot id",

@@ -36,6 +36,8 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 /// Interval of the exit-polling loop.
 const POLL: Duration = Duration::from_millis(5);
+/// The rendezvous port of multi-node jobs that name none (torchrun's).
+pub const DEFAULT_PORT: u16 = 29500;
 
 const AFTER_HELP: &str = "\
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
@@ -69,9 +71,11 @@ pub struct RunArgs {
     /// Address of the node running rank 0.
     #[arg(long, visible_alias = "master_addr", default_value = "127.0.0.1")]
     pub master_addr: String,
-    /// Port of rank 0's rendezvous; 0 picks a free port (single-node jobs only).
-    #[arg(long, visible_alias = "master_port", default_value_t = 29500)]
-    pub master_port: u16,
+    /// Port of rank 0's rendezvous (its bootstrap store). Default: a free port on a single
+    /// node, 29500 with --nnodes > 1 (every node must give the same); 0 picks a free port
+    /// (single-node jobs only).
+    #[arg(long, visible_alias = "master_port")]
+    pub master_port: Option<u16>,
     /// Do not prefix worker output with `[rank]: `; workers inherit stdout and stderr.
     #[arg(long)]
     pub no_prefix: bool,
@@ -117,7 +121,10 @@ pub fn main(args: RunArgs) -> i32 {
         nnodes: args.nnodes as usize,
         node_rank: args.node_rank as usize,
         master_addr: args.master_addr,
-        master_port: args.master_port,
+        // One node: nobody else needs to know the port, so two jobs on one host never collide.
+        master_port: args
+            .master_port
+            .unwrap_or(if args.nnodes == 1 { 0 } else { DEFAULT_PORT }),
         prefix: !args.no_prefix,
         max_restarts: args.max_restarts,
         cpu_bind: args.cpu_bind,
@@ -232,6 +239,23 @@ fn plural(n: usize, word: &str) -> String {
     }
 }
 
+/// The `WEFT_*` settings of this environment (the workers inherit it) that weftcc would
+/// refuse, one message each: values that do not fit their kind, then the first a
+/// communicator's configuration refuses (text in a grammar of its own: `WEFT_ALGO`, …).
+pub fn check_settings() -> Vec<String> {
+    let bad: Vec<String> = weftcc::settings::check_all()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    if !bad.is_empty() {
+        return bad;
+    }
+    match weftcc::CommConfig::from_env() {
+        Ok(_) => Vec::new(),
+        Err(e) => vec![e.to_string()],
+    }
+}
+
 /// A free TCP port on `addr` (or on 127.0.0.1 when `addr` cannot be bound here).
 pub fn pick_free_port(addr: &str) -> io::Result<u16> {
     let bind = |a: &str| {
@@ -343,6 +367,27 @@ impl Launch {
         Ok(())
     }
 
+    /// Whether rank 0 (started on this node) will be able to serve its bootstrap store on
+    /// `port`: a port another job's store holds fails here, with what to do, instead of in
+    /// every rank.
+    fn port_is_free(&self, port: u16) -> Result<(), String> {
+        // As the store binds it: every address, reusing a port in TIME_WAIT.
+        match TcpListener::bind(("0.0.0.0", port)) {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => Err(format!(
+                "port {port} (--master-port) is in use on this host, perhaps by another job's \
+                 store; {}",
+                if self.nnodes == 1 {
+                    "leave --master-port out or give --master-port 0 to pick a free port"
+                } else {
+                    "give every node the same free --master-port"
+                }
+            )),
+            // Anything else (no IPv4 here, say) is rank 0's to report.
+            Err(_) => Ok(()),
+        }
+    }
+
     /// The environment of worker `local` in attempt `attempt`.
     pub fn worker_env(
         &self,
@@ -398,6 +443,15 @@ impl Launch {
 
     /// Runs the job (with restarts) and returns the exit code for the launcher.
     pub fn run(&self) -> i32 {
+        // Every rank would find the same bad value: say it once, before any rank starts.
+        let bad = check_settings();
+        if !bad.is_empty() {
+            for e in &bad {
+                eprintln!("{}: {e}", self.label);
+            }
+            eprintln!("{}: no rank started", self.label);
+            return 2;
+        }
         install_signal_handlers();
         let mut attempt = 0u32;
         loop {
@@ -486,6 +540,12 @@ impl Launch {
                 }
             }
         } else {
+            if self.node_rank == 0 {
+                if let Err(msg) = self.port_is_free(self.master_port) {
+                    eprintln!("{}: {msg}", self.label);
+                    return Outcome::Fatal(1);
+                }
+            }
             self.master_port
         };
         let token = self.job_token(port, attempt);

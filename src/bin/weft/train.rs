@@ -49,7 +49,8 @@ pub struct TrainArgs {
     /// Hidden layer widths, comma-separated (depth = count + 1 layers).
     #[arg(long, default_value = "64,64", value_delimiter = ',')]
     pub hidden: Vec<usize>,
-    #[arg(long, default_value_t = 5)]
+    /// Passes over the training set (at least 1).
+    #[arg(long, default_value_t = 5, value_parser = at_least_one_epoch)]
     pub epochs: u64,
     /// Samples per rank per micro-batch (global batch = batch × accum × ranks).
     #[arg(long, default_value_t = 32)]
@@ -112,6 +113,14 @@ pub struct TrainArgs {
     /// byte-identical whatever WEFT_ALGO, the bucket sizes or the ranks' placement on hosts.
     #[arg(long)]
     pub deterministic: bool,
+}
+
+fn at_least_one_epoch(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(0) => Err("at least 1 (0 epochs would train nothing)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a whole number of epochs")),
+    }
 }
 
 fn mib(x: f64) -> usize {
