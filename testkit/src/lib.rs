@@ -2,6 +2,8 @@
 //!
 //! * [`fuzz`]: proptest run for many cases over one target (`WEFT_FUZZ_CASES`), the count
 //!   printed: the fuzz tests of `weftcc-transports` and `weftcc-topology`.
+//! * [`docs`]: the documentation's complete programs (fenced blocks marked `program`), which
+//!   the tests compile and run.
 //! * [`shm_names`]: what a job left in `/dev/shm`.
 //! * [`model`]: exhaustive interleaving exploration for the concurrency protocols (the
 //!   shared-memory ring and its doorbells and the dial handshake in `weftcc-transports`, the
@@ -9,6 +11,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod docs;
 pub mod fuzz;
 pub mod model;
 
