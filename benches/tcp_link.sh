@@ -24,12 +24,10 @@ secs=${SECONDS_IPERF:-5}
 read -r -a nets <<<"${NETS:-socket}"
 coll=${COLL:-all-reduce}
 [ "$(id -u)" = 0 ] || { echo "tcp_link: needs root (network namespaces)" >&2; exit 2; }
-need=()
-command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
-command -v iperf3 >/dev/null || need+=(iperf3)
-if ((${#need[@]})); then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+source benches/need.sh
+need ip iproute2 "iproute2 (ip)"
+need tc iproute2 "iproute2 (tc)"
+need iperf3 iperf3 "iperf3"
 cargo build --release --bin weft -q
 weft=$PWD/target/release/weft
 out=${WEFT_PERF_OUT:-target/perf}/tcp-link

@@ -2,7 +2,7 @@
 //! * shared-memory ping-pong latency (8 B and 4 KiB round trips between two spinning threads),
 //! * one-way stream rate over shared memory and over loopback TCP (64 MiB pushed in 1 MiB writes,
 //!   the receiver acknowledging the end), to compare with `iperf3` and `memcpy` from
-//!   `../shared/peers/baseline.sh`.
+//!   `benches/baseline.sh`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # weftcc next to the baselines in one go (the figures drift on shared machines, so quote ratios
 # measured in the same run):  benches/vs_baseline.sh [ranks] [sizes...]
-# Prints ../shared/peers/baseline.sh's memory, TCP and OpenMPI rows, then `weft perf all-reduce`
+# Prints benches/baseline.sh's memory, TCP and OpenMPI rows, then `weft perf all-reduce`
 # over shared memory and over TCP (WEFT_SHM_DISABLE=1) at the same sizes, then a ratio table
 # (weft busbw / OpenMPI busbw, out-of-place and in-place). Leaves the baseline as JSON, weft's
 # rows as JSON and an SVG plot of both in target/perf/ (WEFT_PERF_OUT overrides).
@@ -19,7 +19,8 @@ cargo build --release --bin weft -q
 weft=target/release/weft
 pattern="^ +($(echo "$sizes" | tr ' ' '|')) "
 echo "== baseline ($n ranks)"
-bash ../shared/peers/baseline.sh "$n" 2>/dev/null >"$out/baseline-$n.txt"
+# Its messages (a missing OpenMPI or iperf3, with how to install it) reach the terminal.
+benches/baseline.sh "$n" >"$out/baseline-$n.txt"
 grep -E "memcpy|receiver|==|$pattern|size" "$out/baseline-$n.txt"
 "$weft" baseline-json "$out/baseline-$n.txt" -o "$out/baseline-$n.json"
 for wire in shm tcp; do

@@ -85,9 +85,9 @@ case $wire in
   *) echo "WIRE must be shm or tcp" >&2; exit 2 ;;
 esac
 
-if ! command -v mpicc >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
-fi
+source benches/need.sh
+need mpicc "openmpi-bin libopenmpi-dev" "OpenMPI"
+need mpirun "openmpi-bin" "OpenMPI's mpirun"
 mkdir -p "$out"
 mpicc -O3 -o "$out/mpi_collectives" benches/mpi_collectives.c
 cargo build --release --bin weft -q

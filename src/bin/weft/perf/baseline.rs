@@ -1,5 +1,5 @@
 //! Baselines for `weft perf --baseline FILE`, and the converter (`weft baseline-json`) that turns
-//! the text of `../shared/peers/baseline.sh` (or any nccl-tests-style table, weft perf's own
+//! the text of `benches/baseline.sh` (or any nccl-tests-style table, weft perf's own
 //! included) into that JSON.
 //!
 //! The JSON: `{"label": "...", "limits": [{"label": "memcpy", "gbs": 11.4}, ...],
