@@ -5,6 +5,7 @@ instead; CARGO_TARGET_DIR is honoured."""
 import os
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -12,6 +13,17 @@ from setuptools.dist import Distribution
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+
+
+def say(line: str) -> None:
+    """One line the user sees while pip builds: pip shows a build's own output only with -v, so
+    the line also goes to the terminal when there is one."""
+    print(line, file=sys.stderr, flush=True)
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:
+        pass
 
 
 def libweft() -> str:
@@ -26,6 +38,10 @@ def libweft() -> str:
             "(pip install ./python) or set WEFTCC_LIBWEFT to a built libweft.so"
         )
     cargo = shutil.which("cargo") or os.path.expanduser("~/.cargo/bin/cargo")
+    say(
+        "weftcc: building libweft with cargo (cargo build --release -p weftcc-bindings): a few "
+        "minutes on a fresh checkout; pip install -v shows cargo's progress"
+    )
     subprocess.check_call(
         [cargo, "build", "--release", "--locked", "-p", "weftcc-bindings"], cwd=REPO
     )

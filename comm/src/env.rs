@@ -100,7 +100,17 @@ impl LaunchInfo {
                 (Launcher::Weft, r, n, lr, lw, addr, explicit_port)
             } else if let Some([r, n, lr, lw]) = direct("")? {
                 let addr = explicit_addr.clone();
-                (Launcher::Torchrun, r, n, lr, lw, addr, explicit_port)
+                // torchrun's agent serves its own store on MASTER_PORT (it says so with
+                // TORCHELASTIC_USE_AGENT_STORE): weftcc's goes on the port after it, unless
+                // WEFT_MASTER_PORT names one.
+                let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+                let port_no = match port("WEFT_MASTER_PORT")? {
+                    Some(p) => Some(p),
+                    None if agent_store => explicit_port.map(port_after_agent_store),
+                    None => explicit_port,
+                };
+                (Launcher::Torchrun, r, n, lr, lw, addr, port_no)
             } else if let (Some(r), Some(n)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
                 let head = get("SLURM_JOB_NODELIST")
                     .or(get("SLURM_NODELIST"))
@@ -190,6 +200,12 @@ impl LaunchInfo {
             token,
         })
     }
+}
+
+/// The port of weftcc's store under torchrun, whose agent holds `master_port` with its own:
+/// the next one (the one before for 65535).
+pub fn port_after_agent_store(master_port: u16) -> u16 {
+    master_port.checked_add(1).unwrap_or(master_port - 1)
 }
 
 /// First host of a SLURM node list: `node[001-004,7],gpu9` → `node001`.
@@ -286,6 +302,19 @@ mod tests {
         assert_eq!((i.master_addr.as_str(), i.master_port), ("head", 29400));
         // Same inputs give the same derived token on every rank.
         assert_eq!(i.token, LaunchInfo::from_vars(&v).unwrap().token);
+    }
+
+    #[test]
+    fn under_torchruns_agent_store_weftcc_takes_the_next_port() {
+        let v = vars(
+            "RANK=0 WORLD_SIZE=2 MASTER_ADDR=head MASTER_PORT=29400 \
+            TORCHELASTIC_USE_AGENT_STORE=True",
+        );
+        assert_eq!(LaunchInfo::from_vars(&v).unwrap().master_port, 29401);
+        let mut v = v;
+        v.insert("WEFT_MASTER_PORT".into(), "30000".into());
+        assert_eq!(LaunchInfo::from_vars(&v).unwrap().master_port, 30000);
+        assert_eq!(port_after_agent_store(65535), 65534);
     }
 
     #[test]

@@ -562,6 +562,7 @@ impl Mesh {
         let family = Family::from_env()?;
         let ip = tcp::select_interface(cfg.socket_ifname.as_deref(), family)?;
         let endpoint = TcpEndpoint::bind(ip, rank, &cfg.token, ns)?;
+        tracing::info!(target: "weftcc::net", rank, addr = %endpoint.local_addr(), "peers dial this rank at this address");
         let unix = if cfg.shm_disable {
             None
         } else {

@@ -231,7 +231,7 @@ pub fn select_interface(spec: Option<&str>, family: Option<Family>) -> Result<Ip
     let ifaces = list_interfaces()?;
     match choose_interface(spec, family, &ifaces) {
         Some(i) => {
-            tracing::debug!(target: "weftcc::net", interface = %i.name, addr = %i.addr, "selected network interface");
+            tracing::info!(target: "weftcc::net", interface = %i.name, addr = %i.addr, "selected network interface");
             Ok(i.addr)
         }
         None => {
