@@ -15,7 +15,8 @@
 
 mod common;
 
-use common::{with_ranks, Wire};
+use common::with_ranks;
+use common::Wire::{self, Net, Shm, Tcp, TcpStriped};
 use half::{bf16, f16};
 use weftcc::{Communicator, Element, ReduceOp, Selection};
 
@@ -532,95 +533,61 @@ fn forced_list(list: &[(usize, Wire)], spec: &str, colls: &[Coll], full: bool) {
     }
 }
 
+/// A test of CI's slice (`run(false)`) and its `#[ignore]`d full-matrix twin (`run(true)`).
+macro_rules! slice_and_full {
+    ($($name:ident, $full:ident => $run:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            let run: fn(bool) = $run;
+            run(false)
+        }
+
+        #[test]
+        #[ignore = "full matrix: scripts/full_matrix.sh"]
+        fn $full() {
+            let run: fn(bool) = $run;
+            run(true)
+        }
+    )*};
+}
+
 const RING: [(usize, Wire); 6] = [
-    (2, Wire::Shm),
-    (3, Wire::Tcp),
-    (5, Wire::Shm),
-    (8, Wire::Shm),
-    (4, Wire::Net),
-    (2, Wire::TcpStriped),
+    (2, Shm),
+    (3, Tcp),
+    (5, Shm),
+    (8, Shm),
+    (4, Net),
+    (2, TcpStriped),
 ];
 
-#[test]
-fn ring_all_reduce_at_every_size() {
-    forced_list(&RING, "ring", &[Coll::AllReduce], false);
+slice_and_full! {
+    ring_all_reduce_at_every_size, full_ring_all_reduce_at_every_size => |full| forced_list(&RING, "ring", &[Coll::AllReduce], full);
 }
 
-#[test]
-#[ignore = "full matrix: scripts/full_matrix.sh"]
-fn full_ring_all_reduce_at_every_size() {
-    forced_list(&RING, "ring", &[Coll::AllReduce], true);
-}
+const RD_ALL_REDUCE: [(usize, Wire); 5] = [(2, Tcp), (3, Shm), (4, Shm), (6, Tcp), (8, Shm)];
 
-const RD_ALL_REDUCE: [(usize, Wire); 5] = [
-    (2, Wire::Tcp),
-    (3, Wire::Shm),
-    (4, Wire::Shm),
-    (6, Wire::Tcp),
-    (8, Wire::Shm),
-];
-
-#[test]
-fn recursive_doubling_all_reduce_at_every_size() {
-    forced_list(&RD_ALL_REDUCE, "rd", &[Coll::AllReduce], false);
-}
-
-#[test]
-#[ignore = "full matrix: scripts/full_matrix.sh"]
-fn full_recursive_doubling_all_reduce_at_every_size() {
-    forced_list(&RD_ALL_REDUCE, "rd", &[Coll::AllReduce], true);
+slice_and_full! {
+    recursive_doubling_all_reduce_at_every_size, full_recursive_doubling_all_reduce_at_every_size => |full| forced_list(&RD_ALL_REDUCE, "rd", &[Coll::AllReduce], full);
 }
 
 /// `rd` for all-gather and reduce-scatter: recursive doubling and halving where they are
 /// implemented (power-of-two rank counts, up to `RD_ALL_GATHER_MAX_BYTES` and
 /// `RD_REDUCE_SCATTER_MAX_BYTES`), the ring elsewhere.
-const RD: [(usize, Wire); 4] = [
-    (2, Wire::Tcp),
-    (4, Wire::Shm),
-    (8, Wire::Shm),
-    (3, Wire::Shm),
-];
+const RD: [(usize, Wire); 4] = [(2, Tcp), (4, Shm), (8, Shm), (3, Shm)];
 
-#[test]
-fn recursive_doubling_all_gather_at_every_size() {
-    forced_list(&RD, "rd", &[Coll::AllGather], false);
+slice_and_full! {
+    recursive_doubling_all_gather_at_every_size, full_recursive_doubling_all_gather_at_every_size => |full| forced_list(&RD, "rd", &[Coll::AllGather], full);
 }
 
-#[test]
-#[ignore = "full matrix: scripts/full_matrix.sh"]
-fn full_recursive_doubling_all_gather_at_every_size() {
-    forced_list(&RD, "rd", &[Coll::AllGather], true);
+slice_and_full! {
+    recursive_halving_reduce_scatter_at_every_size, full_recursive_halving_reduce_scatter_at_every_size => |full| forced_list(&RD, "rd", &[Coll::ReduceScatter], full);
 }
 
-#[test]
-fn recursive_halving_reduce_scatter_at_every_size() {
-    forced_list(&RD, "rd", &[Coll::ReduceScatter], false);
-}
-
-#[test]
-#[ignore = "full matrix: scripts/full_matrix.sh"]
-fn full_recursive_halving_reduce_scatter_at_every_size() {
-    forced_list(&RD, "rd", &[Coll::ReduceScatter], true);
-}
-
-const TREE: [(usize, Wire); 5] = [
-    (2, Wire::Shm),
-    (3, Wire::Tcp),
-    (5, Wire::Shm),
-    (8, Wire::Shm),
-    (4, Wire::Net),
-];
+const TREE: [(usize, Wire); 5] = [(2, Shm), (3, Tcp), (5, Shm), (8, Shm), (4, Net)];
 const TREE_COLLS: [Coll; 3] = [Coll::AllReduce, Coll::Broadcast, Coll::Reduce];
 
-#[test]
-fn tree_algorithms_at_every_size() {
-    forced_list(&TREE, "tree", &TREE_COLLS, false);
-}
-
-#[test]
-#[ignore = "full matrix: scripts/full_matrix.sh"]
-fn full_tree_algorithms_at_every_size() {
-    forced_list(&TREE, "tree", &TREE_COLLS, true);
+slice_and_full! {
+    tree_algorithms_at_every_size, full_tree_algorithms_at_every_size => |full| forced_list(&TREE, "tree", &TREE_COLLS, full);
 }
 
 /// 2 hosts x 2 ranks (interleaved), uneven hosts (1 + 3 + 2 ranks), one rank per host.
@@ -644,15 +611,8 @@ fn hierarchical(full: bool) {
     }
 }
 
-#[test]
-fn hierarchical_all_reduce_at_every_size() {
-    hierarchical(false);
-}
-
-#[test]
-#[ignore = "full matrix: scripts/full_matrix.sh"]
-fn full_hierarchical_all_reduce_at_every_size() {
-    hierarchical(true);
+slice_and_full! {
+    hierarchical_all_reduce_at_every_size, full_hierarchical_all_reduce_at_every_size => |full| hierarchical(full);
 }
 
 /// The matrix's (rank count, wire) cases: CI's, each running its slice of the list (1, 2, 3 and
@@ -691,15 +651,8 @@ fn matrix_case(name: &str, full: bool) {
 
 macro_rules! matrix_tests {
     ($($name:ident, $full:ident;)*) => {$(
-        #[test]
-        fn $name() {
-            matrix_case(stringify!($name), false);
-        }
-
-        #[test]
-        #[ignore = "full matrix: scripts/full_matrix.sh"]
-        fn $full() {
-            matrix_case(stringify!($name), true);
+        slice_and_full! {
+            $name, $full => |full| matrix_case(stringify!($name), full);
         }
     )*};
 }

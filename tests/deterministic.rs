@@ -11,30 +11,17 @@
 mod common;
 
 use common::Wire;
-use weftcc::collectives::testing::rank_order_fold;
-use weftcc::collectives::{half, DataType, OpKind, RawOp, ReduceOp};
+use weftcc::collectives::testing::{
+    buffer_counts, order_sensitive_value, rank_order_fold, to_bytes,
+};
+use weftcc::collectives::{DataType, OpKind, RawOp, ReduceOp};
 use weftcc::comm::run_ranks;
 use weftcc::{CommConfig, Selection};
 
-/// Rank `r`'s element `i`: signs and magnitudes from 1e-3 to 1e6, so sums depend on the order.
-fn value(r: usize, i: usize) -> f64 {
-    let m = ((r * 7919 + i * 104_729) % 1000 + 1) as f64;
-    let e = ((r * 3 + i) % 7) as i32 - 3;
-    let sign = if (r + i).is_multiple_of(3) { -1.0 } else { 1.0 };
-    sign * m * 10f64.powi(e)
-}
-
-fn encode(t: DataType, v: f64) -> Vec<u8> {
-    match t {
-        DataType::Float16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
-        DataType::Bfloat16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
-        DataType::Float32 => (v as f32).to_le_bytes().to_vec(),
-        _ => v.to_le_bytes().to_vec(),
-    }
-}
-
 fn input(t: DataType, r: usize, elems: usize) -> Vec<u8> {
-    (0..elems).flat_map(|i| encode(t, value(r, i))).collect()
+    (0..elems)
+        .flat_map(|i| to_bytes(t, order_sensitive_value(r, i)))
+        .collect()
 }
 
 fn factor(r: usize) -> f64 {
@@ -111,10 +98,7 @@ fn run(n: usize, s: &Setup, kind: OpKind, count: usize) -> Vec<Vec<Vec<u8>>> {
                     let call = RawOp::new(kind, t, count)
                         .with_op(op_of(op, r))
                         .with_root(1);
-                    let (send_elems, recv_elems) = match kind {
-                        OpKind::ReduceScatter => (count * n, count),
-                        _ => (count, count),
-                    };
+                    let (send_elems, recv_elems) = buffer_counts(kind, count, n);
                     let send = input(t, r, send_elems);
                     let mut recv = vec![0u8; recv_elems * t.size()];
                     comm.execute_raw(call, Some(&send), &mut recv)

@@ -6,7 +6,8 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use weftcc_testkit::ranks::{wait_ranks, Finished};
 
 /// The directory holding the libweft.so this test was built with: cargo writes the library
 /// beside the test binary (`deps/`); the copy one level up is only refreshed by `cargo build`.
@@ -49,32 +50,8 @@ fn build() -> Option<PathBuf> {
     }
 }
 
-fn wait(mut kids: Vec<(usize, Child)>, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut failed = Vec::new();
-    for (r, kid) in &mut kids {
-        loop {
-            match kid.try_wait().expect("wait") {
-                Some(status) => {
-                    if !status.success() {
-                        failed.push(*r);
-                    }
-                    break;
-                }
-                None if Instant::now() > deadline => {
-                    let _ = kid.kill();
-                    failed.push(*r);
-                    break;
-                }
-                None => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
-    let mut report = String::new();
-    for (r, kid) in kids {
-        let out = kid.wait_with_output().expect("output");
-        report += &format!("--- rank {r}\n{}", String::from_utf8_lossy(&out.stderr));
-    }
+fn wait(kids: Vec<(usize, Child)>, n: usize) {
+    let Finished { failed, report } = wait_ranks(kids, Duration::from_secs(120));
     assert!(
         failed.is_empty(),
         "{n} ranks: ranks {failed:?} failed\n{report}"

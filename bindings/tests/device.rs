@@ -7,25 +7,15 @@
 
 use std::process::{Command, Stdio};
 use std::ptr::null_mut;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weft::*;
-use weftcc_cuda::{Context, CudaError, DeviceBuffer, Stream};
+use weftcc_cuda::{Context, DeviceBuffer, Stream};
+use weftcc_testkit::ranks::{wait_ranks, Finished};
 
 const CHILD: &str = "WEFT_DEVICE_TEST_CHILD";
 
 fn skip() -> bool {
-    match weftcc_cuda::device_count() {
-        Ok(n) if n > 0 => false,
-        Ok(_) => {
-            println!("skipped: no CUDA device");
-            true
-        }
-        Err(CudaError::NoDriver(why)) => {
-            println!("skipped: no CUDA driver ({why})");
-            true
-        }
-        Err(e) => panic!("device enumeration failed with a driver present: {e}"),
-    }
+    weftcc_cuda::testing::skip_without_device()
 }
 
 /// Runs the child on one process per entry of `hosts` (rank r on host `hosts[r]`).
@@ -36,9 +26,9 @@ fn run_ranks_on(hosts: &[usize]) {
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port();
-    let mut kids: Vec<_> = (0..n)
+    let kids: Vec<_> = (0..n)
         .map(|r| {
-            Command::new(&exe)
+            let kid = Command::new(&exe)
                 .args(["child", "--exact", "--ignored", "--nocapture"])
                 .env(CHILD, "1")
                 .env("WEFT_RANK", r.to_string())
@@ -51,38 +41,11 @@ fn run_ranks_on(hosts: &[usize]) {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .expect("spawn a rank")
+                .expect("spawn a rank");
+            (r, kid)
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let mut failed = Vec::new();
-    for (r, kid) in kids.iter_mut().enumerate() {
-        loop {
-            match kid.try_wait().expect("wait") {
-                Some(s) => {
-                    if !s.success() {
-                        failed.push(r);
-                    }
-                    break;
-                }
-                None if Instant::now() > deadline => {
-                    let _ = kid.kill();
-                    failed.push(r);
-                    break;
-                }
-                None => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
-    }
-    let mut report = String::new();
-    for (r, kid) in kids.into_iter().enumerate() {
-        let out = kid.wait_with_output().expect("output");
-        report += &format!(
-            "--- rank {r} ---\n{}{}\n",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let Finished { failed, report } = wait_ranks(kids, Duration::from_secs(240));
     assert!(
         failed.is_empty(),
         "hosts {hosts:?}: ranks {failed:?} failed\n{report}"

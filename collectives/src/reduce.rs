@@ -233,11 +233,21 @@ fn bytes_reduce_into<T: Lanes>(comb: Combiner, dst: &mut [u8], a: &[u8], b: &[u8
 }
 
 fn bytes_reduce_in_place<T: Lanes>(comb: Combiner, dst: &mut [u8], src: &[u8]) {
+    bytes_pair::<T>(dst, src, |d, s| T::reduce_in_place(comb, d, s));
+}
+
+fn bytes_scale_into<T: Lanes>(dst: &mut [u8], src: &[u8], factor: f64) {
+    bytes_pair::<T>(dst, src, |d, s| T::scale(d, s, factor));
+}
+
+/// Runs `f(dst, src)` on the bytes as `T` elements: on the buffers themselves where both are
+/// aligned for `T`, else block by block through aligned stack copies (`dst`'s written back).
+fn bytes_pair<T: Lanes>(dst: &mut [u8], src: &[u8], f: impl Fn(&mut [T], &[T])) {
     if let (Ok(d), Ok(s)) = (
         bytemuck::try_cast_slice_mut::<u8, T>(dst),
         bytemuck::try_cast_slice::<u8, T>(src),
     ) {
-        T::reduce_in_place(comb, d, s);
+        f(d, s);
         return;
     }
     let step = BLOCK * std::mem::size_of::<T>();
@@ -246,27 +256,8 @@ fn bytes_reduce_in_place<T: Lanes>(comb: Combiner, dst: &mut [u8], src: &[u8]) {
     for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
         let x = stage(&mut sd, d);
         let y = stage(&mut ss, s);
-        T::reduce_in_place(comb, x, y);
+        f(x, y);
         unstage(d, x);
-    }
-}
-
-fn bytes_scale_into<T: Lanes>(dst: &mut [u8], src: &[u8], factor: f64) {
-    if let (Ok(d), Ok(s)) = (
-        bytemuck::try_cast_slice_mut::<u8, T>(dst),
-        bytemuck::try_cast_slice::<u8, T>(src),
-    ) {
-        T::scale(d, s, factor);
-        return;
-    }
-    let step = BLOCK * std::mem::size_of::<T>();
-    let mut sd = [T::zeroed(); BLOCK];
-    let mut ss = [T::zeroed(); BLOCK];
-    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
-        let x = stage(&mut ss, s);
-        let (out, _) = sd.split_at_mut(x.len());
-        T::scale(out, x, factor);
-        unstage(d, out);
     }
 }
 
@@ -508,53 +499,77 @@ fn half_max(x: f32, y: f32) -> f32 {
     }
 }
 
+/// A 16-bit float type's AVX-512 kernel kind and its kernels for CPUs without AVX-512.
+trait HalfKernels: bytemuck::Pod {
+    const KIND: Half;
+    fn portable_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]);
+    fn portable_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]);
+}
+
 /// `dst ⊕= src` through the AVX-512 kernels of [`half_simd`]; false (nothing done) where the
 /// CPU has none. Each combiner is passed as its own function item, so that it is inlined into
 /// the vector loop.
-fn half_simd_in_place<H: bytemuck::Pod>(
-    kind: Half,
-    comb: Combiner,
-    dst: &mut [H],
-    src: &[H],
-) -> bool {
+fn half_simd_in_place<H: HalfKernels>(comb: Combiner, dst: &mut [H], src: &[H]) -> bool {
     let (d, s) = (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
     match comb {
-        Combiner::Sum => half_simd::in_place(kind, half_sum, d, s),
-        Combiner::Prod => half_simd::in_place(kind, half_prod, d, s),
-        Combiner::Min => half_simd::in_place(kind, half_min, d, s),
-        Combiner::Max => half_simd::in_place(kind, half_max, d, s),
+        Combiner::Sum => half_simd::in_place(H::KIND, half_sum, d, s),
+        Combiner::Prod => half_simd::in_place(H::KIND, half_prod, d, s),
+        Combiner::Min => half_simd::in_place(H::KIND, half_min, d, s),
+        Combiner::Max => half_simd::in_place(H::KIND, half_max, d, s),
     }
 }
 
 /// `dst = a ⊕ b` through the AVX-512 kernels of [`half_simd`]; false where the CPU has none.
-fn half_simd_into<H: bytemuck::Pod>(
-    kind: Half,
-    comb: Combiner,
-    dst: &mut [H],
-    a: &[H],
-    b: &[H],
-) -> bool {
+fn half_simd_into<H: HalfKernels>(comb: Combiner, dst: &mut [H], a: &[H], b: &[H]) -> bool {
     let d = bytemuck::cast_slice_mut(dst);
     let (a, b) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
     match comb {
-        Combiner::Sum => half_simd::into(kind, half_sum, d, a, b),
-        Combiner::Prod => half_simd::into(kind, half_prod, d, a, b),
-        Combiner::Min => half_simd::into(kind, half_min, d, a, b),
-        Combiner::Max => half_simd::into(kind, half_max, d, a, b),
+        Combiner::Sum => half_simd::into(H::KIND, half_sum, d, a, b),
+        Combiner::Prod => half_simd::into(H::KIND, half_prod, d, a, b),
+        Combiner::Min => half_simd::into(H::KIND, half_min, d, a, b),
+        Combiner::Max => half_simd::into(H::KIND, half_max, d, a, b),
     }
+}
+
+/// `dst ⊕= src`: the AVX-512 kernels where the CPU has them, the portable ones elsewhere.
+fn half_in_place<H: HalfKernels>(comb: Combiner, dst: &mut [H], src: &[H]) {
+    if !half_simd_in_place(comb, dst, src) {
+        H::portable_in_place(comb, dst, src);
+    }
+}
+
+/// `dst = a ⊕ b`: the AVX-512 kernels where the CPU has them, the portable ones elsewhere.
+fn half_into<H: HalfKernels>(comb: Combiner, dst: &mut [H], a: &[H], b: &[H]) {
+    if !half_simd_into(comb, dst, a, b) {
+        H::portable_into(comb, dst, a, b);
+    }
+}
+
+macro_rules! half_kernels {
+    ($($t:ty => $kind:ident, $into:ident, $in_place:ident;)*) => {$(
+        impl HalfKernels for $t {
+            const KIND: Half = Half::$kind;
+            fn portable_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
+                $into(comb, dst, a, b);
+            }
+            fn portable_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
+                $in_place(comb, dst, src);
+            }
+        }
+    )*};
+}
+
+half_kernels! {
+    f16 => F16, f16_portable_into, f16_portable_in_place;
+    bf16 => Bf16, bf16_portable_into, bf16_portable_in_place;
 }
 
 impl Lanes for f16 {
     fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
-        if !half_simd_into(Half::F16, comb, dst, a, b) {
-            f16_portable_into(comb, dst, a, b);
-        }
+        half_into(comb, dst, a, b);
     }
-
     fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
-        if !half_simd_in_place(Half::F16, comb, dst, src) {
-            f16_portable_in_place(comb, dst, src);
-        }
+        half_in_place(comb, dst, src);
     }
 
     fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
@@ -648,15 +663,10 @@ fn bf16_op(f: fn(f32, f32) -> f32) -> impl Fn(bf16, bf16) -> bf16 {
 
 impl Lanes for bf16 {
     fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
-        if !half_simd_into(Half::Bf16, comb, dst, a, b) {
-            bf16_portable_into(comb, dst, a, b);
-        }
+        half_into(comb, dst, a, b);
     }
-
     fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
-        if !half_simd_in_place(Half::Bf16, comb, dst, src) {
-            bf16_portable_in_place(comb, dst, src);
-        }
+        half_in_place(comb, dst, src);
     }
 
     fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
@@ -883,29 +893,24 @@ mod tests {
         for n in (0..40).chain([255, 1000]) {
             let (a, b) = (bits(n), bits(n));
             for comb in COMBS {
-                simd_matches_portable::<f16>(Half::F16, f16_portable_into, comb, &a, &b);
-                simd_matches_portable::<bf16>(Half::Bf16, bf16_portable_into, comb, &a, &b);
+                simd_matches_portable::<f16>(comb, &a, &b);
+                simd_matches_portable::<bf16>(comb, &a, &b);
             }
         }
     }
 
     /// One case of the test above: `a ⊕ b` out of place and in place, both paths.
-    fn simd_matches_portable<H: Element>(
-        kind: Half,
-        portable_into: fn(Combiner, &mut [H], &[H], &[H]),
-        comb: Combiner,
-        a: &[u16],
-        b: &[u16],
-    ) {
+    fn simd_matches_portable<H: Element + HalfKernels>(comb: Combiner, a: &[u16], b: &[u16]) {
+        let kind = H::KIND;
         let (a, b): (&[H], &[H]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
         let n = a.len();
         let mut want = vec![H::zeroed(); n];
-        portable_into(comb, &mut want, a, b);
+        H::portable_into(comb, &mut want, a, b);
         let mut got = vec![H::zeroed(); n];
-        assert!(half_simd_into(kind, comb, &mut got, a, b));
+        assert!(half_simd_into(comb, &mut got, a, b));
         assert!(same_bits(&got, &want), "{kind:?} into {comb:?} n={n}");
         let mut got = a.to_vec();
-        assert!(half_simd_in_place(kind, comb, &mut got, b));
+        assert!(half_simd_in_place(comb, &mut got, b));
         assert!(same_bits(&got, &want), "{kind:?} in place {comb:?} n={n}");
     }
 

@@ -62,3 +62,52 @@ pub fn rank_order_fold(
     }
     acc
 }
+
+/// Elements of the send and the receive buffer a test gives every rank for a call of `count`
+/// on `nranks` ranks (the root's sizes on every rank: off the root, a broadcast reads no send
+/// buffer and a reduce writes no receive buffer). Written apart from `RawOp::plan`, which the
+/// tests check.
+pub fn buffer_counts(kind: crate::OpKind, count: usize, nranks: usize) -> (usize, usize) {
+    use crate::OpKind::*;
+    match kind {
+        AllGather => (count, count * nranks),
+        ReduceScatter => (count * nranks, count),
+        AllToAll => (count * nranks, count * nranks),
+        Barrier => (0, 0),
+        AllReduce | Reduce | Broadcast | SendRecv => (count, count),
+    }
+}
+
+/// One element of `dtype` holding `v` (converted as [`crate::Element::from_f64`] does), as bytes.
+pub fn to_bytes(dtype: crate::DataType, v: f64) -> Vec<u8> {
+    crate::with_element!(dtype, |T| bytemuck::bytes_of(
+        &<T as crate::Element>::from_f64(v)
+    )
+    .to_vec())
+}
+
+/// Rank `r`'s element `i` for a reduction `op`: small integers, so that every order of
+/// reduction over up to 9 ranks is exact in every type (sums ≤ 9 × 4, products ≤ 3^9; 8-bit
+/// integers wrap the same way in any order).
+pub fn small_value(op: crate::ReduceOp, r: usize, i: usize) -> f64 {
+    match op {
+        crate::ReduceOp::Prod => ((r * 5 + i) % 3 + 1) as f64,
+        _ => ((r * 3 + i * 7) % 5) as f64,
+    }
+}
+
+/// Rank `r`'s `len` input elements of `dtype` for `op` ([`small_value`]), as bytes.
+pub fn small_input(dtype: crate::DataType, op: crate::ReduceOp, r: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .flat_map(|i| to_bytes(dtype, small_value(op, r, i)))
+        .collect()
+}
+
+/// Rank `r`'s element `i` where the order of a sum matters: signs and magnitudes from 1e-3 to
+/// 1e6 (deterministic reductions are checked on these).
+pub fn order_sensitive_value(r: usize, i: usize) -> f64 {
+    let m = ((r * 7919 + i * 104_729) % 1000 + 1) as f64;
+    let e = ((r * 3 + i) % 7) as i32 - 3;
+    let sign = if (r + i).is_multiple_of(3) { -1.0 } else { 1.0 };
+    sign * m * 10f64.powi(e)
+}

@@ -7,36 +7,12 @@
 use proptest::prelude::*;
 use weftcc_collectives::reduce;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
+use weftcc_collectives::testing::{buffer_counts, small_input};
 use weftcc_collectives::tiers::{plan, Buf, Region, Stage, Tier, TierPlan};
 use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
 
 /// A byte every result differs from (inputs are small non-negative integers).
 const SENTINEL: u8 = 0xA5;
-
-fn to_bytes(t: DataType, v: u64) -> Vec<u8> {
-    match t {
-        DataType::Uint8 => vec![v as u8],
-        DataType::Int32 => (v as i32).to_le_bytes().to_vec(),
-        DataType::Float32 => (v as f32).to_le_bytes().to_vec(),
-        DataType::Float64 => (v as f64).to_le_bytes().to_vec(),
-        other => panic!("type {other} not used here"),
-    }
-}
-
-/// Rank `r`'s element `i`: small integers, so that every order of reduction is exact in these
-/// types (sums ≤ 9 × 4, products ≤ 3^9; u8 wraps the same way in any order).
-fn value(op: ReduceOp, r: usize, i: usize) -> u64 {
-    match op {
-        ReduceOp::Prod => ((r * 5 + i) % 3 + 1) as u64,
-        _ => ((r * 3 + i * 7) % 5) as u64,
-    }
-}
-
-fn input(t: DataType, op: ReduceOp, r: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .flat_map(|i| to_bytes(t, value(op, r, i)))
-        .collect()
-}
 
 fn factor(r: usize) -> f64 {
     (r + 1) as f64
@@ -74,11 +50,12 @@ fn expected(call: &RawOp, n: usize, me: usize) -> Option<Vec<u8>> {
     let (t, op, count) = (call.dtype, call.op, call.count);
     let es = t.size();
     let ops: Vec<ReduceOp> = (0..n).map(|r| op_of(op, r)).collect();
-    let each = |len: usize| -> Vec<Vec<u8>> { (0..n).map(|r| input(t, op, r, len)).collect() };
+    let each =
+        |len: usize| -> Vec<Vec<u8>> { (0..n).map(|r| small_input(t, op, r, len)).collect() };
     match call.kind {
         OpKind::AllReduce => Some(reduce_all(t, &ops, &each(count))),
         OpKind::Reduce => (me == call.root).then(|| reduce_all(t, &ops, &each(count))),
-        OpKind::Broadcast => Some(input(t, op, call.root, count)),
+        OpKind::Broadcast => Some(small_input(t, op, call.root, count)),
         OpKind::AllGather => Some(each(count).concat()),
         OpKind::ReduceScatter => Some(
             reduce_all(t, &ops, &each(count * n))[me * count * es..(me + 1) * count * es].to_vec(),
@@ -345,18 +322,13 @@ fn check(
     let n = hosts.len();
     let es = t.size();
     let all = count * n;
-    let (send_len, recv_len) = match kind {
-        OpKind::AllGather => (count, all),
-        OpKind::ReduceScatter => (all, count),
-        OpKind::AllToAll => (all, all),
-        _ => (count, count),
-    };
+    let (send_len, recv_len) = buffer_counts(kind, count, n);
     let what = format!(
         "{kind} {t} {op:?} count {count} root {root} in place {in_place} on hosts {hosts:?}"
     );
     let mut bufs: Vec<Bufs> = (0..n)
         .map(|r| {
-            let mine = input(t, op, r, send_len);
+            let mine = small_input(t, op, r, send_len);
             if in_place {
                 let whole = match kind {
                     OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => all,

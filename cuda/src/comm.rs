@@ -737,9 +737,6 @@ impl DeviceComm {
             (Transport::Hierarchical, Some(t)) => {
                 self.enqueue_tiered(t, seq, &call, send, recv, stream)
             }
-            (Transport::Ipc, _) if self.check_headers => {
-                self.enqueue_ipc_checked(&call, send, recv, &plan, stream)
-            }
             (Transport::Ipc, _) => self.enqueue_ipc(&call, send, recv, &plan, stream),
             _ => self.enqueue_staged(
                 seq,
@@ -893,23 +890,9 @@ impl DeviceComm {
         ipc.enqueue(&sched, DataType::Uint8, Combiner::Sum, &bufs, stream)
     }
 
-    /// The IPC path of a collective: the operation header is exchanged with every rank and
-    /// checked on the host (`headers.rs`) before anything is enqueued, so a mismatched call fails
-    /// on every rank with `Error::Mismatch` and leaves no stream waiting.
-    fn enqueue_ipc_checked(
-        &self,
-        call: &RawOp,
-        send: Option<DevSpan>,
-        recv: DevSpan,
-        plan: &Plan,
-        stream: &Stream,
-    ) -> Result<()> {
-        let mut seqs = lock(&self.headers);
-        seqs.collectives += 1;
-        headers::exchange(&self.host, &headers::desc(call, seqs.collectives))?;
-        self.enqueue_ipc(call, send, recv, plan, stream)
-    }
-
+    /// The IPC path of a collective. With `WEFT_CUDA_CHECK_HEADERS` the operation header is
+    /// first exchanged with every rank and checked on the host (`headers.rs`), so a mismatched
+    /// call fails on every rank with `Error::Mismatch` and leaves no stream waiting.
     fn enqueue_ipc(
         &self,
         call: &RawOp,
@@ -918,6 +901,15 @@ impl DeviceComm {
         plan: &Plan,
         stream: &Stream,
     ) -> Result<()> {
+        // Held until the call is enqueued, so headers are numbered in enqueue order.
+        let _numbering = if self.check_headers {
+            let mut seqs = lock(&self.headers);
+            seqs.collectives += 1;
+            headers::exchange(&self.host, &headers::desc(call, seqs.collectives))?;
+            Some(seqs)
+        } else {
+            None
+        };
         let (r, n, count) = (self.rank, self.size, call.count);
         if count == 0 {
             return Ok(());

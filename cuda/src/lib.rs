@@ -25,6 +25,8 @@ pub mod kernels;
 pub mod memory;
 mod proxy;
 mod staged;
+#[doc(hidden)]
+pub mod testing;
 mod tiered;
 
 pub use comm::{DeviceComm, Transport};

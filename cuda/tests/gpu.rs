@@ -19,28 +19,19 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weftcc_collectives::reduce;
-use weftcc_collectives::testing::{noise, same_value as same};
+use weftcc_collectives::testing::{
+    buffer_counts, noise, same_value as same, small_input, to_bytes,
+};
 use weftcc_collectives::{Combiner, DataType, Element, OpKind, ReduceOp};
 use weftcc_comm::{Communicator, Error, UniqueId};
 use weftcc_cuda::kernels::{divide_on_device, reduce_on_device, scale_on_device};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream, Transport};
+use weftcc_testkit::ranks::{wait_ranks, Finished};
 
 const CHILD: &str = "WEFT_CUDA_TEST_CHILD";
 
-/// True (after printing why) when there is no GPU to test on.
 fn skip() -> bool {
-    match weftcc_cuda::device_count() {
-        Ok(n) if n > 0 => false,
-        Ok(_) => {
-            println!("skipped: no CUDA device");
-            true
-        }
-        Err(CudaError::NoDriver(why)) => {
-            println!("skipped: no CUDA driver ({why})");
-            true
-        }
-        Err(e) => panic!("device enumeration failed with a driver present: {e}"),
-    }
+    weftcc_cuda::testing::skip_without_device()
 }
 
 fn free_port() -> u16 {
@@ -60,7 +51,7 @@ fn run_ranks_on(case: &str, hosts: &[usize], env: &[(&str, &str)]) {
     let n = hosts.len();
     let exe = std::env::current_exe().expect("test binary");
     let addr = format!("127.0.0.1:{}", free_port());
-    let mut kids: Vec<_> = (0..n)
+    let kids: Vec<_> = (0..n)
         .map(|r| {
             let mut c = Command::new(&exe);
             c.args(["child", "--exact", "--ignored", "--nocapture"])
@@ -74,38 +65,10 @@ fn run_ranks_on(case: &str, hosts: &[usize], env: &[(&str, &str)]) {
             for (k, v) in env {
                 c.env(k, v);
             }
-            c.spawn().expect("spawn a rank")
+            (r, c.spawn().expect("spawn a rank"))
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut failed = Vec::new();
-    for (r, kid) in kids.iter_mut().enumerate() {
-        loop {
-            match kid.try_wait().expect("wait for a rank") {
-                Some(status) => {
-                    if !status.success() {
-                        failed.push(r);
-                    }
-                    break;
-                }
-                None if Instant::now() > deadline => {
-                    let _ = kid.kill();
-                    failed.push(r);
-                    break;
-                }
-                None => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
-    }
-    let mut report = String::new();
-    for (r, kid) in kids.into_iter().enumerate() {
-        let out = kid.wait_with_output().expect("rank output");
-        report += &format!(
-            "--- rank {r} ---\n{}{}\n",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let Finished { failed, report } = wait_ranks(kids, Duration::from_secs(600));
     assert!(
         failed.is_empty(),
         "{case} with {n} ranks on hosts {hosts:?}: ranks {failed:?} failed\n{report}"
@@ -190,36 +153,6 @@ fn child() {
 // ---------------------------------------------------------------------------------------------
 // Host reference.
 
-/// Rank `r`'s input element `i`: small integers, so every reduction order gives exact results
-/// in every type (sums ≤ 4 × 4 × 4, products ≤ 3^4).
-fn value(op: ReduceOp, r: usize, i: usize) -> f64 {
-    match op {
-        ReduceOp::Prod => ((r * 5 + i) % 3 + 1) as f64,
-        _ => ((r * 3 + i * 7) % 5) as f64,
-    }
-}
-
-fn to_bytes(t: DataType, v: f64) -> Vec<u8> {
-    match t {
-        DataType::Int8 => (v as i8).to_le_bytes().to_vec(),
-        DataType::Uint8 => (v as u8).to_le_bytes().to_vec(),
-        DataType::Int32 => (v as i32).to_le_bytes().to_vec(),
-        DataType::Uint32 => (v as u32).to_le_bytes().to_vec(),
-        DataType::Int64 => (v as i64).to_le_bytes().to_vec(),
-        DataType::Uint64 => (v as u64).to_le_bytes().to_vec(),
-        DataType::Float16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
-        DataType::Float32 => (v as f32).to_le_bytes().to_vec(),
-        DataType::Float64 => v.to_le_bytes().to_vec(),
-        DataType::Bfloat16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
-    }
-}
-
-fn input(t: DataType, op: ReduceOp, r: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .flat_map(|i| to_bytes(t, value(op, r, i)))
-        .collect()
-}
-
 /// PreMulSum's scalar of rank `r` (differs between ranks, as NCCL allows).
 fn premul(r: usize) -> f64 {
     (r + 1) as f64
@@ -228,7 +161,7 @@ fn premul(r: usize) -> f64 {
 /// The reduction of every rank's `len`-element input, with the CPU kernels.
 fn reduced(t: DataType, op: ReduceOp, n: usize, len: usize) -> Vec<u8> {
     let scaled = |r: usize| {
-        let x = input(t, op, r, len);
+        let x = small_input(t, op, r, len);
         match op {
             ReduceOp::PreMulSum(_) => {
                 let mut y = vec![0u8; x.len()];
@@ -262,15 +195,16 @@ fn expected(
     match kind {
         OpKind::AllReduce => Some(reduced(t, op, n, count)),
         OpKind::Reduce => (me == root).then(|| reduced(t, op, n, count)),
-        OpKind::Broadcast => Some(input(t, op, root, count)),
-        OpKind::AllGather => Some((0..n).flat_map(|r| input(t, op, r, count)).collect()),
+        OpKind::Broadcast => Some(small_input(t, op, root, count)),
+        OpKind::AllGather => Some((0..n).flat_map(|r| small_input(t, op, r, count)).collect()),
         OpKind::ReduceScatter => {
             Some(reduced(t, op, n, count * n)[me * count * es..(me + 1) * count * es].to_vec())
         }
         OpKind::AllToAll => Some(
             (0..n)
                 .flat_map(|r| {
-                    input(t, op, r, count * n)[me * count * es..(me + 1) * count * es].to_vec()
+                    small_input(t, op, r, count * n)[me * count * es..(me + 1) * count * es]
+                        .to_vec()
                 })
                 .collect(),
         ),
@@ -391,19 +325,14 @@ fn run_case<T: Element>(
     let t = T::DTYPE;
     let es = t.size();
     let all = count * n;
-    let (send_len, recv_len) = match kind {
-        OpKind::AllGather => (count, all),
-        OpKind::ReduceScatter => (all, count),
-        OpKind::AllToAll => (all, all),
-        _ => (count, count),
-    };
+    let (send_len, recv_len) = buffer_counts(kind, count, n);
     let what = format!(
         "{kind} {t} {op} count {count} {}",
         if in_place { "in place" } else { "out of place" }
     );
     // A sentinel the results never take (they are small non-negative integers or wrap).
     let sentinel = to_bytes(t, 99.0);
-    let mine = input(t, op, me, send_len);
+    let mine = small_input(t, op, me, send_len);
     let got = if in_place {
         let whole = match kind {
             OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => all,
@@ -706,15 +635,10 @@ fn rank_killed_mid_operation(comm: &DeviceComm, ctx: &Context, stream: &Stream) 
 /// whichever transport the communicator chose (never the hierarchical one, which would regroup
 /// the fold).
 fn deterministic_bits(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
-    use weftcc_collectives::testing::rank_order_fold;
+    use weftcc_collectives::testing::{order_sensitive_value, rank_order_fold};
     assert!(comm.host().deterministic(), "WEFT_DETERMINISTIC=1 expected");
     assert_ne!(comm.transport(), Transport::Hierarchical);
     let (n, me) = (comm.size(), comm.rank());
-    let value = |r: usize, i: usize| -> f64 {
-        let m = ((r * 7919 + i * 104_729) % 1000 + 1) as f64;
-        let sign = if (r + i).is_multiple_of(3) { -1.0 } else { 1.0 };
-        sign * m * 10f64.powi(((r * 3 + i) % 7) as i32 - 3)
-    };
     for t in [DataType::Float32, DataType::Bfloat16] {
         for (kind, count) in [
             (OpKind::AllReduce, 300_007),
@@ -726,7 +650,11 @@ fn deterministic_bits(comm: &DeviceComm, ctx: &Context, stream: &Stream) {
                 count
             };
             let inputs: Vec<Vec<u8>> = (0..n)
-                .map(|r| (0..elems).flat_map(|i| to_bytes(t, value(r, i))).collect())
+                .map(|r| {
+                    (0..elems)
+                        .flat_map(|i| to_bytes(t, order_sensitive_value(r, i)))
+                        .collect()
+                })
                 .collect();
             let want = rank_order_fold(t, ReduceOp::Sum, &inputs, &[]);
             let es = t.size();

@@ -8,12 +8,14 @@
 //! * [`model`]: exhaustive interleaving exploration for the concurrency protocols (the
 //!   shared-memory ring and its doorbells and the dial handshake in `weftcc-transports`, the
 //!   communicator's ticket protocol in `weftcc-comm`).
+//! * [`ranks`]: rank processes of a multi-process test, waited for with a deadline.
 
 #![forbid(unsafe_code)]
 
 pub mod docs;
 pub mod fuzz;
 pub mod model;
+pub mod ranks;
 
 /// The names in `/dev/shm` that start with `prefix` (a job's shared-memory objects: tests check
 /// that none is left under a name).
