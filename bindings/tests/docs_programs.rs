@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use weftcc_testkit::docs;
 
@@ -76,26 +76,15 @@ fn run_ranks(exe: &Path, n: usize, place: &str) {
                 .expect("start the program")
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut report = String::new();
-    let mut failed = false;
-    for (r, mut kid) in kids.into_iter().enumerate() {
-        while kid.try_wait().expect("wait").is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = kid.kill();
-        let out = kid.wait_with_output().expect("output");
-        failed |= !out.status.success();
-        report += &format!(
-            "--- rank {r} ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let done = weftcc_testkit::ranks::wait_ranks(
+        kids.into_iter().enumerate().collect(),
+        Duration::from_secs(60),
+    );
     assert!(
-        !failed,
-        "{place}: the program failed on {n} ranks\n{report}"
+        done.failed.is_empty(),
+        "{place}: ranks {:?} of {n} failed\n{}",
+        done.failed,
+        done.report
     );
     println!("{place}: {n} ranks ok");
 }
