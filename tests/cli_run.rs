@@ -975,6 +975,7 @@ fn bad_settings_are_reported_once_before_any_rank_starts() {
         ),
         ("WEFT_TIMEOUT", "soon", "WEFT_TIMEOUT=\"soon\": expected"),
         ("WEFT_ALGO", "fastest", "WEFT_ALGO=\"fastest\""),
+        ("WEFT_DEBUG_SUBSYS", "INIT,NETT", "(\"NETT\" is none)"),
     ] {
         let out = weft_env(
             &["-n", "3", "--", "sh", "-c", "echo started"],

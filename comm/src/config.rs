@@ -101,6 +101,7 @@ impl CommConfig {
         shm_low_latency_max(&proto)?;
         // The logger is installed without a way to fail: its level is checked here.
         s::DEBUG.choice()?;
+        s::DEBUG_SUBSYS.parse(crate::logging::check_subsystems)?;
         Ok(CommConfig {
             timeout: env::timeout_from_env()?,
             shm_disable: s::SHM_DISABLE.flag()?,

@@ -3,6 +3,37 @@
 //! `weftcc::init`, `weftcc::net`, ...). A program that installed its own `tracing` subscriber
 //! keeps it: this only installs one when none is set.
 
+/// The subsystems `WEFT_DEBUG_SUBSYS` may name (each the tracing target `weftcc::<name>`), and
+/// `ALL`.
+pub const SUBSYSTEMS: [&str; 10] = [
+    "INIT",
+    "NET",
+    "SHM",
+    "BOOTSTRAP",
+    "OP",
+    "TUNING",
+    "ERROR",
+    "CUDA",
+    "TRACE",
+    "ALL",
+];
+
+/// Checks a `WEFT_DEBUG_SUBSYS` value: subsystems separated by commas, each one of
+/// [`SUBSYSTEMS`] (any case).
+pub fn check_subsystems(value: &str) -> std::result::Result<(), String> {
+    match value
+        .split(',')
+        .map(str::trim)
+        .find(|s| !SUBSYSTEMS.iter().any(|k| k.eq_ignore_ascii_case(s)))
+    {
+        Some(bad) => Err(format!(
+            "subsystems separated by commas, each one of {} ({bad:?} is none)",
+            SUBSYSTEMS.join(", ")
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Installs the stderr logger once per process if `WEFT_DEBUG` asks for it.
 pub fn init() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -20,7 +51,7 @@ pub fn init() {
             _ => return,
         };
         let filter = match weftcc_settings::DEBUG_SUBSYS.value() {
-            Some(subsys) if subsys != "ALL" => subsys
+            Some(subsys) if !subsys.eq_ignore_ascii_case("ALL") => subsys
                 .split(',')
                 .map(|s| format!("weftcc::{}={level}", s.trim().to_ascii_lowercase()))
                 .collect::<Vec<_>>()
@@ -34,4 +65,15 @@ pub fn init() {
             .with_target(true)
             .try_init();
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn subsystems_are_checked_one_by_one() {
+        assert!(super::check_subsystems("INIT,net, Tuning").is_ok());
+        assert!(super::check_subsystems("ALL").is_ok());
+        let e = super::check_subsystems("INIT,NETT").unwrap_err();
+        assert!(e.contains("\"NETT\" is none"), "{e}");
+    }
 }

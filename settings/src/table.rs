@@ -53,7 +53,7 @@ settings! {
     DEBUG = "WEFT_DEBUG", Choice(&["WARN", "INFO", "DEBUG", "TRACE", "OFF", "NONE"]), "off",
         "Log level on stderr: WARN, INFO, DEBUG or TRACE (OFF or NONE: no log).";
     DEBUG_SUBSYS = "WEFT_DEBUG_SUBSYS", Text, "all",
-        "Subsystems to log: INIT, NET, SHM, BOOTSTRAP, OP, TUNING, ERROR.";
+        "Subsystems to log: INIT, NET, SHM, BOOTSTRAP, OP, TUNING, ERROR, CUDA, TRACE (or ALL).";
     HOST_ID = "WEFT_HOST_ID", Text, "hostname + boot id",
         "This host's identity: ranks with equal ids use shared memory.";
     CPU_BIND = "WEFT_CPU_BIND", Text, "none",
