@@ -6,6 +6,7 @@
 # a release or after changing a Cargo.toml:
 #   scripts/package_check.sh              # verify (build) every package
 #   scripts/package_check.sh --no-verify  # only assemble them (a minute)
+# (cargo package refuses uncommitted changes: commit them, or add --allow-dirty)
 # The .crate files land in target/package/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
