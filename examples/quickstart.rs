@@ -1,5 +1,7 @@
 //! The README's example. Run it on 4 local ranks:
 //! `cargo build --release --example quickstart && target/release/weft run -n 4 -- target/release/examples/quickstart`
+//! README.md shows this file from its first line that is not `//!` (tests/docs_programs.rs
+//! holds the two equal).
 
 use weftcc::{Communicator, ReduceOp};
 
