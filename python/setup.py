@@ -21,7 +21,8 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
     try:
         with open("/dev/tty", "w") as tty:
-            tty.write(line + "\n")
+            # On a line of its own: pip's progress spinner leaves the cursor mid-line.
+            tty.write("\n" + line + "\n")
     except OSError:
         pass
 
