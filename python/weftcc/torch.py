@@ -196,18 +196,19 @@ class WeftWork(dist.Work):
         self._finished = False
         self._event: Optional[threading.Event] = None  # set by the executor when queued
         self._exc: Optional[BaseException] = None
-        self._future = None
+        self._future = None  # what get_future() hands out
+        self._source = None  # the future this work settles (`_future` follows it)
         self._p2p = False
 
     def _finish(self, exc: Optional[BaseException]) -> None:
         with self._lock:
             self._exc = exc
             self._finished = True
-            future = self._future
+            source = self._source
         if self._event is not None:
             self._event.set()
-        if future is not None:
-            _settle(future, self._outputs, exc)
+        if source is not None:
+            _settle(source, self._outputs, exc)
 
     def _progress(self) -> None:
         if self._p2p and not self._finished:
@@ -229,9 +230,10 @@ class WeftWork(dist.Work):
         self._progress()
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._source = torch.futures.Future()
+                self._future = self._source.then(_unwrap)
                 if self._finished:
-                    _settle(self._future, self._outputs, self._exc)
+                    _settle(self._source, self._outputs, self._exc)
             return self._future
 
     def is_completed(self) -> bool:
@@ -251,11 +253,25 @@ class WeftWork(dist.Work):
         pass
 
 
-def _settle(future, outputs, exc) -> None:
-    if exc is None:
-        future.set_result(outputs)
-    else:
-        future.set_exception(exc)
+class _Failed:
+    """A failed operation's exception, carried to `_unwrap`."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _settle(source, outputs, exc) -> None:
+    source.set_result(outputs if exc is None else _Failed(exc))
+
+
+def _unwrap(source):
+    """The value of a work's future: its outputs, or its exception raised. Raised here, in a
+    callback, the future completes with an error that torch's C++ side sees as one (DDP's
+    reducer); `Future.set_exception` would complete it with the exception as its value."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.exc
+    return value
 
 
 class _Executor:
