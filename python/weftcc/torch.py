@@ -496,6 +496,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         _LIVE.discard(self)
         with self._p2p_lock:
             ops, self._p2p = self._p2p, []
+            _WITH_P2P.discard(self)
         for op in ops:
             op[4]._finish(
                 errors.InvalidUsage(
@@ -534,8 +535,11 @@ class ProcessGroupWeft(dist.ProcessGroup):
         with self._p2p_lock:
             if self._closed:
                 raise errors.InvalidUsage("weft backend: the process group was shut down")
-            pending = self._p2p if self._batch is None else self._batch
-            pending.append((send, t, int(peer), dtype, work))
+            if self._batch is None:
+                self._p2p.append((send, t, int(peer), dtype, work))
+                _WITH_P2P.add(self)
+            else:
+                self._batch.append((send, t, int(peer), dtype, work))
         return work
 
     def _flush_p2p(self) -> None:
@@ -547,6 +551,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         posted together: `batch_isend_irecv` runs its batch as one group (`_end_coalescing`)."""
         with self._p2p_lock:
             ops, self._p2p = self._p2p, []
+            _WITH_P2P.discard(self)
         for op in ops:
             self._submit_group([op])
 
@@ -946,9 +951,14 @@ class ProcessGroupWeft(dist.ProcessGroup):
 _LIVE: "weakref.WeakSet[ProcessGroupWeft]" = weakref.WeakSet()
 
 
+# Groups holding collected sends and receives (a set of their own: every collective's call
+# looks here, and walking every live group cost more than the rest of a small call).
+_WITH_P2P: set = set()
+
+
 def _flush_all_p2p() -> None:
-    for pg in list(_LIVE):
-        if pg._p2p:
+    if _WITH_P2P:
+        for pg in list(_WITH_P2P):
             pg._flush_p2p()
 
 
