@@ -5,10 +5,13 @@
     weft run -n 2 -- python examples/python/ddp_train.py --backend weft
 
 `import weftcc.torch` is the only change weftcc needs (it registers the "weft" backend).
-`--save PREFIX` writes each rank's final parameters to PREFIX.rank<r>.pt.
+`--save PREFIX` writes each rank's final parameters to PREFIX.rank<r>.pt. `--die-once FILE`
+makes the last rank exit at the second step unless FILE exists (it creates it first): under
+`torchrun --max-restarts 1` the restarted workers make their group again and finish.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None)
+    p.add_argument("--die-once", default=None)
     args = p.parse_args()
 
     dist.init_process_group(args.backend)
@@ -35,6 +39,10 @@ def main():
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.5)
     data = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     for step in range(args.steps):
+        if args.die_once and step == 1 and rank == world - 1 and not os.path.exists(args.die_once):
+            open(args.die_once, "w").close()
+            print(f"rank {rank}: exiting at step {step} (--die-once)", flush=True)
+            os._exit(1)
         x = torch.randn(8, 16, generator=data, dtype=torch.float64)
         y = x[:, :4] * 2 - x[:, 4:8]  # a target the model can learn
         loss = torch.nn.functional.mse_loss(ddp(x), y)

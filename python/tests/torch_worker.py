@@ -2,6 +2,7 @@
   matrix  every collective of the backend x dtypes x reductions against exact values,
           async_op ordering, sub-groups, point to point, unsupported calls
   errors  mismatched shapes between ranks: an exception on every rank, not a hang
+  mesh    what DeviceMesh, FSDP2, TP and pipelining ask of a backend (see `mesh`)
 Exits 1 after printing every mismatch."""
 
 import sys
@@ -198,8 +199,8 @@ def matrix():
     dist.barrier()
     # Unsupported calls raise a clear error naming them, before anything is sent.
     for what, call in [
-        ("BXOR", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.BXOR)),
-        ("int16", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int16))),
+        ("int16 reduced", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int16))),
+        ("BXOR on floats", lambda: dist.all_reduce(torch.ones(2), op=R.BXOR)),
         # A device tensor (meta stands in for cuda on this CPU-only machine: the same check).
         ("device tensor", lambda: dist.all_reduce(torch.ones(2, device="meta"))),
         ("tag", lambda: dist.isend(torch.ones(1), (r + 1) % n, tag=3)),
@@ -211,6 +212,100 @@ def matrix():
             if "weft backend" not in str(e):
                 failures.append(f"{what}: message {e}")
     dist.barrier()
+
+
+def mesh():
+    """What DeviceMesh, FSDP2, tensor and pipeline parallelism ask of a backend, on 4 ranks:
+    meshes (1-D, and 2-D with named dimensions), functional collectives, new_subgroups and
+    split_group, the bitwise and PREMUL_SUM reductions, types weftcc only moves, point to point
+    as a pipeline posts it, monitored_barrier (passing, then naming a rank that never came)."""
+    from datetime import timedelta
+
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    total = float(n * (n + 1) // 2)
+    flat = init_device_mesh("cpu", (n,))
+    if not flat.get_group().group_name:
+        failures.append("a 1-D mesh's group has no name")
+    x = fc.all_reduce(torch.full((3,), float(r + 1)), "sum", flat.get_group())
+    check("functional all_reduce on a 1-D mesh", torch.as_tensor(x.wait() if hasattr(x, "wait") else x), torch.full((3,), total))
+    if n == 4:
+        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for dim, members in (("dp", [r % 2, r % 2 + 2]), ("tp", [r // 2 * 2, r // 2 * 2 + 1])):
+            g = m[dim].get_group()
+            y = torch.tensor([float(r + 1)])
+            dist.all_reduce(y, group=g)
+            check(f"all_reduce on mesh[{dim!r}]", y, torch.tensor([float(sum(q + 1 for q in members))]))
+    sub, _ = dist.new_subgroups(2)
+    y = torch.tensor([float(r + 1)])
+    dist.all_reduce(y, group=sub)
+    pair = [r // 2 * 2, r // 2 * 2 + 1] if r // 2 * 2 + 1 < n else [r]
+    check("new_subgroups", y, torch.tensor([float(sum(q + 1 for q in pair))]))
+    parity = dist.split_group(split_ranks=[list(range(0, n, 2)), list(range(1, n, 2))])
+    y = torch.tensor([float(r + 1)])
+    dist.all_reduce(y, group=parity)
+    check("split_group", y, torch.tensor([float(sum(q + 1 for q in range(r % 2, n, 2)))]))
+    if dist.get_rank(parity) != r // 2 or not parity.group_name:
+        failures.append(f"split_group: rank {dist.get_rank(parity)}, name {parity.group_name!r}")
+    # Bitwise reductions (integers; BXOR also on bool) and PREMUL_SUM (a number or a tensor).
+    for dt in (torch.uint8, torch.int32, torch.int64):
+        v = torch.tensor([r + 1, 1 << r, 0x55], dtype=dt)
+        for op, f in ((R.BAND, torch.bitwise_and), (R.BOR, torch.bitwise_or), (R.BXOR, torch.bitwise_xor)):
+            want = torch.tensor([q + 1 for q in range(n)], dtype=dt), torch.tensor([1 << q for q in range(n)], dtype=dt)
+            folded = [want[0][0], want[1][0]]
+            for q in range(1, n):
+                folded = [f(folded[0], want[0][q]), f(folded[1], want[1][q])]
+            xs = v.clone()
+            dist.all_reduce(xs, op=op)
+            third = torch.tensor(0x55 if op != R.BXOR or n % 2 else 0, dtype=dt)
+            check(f"all_reduce {op} {dt}", xs, torch.stack([folded[0], folded[1], third]))
+    b = torch.tensor([r == 0, True])
+    dist.all_reduce(b, op=R.BXOR)
+    check("all_reduce bool BXOR", b, torch.tensor([True, n % 2 == 1]))
+    for factor in (0.5, torch.tensor([2.0])):
+        z = torch.full((4,), float(r + 1), dtype=torch.float64)
+        dist.all_reduce(z, op=dist._make_nccl_premul_sum(factor))
+        check(f"PREMUL_SUM {factor}", z, torch.full((4,), total * float(factor), dtype=torch.float64))
+    # Types weftcc has no kernels for are moved as bytes.
+    for dt in (torch.int16, torch.uint16, torch.float8_e4m3fn, torch.complex32):
+        base = torch.arange(5, dtype=torch.float32)
+        mine = (base + r).to(dt)
+        outs = [torch.zeros(5, dtype=dt) for _ in range(n)]
+        dist.all_gather(outs, mine)
+        for q in range(n):
+            check(f"all_gather {dt} [{q}]", outs[q].view(torch.uint8), (base + q).to(dt).view(torch.uint8))
+        c = mine.clone() if r == 1 else torch.zeros(5, dtype=dt)
+        dist.broadcast(c, src=1 % n)
+        check(f"broadcast {dt}", c.view(torch.uint8), (base + 1 % n).to(dt).view(torch.uint8))
+    # A pipeline stage sends its micro-batches without waiting; the next receives them one by
+    # one (torch matches single messages in order, whatever was posted with them).
+    if n > 1 and r < 2:
+        if r == 0:
+            sends = [dist.isend(torch.full((8,), float(k)), 1) for k in range(4)]
+            back = torch.zeros(8)
+            dist.irecv(back, 1).wait()
+            check("pipeline: the gradient back", back, torch.full((8,), 9.0))
+            for w in sends:
+                w.wait()
+        else:
+            for k in range(4):
+                got = torch.zeros(8)
+                dist.irecv(got, 0).wait()
+                check(f"pipeline: micro-batch {k}", got, torch.full((8,), float(k)))
+            dist.isend(torch.full((8,), 9.0), 0).wait()
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    # The last rank skips a monitored barrier: rank 0 names it within the timeout.
+    if r != n - 1 and n > 1:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=3), wait_all_ranks=True)
+            if r == 0:
+                failures.append("monitored_barrier passed without the last rank")
+        except weftcc.WeftError as e:
+            if r == 0 and f"[{n - 1}]" not in str(e):
+                failures.append(f"monitored_barrier: {e}")
+            print(f"rank {r}: monitored_barrier: {e}")
 
 
 def errors():
@@ -276,7 +371,7 @@ def main():
     dist.init_process_group("weft")
     if dist.get_backend() != "weft":
         failures.append(f"backend {dist.get_backend()}")
-    {"matrix": matrix, "errors": errors}[mode]()
+    {"matrix": matrix, "errors": errors, "mesh": mesh}[mode]()
     r = dist.get_rank()
     if mode == "matrix":
         dist.destroy_process_group()

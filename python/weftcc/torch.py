@@ -5,12 +5,12 @@ The process group is a Python subclass of `torch.distributed.ProcessGroup` (PyTo
 a group from a backend's creator as is; DDP runs on it). Each group owns one weftcc communicator,
 made from a unique id that the group's rank 0 publishes in the store torch hands the creator,
 and one worker thread that runs its operations in call order: a call with `async_op=False` runs
-on the calling thread when nothing is queued, an asynchronous one on the worker. Sends and
-receives are collected and run together as one weftcc group when one of their `Work`s is waited
-on (or asked for its future or completion) or when the next collective is called on any weft
-group, so `batch_isend_irecv` and exchanges that post sends and receives on both sides complete
-without deadlock; the groups still open at the interpreter's exit are shut down. CPU tensors
-only for now; CUDA tensors raise a clear error.
+on the calling thread when nothing is queued, an asynchronous one on the worker. Point to point
+follows NCCL: single sends and receives are collected until one of their `Work`s is waited on
+(or asked for its future or completion) or the next collective is called on any weft group,
+then run in order, each on its own; a `batch_isend_irecv` batch runs as one weftcc group. The
+groups still open at the interpreter's exit are shut down. CPU tensors only for now; CUDA
+tensors raise a clear error. docs/python.md lists every ProcessGroup method with its status.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from datetime import timedelta
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
-from .communicator import Communicator, DataType, ReduceOp, get_unique_id, group
+from .communicator import Communicator, DataType, PreMulSum, ReduceOp, get_unique_id, group
 
 BACKEND = "weft"
 _UID_KEY = "weftcc/unique_id"
@@ -47,6 +48,19 @@ _TYPES = {
 for _name, _code in (("uint32", DataType.UINT32), ("uint64", DataType.UINT64)):
     if hasattr(torch, _name):
         _TYPES[getattr(torch, _name)] = _code
+# Complex numbers as their (real, imaginary) floats: moved, summed and averaged.
+_COMPLEX = {torch.complex64: DataType.FLOAT32, torch.complex128: DataType.FLOAT64}
+# Types weftcc has no kernels for, moved as their bytes (never reduced).
+_BYTES = {
+    t
+    for t in (
+        torch.int16,
+        getattr(torch, "uint16", None),
+        torch.complex32,
+        *(getattr(torch, n) for n in dir(torch) if n.startswith("float8_")),
+    )
+    if isinstance(t, torch.dtype)
+}
 
 _T = dist.ReduceOp.RedOpType
 _OPS = {
@@ -56,6 +70,8 @@ _OPS = {
     _T.MAX: ReduceOp.MAX,
     _T.AVG: ReduceOp.AVG,
 }
+# Bitwise reductions weftcc has no kernels for (run as a gather and a local fold).
+_BITWISE = {_T.BAND: torch.bitwise_and, _T.BOR: torch.bitwise_or, _T.BXOR: torch.bitwise_xor}
 # On booleans, MIN/MAX are logical and/or.
 _BOOL_OPS = {_T.MIN: ReduceOp.MIN, _T.BAND: ReduceOp.MIN, _T.MAX: ReduceOp.MAX, _T.BOR: ReduceOp.MAX}
 
@@ -73,23 +89,50 @@ def _dtype(call: str, t: torch.Tensor) -> int:
         )
     if t.is_sparse:
         raise _unsupported(call, "sparse tensors are not supported")
-    code = _TYPES.get(t.dtype)
+    code = _TYPES.get(t.dtype, _COMPLEX.get(t.dtype))
+    if code is None and t.dtype in _BYTES:
+        code = DataType.UINT8
     if code is None:
         raise _unsupported(call, f"dtype {t.dtype} is not a weftcc type")
     return int(code)
 
 
-def _op(call: str, op, t: torch.Tensor) -> ReduceOp:
+def _n(t: torch.Tensor) -> int:
+    """`t`'s elements as weftcc counts them (complex: 2 floats; byte-moved types: bytes)."""
+    if t.dtype in _COMPLEX:
+        return 2 * t.numel()
+    if t.dtype in _BYTES:
+        return t.numel() * t.element_size()
+    return t.numel()
+
+
+def _premul_factor(op) -> Optional[float]:
+    """PREMUL_SUM's factor (a number or a one-element tensor), None where torch hides it."""
+    factor = getattr(op, "factor", None)
+    if factor is None and hasattr(op, "__getstate__"):
+        state = op.__getstate__()
+        factor = state[1] if isinstance(state, tuple) and len(state) > 1 else None
+    if isinstance(factor, torch.Tensor):
+        factor = factor.item()
+    return None if factor is None else float(factor)
+
+
+def _op(call: str, op, t: torch.Tensor):
     kind = getattr(op, "op", op)  # a ReduceOp holds its RedOpType
+    name = getattr(kind, "name", kind)
+    if t.dtype in _BYTES:
+        raise _unsupported(call, f"reduction {name} on {t.dtype} (weftcc moves this type, never reduces it)")
+    if t.dtype in _COMPLEX and kind not in (_T.SUM, _T.AVG, _T.PREMUL_SUM):
+        raise _unsupported(call, f"reduction {name} on {t.dtype} (complex: SUM, AVG, PREMUL_SUM)")
+    if kind == _T.PREMUL_SUM and (t.dtype.is_floating_point or t.dtype in _COMPLEX):
+        factor = _premul_factor(op)
+        if factor is not None:
+            return PreMulSum(factor)
     table = _BOOL_OPS if t.dtype == torch.bool else _OPS
     ours = table.get(kind)
     if ours is None:
-        have = "MIN, MAX, BAND, BOR on bool" if t.dtype == torch.bool else "SUM, PRODUCT, MIN, MAX, AVG"
-        raise _unsupported(
-            call,
-            f"reduction {getattr(kind, 'name', kind)} on {t.dtype} (weftcc has {have}; "
-            "PREMUL_SUM's factor is not readable from Python)",
-        )
+        have = "MIN, MAX, BAND, BOR on bool" if t.dtype == torch.bool else "SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM"
+        raise _unsupported(call, f"reduction {name} on {t.dtype} (weftcc has {have})")
     return ours
 
 
@@ -129,11 +172,11 @@ def _run_group(comm: Communicator, posts) -> None:
             if send:
                 src = t.contiguous()
                 keep.append(src)
-                comm.raw_send(src.data_ptr(), src.numel(), dtype, peer)
+                comm.raw_send(src.data_ptr(), _n(src), dtype, peer)
             else:
                 d = _Dense(t)
                 written.append(d)
-                comm.raw_recv(d.ptr, d.buf.numel(), dtype, peer)
+                comm.raw_recv(d.ptr, _n(d.buf), dtype, peer)
     for d in written:
         d.done()
 
@@ -153,18 +196,19 @@ class WeftWork(dist.Work):
         self._finished = False
         self._event: Optional[threading.Event] = None  # set by the executor when queued
         self._exc: Optional[BaseException] = None
-        self._future = None
+        self._future = None  # what get_future() hands out
+        self._source = None  # the future this work settles (`_future` follows it)
         self._p2p = False
 
     def _finish(self, exc: Optional[BaseException]) -> None:
         with self._lock:
             self._exc = exc
             self._finished = True
-            future = self._future
+            source = self._source
         if self._event is not None:
             self._event.set()
-        if future is not None:
-            _settle(future, self._outputs, exc)
+        if source is not None:
+            _settle(source, self._outputs, exc)
 
     def _progress(self) -> None:
         if self._p2p and not self._finished:
@@ -186,9 +230,10 @@ class WeftWork(dist.Work):
         self._progress()
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._source = torch.futures.Future()
+                self._future = self._source.then(_unwrap)
                 if self._finished:
-                    _settle(self._future, self._outputs, self._exc)
+                    _settle(self._source, self._outputs, self._exc)
             return self._future
 
     def is_completed(self) -> bool:
@@ -208,11 +253,25 @@ class WeftWork(dist.Work):
         pass
 
 
-def _settle(future, outputs, exc) -> None:
-    if exc is None:
-        future.set_result(outputs)
-    else:
-        future.set_exception(exc)
+class _Failed:
+    """A failed operation's exception, carried to `_unwrap`."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _settle(source, outputs, exc) -> None:
+    source.set_result(outputs if exc is None else _Failed(exc))
+
+
+def _unwrap(source):
+    """The value of a work's future: its outputs, or its exception raised. Raised here, in a
+    callback, the future completes with an error that torch's C++ side sees as one (DDP's
+    reducer); `Future.set_exception` would complete it with the exception as its value."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.exc
+    return value
 
 
 class _Executor:
@@ -292,13 +351,20 @@ class ProcessGroupWeft(dist.ProcessGroup):
     sent); the operation itself, contiguous copies included, runs as a job in call order, so an
     asynchronous operation sees what the operations before it wrote."""
 
-    def __init__(self, comm: Communicator, rank: int, size: int):
+    def __init__(self, comm: Communicator, rank: int, size: int, store=None):
         super().__init__(rank, size)
         self._comm = comm
+        self._store = store  # torch's store for this group (monitored_barrier, splits)
+        self._splits = 0
+        self._monitored = 0
         self._exec = _Executor(f"weft-pg-r{rank}")
         self._p2p_lock = threading.Lock()
         self._p2p: list = []
         self._closed = False
+        self._group_name = ""
+        self._batch: Optional[list] = None  # a coalesced batch's sends and receives
+        self._batch_works: Optional[List[WeftWork]] = None  # and its other operations
+        self._group_desc = ""
         _LIVE.add(self)
 
     # --- creation and life ---------------------------------------------------------------
@@ -322,10 +388,26 @@ class ProcessGroupWeft(dist.ProcessGroup):
                 store.delete_key(_UID_KEY)
             except Exception:
                 pass
-        return cls(comm, rank, size)
+        return cls(comm, rank, size, store)
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch keeps a group's name and description in its C++ backends, of which a Python group
+    # has none: they live here (DeviceMesh and the functional collectives find groups by name).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def name(self) -> str:
         return BACKEND
@@ -336,7 +418,66 @@ class ProcessGroupWeft(dist.ProcessGroup):
         # receives are collected until waited on instead).
         return self
 
-    supports_coalescing = False
+    # torch's coalescing manager (`batch_isend_irecv`; coalesced collectives) brackets a batch
+    # with `_start_coalescing` / `_end_coalescing`: the batch's sends and receives run as one
+    # weftcc group, as NCCL runs them as one group.
+    supports_coalescing = True
+
+    def _start_coalescing(self, device=None) -> None:
+        if self._batch is not None:
+            raise errors.InvalidUsage("weft backend: coalescing started twice")
+        _flush_all_p2p()  # sends and receives posted before the batch go first
+        self._batch, self._batch_works = [], []
+
+    def _end_coalescing(self, device=None) -> WeftWork:
+        """Queues the batch's sends and receives as one group; the Work returned completes
+        after everything the batch started and raises the first error among them."""
+        if self._batch is None:
+            raise errors.InvalidUsage("weft backend: coalescing ended without a start")
+        ops, started = self._batch, self._batch_works + [op[4] for op in self._batch]
+        self._batch = self._batch_works = None
+        if ops:
+            self._submit_group(ops)
+        work = WeftWork(self, "coalesced operations", [])
+
+        def job() -> None:
+            for w in started:
+                if w._exc is not None:
+                    raise w._exc
+
+        self._exec.submit(job, [work], inline=False)
+        return work
+    supports_splitting = True
+
+    @property
+    def _device_types(self) -> List[torch.device]:
+        # torch asks a group which devices its backends serve (split_group, monitored_barrier).
+        return [torch.device("cpu")]
+
+    def get_group_store(self):
+        return self._store
+
+    def comm_split_count(self) -> int:
+        return self._splits
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """`torch.distributed.split_group`'s step on this group: every rank of it calls, each
+        with the list of its new group's ranks (of this group), or a list it is not in to
+        stay out (then None). One weftcc split: no new bootstrap."""
+        self._splits += 1
+        members = [int(r) for r in ranks]
+        me = self.rank()
+        mine = me in members
+        comm = self._comm.split(min(members) if mine and members else None, members.index(me) if mine else 0)
+        if comm is None:
+            return None
+        store = None
+        if self._store is not None:
+            store = dist.PrefixStore(f"weft-split/{group_name}/", self._store)
+        pg = ProcessGroupWeft(comm, comm.rank, comm.size, store)
+        pg._set_group_name(group_name or "")
+        pg._set_group_desc(group_desc or "")
+        return pg
 
     @property
     def comm(self) -> Communicator:
@@ -355,6 +496,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         _LIVE.discard(self)
         with self._p2p_lock:
             ops, self._p2p = self._p2p, []
+            _WITH_P2P.discard(self)
         for op in ops:
             op[4]._finish(
                 errors.InvalidUsage(
@@ -374,6 +516,8 @@ class ProcessGroupWeft(dist.ProcessGroup):
         work = WeftWork(self, call, outputs)
         inline = not getattr(opts, "asyncOp", True)
         self._exec.submit(job, [work], inline)
+        if self._batch_works is not None:
+            self._batch_works.append(work)
         return work
 
     def _p2p_op(self, call: str, tensors, peer: int, tag: int, send: bool) -> WeftWork:
@@ -391,16 +535,28 @@ class ProcessGroupWeft(dist.ProcessGroup):
         with self._p2p_lock:
             if self._closed:
                 raise errors.InvalidUsage("weft backend: the process group was shut down")
-            self._p2p.append((send, t, int(peer), dtype, work))
+            if self._batch is None:
+                self._p2p.append((send, t, int(peer), dtype, work))
+                _WITH_P2P.add(self)
+            else:
+                self._batch.append((send, t, int(peer), dtype, work))
         return work
 
     def _flush_p2p(self) -> None:
-        """Runs the collected sends and receives as one weftcc group (queued behind the
-        operations before them)."""
+        """Runs the collected sends and receives, queued behind the operations before them,
+        each as a weftcc group of its own, in the order they were posted: torch, as NCCL,
+        matches single messages in order whatever was posted with them (a pipeline stage sends
+        four micro-batches that its peer receives one by one), while weftcc matches a group's
+        messages with the peer's group as a whole. Exchanges that must progress together are
+        posted together: `batch_isend_irecv` runs its batch as one group (`_end_coalescing`)."""
         with self._p2p_lock:
             ops, self._p2p = self._p2p, []
-        if not ops:
-            return
+            _WITH_P2P.discard(self)
+        for op in ops:
+            self._submit_group([op])
+
+    def _submit_group(self, ops) -> None:
+        """Queues `ops` (send, tensor, peer, dtype, work) as one weftcc group."""
         comm = self._comm
 
         def job() -> None:
@@ -424,7 +580,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
 
         def job() -> None:
             d = _Dense(t)
-            run(d.ptr, d.buf.numel())
+            run(d.ptr, _n(d.buf))
             d.done()
 
         return job
@@ -435,10 +591,33 @@ class ProcessGroupWeft(dist.ProcessGroup):
         call = "all_reduce"
         t = self._one(call, tensors)
         dtype = _dtype(call, t)
-        op = _op(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t)
+        red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        kind = getattr(red, "op", red)
+        if kind in _BITWISE and not t.is_floating_point() and not (t.dtype == torch.bool and kind in _BOOL_OPS):
+            return self._submit(call, opts, [t], self._bitwise_all_reduce(call, t, kind))
+        op = _op(call, red, t)
         comm = self._comm
         job = self._in_place(t, lambda p, n: comm.raw_all_reduce(p, p, n, dtype, op))
         return self._submit(call, opts, [t], job)
+
+    def _bitwise_all_reduce(self, call: str, t: torch.Tensor, kind) -> Callable[[], None]:
+        """BAND, BOR, BXOR on integers (and BXOR on bool), which weftcc has no kernels for:
+        every rank's tensor gathered, then folded in rank order (n times the memory)."""
+        if t.dtype in _BYTES or t.dtype in _COMPLEX:
+            raise _unsupported(call, f"reduction {kind.name} on {t.dtype}")
+        flat = torch.empty(self.size() * t.numel(), dtype=t.dtype)
+        gather = self._gather_into(call, flat, t.reshape(-1))
+        fold = _BITWISE[kind]
+
+        def job() -> None:
+            gather()
+            parts = flat.split(t.numel()) if t.numel() else [flat] * self.size()
+            out = parts[0].clone()
+            for part in parts[1:]:
+                out = fold(out, part)
+            t.copy_(out.view_as(t))
+
+        return job
 
     def allreduce_coalesced(self, tensors, opts=None):
         call = "all_reduce_coalesced"
@@ -484,7 +663,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         def job() -> None:
             src = inp.contiguous()
             d = _Dense(out)
-            comm.raw_all_gather(src.data_ptr(), d.ptr, src.numel(), dtype)
+            comm.raw_all_gather(src.data_ptr(), d.ptr, _n(src), dtype)
             d.done()
 
         return job
@@ -538,7 +717,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         def job() -> None:
             src = inp().contiguous()
             d = _Dense(out)
-            comm.raw_reduce_scatter(src.data_ptr(), d.ptr, d.buf.numel(), dtype, o)
+            comm.raw_reduce_scatter(src.data_ptr(), d.ptr, _n(d.buf), dtype, o)
             d.done()
 
         return job
@@ -618,7 +797,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
             def job() -> None:
                 src = input.contiguous()
                 d = _Dense(output)
-                comm.raw_all_to_all(src.data_ptr(), d.ptr, src.numel() // n, dtype)
+                comm.raw_all_to_all(src.data_ptr(), d.ptr, _n(src) // n, dtype)
                 d.done()
 
             return self._submit(call, opts, [output], job)
@@ -713,8 +892,47 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit("barrier", opts, [], self._comm.barrier)
 
-    def monitored_barrier(self, *args, **kwargs):
-        raise _unsupported("monitored_barrier", "not supported (barrier with a timeout is)")
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """gloo's monitored barrier through the group's store: after the operations before
+        it, every rank checks in; rank 0 waits for them within `timeout` and raises naming the
+        first rank (or, with `wait_all_ranks`, every rank) that did not arrive; then releases
+        the others, who wait for that within `timeout` too."""
+        if self._store is None:
+            raise _unsupported("monitored_barrier", "this group has no store")
+        self._monitored += 1
+        store, me, n = self._store, self.rank(), self.size()
+        prefix = f"weft-monitored/{self._monitored}/"
+        seconds = _seconds(timeout) or 1800.0
+
+        def arrived(r: int) -> bool:
+            return store.check([f"{prefix}{r}"])
+
+        def job() -> None:
+            store.set(f"{prefix}{me}", b"1")
+            deadline = time.monotonic() + seconds
+            if me == 0:
+                missing = list(range(1, n))
+                while missing and time.monotonic() < deadline:
+                    missing = [r for r in missing if not arrived(r)]
+                    if missing:
+                        time.sleep(0.005)
+                if missing:
+                    who = missing if wait_all_ranks else missing[:1]
+                    raise errors.Timeout(
+                        f"weft backend: monitored_barrier: rank(s) {who} did not arrive within {seconds} s"
+                    )
+                store.set(f"{prefix}done", b"1")
+            else:
+                while not store.check([f"{prefix}done"]):
+                    if time.monotonic() > deadline:
+                        raise errors.Timeout(
+                            f"weft backend: monitored_barrier: rank {me} was not released by rank 0 "
+                            f"within {seconds} s"
+                        )
+                    time.sleep(0.005)
+
+        work = self._submit("monitored_barrier", None, [], job)
+        work.wait()
 
     # --- point to point --------------------------------------------------------------------
 
@@ -733,9 +951,14 @@ class ProcessGroupWeft(dist.ProcessGroup):
 _LIVE: "weakref.WeakSet[ProcessGroupWeft]" = weakref.WeakSet()
 
 
+# Groups holding collected sends and receives (a set of their own: every collective's call
+# looks here, and walking every live group cost more than the rest of a small call).
+_WITH_P2P: set = set()
+
+
 def _flush_all_p2p() -> None:
-    for pg in list(_LIVE):
-        if pg._p2p:
+    if _WITH_P2P:
+        for pg in list(_WITH_P2P):
             pg._flush_p2p()
 
 
@@ -755,6 +978,11 @@ def _create(store, rank, size, timeout):
 def _register() -> None:
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    # weftcc keeps its own flight recorder (WEFT_TRACE, `weft trace`): torch's would look for a
+    # C++ backend this Python group does not have.
+    recording = getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(recording, set):
+        recording.add(BACKEND)
 
 
 _register()
