@@ -27,7 +27,7 @@ PY
 for r in $(seq "$rounds"); do
   "$weft" run -n 2 -- "$tmp/c_abi" 2>/dev/null | grep -o "c_abi_8B_us.*" || true
   "$weft" run -n 2 -- python3 "$tmp/numpy8.py" 2>/dev/null | grep -o "numpy_8B_us.*" || true
-  torchrun --standalone --nproc-per-node 2 benches/torch_allreduce.py --rounds 1 --max-bytes 8 2>/dev/null \
+  torchrun --standalone --nproc-per-node 2 benches/torch_allreduce.py --rounds 1 --max-bytes 8 --collectives all_reduce 2>/dev/null \
     | awk '$1 == 8 {print "torch_weft_8B_us", $2; print "torch_gloo_8B_us", $3}'
 done | tee "$tmp/all"
 echo "# medians of $rounds rounds (µs per call, rank 0)"
