@@ -41,20 +41,33 @@ static const char *(*p_wc_status_str)(enum ibv_wc_status);
     do {                                                                                          \
         *(void **)(&sym) = dlsym(h, name);                                                        \
         if (!sym) {                                                                               \
-            snprintf(err, errlen, "libibverbs.so.1 lacks %s", name);                              \
+            snprintf(err, errlen, "%s lacks %s", want, name);                              \
             dlclose(h);                                                                           \
             return -ENOSYS;                                                                       \
         }                                                                                         \
     } while (0)
 
-/* Loads libibverbs once (callers serialize: the provider is opened under a lock). */
-int weft_ibv_load(char *err, size_t errlen) {
+/* Loads libibverbs once: `path` (WEFT_IB_LIBRARY, e.g. the emulated device of the tests), or
+ * libibverbs.so.1 from the library search path when it is NULL. A later call naming another
+ * library fails (callers serialize: the provider is opened under a lock). */
+int weft_ibv_load(const char *path, char *err, size_t errlen) {
     static void *lib;
-    if (lib)
-        return 0;
-    void *h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
+    static char loaded[4096];
+    const char *want = path ? path : "libibverbs.so.1";
+    if (lib) {
+        if (strcmp(loaded, want) == 0)
+            return 0;
+        snprintf(err, errlen, "%s is loaded in this process; cannot load %s as well", loaded,
+                 want);
+        return -EEXIST;
+    }
+    if (strlen(want) >= sizeof loaded) {
+        snprintf(err, errlen, "library path of %zu bytes is too long", strlen(want));
+        return -ENAMETOOLONG;
+    }
+    void *h = dlopen(want, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-        snprintf(err, errlen, "cannot load libibverbs.so.1: %s", dlerror());
+        snprintf(err, errlen, "cannot load %s: %s", want, dlerror());
         return -ENOSYS;
     }
     LOAD(p_get_device_list, "ibv_get_device_list");
@@ -75,6 +88,7 @@ int weft_ibv_load(char *err, size_t errlen) {
     LOAD(p_destroy_qp, "ibv_destroy_qp");
     LOAD(p_modify_qp, "ibv_modify_qp");
     LOAD(p_wc_status_str, "ibv_wc_status_str");
+    snprintf(loaded, sizeof loaded, "%s", want);
     lib = h;
     return 0;
 }

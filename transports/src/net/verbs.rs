@@ -119,7 +119,15 @@ pub struct VerbsConfig {
     pub timeout: u8,
     /// `WEFT_IB_RETRY_CNT`.
     pub retry_cnt: u8,
+    /// `WEFT_IB_LIBRARY`: the verbs library to load instead of `libibverbs.so.1` from the
+    /// search path (the tests' emulated device, [`EMULATOR`]).
+    pub library: Option<std::path::PathBuf>,
 }
+
+/// The emulated RDMA device this build made (`csrc/ibemu.c`, built where the verbs headers
+/// are installed): a stand-in for `libibverbs.so.1` whose wire runs over Unix sockets between
+/// the processes of this machine. Loaded only when [`VerbsConfig::library`] names it.
+pub const EMULATOR: Option<&str> = option_env!("WEFTCC_IBEMU_LIBRARY");
 
 impl Default for VerbsConfig {
     fn default() -> Self {
@@ -128,20 +136,25 @@ impl Default for VerbsConfig {
             gid_index: None,
             timeout: 20,
             retry_cnt: 7,
+            library: None,
         }
     }
 }
 
 impl VerbsConfig {
-    /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`.
+    /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`,
+    /// `WEFT_IB_LIBRARY`.
     pub fn from_env() -> Result<VerbsConfig> {
-        use weftcc_settings::{IB_GID_INDEX, IB_HCA, IB_RETRY_CNT, IB_TIMEOUT};
-        VerbsConfig::parse(
-            IB_HCA.value().as_deref(),
-            IB_GID_INDEX.value().as_deref(),
-            IB_TIMEOUT.value().as_deref(),
-            IB_RETRY_CNT.value().as_deref(),
-        )
+        use weftcc_settings::{IB_GID_INDEX, IB_HCA, IB_LIBRARY, IB_RETRY_CNT, IB_TIMEOUT};
+        Ok(VerbsConfig {
+            library: IB_LIBRARY.path(),
+            ..VerbsConfig::parse(
+                IB_HCA.value().as_deref(),
+                IB_GID_INDEX.value().as_deref(),
+                IB_TIMEOUT.value().as_deref(),
+                IB_RETRY_CNT.value().as_deref(),
+            )?
+        })
     }
 
     /// From the variables' values (`None` where unset).
@@ -162,6 +175,7 @@ impl VerbsConfig {
             retry_cnt: IB_RETRY_CNT
                 .number_in(retry_cnt)?
                 .map_or(d.retry_cnt, |v| v as u8),
+            library: None,
         })
     }
 }
@@ -365,7 +379,7 @@ mod sys {
     }
 
     extern "C" {
-        fn weft_ibv_load(err: *mut c_char, errlen: usize) -> c_int;
+        fn weft_ibv_load(path: *const c_char, err: *mut c_char, errlen: usize) -> c_int;
         fn weft_ibv_status_str(status: c_int) -> *const c_char;
         fn weft_ibv_devices(names: *mut c_char, len: usize) -> c_int;
         fn weft_ibv_open(name: *const c_char, out: *mut *mut RawCtx, ports: *mut c_int) -> c_int;
@@ -456,9 +470,19 @@ mod sys {
                 provider: PROVIDER,
                 detail,
             };
-            let mut err = [0u8; 256];
-            // SAFETY: `err` is writable for its length.
-            if unsafe { weft_ibv_load(err.as_mut_ptr().cast(), err.len()) } != 0 {
+            let mut err = [0u8; 512];
+            let path = match &cfg.library {
+                Some(p) => {
+                    Some(CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| {
+                        unavailable(format!("WEFT_IB_LIBRARY={p:?} holds a NUL byte"))
+                    })?)
+                }
+                None => None,
+            };
+            let path_ptr = path.as_ref().map_or(std::ptr::null(), |p| p.as_ptr());
+            // SAFETY: `err` is writable for its length; `path_ptr` is NULL or a C string that
+            // outlives the call.
+            if unsafe { weft_ibv_load(path_ptr, err.as_mut_ptr().cast(), err.len()) } != 0 {
                 let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
                 return Err(unavailable(
                     String::from_utf8_lossy(&err[..end]).into_owned(),
