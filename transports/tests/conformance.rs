@@ -116,12 +116,12 @@ fn verbs_emulated() -> Option<Arc<dyn net::Provider>> {
         missing("the emulated RDMA device was not built (install libibverbs-dev and rebuild)");
         return None;
     };
-    let cfg = net::verbs::VerbsConfig {
-        library: Some(lib.into()),
+    let mut cfg = net::verbs::VerbsConfig::from_env().expect("verbs settings");
+    cfg.library = Some(lib.into());
+    if !weftcc_settings::IB_TIMEOUT.is_set() {
         // 4.096 µs × 2^14 ≈ 67 ms per retry: a lost packet fails within a second.
-        timeout: 14,
-        ..Default::default()
-    };
+        cfg.timeout = 14;
+    }
     match net::verbs::VerbsProvider::open(&cfg) {
         Ok(p) => Some(Arc::new(p)),
         Err(e) => panic!("the emulated RDMA device does not open: {e}"),
@@ -925,6 +925,74 @@ suites! {
     net_over_ofi_tcp_striped: make_net_ofi_tcp_striped,
     net_over_verbs_emulated: make_net_verbs_emulated,
     net_over_verbs_emulated_striped: make_net_verbs_emulated_striped,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulated RDMA device's fault knobs: the emulator reads them when a process first opens
+// it, so each runs conformance cases in a child process of this binary.
+// ---------------------------------------------------------------------------------------------
+
+/// Runs the conformance cases `cases` (exact names) of this binary in a child process with
+/// `env`; panics with the child's output unless every one passed. Returns how many ran.
+fn run_cases_with(cases: &[&str], env: &[(&str, &str)]) -> usize {
+    if net::verbs::EMULATOR.is_none() {
+        missing("the emulated RDMA device was not built (install libibverbs-dev and rebuild)");
+        return 0;
+    }
+    let mut cmd = std::process::Command::new(std::env::current_exe().expect("exe"));
+    cmd.args(cases)
+        .args(["--exact", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null());
+    let started = Instant::now();
+    let out = cmd.output().expect("run the child");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let passed = text.matches(" ... ok").count();
+    assert!(
+        out.status.success() && passed == cases.len(),
+        "{cases:?} with {env:?}: {passed} of {} passed ({:?}):\n{text}",
+        cases.len(),
+        out.status
+    );
+    println!(
+        "{} cases with {env:?} passed in {:.1} s",
+        passed,
+        started.elapsed().as_secs_f64()
+    );
+    passed
+}
+
+/// The set-up race: of each connection's two queue pairs one reaches RTR 300 ms late. A write
+/// sent to it before then is dropped and resent only after the ACK timeout; with no retries
+/// the write fails. Both sides must wait until both queue pairs are ready before writing.
+#[test]
+fn verbs_emulated_no_write_before_both_queue_pairs_are_ready() {
+    run_cases_with(
+        &[
+            "net_over_verbs_emulated::bidirectional_traffic",
+            "net_over_verbs_emulated_striped::ordered_random_sizes",
+        ],
+        &[
+            ("WEFT_IBEMU_RTR_DELAY_MS", "300"),
+            ("WEFT_IB_RETRY_CNT", "0"),
+        ],
+    );
+}
+
+/// Completions that become visible late change nothing but time.
+#[test]
+fn verbs_emulated_late_completions() {
+    run_cases_with(
+        &[
+            "net_over_verbs_emulated::ordered_random_sizes_pinned",
+            "net_over_verbs_emulated_striped::bidirectional_traffic",
+        ],
+        &[("WEFT_IBEMU_CQE_DELAY_US", "500")],
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

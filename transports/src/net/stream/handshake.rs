@@ -4,8 +4,8 @@
 use super::connection::NetConnection;
 use super::endpoints::{registry, EndpointState};
 use super::layout::{
-    NetLink, CLOSED_IN, CONTROL, HEAD_IN, HELLO_FIXED, MAGIC, MAX_STREAMS, PROMISE_SOURCE,
-    PROMISE_WORDS, READY, RING_MAX, RING_MIN, TAIL_IN, WORD_SLOT, WORD_SLOTS,
+    NetLink, CLOSED_IN, CONNECTED, CONTROL, HEAD_IN, HELLO_FIXED, MAGIC, MAX_STREAMS,
+    PROMISE_SOURCE, PROMISE_WORDS, READY, RING_MAX, RING_MIN, TAIL_IN, WORD_SLOT, WORD_SLOTS,
 };
 use crate::conn::Connection;
 use crate::error::{Result, TransportError};
@@ -136,11 +136,31 @@ impl NetConnection {
             .register(alloc(remote_cap as usize)?)
             .map_err(net)?;
 
-        // Neither side writes data before the other's endpoints are connected (a reliable
-        // connection must be ready to receive). Each side first writes a zero into the peer's
-        // close word on every endpoint and waits for the writes to complete, polling all the
-        // while so that the peer's connection set-up progresses too (libfabric's rxm connects
-        // on the first write).
+        // No write before both sides' endpoints are connected: on verbs a write that reaches
+        // a queue pair not yet in RTR is dropped and resent only after the ACK timeout (about
+        // 4 s at WEFT_IB_TIMEOUT=20), or fails without retries. Each side says CONNECTED once
+        // its own endpoints are, and waits for the peer's.
+        send_all(
+            side.as_mut(),
+            &[CONNECTED],
+            deadline,
+            "sending network connected",
+        )?;
+        let mut connected = [0u8; 1];
+        recv_exact(
+            side.as_mut(),
+            &mut connected,
+            deadline,
+            "waiting for the peer's endpoints to connect",
+        )?;
+        if connected[0] != CONNECTED {
+            return Err(bad("bad connected byte".into()));
+        }
+
+        // Then each side writes a zero into the peer's close word on every endpoint and waits
+        // for the writes to complete, polling all the while so that the peer's connection
+        // set-up progresses too (libfabric's rxm connects on the first write), and only then
+        // says READY: neither side writes data before the other's endpoints carried a write.
         let peer_region = RemoteRegion { base, key, len };
         let close_word = remote_cap + CLOSED_IN as u64;
         let mut posted = vec![false; eps.len()];
