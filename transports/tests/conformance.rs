@@ -983,6 +983,23 @@ fn verbs_emulated_no_write_before_both_queue_pairs_are_ready() {
     );
 }
 
+/// Relaxed placement: writes of more than 64 bytes land 2 ms after they arrive, the small ones
+/// behind them at once. A head that follows its data on the same queue pair would be seen
+/// before the data: every byte read must still be the byte sent.
+#[test]
+fn verbs_emulated_flag_never_seen_before_its_data() {
+    run_cases_with(
+        &[
+            "net_over_verbs_emulated::ordered_random_sizes",
+            "net_over_verbs_emulated::bidirectional_traffic",
+            "net_over_verbs_emulated::small_writes_between_large_ones",
+            "net_over_verbs_emulated::pinned_receives_of_plain_sends",
+            "net_over_verbs_emulated_striped::ordered_random_sizes",
+        ],
+        &[("WEFT_IBEMU_DELAY_WRITES_US", "2000")],
+    );
+}
+
 /// Completions that become visible late change nothing but time.
 #[test]
 fn verbs_emulated_late_completions() {

@@ -774,6 +774,13 @@ mod sys {
             self.max_inline
         }
 
+        fn placement_ordered(&self) -> bool {
+            // A reliable connection delivers writes in order, but a CPU polling the peer's
+            // memory may see a later write placed before an earlier one (relaxed ordering):
+            // flags wait for their data's completion.
+            false
+        }
+
         fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted> {
             let raddr = self.bounds(dst, src.len)?;
             src.check(PROVIDER)?;

@@ -27,6 +27,10 @@ pub(super) struct EndpointState {
     pub(super) slots: [Option<u64>; WORD_SLOTS],
     /// Work requests posted and not completed, per endpoint.
     pub(super) outstanding: Vec<usize>,
+    /// One endpoint whose writes are placed in order ([`Endpoint::placement_ordered`]): the
+    /// head may follow its data at once. Otherwise the head covers only data whose writes
+    /// completed.
+    pub(super) ordered: bool,
     /// The endpoint the next data write goes to (round robin).
     pub(super) rr: usize,
     pub(super) next_wr: u64,
@@ -119,9 +123,9 @@ impl EndpointState {
         // Direct writes go to the destination on any endpoint: the `direct` word covers only
         // bytes whose writes completed.
         self.direct_want = self.direct_want.max(self.direct_done);
-        if self.eps.len() > 1 {
-            // Writes on different endpoints land in no particular order: the head covers
-            // only bytes whose writes completed.
+        if !self.ordered {
+            // Writes on different endpoints, or on one whose placement is relaxed, land in no
+            // particular order: the head covers only bytes whose writes completed.
             self.head_want = self.head_want.max(self.data_done);
         }
     }

@@ -224,12 +224,14 @@ impl NetConnection {
             .unwrap_or(4)
             .max(4);
         let n_eps = eps.len();
+        let ordered = n_eps == 1 && eps.iter().all(|e| e.placement_ordered());
         let (landing, staging) = (Arc::new(landing), Arc::new(staging));
         let io = Arc::new(Mutex::new(EndpointState {
             eps,
             _regions: [Arc::clone(&landing), Arc::clone(&staging)],
             words,
             slots: [None; WORD_SLOTS],
+            ordered,
             outstanding: vec![0; n_eps],
             rr: 0,
             next_wr: 0,
