@@ -130,6 +130,15 @@ impl EndpointState {
         }
     }
 
+    /// Whether a word for the peer waits for a later poll (see [`progress_all`]).
+    pub(super) fn owes_words(&self) -> bool {
+        self.failed.is_none()
+            && (!self.data.is_empty()
+                || self.head_want != self.head_posted
+                || self.tail_want != self.tail_posted
+                || self.direct_pending())
+    }
+
     pub(super) fn total_outstanding(&self) -> usize {
         self.outstanding.iter().sum()
     }
@@ -247,18 +256,29 @@ pub(super) fn registry() -> &'static Mutex<Vec<Weak<Mutex<EndpointState>>>> {
 }
 
 /// Polls every network endpoint of this process that nobody else is polling right now.
-pub fn progress_all() {
+/// Returns whether one of them still owes its peer a word that only a later poll posts: a
+/// head that waits for its data's completion (relaxed placement, several endpoints), or a
+/// tail or direct word a full queue held back. Whoever waits must then poll again soon even
+/// if it waits for other peers: the owed peer may be waiting for that word.
+pub fn progress_all() -> bool {
     let live: Vec<Arc<Mutex<EndpointState>>> = {
         let mut reg = lock(registry());
         reg.retain(|w| w.strong_count() > 0);
         reg.iter().filter_map(Weak::upgrade).collect()
     };
+    let mut owed = false;
     for st in live {
-        if let Ok(mut st) = st.try_lock() {
-            st.poll();
-            st.flush_words();
+        match st.try_lock() {
+            Ok(mut st) => {
+                st.poll();
+                st.flush_words();
+                owed |= st.owes_words();
+            }
+            // Someone else polls it now; it may owe: look again soon.
+            Err(_) => owed = true,
         }
     }
+    owed
 }
 /// Sleeps in short slices: a network connection moves only when polled, and the caller polls
 /// again after every return (spurious returns are allowed by [`IdleWaiter`]).
@@ -267,7 +287,7 @@ pub struct NetWaiter;
 
 impl IdleWaiter for NetWaiter {
     fn wait(&mut self, _interest: &[Interest], max: Duration) -> Result<()> {
-        progress_all();
+        let _ = progress_all();
         std::thread::sleep(max.min(NET_POLL_SLICE));
         Ok(())
     }

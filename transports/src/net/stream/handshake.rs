@@ -2,7 +2,7 @@
 //! and warmed up, and the ready byte ([`NetConnection::establish`]).
 
 use super::connection::NetConnection;
-use super::endpoints::{registry, EndpointState};
+use super::endpoints::{progress_all, registry, EndpointState};
 use super::layout::{
     NetLink, CLOSED_IN, CONNECTED, CONTROL, HEAD_IN, HELLO_FIXED, MAGIC, MAX_STREAMS,
     PROMISE_SOURCE, PROMISE_WORDS, READY, RING_MAX, RING_MIN, TAIL_IN, WORD_SLOT, WORD_SLOTS,
@@ -214,6 +214,7 @@ impl NetConnection {
                     .timeout_error(format!("connecting the network endpoints to rank {peer}")));
             }
             if !(warmed.iter().all(|&w| w) && got_ready) {
+                progress_all();
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
@@ -292,6 +293,15 @@ impl NetConnection {
     }
 }
 
+/// A wait of the handshake: the other connections of this process progress meanwhile. A peer
+/// may wait for bytes this rank's last operation sent on another connection, whose head goes
+/// out only when polled (after its data's completion where placement is relaxed, or over
+/// several endpoints), before it answers this handshake.
+fn idle() {
+    progress_all();
+    std::thread::sleep(Duration::from_micros(100));
+}
+
 fn send_all(
     c: &mut dyn Connection,
     mut data: &[u8],
@@ -305,7 +315,7 @@ fn send_all(
             if deadline.expired() {
                 return Err(deadline.timeout_error(what.to_string()));
             }
-            std::thread::sleep(Duration::from_micros(100));
+            idle();
         }
     }
     Ok(())
@@ -326,7 +336,7 @@ fn recv_exact(
             if deadline.expired() {
                 return Err(deadline.timeout_error(what.to_string()));
             }
-            std::thread::sleep(Duration::from_micros(100));
+            idle();
         }
     }
     Ok(())
