@@ -184,6 +184,9 @@ struct emu_qp {
     uint64_t deadline; /* resend time of the unacknowledged packets, 0: none */
     struct swqe *sq, *sq_tail;
     uint32_t sq_count;
+    /* Send work requests whose completion was not polled yet: a device reuses a send queue
+     * slot only then, so this is what fills the queue. */
+    uint32_t sq_unpolled;
     struct pkt *un, *un_tail;
     struct rwqe *rq;
     uint32_t rq_head, rq_count;
@@ -255,6 +258,8 @@ static void wake(void) {
     }
 }
 
+static struct emu_qp *find_qp(uint32_t qpn);
+
 /* ---- completion queues ---- */
 
 static void cq_push(struct ibv_cq *cq, const struct ibv_wc *wc) {
@@ -279,9 +284,15 @@ static int emu_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc) {
     uint64_t now = k_cqe_delay_ns ? now_ns() : 0;
     int got = 0;
     while (got < n && c->count > 0 && c->ring[c->head].due <= now) {
-        wc[got++] = c->ring[c->head].wc;
+        struct ibv_wc *w = &wc[got++];
+        *w = c->ring[c->head].wc;
         c->head = (c->head + 1) % c->cap;
         c->count--;
+        if (w->opcode == IBV_WC_SEND || w->opcode == IBV_WC_RDMA_WRITE) {
+            struct emu_qp *q = find_qp(w->qp_num);
+            if (q && q->sq_unpolled)
+                q->sq_unpolled--;
+        }
     }
     pthread_mutex_unlock(&g_lock);
     return got;
@@ -290,8 +301,10 @@ static int emu_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc) {
 /* ---- queue pairs: errors and completions ---- */
 
 static void complete_send(struct emu_qp *q, struct swqe *w, enum ibv_wc_status st) {
-    if (!w->signaled && st == IBV_WC_SUCCESS)
+    if (!w->signaled && st == IBV_WC_SUCCESS) {
+        q->sq_unpolled--;
         return;
+    }
     struct ibv_wc wc;
     memset(&wc, 0, sizeof wc);
     wc.wr_id = w->wr_id;
@@ -1266,6 +1279,7 @@ static void qp_reset(struct emu_qp *q) {
     }
     q->sq_tail = NULL;
     q->sq_count = 0;
+    q->sq_unpolled = 0;
     q->rq_head = q->rq_count = 0;
     q->cur_recv_active = 0;
 }
@@ -1391,7 +1405,7 @@ static int post_one(struct emu_qp *q, struct ibv_send_wr *wr) {
         return EINVAL;
     if (q->qp.state != IBV_QPS_RTS && q->qp.state != IBV_QPS_ERR)
         return EINVAL;
-    if (q->sq_count >= q->max_send_wr)
+    if (q->sq_unpolled >= q->max_send_wr)
         return ENOMEM;
     struct swqe *w = calloc(1, sizeof *w);
     unsigned char *data = total ? malloc(total) : NULL;
@@ -1404,6 +1418,7 @@ static int post_one(struct emu_qp *q, struct ibv_send_wr *wr) {
     w->op = op;
     w->signaled = (wr->send_flags & IBV_SEND_SIGNALED) != 0;
     w->byte_len = (uint32_t)total;
+    q->sq_unpolled++;
     if (q->qp.state == IBV_QPS_ERR) {
         w->signaled = 1;
         complete_send(q, w, IBV_WC_WR_FLUSH_ERR);

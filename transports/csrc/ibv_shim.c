@@ -258,8 +258,15 @@ int weft_ibv_qp_open(struct weft_ibv_ctx *c, int port, int depth, struct weft_ib
     init.cap.max_recv_wr = 1;
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
+    /* Control words go inline where the device takes 64 bytes (16 are enough); a device that
+     * takes less fails the creation, and the queue pair is made without inline data (the words
+     * then go from registered slots). */
     init.cap.max_inline_data = 64;
     q->qp = p_create_qp(c->pd, &init);
+    if (!q->qp) {
+        init.cap.max_inline_data = 0;
+        q->qp = p_create_qp(c->pd, &init);
+    }
     if (!q->qp) {
         int e = errno ? -errno : -ENOMEM;
         weft_ibv_qp_close(q);

@@ -1000,6 +1000,20 @@ fn verbs_emulated_flag_never_seen_before_its_data() {
     );
 }
 
+/// A device that takes 8 bytes inline: queue pairs are made without inline data and the
+/// control words (16 bytes) go from registered slots.
+#[test]
+fn verbs_emulated_small_inline_limit() {
+    run_cases_with(
+        &[
+            "net_over_verbs_emulated::ordered_random_sizes",
+            "net_over_verbs_emulated::pinned_receives_of_pinned_sends",
+            "net_over_verbs_emulated_striped::bidirectional_traffic",
+        ],
+        &[("WEFT_IBEMU_MAX_INLINE", "8")],
+    );
+}
+
 /// Completions that become visible late change nothing but time.
 #[test]
 fn verbs_emulated_late_completions() {
