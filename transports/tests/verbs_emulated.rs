@@ -223,3 +223,22 @@ fn a_full_send_queue_says_full_and_takes_work_again_once_polled() {
         Posted::Yes
     );
 }
+
+#[test]
+fn the_emulated_device_is_a_roce_port_and_only_an_explicit_path_loads_a_library() {
+    let Some(p) = provider(14, 7) else { return };
+    assert_eq!(p.name(), "IB/weftemu0:1");
+    assert_eq!(p.id(), "ib:roce");
+    // Another library in the same process: refused by name, never a panic.
+    let other = VerbsConfig {
+        library: Some("/nonexistent/libibverbs-elsewhere.so".into()),
+        ..VerbsConfig::default()
+    };
+    match VerbsProvider::open(&other) {
+        Err(NetError::Unavailable { detail, .. }) => {
+            assert!(detail.contains("is loaded in this process"), "{detail}")
+        }
+        Err(e) => panic!("expected Unavailable, got {e}"),
+        Ok(_) => panic!("a second library opened"),
+    }
+}

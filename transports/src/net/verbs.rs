@@ -16,8 +16,12 @@
 //!   `WEFT_IB_RETRY_CNT` (0–7, default 7): how long a queue pair retries before its writes fail,
 //!   which the connection turns into `PeerLost` naming the peer.
 //!
-//! Compiled, not run: no RDMA hardware has been available to this project's tests; everything
-//! above the shim (parsing, device and GID choice) is tested here.
+//! * `WEFT_IB_LIBRARY`: the library loaded instead of `libibverbs.so.1` (the tests load the
+//!   emulated RDMA device, [`EMULATOR`], this way).
+//!
+//! Run on the emulated RDMA device (`csrc/ibemu.c`: the conformance suite, the queue-pair tests
+//! of `tests/verbs_emulated.rs`, the collectives matrix, the fault tests), never on RDMA
+//! hardware: none has been available to this project.
 
 use super::NetResult;
 use crate::error::{Result, TransportError};
