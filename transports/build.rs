@@ -93,7 +93,30 @@ fn emulator() {
             println!("cargo:rustc-cfg=weft_ibemu");
             println!("cargo:rustc-env=WEFTCC_IBEMU_LIBRARY={}", lib.display());
         }
-        other => println!("cargo:warning=the emulated RDMA device did not build ({other:?})"),
+        other => {
+            println!("cargo:warning=the emulated RDMA device did not build ({other:?})");
+            return;
+        }
+    }
+    // Its checks through the verbs API (tests/verbs_emulated.rs runs them).
+    println!("cargo:rerun-if-changed=csrc/ibemu_check.c");
+    let check = out.join("ibemu_check");
+    let mut cmd = compiler.to_command();
+    cmd.args(["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra"]);
+    for dir in include_dirs("WEFT_IBV_INCLUDE", "libibverbs") {
+        cmd.arg(format!("-I{dir}"));
+    }
+    cmd.arg("csrc/ibemu_check.c")
+        .arg("-o")
+        .arg(&check)
+        .arg("-ldl");
+    match cmd.status() {
+        Ok(s) if s.success() => {
+            println!("cargo:rustc-env=WEFTCC_IBEMU_CHECK={}", check.display());
+        }
+        other => {
+            println!("cargo:warning=the emulated RDMA device's checks did not build ({other:?})")
+        }
     }
 }
 

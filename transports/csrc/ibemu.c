@@ -180,7 +180,8 @@ struct emu_qp {
     int ack_due;
     uint32_t npsn;     /* next outbound psn */
     uint8_t timeout, retry_cnt, rnr_retry;
-    int retries_left;
+    int retries_left, rnr_left;
+    int rnr_wait;      /* the deadline is a receiver-not-ready pause, not an ACK timeout */
     uint64_t deadline; /* resend time of the unacknowledged packets, 0: none */
     struct swqe *sq, *sq_tail;
     uint32_t sq_count;
@@ -677,8 +678,11 @@ static void on_ack(struct emu_qp *q, uint32_t psn, int nak, int syndrome) {
         complete_send(q, w, IBV_WC_SUCCESS);
         free(w);
     }
-    if (progress)
+    if (progress) {
         q->retries_left = q->retry_cnt;
+        q->rnr_left = q->rnr_retry;
+    }
+    q->rnr_wait = 0;
     if (nak && syndrome == NAK_ACCESS) {
         qp_error(q, IBV_WC_REM_ACCESS_ERR);
         return;
@@ -688,10 +692,11 @@ static void on_ack(struct emu_qp *q, uint32_t psn, int nak, int syndrome) {
         return;
     }
     if (nak && syndrome == NAK_RNR) {
-        if (q->rnr_retry != 7 && q->retries_left-- <= 0) {
+        if (q->rnr_retry != 7 && q->rnr_left-- <= 0) {
             qp_error(q, IBV_WC_RNR_RETRY_EXC_ERR);
             return;
         }
+        q->rnr_wait = q->un != NULL;
         q->deadline = q->un ? now_ns() + RNR_DELAY_NS : 0;
         return;
     }
@@ -739,7 +744,9 @@ static uint64_t timers(void) {
             next = q->held->due;
         if (q->deadline && q->qp.state == IBV_QPS_RTS) {
             if (q->deadline <= now) {
-                if (q->retries_left-- <= 0) {
+                if (q->rnr_wait)
+                    q->rnr_wait = 0; /* the pause is over: resend, no retry spent */
+                else if (q->retries_left-- <= 0) {
                     qp_error(q, IBV_WC_RETRY_EXC_ERR);
                     continue;
                 }
@@ -1355,6 +1362,7 @@ int emu_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int mask) {
             q->retry_cnt = a->retry_cnt;
             q->rnr_retry = a->rnr_retry;
             q->retries_left = a->retry_cnt;
+            q->rnr_left = a->rnr_retry;
             ok = 1;
         }
         break;

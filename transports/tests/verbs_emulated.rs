@@ -242,3 +242,29 @@ fn the_emulated_device_is_a_roce_port_and_only_an_explicit_path_loads_a_library(
         Ok(_) => panic!("a second library opened"),
     }
 }
+
+/// The emulator's own checks through the verbs API (`csrc/ibemu_check.c`), for what the
+/// provider does not use: SEND and receiver-not-ready, write-with-immediate completing only
+/// after every earlier write is placed under relaxed placement, completion-queue overflow,
+/// `ibv_reg_dmabuf_mr`, the state machine and the inline limit.
+#[test]
+fn the_emulators_own_checks_pass() {
+    let Some(lib) = EMULATOR else {
+        let _ = provider(14, 7);
+        return;
+    };
+    let check = option_env!("WEFTCC_IBEMU_CHECK")
+        .expect("the emulator was built but its checks were not (see transports/build.rs)");
+    let out = std::process::Command::new(check)
+        .arg(lib)
+        .output()
+        .expect("run ibemu_check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "ibemu_check failed:\n{text}");
+    assert!(text.contains("checks passed"), "{text}");
+}
