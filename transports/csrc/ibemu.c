@@ -73,6 +73,27 @@
 #define MAX_INLINE_DEFAULT 64
 #define RNR_DELAY_NS 1000000ull
 
+/* Appends `item` to the singly linked queue `head`..`tail`. */
+#define QUEUE_PUSH(head, tail, item)                                                              \
+    do {                                                                                          \
+        (item)->next = NULL;                                                                      \
+        if (tail)                                                                                 \
+            (tail)->next = (item);                                                                \
+        else                                                                                      \
+            (head) = (item);                                                                      \
+        (tail) = (item);                                                                          \
+    } while (0)
+
+/* Removes `item` from the singly linked list `head` of `type`s, if it is there. */
+#define LIST_UNLINK(type, head, item)                                                             \
+    do {                                                                                          \
+        for (type **pp_ = &(head); *pp_; pp_ = &(*pp_)->next)                                    \
+            if (*pp_ == (item)) {                                                                 \
+                *pp_ = (item)->next;                                                              \
+                break;                                                                            \
+            }                                                                                     \
+    } while (0)
+
 enum { P_DATA = 1, P_ACK = 2, P_NAK = 3 };
 enum { NAK_ACCESS = 1, NAK_RNR = 2, NAK_INV = 3 };
 enum { OP_WRITE = 1, OP_WRITE_IMM = 2, OP_SEND = 3 };
@@ -579,17 +600,12 @@ static void on_data(struct emu_qp *q, const struct hdr *h, const unsigned char *
                     responder_error(q, NAK_INV, h->psn);
                     return;
                 }
-                x->next = NULL;
                 x->psn = h->psn;
                 x->due = now_ns() + k_delay_writes_ns;
                 x->dst = dst;
                 x->len = h->len;
                 memcpy(x->data, payload, h->len);
-                if (q->held_tail)
-                    q->held_tail->next = x;
-                else
-                    q->held = x;
-                q->held_tail = x;
+                QUEUE_PUSH(q->held, q->held_tail, x);
             } else {
                 memcpy(dst, payload, h->len);
             }
@@ -643,11 +659,7 @@ static void on_data(struct emu_qp *q, const struct hdr *h, const unsigned char *
             r->wc.wc_flags = h->op == OP_WRITE_IMM ? IBV_WC_WITH_IMM : 0;
             r->wc.qp_num = q->qp.qp_num;
             r->wc.src_qp = q->dqpn;
-            if (q->precv_tail)
-                q->precv_tail->next = r;
-            else
-                q->precv = r;
-            q->precv_tail = r;
+            QUEUE_PUSH(q->precv, q->precv_tail, r);
         }
         q->cur_recv_active = 0;
     }
@@ -1169,11 +1181,7 @@ int emu_dereg_mr(struct ibv_mr *mr) EXPORT("ibv_dereg_mr");
 int emu_dereg_mr(struct ibv_mr *mr) {
     struct emu_mr *m = (struct emu_mr *)mr;
     pthread_mutex_lock(&g_lock);
-    for (struct emu_mr **pp = &g_mrs; *pp; pp = &(*pp)->next)
-        if (*pp == m) {
-            *pp = m->next;
-            break;
-        }
+    LIST_UNLINK(struct emu_mr, g_mrs, m);
     /* A held placement into this region would write freed memory: drop those. */
     for (struct emu_qp *q = g_qps; q; q = q->next)
         for (struct held **hp = &q->held; *hp;) {
@@ -1295,11 +1303,7 @@ int emu_destroy_qp(struct ibv_qp *qp) EXPORT("ibv_destroy_qp");
 int emu_destroy_qp(struct ibv_qp *qp) {
     struct emu_qp *q = (struct emu_qp *)qp;
     pthread_mutex_lock(&g_lock);
-    for (struct emu_qp **pp = &g_qps; *pp; pp = &(*pp)->next)
-        if (*pp == q) {
-            *pp = q->next;
-            break;
-        }
+    LIST_UNLINK(struct emu_qp, g_qps, q);
     qp_reset(q);
     pthread_mutex_unlock(&g_lock);
     pthread_mutex_destroy(&qp->mutex);
@@ -1437,12 +1441,7 @@ static int post_one(struct emu_qp *q, struct ibv_send_wr *wr) {
     q->posts++;
     if (k_qp_err_after && q->posts >= k_qp_err_after) {
         /* The forced-error knob: the QP fails under this work request. */
-        w->next = NULL;
-        if (q->sq_tail)
-            q->sq_tail->next = w;
-        else
-            q->sq = w;
-        q->sq_tail = w;
+        QUEUE_PUSH(q->sq, q->sq_tail, w);
         q->sq_count++;
         free(data);
         qp_error(q, IBV_WC_FATAL_ERR);
@@ -1469,12 +1468,7 @@ static int post_one(struct emu_qp *q, struct ibv_send_wr *wr) {
         memcpy(data + at, src, s->length);
         at += s->length;
     }
-    w->next = NULL;
-    if (q->sq_tail)
-        q->sq_tail->next = w;
-    else
-        q->sq = w;
-    q->sq_tail = w;
+    QUEUE_PUSH(q->sq, q->sq_tail, w);
     q->sq_count++;
     if (bad != IBV_WC_SUCCESS) {
         free(data);
@@ -1513,12 +1507,7 @@ static int post_one(struct emu_qp *q, struct ibv_send_wr *wr) {
         p->len = sizeof h + n;
         p->psn = q->npsn;
         p->wqe = w;
-        p->next = NULL;
-        if (q->un_tail)
-            q->un_tail->next = p;
-        else
-            q->un = p;
-        q->un_tail = p;
+        QUEUE_PUSH(q->un, q->un_tail, p);
         w->last_psn = q->npsn;
         q->npsn = (q->npsn + 1) & 0xffffff;
         xmit(q->dgid, p->data, p->len);

@@ -225,22 +225,35 @@ fn a_full_send_queue_says_full_and_takes_work_again_once_polled() {
 }
 
 #[test]
-fn the_emulated_device_is_a_roce_port_and_only_an_explicit_path_loads_a_library() {
+fn the_emulated_device_is_a_roce_port_beside_the_systems_library() {
+    // The system's library first (no device here: Unavailable; a device where there is one),
+    // then the emulated device in the same process; a library that is not there: Unavailable,
+    // never a panic.
+    match VerbsProvider::open(&VerbsConfig::default()) {
+        Err(NetError::Unavailable { detail, .. }) => eprintln!("libibverbs.so.1: {detail}"),
+        Err(e) => panic!("expected Unavailable, got {e}"),
+        Ok(other) => eprintln!("an RDMA device is present: {}", other.name()),
+    }
     let Some(p) = provider(14, 7) else { return };
     assert_eq!(p.name(), "IB/weftemu0:1");
     assert_eq!(p.id(), "ib:roce");
-    // Another library in the same process: refused by name, never a panic.
-    let other = VerbsConfig {
+    let missing = VerbsConfig {
         library: Some("/nonexistent/libibverbs-elsewhere.so".into()),
         ..VerbsConfig::default()
     };
-    match VerbsProvider::open(&other) {
+    match VerbsProvider::open(&missing) {
         Err(NetError::Unavailable { detail, .. }) => {
-            assert!(detail.contains("is loaded in this process"), "{detail}")
+            assert!(detail.contains("cannot load"), "{detail}")
         }
         Err(e) => panic!("expected Unavailable, got {e}"),
-        Ok(_) => panic!("a second library opened"),
+        Ok(_) => panic!("a missing library opened"),
     }
+    // The emulated device still works after both.
+    let (src, dst) = (region(&p, 4096, 5), region(&p, 4096, 0));
+    let (mut a, _b) = pair(&p, true);
+    a.write(src.range(0, 64), dst.remote().at(0), 1).unwrap();
+    assert_eq!(completion(a.as_mut()).result, Ok(()));
+    assert_eq!(bytes(&dst, 0, 64), vec![5; 64]);
 }
 
 /// The emulator's own checks through the verbs API (`csrc/ibemu_check.c`), for what the

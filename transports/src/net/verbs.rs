@@ -345,6 +345,10 @@ mod sys {
     use std::sync::Arc;
 
     #[repr(C)]
+    pub struct RawLib {
+        _private: [u8; 0],
+    }
+    #[repr(C)]
     pub struct RawCtx {
         _private: [u8; 0],
     }
@@ -383,10 +387,20 @@ mod sys {
     }
 
     extern "C" {
-        fn weft_ibv_load(path: *const c_char, err: *mut c_char, errlen: usize) -> c_int;
-        fn weft_ibv_status_str(status: c_int) -> *const c_char;
-        fn weft_ibv_devices(names: *mut c_char, len: usize) -> c_int;
-        fn weft_ibv_open(name: *const c_char, out: *mut *mut RawCtx, ports: *mut c_int) -> c_int;
+        fn weft_ibv_load(
+            path: *const c_char,
+            out: *mut *const RawLib,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        fn weft_ibv_status_str(c: *mut RawCtx, status: c_int) -> *const c_char;
+        fn weft_ibv_devices(lib: *const RawLib, names: *mut c_char, len: usize) -> c_int;
+        fn weft_ibv_open(
+            lib: *const RawLib,
+            name: *const c_char,
+            out: *mut *mut RawCtx,
+            ports: *mut c_int,
+        ) -> c_int;
         fn weft_ibv_close(c: *mut RawCtx);
         fn weft_ibv_port(c: *mut RawCtx, port: c_int, info: *mut RawPortInfo) -> c_int;
         fn weft_ibv_gid(c: *mut RawCtx, port: c_int, index: c_int, gid: *mut u8) -> c_int;
@@ -398,7 +412,7 @@ mod sys {
             lkey: *mut u32,
             rkey: *mut u32,
         ) -> c_int;
-        fn weft_ibv_dereg(mr: *mut RawMr);
+        fn weft_ibv_dereg(c: *mut RawCtx, mr: *mut RawMr);
         fn weft_ibv_qp_open(
             c: *mut RawCtx,
             port: c_int,
@@ -484,9 +498,12 @@ mod sys {
                 None => None,
             };
             let path_ptr = path.as_ref().map_or(std::ptr::null(), |p| p.as_ptr());
+            let mut lib: *const RawLib = std::ptr::null();
             // SAFETY: `err` is writable for its length; `path_ptr` is NULL or a C string that
-            // outlives the call.
-            if unsafe { weft_ibv_load(path_ptr, err.as_mut_ptr().cast(), err.len()) } != 0 {
+            // outlives the call; `lib` is a valid out-pointer. A loaded library is never
+            // unloaded: `lib` stays valid for the process's life.
+            if unsafe { weft_ibv_load(path_ptr, &mut lib, err.as_mut_ptr().cast(), err.len()) } != 0
+            {
                 let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
                 return Err(unavailable(
                     String::from_utf8_lossy(&err[..end]).into_owned(),
@@ -494,7 +511,7 @@ mod sys {
             }
             let mut names = vec![0u8; 4096];
             // SAFETY: `names` is writable for its length; the shim NUL-separates names in it.
-            let n = unsafe { weft_ibv_devices(names.as_mut_ptr().cast(), names.len()) };
+            let n = unsafe { weft_ibv_devices(lib, names.as_mut_ptr().cast(), names.len()) };
             if n < 0 {
                 return Err(unavailable(format!(
                     "no RDMA device ({})",
@@ -516,7 +533,7 @@ mod sys {
                 };
                 let (mut raw, mut nports) = (std::ptr::null_mut(), 0);
                 // SAFETY: valid C string and out-pointers.
-                if unsafe { weft_ibv_open(cname.as_ptr(), &mut raw, &mut nports) } != 0 {
+                if unsafe { weft_ibv_open(lib, cname.as_ptr(), &mut raw, &mut nports) } != 0 {
                     continue;
                 }
                 let ctx = Arc::new(Ctx(raw));
@@ -679,7 +696,7 @@ mod sys {
         fn drop(&mut self) {
             // SAFETY: registered by `weft_ibv_reg`, deregistered once, before the memory (see
             // `Region`) and after the queue pairs that used it (`EndpointState`).
-            unsafe { weft_ibv_dereg(self.mr) }
+            unsafe { weft_ibv_dereg(self._ctx.0, self.mr) }
         }
     }
 
@@ -841,9 +858,11 @@ mod sys {
                             Ok(())
                         } else {
                             // SAFETY: the shim returns a static string for any status.
-                            let text = unsafe { CStr::from_ptr(weft_ibv_status_str(status[i])) }
-                                .to_string_lossy()
-                                .into_owned();
+                            let text = unsafe {
+                                CStr::from_ptr(weft_ibv_status_str(self._ctx.0, status[i]))
+                            }
+                            .to_string_lossy()
+                            .into_owned();
                             Err(NetError::WorkFailed {
                                 provider: PROVIDER,
                                 wr_id: ids[i],
