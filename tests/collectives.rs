@@ -434,13 +434,13 @@ const MATRIX_TYPES: [(usize, bool); 10] = [
 ];
 
 fn matrix(n: usize, wire: Wire, extent: Extent) {
-    if wire == Wire::Net && !common::net_available() {
+    if !common::wire_available(wire) {
         return;
     }
     let cases = cases(n, &COLLS, &MATRIX_TYPES, extent);
     let errors = with_ranks(n, wire, |rank, comm| {
         let mut errors = Vec::new();
-        if matches!(wire, Wire::Net | Wire::NetLoopback) && n > 1 {
+        if matches!(wire, Wire::Net | Wire::NetLoopback | Wire::NetVerbs) && n > 1 {
             // The matrix is meant for the network path: every rank a host of its own.
             let peer = (rank + 1) % n;
             let _ = comm.all_reduce_in_place(&mut [0u8; 1][..], ReduceOp::Sum);
@@ -454,6 +454,11 @@ fn matrix(n: usize, wire: Wire, extent: Extent) {
         run_cases(comm, &cases, &mut errors);
         errors
     });
+    let wrong: usize = errors.iter().map(Vec::len).sum();
+    println!(
+        "matrix: {} cases on {n} ranks over {wire:?}, {wrong} wrong",
+        cases.len()
+    );
     assert_all_right(errors);
 }
 
@@ -491,7 +496,7 @@ fn forced(
     hosts: Option<&[usize]>,
     extent: Extent,
 ) {
-    if wire == Wire::Net && !common::net_available() {
+    if !common::wire_available(wire) {
         return;
     }
     let cases = cases(n, colls, &FORCED_TYPES, extent);
@@ -503,7 +508,7 @@ fn forced(
             let mut c = cfg.clone();
             if let Some(h) = hosts {
                 c.host_id = format!("test-host-{}", h[rank]);
-            } else if wire == Wire::Net {
+            } else if matches!(wire, Wire::Net | Wire::NetVerbs) {
                 c.host_id = common::rank_config(wire, rank).host_id;
             }
             c
@@ -617,7 +622,7 @@ slice_and_full! {
 
 /// The matrix's (rank count, wire) cases: CI's, each running its slice of the list (1, 2, 3 and
 /// 8 ranks; every wire), then the full matrix's others.
-const MATRIX: [(&str, usize, Wire); 16] = [
+const MATRIX: [(&str, usize, Wire); 19] = [
     ("shm_1_rank", 1, Wire::Shm),
     ("shm_2_ranks", 2, Wire::Shm),
     ("shm_3_ranks", 3, Wire::Shm),
@@ -629,6 +634,9 @@ const MATRIX: [(&str, usize, Wire); 16] = [
     ("net_2_ranks", 2, Wire::Net),
     ("net_3_ranks", 3, Wire::Net),
     ("net_loopback_3_ranks", 3, Wire::NetLoopback),
+    ("net_verbs_2_ranks", 2, Wire::NetVerbs),
+    ("net_verbs_3_ranks", 3, Wire::NetVerbs),
+    ("net_verbs_5_ranks", 5, Wire::NetVerbs),
     ("shm_4_ranks", 4, Wire::Shm),
     ("shm_5_ranks", 5, Wire::Shm),
     ("tcp_4_ranks", 4, Wire::Tcp),
@@ -637,7 +645,7 @@ const MATRIX: [(&str, usize, Wire); 16] = [
 ];
 
 /// How many of `MATRIX` CI runs (as slices).
-const CI_MATRIX: usize = 11;
+const CI_MATRIX: usize = 14;
 
 /// Runs `MATRIX`'s case `name`: CI's slice, or all of it.
 fn matrix_case(name: &str, full: bool) {
@@ -669,6 +677,9 @@ matrix_tests! {
     net_2_ranks, full_net_2_ranks;
     net_3_ranks, full_net_3_ranks;
     net_loopback_3_ranks, full_net_loopback_3_ranks;
+    net_verbs_2_ranks, full_net_verbs_2_ranks;
+    net_verbs_3_ranks, full_net_verbs_3_ranks;
+    net_verbs_5_ranks, full_net_verbs_5_ranks;
 }
 
 /// The full matrix's other rank counts (CI covers them by the slices' 1, 2, 3 and 8 ranks).

@@ -140,7 +140,10 @@ fn multihost_child() {
             let (a, b) = (info.rank, (info.rank + p) % info.world_size);
             let want = if layout.host_of(a) == layout.host_of(b) {
                 "shm"
-            } else if net_kind == weftcc::transports::net::NetKind::Ofi {
+            } else if matches!(
+                net_kind,
+                weftcc::transports::net::NetKind::Ofi | weftcc::transports::net::NetKind::Ib
+            ) {
                 "net"
             } else {
                 "tcp"
@@ -334,12 +337,26 @@ fn two_hosts_two_ranks_each() {
     let Some(hosts) = two_hosts_or_skip("multihost") else {
         return;
     };
-    run_two_hosts(&hosts, false);
-    // The same over the RDMA code path: libfabric's tcp provider between the namespaces.
-    match weftcc::transports::net::ofi::OfiProvider::open(Some("tcp"), false) {
-        Ok(_) => run_two_hosts(&hosts, true),
-        Err(e) => println!("multihost over libfabric: SKIPPED ({e})"),
+    run_two_hosts(&hosts, Across::Tcp);
+    // The same over the RDMA code path: libfabric's tcp provider between the namespaces, and
+    // the verbs provider on the emulated RDMA device (its NICs' path sockets reach across
+    // network namespaces).
+    if common::wire_available(common::Wire::Net) {
+        run_two_hosts(&hosts, Across::Ofi);
     }
+    if common::wire_available(common::Wire::NetVerbs) {
+        run_two_hosts(&hosts, Across::Verbs);
+    }
+}
+
+/// What carries the ranks' traffic between the two hosts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Across {
+    Tcp,
+    /// libfabric's tcp provider (`WEFT_NET=ofi WEFT_OFI_PROVIDER=tcp`).
+    Ofi,
+    /// The verbs provider on the emulated RDMA device (`WEFT_NET=ib WEFT_IB_LIBRARY=...`).
+    Verbs,
 }
 
 /// Rank `rank` of four on the two hosts (two each), running this binary's test `child` in
@@ -370,8 +387,8 @@ fn rank_on_two_hosts(
     cmd
 }
 
-/// Four ranks on the two hosts: TCP across them, or (`ofi`) libfabric's tcp provider.
-fn run_two_hosts(hosts: &Hosts, ofi: bool) {
+/// Four ranks on the two hosts, `across` them TCP or a network provider.
+fn run_two_hosts(hosts: &Hosts, across: Across) {
     // The shaped link's figures for the tuner: 1 Gbit/s, TCP latency.
     let cal_path = std::env::temp_dir().join(format!("weft-mh-cal-{}.json", std::process::id()));
     std::fs::write(
@@ -382,18 +399,26 @@ fn run_two_hosts(hosts: &Hosts, ofi: bool) {
     let token = format!("mh{}", std::process::id());
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..4 {
-        let child = rank_on_two_hosts(hosts, rank, "multihost_child", "1", 29400, &token)
-            .env("WEFT_TIMEOUT", "90")
+        let mut cmd = rank_on_two_hosts(hosts, rank, "multihost_child", "1", 29400, &token);
+        cmd.env("WEFT_TIMEOUT", "90")
             .env("WEFT_DEBUG", "INFO")
             .env("WEFT_DEBUG_SUBSYS", "TUNING,NET")
             .env("WEFT_CALIBRATION", &cal_path)
-            .env("WEFT_NET", if ofi { "ofi" } else { "socket" })
-            .env("WEFT_OFI_PROVIDER", "tcp")
             .env_remove("WEFT_ALGO")
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn a rank");
+            .stderr(Stdio::piped());
+        match across {
+            Across::Tcp => cmd.env("WEFT_NET", "socket"),
+            Across::Ofi => cmd.env("WEFT_NET", "ofi").env("WEFT_OFI_PROVIDER", "tcp"),
+            Across::Verbs => cmd
+                .env("WEFT_NET", "ib")
+                .env(
+                    "WEFT_IB_LIBRARY",
+                    weftcc::transports::net::verbs::EMULATOR.unwrap_or_default(),
+                )
+                .env("WEFT_IB_TIMEOUT", "14"),
+        };
+        let child = cmd.spawn().expect("spawn a rank");
         children.push(child);
     }
     let _dog = watchdog(
@@ -405,7 +430,11 @@ fn run_two_hosts(hosts: &Hosts, ofi: bool) {
         .map(|c| c.wait_with_output().expect("wait for a rank"))
         .collect();
     let _ = std::fs::remove_file(&cal_path);
-    let label = if ofi { "NET/OFI/tcp" } else { "TCP" };
+    let label = match across {
+        Across::Tcp => "TCP",
+        Across::Ofi => "NET/OFI/tcp",
+        Across::Verbs => "NET/IB/weftemu0",
+    };
     println!("multihost over {label}:");
     let mut failures = Vec::new();
     for (rank, o) in outputs.iter().enumerate() {
@@ -429,10 +458,10 @@ fn run_two_hosts(hosts: &Hosts, ofi: bool) {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-    if ofi {
+    if across != Across::Tcp {
         let log = String::from_utf8_lossy(&outputs[0].stderr);
         assert!(
-            log.contains("via NET/OFI/tcp"),
+            log.contains(&format!("via {label}")),
             "rank 0 did not log its network connections:\n{log}"
         );
     }

@@ -163,6 +163,21 @@ fn start(n: usize, extra_env: &[(&str, &str)]) -> Job {
 }
 
 fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> Job {
+    start_ranks(n, role, port, |_| {
+        extra_env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    })
+}
+
+/// [`start_role`] with each rank's own extra environment.
+fn start_ranks(
+    n: usize,
+    role: &str,
+    port: &str,
+    env_of: impl Fn(usize) -> Vec<(String, String)>,
+) -> Job {
     let exe = std::env::current_exe().unwrap();
     let (tx, rx) = mpsc::channel();
     let mut children = Vec::new();
@@ -183,7 +198,7 @@ fn start_role(n: usize, role: &str, port: &str, extra_env: &[(&str, &str)]) -> J
         .env("WEFT_JOB_TOKEN", format!("process-failures-{port}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-        for (k, v) in extra_env {
+        for (k, v) in env_of(rank) {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
@@ -662,4 +677,109 @@ fn weft_status_reports_the_timeout_or_the_mismatch_the_job_failed_with() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Faults of the emulated RDMA device: every rank a host of its own over the verbs provider.
+// ---------------------------------------------------------------------------------------------
+
+/// A rank's environment for the verbs provider on the emulated RDMA device (a host of its own;
+/// 67 ms per ACK timeout, so that a silent peer fails its writes within about half a second).
+fn verbs_rank_env(rank: usize) -> Vec<(String, String)> {
+    let lib = weftcc::transports::net::verbs::EMULATOR.unwrap_or_default();
+    [
+        ("WEFT_NET", "ib".to_string()),
+        ("WEFT_IB_LIBRARY", lib.to_string()),
+        ("WEFT_IB_TIMEOUT", "14".to_string()),
+        ("WEFT_HOST_ID", format!("verbs-host-{rank}")),
+        ("WEFT_TIMEOUT", "60".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// `n` ranks all-reduce in a loop over the emulated device; rank `victim` runs with the fault
+/// knob `knob`. Every rank in `reporting` must report `PeerLost` naming a peer (the victim, or
+/// for the victim itself any peer) within `limit` of the others being ready; returns the job.
+fn verbs_fault(
+    n: usize,
+    victim: usize,
+    knob: (&str, &str),
+    reporting: &[usize],
+    limit: Duration,
+) -> Job {
+    if !common::wire_available(common::Wire::NetVerbs) {
+        panic!("the emulated RDMA device is not built: nothing to test");
+    }
+    let port = free_port().to_string();
+    let job = start_ranks(n, "allreduce-loop", &port, |rank| {
+        let mut env = verbs_rank_env(rank);
+        if rank == victim {
+            env.push((knob.0.to_string(), knob.1.to_string()));
+        }
+        env
+    });
+    // The fault fires some hundreds of work requests in, after every rank's first all-reduce.
+    wait_ready(&job, n);
+    let since = Instant::now();
+    let mut errors = collect_errors(&job, reporting, since, limit);
+    errors.sort_by_key(|e| e.1);
+    let mut departed: Vec<usize> = Vec::new();
+    for (rank, after, line) in &errors {
+        eprintln!(
+            "{}={} on rank {victim}: rank {rank} after {after:?}: {line}",
+            knob.0, knob.1
+        );
+        let named = |p: usize| line.starts_with(&format!("ERROR PeerLost {p} "));
+        // The victim names the peer of its failed queue pair; another rank names the victim,
+        // a rank that departed before it, or the peer the victim reported (the failure note
+        // every rank reads says "reported by rank <victim>").
+        let by_victim = line.contains(&format!("reported by rank {victim}"));
+        let ok = (0..n).filter(|&p| p != *rank).any(|p| {
+            named(p) && (*rank == victim || p == victim || departed.contains(&p) || by_victim)
+        });
+        assert!(ok, "rank {rank}: {line} (departed before it: {departed:?})");
+        assert!(
+            *after <= limit,
+            "rank {rank} noticed after {after:?}: {line}"
+        );
+        departed.push(*rank);
+    }
+    job
+}
+
+/// A peer vanishing between a data write and its flag (the emulator exits the victim's process
+/// at its first small write after 300 large ones): `PeerLost` naming it on every other rank,
+/// within 5 s. (Data under relaxed placement is checked byte by byte in conformance.rs.)
+#[test]
+fn verbs_emulated_peer_vanishing_between_data_and_flag_is_peer_lost_everywhere() {
+    let mut job = verbs_fault(
+        3,
+        1,
+        ("WEFT_IBEMU_VANISH_AFTER", "300"),
+        &[0, 2],
+        Duration::from_secs(5),
+    );
+    let status = job.children[1].wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(41),
+        "the victim exited through the knob"
+    );
+}
+
+/// A queue pair forced to ERR mid-job (every queue pair of the victim at its 400th post): the
+/// victim reports `PeerLost` naming the peer of the failed queue pair, the others report the
+/// victim (their writes into its failed queue pairs exhaust their retries, or its connections
+/// close), all within 5 s.
+#[test]
+fn verbs_emulated_queue_pair_forced_to_err_is_an_error_on_every_rank() {
+    let _job = verbs_fault(
+        3,
+        2,
+        ("WEFT_IBEMU_QP_ERR_AFTER", "400"),
+        &[0, 1, 2],
+        Duration::from_secs(5),
+    );
 }

@@ -96,6 +96,22 @@ settings! {
         "Queue-pair ACK timeout exponent.";
     IB_RETRY_CNT = "WEFT_IB_RETRY_CNT", Number { min: 0, max: 7 }, "7",
         "Queue-pair retries before a write fails.";
+    IB_LIBRARY = "WEFT_IB_LIBRARY", Path, "libibverbs.so.1",
+        "The verbs library to load (the tests' emulated RDMA device; never found by the search path).";
+    IBEMU_DIR = "WEFT_IBEMU_DIR", Path, "/tmp/weft-ibemu-<uid>",
+        "Emulated RDMA device: directory of its NICs' sockets (path sockets reach other network namespaces).";
+    IBEMU_DELAY_WRITES_US = "WEFT_IBEMU_DELAY_WRITES_US", Micros, "0",
+        "Emulated RDMA device: RDMA writes over 64 bytes placed this late, later small writes not held back (relaxed ordering).";
+    IBEMU_RTR_DELAY_MS = "WEFT_IBEMU_RTR_DELAY_MS", Number { min: 0, max: 60000 }, "0",
+        "Emulated RDMA device: the larger-numbered queue pair of a connection reaches RTR this many ms late.";
+    IBEMU_QP_ERR_AFTER = "WEFT_IBEMU_QP_ERR_AFTER", Number { min: 0, max: 1 << 40 }, "0",
+        "Emulated RDMA device: each queue pair goes to ERR at its n-th post (0: never).";
+    IBEMU_VANISH_AFTER = "WEFT_IBEMU_VANISH_AFTER", Number { min: 0, max: 1 << 40 }, "0",
+        "Emulated RDMA device: the process exits (41) at its first small write after n large ones (0: never).";
+    IBEMU_CQE_DELAY_US = "WEFT_IBEMU_CQE_DELAY_US", Micros, "0",
+        "Emulated RDMA device: completions become visible this late.";
+    IBEMU_MAX_INLINE = "WEFT_IBEMU_MAX_INLINE", Number { min: 0, max: 1024 }, "64",
+        "Emulated RDMA device: largest inline payload of a queue pair.";
     IB_QPS_PER_CONNECTION = "WEFT_IB_QPS_PER_CONNECTION", Number { min: 1, max: 16 }, "1",
         "Endpoints (queue pairs) per network connection.";
     OFI_PROVIDER = "WEFT_OFI_PROVIDER", Text, "the first with RDMA hardware",
@@ -106,6 +122,9 @@ settings! {
         "Smallest copied message a waiting receiver offers to be written straight into.";
     NET_GDR_LEVEL = "WEFT_NET_GDR_LEVEL", Text, "PXB",
         "Farthest GPU-NIC path for GPUDirect RDMA: LOC, PIX, PXB, PHB, NODE, SYS or 0-4.";
+
+    REQUIRE_NET_TESTS = "WEFT_REQUIRE_NET_TESTS", Flag, "off",
+        "Tests of the network providers (libfabric's tcp provider, the emulated RDMA device) fail instead of skipping when their prerequisite is missing (CI sets it).";
 
     // GPUs.
     CUDA_DISABLE = "WEFT_CUDA_DISABLE", Flag, "off",

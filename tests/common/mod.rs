@@ -18,17 +18,42 @@ pub enum Wire {
     /// As `Net`, over the in-memory fabric of this process (`WEFT_NET=loopback`): the network
     /// path with no device and no libfabric.
     NetLoopback,
+    /// As `Net`, over the verbs provider on the emulated RDMA device (`WEFT_NET=ib
+    /// WEFT_IB_LIBRARY=<the emulator this build made>`): queue pairs, keys and completions
+    /// through the shim, packets over the emulated NIC's Unix socket.
+    NetVerbs,
 }
 
-/// Whether libfabric's tcp provider opens here (else `Wire::Net` tests skip, saying so).
+/// Whether `wire`'s prerequisite is here: libfabric's tcp provider for `Wire::Net`, the
+/// emulated RDMA device for `Wire::NetVerbs`. When it is not, the test skips saying so, or
+/// fails where `WEFT_REQUIRE_NET_TESTS=1` (CI).
+pub fn wire_available(wire: Wire) -> bool {
+    let missing = match wire {
+        Wire::Net => match weftcc::transports::net::ofi::OfiProvider::open(Some("tcp"), false) {
+            Ok(_) => None,
+            Err(e) => Some(format!("libfabric's tcp provider is not usable here: {e}")),
+        },
+        Wire::NetVerbs => match weftcc::transports::net::verbs::EMULATOR {
+            Some(_) => None,
+            None => Some(
+                "the emulated RDMA device was not built (install libibverbs-dev and rebuild)"
+                    .to_string(),
+            ),
+        },
+        _ => None,
+    };
+    let Some(why) = missing else { return true };
+    assert!(
+        !weftcc_settings::REQUIRE_NET_TESTS.flag().unwrap_or(true),
+        "WEFT_REQUIRE_NET_TESTS=1 and {why}"
+    );
+    println!("SKIPPED: {why}");
+    false
+}
+
+/// Whether libfabric's tcp provider opens here ([`wire_available`] for `Wire::Net`).
 pub fn net_available() -> bool {
-    match weftcc::transports::net::ofi::OfiProvider::open(Some("tcp"), false) {
-        Ok(_) => true,
-        Err(e) => {
-            println!("SKIPPED: libfabric's tcp provider is not usable here: {e}");
-            false
-        }
-    }
+    wire_available(Wire::Net)
 }
 
 pub fn config(wire: Wire) -> CommConfig {
@@ -50,6 +75,22 @@ pub fn config(wire: Wire) -> CommConfig {
             ..weftcc::transports::net::NetChoice::default()
         };
     }
+    if wire == Wire::NetVerbs {
+        let mut verbs = weftcc::transports::net::verbs::VerbsConfig {
+            library: weftcc::transports::net::verbs::EMULATOR.map(Into::into),
+            ..c.net.verbs.clone()
+        };
+        if !weftcc_settings::IB_TIMEOUT.is_set() {
+            // 4.096 µs × 2^14 ≈ 67 ms per retry: a lost peer fails within a second.
+            verbs.timeout = 14;
+        }
+        c.net = weftcc::transports::net::NetChoice {
+            kind: weftcc::transports::net::NetKind::Ib,
+            verbs,
+            rendezvous: weftcc::transports::net::stream::TEST_RENDEZVOUS,
+            ..weftcc::transports::net::NetChoice::default()
+        };
+    }
     if wire == Wire::NetLoopback {
         c.net = weftcc::transports::net::NetChoice {
             kind: weftcc::transports::net::NetKind::Loopback,
@@ -63,7 +104,7 @@ pub fn config(wire: Wire) -> CommConfig {
 /// its own.
 pub fn rank_config(wire: Wire, rank: usize) -> CommConfig {
     let mut c = config(wire);
-    if matches!(wire, Wire::Net | Wire::NetLoopback) {
+    if matches!(wire, Wire::Net | Wire::NetLoopback | Wire::NetVerbs) {
         c.host_id = format!("net-host-{rank}");
     }
     c

@@ -17,95 +17,118 @@
 
 #include <infiniband/verbs.h>
 
-static struct ibv_device **(*p_get_device_list)(int *);
-static void (*p_free_device_list)(struct ibv_device **);
-static const char *(*p_get_device_name)(struct ibv_device *);
-static struct ibv_context *(*p_open_device)(struct ibv_device *);
-static int (*p_close_device)(struct ibv_context *);
-static int (*p_query_device)(struct ibv_context *, struct ibv_device_attr *);
-static int (*p_query_port)(struct ibv_context *, uint8_t, struct _compat_ibv_port_attr *);
-static int (*p_query_gid)(struct ibv_context *, uint8_t, int, union ibv_gid *);
-static struct ibv_pd *(*p_alloc_pd)(struct ibv_context *);
-static int (*p_dealloc_pd)(struct ibv_pd *);
-static struct ibv_mr *(*p_reg_mr)(struct ibv_pd *, void *, size_t, int);
-static int (*p_dereg_mr)(struct ibv_mr *);
-static struct ibv_cq *(*p_create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *,
-                                     int);
-static int (*p_destroy_cq)(struct ibv_cq *);
-static struct ibv_qp *(*p_create_qp)(struct ibv_pd *, struct ibv_qp_init_attr *);
-static int (*p_destroy_qp)(struct ibv_qp *);
-static int (*p_modify_qp)(struct ibv_qp *, struct ibv_qp_attr *, int);
-static const char *(*p_wc_status_str)(enum ibv_wc_status);
+/* One loaded verbs library: its entry points. Libraries are loaded once per path and never
+ * unloaded (contexts opened through one keep a pointer to it); a process may hold several
+ * (the system's libibverbs.so.1 and the tests' emulated device). */
+struct weft_ibv_lib {
+    struct weft_ibv_lib *next;
+    char path[4096];
+    struct ibv_device **(*get_device_list)(int *);
+    void (*free_device_list)(struct ibv_device **);
+    const char *(*get_device_name)(struct ibv_device *);
+    struct ibv_context *(*open_device)(struct ibv_device *);
+    int (*close_device)(struct ibv_context *);
+    int (*query_device)(struct ibv_context *, struct ibv_device_attr *);
+    int (*query_port)(struct ibv_context *, uint8_t, struct _compat_ibv_port_attr *);
+    int (*query_gid)(struct ibv_context *, uint8_t, int, union ibv_gid *);
+    struct ibv_pd *(*alloc_pd)(struct ibv_context *);
+    int (*dealloc_pd)(struct ibv_pd *);
+    struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
+    int (*dereg_mr)(struct ibv_mr *);
+    struct ibv_cq *(*create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *, int);
+    int (*destroy_cq)(struct ibv_cq *);
+    struct ibv_qp *(*create_qp)(struct ibv_pd *, struct ibv_qp_init_attr *);
+    int (*destroy_qp)(struct ibv_qp *);
+    int (*modify_qp)(struct ibv_qp *, struct ibv_qp_attr *, int);
+    const char *(*wc_status_str)(enum ibv_wc_status);
+};
 
-#define LOAD(sym, name)                                                                           \
+static struct weft_ibv_lib *loaded;
+
+#define LOAD(field, name)                                                                         \
     do {                                                                                          \
-        *(void **)(&sym) = dlsym(h, name);                                                        \
-        if (!sym) {                                                                               \
-            snprintf(err, errlen, "libibverbs.so.1 lacks %s", name);                              \
+        *(void **)(&l->field) = dlsym(h, name);                                                   \
+        if (!l->field) {                                                                          \
+            snprintf(err, errlen, "%s lacks %s", want, name);                                     \
             dlclose(h);                                                                           \
+            free(l);                                                                              \
             return -ENOSYS;                                                                       \
         }                                                                                         \
     } while (0)
 
-/* Loads libibverbs once (callers serialize: the provider is opened under a lock). */
-int weft_ibv_load(char *err, size_t errlen) {
-    static void *lib;
-    if (lib)
-        return 0;
-    void *h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
+/* Loads a verbs library once: `path` (WEFT_IB_LIBRARY, e.g. the emulated device of the tests),
+ * or libibverbs.so.1 from the library search path when it is NULL; *out is the library
+ * (callers serialize: providers are opened under a lock). */
+int weft_ibv_load(const char *path, struct weft_ibv_lib **out, char *err, size_t errlen) {
+    const char *want = path ? path : "libibverbs.so.1";
+    for (struct weft_ibv_lib *l = loaded; l; l = l->next)
+        if (strcmp(l->path, want) == 0) {
+            *out = l;
+            return 0;
+        }
+    struct weft_ibv_lib *l = calloc(1, sizeof *l);
+    if (!l)
+        return -ENOMEM;
+    if (strlen(want) >= sizeof l->path) {
+        snprintf(err, errlen, "library path of %zu bytes is too long", strlen(want));
+        free(l);
+        return -ENAMETOOLONG;
+    }
+    void *h = dlopen(want, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-        snprintf(err, errlen, "cannot load libibverbs.so.1: %s", dlerror());
+        snprintf(err, errlen, "cannot load %s: %s", want, dlerror());
+        free(l);
         return -ENOSYS;
     }
-    LOAD(p_get_device_list, "ibv_get_device_list");
-    LOAD(p_free_device_list, "ibv_free_device_list");
-    LOAD(p_get_device_name, "ibv_get_device_name");
-    LOAD(p_open_device, "ibv_open_device");
-    LOAD(p_close_device, "ibv_close_device");
-    LOAD(p_query_device, "ibv_query_device");
-    LOAD(p_query_port, "ibv_query_port");
-    LOAD(p_query_gid, "ibv_query_gid");
-    LOAD(p_alloc_pd, "ibv_alloc_pd");
-    LOAD(p_dealloc_pd, "ibv_dealloc_pd");
-    LOAD(p_reg_mr, "ibv_reg_mr");
-    LOAD(p_dereg_mr, "ibv_dereg_mr");
-    LOAD(p_create_cq, "ibv_create_cq");
-    LOAD(p_destroy_cq, "ibv_destroy_cq");
-    LOAD(p_create_qp, "ibv_create_qp");
-    LOAD(p_destroy_qp, "ibv_destroy_qp");
-    LOAD(p_modify_qp, "ibv_modify_qp");
-    LOAD(p_wc_status_str, "ibv_wc_status_str");
-    lib = h;
+    LOAD(get_device_list, "ibv_get_device_list");
+    LOAD(free_device_list, "ibv_free_device_list");
+    LOAD(get_device_name, "ibv_get_device_name");
+    LOAD(open_device, "ibv_open_device");
+    LOAD(close_device, "ibv_close_device");
+    LOAD(query_device, "ibv_query_device");
+    LOAD(query_port, "ibv_query_port");
+    LOAD(query_gid, "ibv_query_gid");
+    LOAD(alloc_pd, "ibv_alloc_pd");
+    LOAD(dealloc_pd, "ibv_dealloc_pd");
+    LOAD(reg_mr, "ibv_reg_mr");
+    LOAD(dereg_mr, "ibv_dereg_mr");
+    LOAD(create_cq, "ibv_create_cq");
+    LOAD(destroy_cq, "ibv_destroy_cq");
+    LOAD(create_qp, "ibv_create_qp");
+    LOAD(destroy_qp, "ibv_destroy_qp");
+    LOAD(modify_qp, "ibv_modify_qp");
+    LOAD(wc_status_str, "ibv_wc_status_str");
+    snprintf(l->path, sizeof l->path, "%s", want);
+    l->next = loaded;
+    loaded = l;
+    *out = l;
     return 0;
 }
 
-const char *weft_ibv_status_str(int status) {
-    return p_wc_status_str ? p_wc_status_str((enum ibv_wc_status)status) : "unknown status";
-}
-
 /* The names of the verbs devices, NUL-separated into names; their count, or -errno. */
-int weft_ibv_devices(char *names, size_t len) {
+int weft_ibv_devices(const struct weft_ibv_lib *l, char *names, size_t len) {
     int n = 0;
     errno = 0;
-    struct ibv_device **list = p_get_device_list(&n);
+    struct ibv_device **list = l->get_device_list(&n);
     if (!list)
         return errno ? -errno : -ENODEV;
     size_t at = 0;
     int count = 0;
     for (int i = 0; i < n; i++) {
-        const char *name = p_get_device_name(list[i]);
-        size_t l = strlen(name) + 1;
-        if (at + l > len)
+        const char *name = l->get_device_name(list[i]);
+        size_t n_ = strlen(name) + 1;
+        if (at + n_ > len)
             break;
-        memcpy(names + at, name, l);
-        at += l;
+        memcpy(names + at, name, n_);
+        at += n_;
         count++;
     }
-    p_free_device_list(list);
+    l->free_device_list(list);
     return count;
 }
 
 struct weft_ibv_ctx {
+    const struct weft_ibv_lib *lib;
     struct ibv_context *ctx;
     struct ibv_pd *pd;
     int ports;
@@ -123,38 +146,41 @@ void weft_ibv_close(struct weft_ibv_ctx *c) {
     if (!c)
         return;
     if (c->pd)
-        p_dealloc_pd(c->pd);
+        c->lib->dealloc_pd(c->pd);
     if (c->ctx)
-        p_close_device(c->ctx);
+        c->lib->close_device(c->ctx);
     free(c);
 }
 
 /* Opens device `name` with a protection domain; its port count in *ports. */
-int weft_ibv_open(const char *name, struct weft_ibv_ctx **out, int *ports) {
+int weft_ibv_open(const struct weft_ibv_lib *l, const char *name, struct weft_ibv_ctx **out,
+                  int *ports) {
     int n = 0;
-    struct ibv_device **list = p_get_device_list(&n);
+    struct ibv_device **list = l->get_device_list(&n);
     if (!list)
         return errno ? -errno : -ENODEV;
     struct ibv_device *dev = NULL;
     for (int i = 0; i < n; i++)
-        if (strcmp(p_get_device_name(list[i]), name) == 0)
+        if (strcmp(l->get_device_name(list[i]), name) == 0)
             dev = list[i];
     struct weft_ibv_ctx *c = calloc(1, sizeof *c);
     int rc = 0;
+    if (c)
+        c->lib = l;
     if (!c)
         rc = -ENOMEM;
     else if (!dev)
         rc = -ENODEV;
-    else if (!(c->ctx = p_open_device(dev)))
+    else if (!(c->ctx = l->open_device(dev)))
         rc = errno ? -errno : -EIO;
-    p_free_device_list(list);
+    l->free_device_list(list);
     if (rc) {
         free(c);
         return rc;
     }
     struct ibv_device_attr attr;
     memset(&attr, 0, sizeof attr);
-    if ((rc = p_query_device(c->ctx, &attr)) != 0 || !(c->pd = p_alloc_pd(c->ctx))) {
+    if ((rc = l->query_device(c->ctx, &attr)) != 0 || !(c->pd = l->alloc_pd(c->ctx))) {
         weft_ibv_close(c);
         return rc ? -abs(rc) : -ENOMEM;
     }
@@ -171,7 +197,7 @@ int weft_ibv_port(struct weft_ibv_ctx *c, int port, struct weft_ibv_port_info *i
      * else the exported compatible one. */
     struct verbs_context *vctx = verbs_get_ctx_op(c->ctx, query_port);
     int rc = vctx ? vctx->query_port(c->ctx, port, &attr, sizeof attr)
-                  : p_query_port(c->ctx, port, (struct _compat_ibv_port_attr *)&attr);
+                  : c->lib->query_port(c->ctx, port, (struct _compat_ibv_port_attr *)&attr);
     if (rc)
         return -abs(rc);
     info->state = attr.state;
@@ -184,7 +210,7 @@ int weft_ibv_port(struct weft_ibv_ctx *c, int port, struct weft_ibv_port_info *i
 
 int weft_ibv_gid(struct weft_ibv_ctx *c, int port, int index, uint8_t gid[16]) {
     union ibv_gid g;
-    int rc = p_query_gid(c->ctx, port, index, &g);
+    int rc = c->lib->query_gid(c->ctx, port, index, &g);
     if (rc)
         return -abs(rc);
     memcpy(gid, g.raw, 16);
@@ -193,8 +219,7 @@ int weft_ibv_gid(struct weft_ibv_ctx *c, int port, int index, uint8_t gid[16]) {
 
 int weft_ibv_reg(struct weft_ibv_ctx *c, void *buf, size_t len, struct ibv_mr **mr,
                  uint32_t *lkey, uint32_t *rkey) {
-    *mr = p_reg_mr(c->pd, buf, len,
-                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    *mr = c->lib->reg_mr(c->pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!*mr)
         return errno ? -errno : -ENOMEM;
     *lkey = (*mr)->lkey;
@@ -202,12 +227,17 @@ int weft_ibv_reg(struct weft_ibv_ctx *c, void *buf, size_t len, struct ibv_mr **
     return 0;
 }
 
-void weft_ibv_dereg(struct ibv_mr *mr) {
+void weft_ibv_dereg(struct weft_ibv_ctx *c, struct ibv_mr *mr) {
     if (mr)
-        p_dereg_mr(mr);
+        c->lib->dereg_mr(mr);
+}
+
+const char *weft_ibv_status_str(struct weft_ibv_ctx *c, int status) {
+    return c->lib->wc_status_str((enum ibv_wc_status)status);
 }
 
 struct weft_ibv_qp {
+    const struct weft_ibv_lib *lib;
     struct ibv_qp *qp;
     struct ibv_cq *cq;
     int port;
@@ -217,9 +247,9 @@ void weft_ibv_qp_close(struct weft_ibv_qp *q) {
     if (!q)
         return;
     if (q->qp)
-        p_destroy_qp(q->qp);
+        q->lib->destroy_qp(q->qp);
     if (q->cq)
-        p_destroy_cq(q->cq);
+        q->lib->destroy_cq(q->cq);
     free(q);
 }
 
@@ -230,7 +260,8 @@ int weft_ibv_qp_open(struct weft_ibv_ctx *c, int port, int depth, struct weft_ib
     if (!q)
         return -ENOMEM;
     q->port = port;
-    q->cq = p_create_cq(c->ctx, depth, NULL, NULL, 0);
+    q->lib = c->lib;
+    q->cq = c->lib->create_cq(c->ctx, depth, NULL, NULL, 0);
     if (!q->cq) {
         free(q);
         return errno ? -errno : -ENOMEM;
@@ -244,8 +275,15 @@ int weft_ibv_qp_open(struct weft_ibv_ctx *c, int port, int depth, struct weft_ib
     init.cap.max_recv_wr = 1;
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
+    /* Control words go inline where the device takes 64 bytes (16 are enough); a device that
+     * takes less fails the creation, and the queue pair is made without inline data (the words
+     * then go from registered slots). */
     init.cap.max_inline_data = 64;
-    q->qp = p_create_qp(c->pd, &init);
+    q->qp = c->lib->create_qp(c->pd, &init);
+    if (!q->qp) {
+        init.cap.max_inline_data = 0;
+        q->qp = c->lib->create_qp(c->pd, &init);
+    }
     if (!q->qp) {
         int e = errno ? -errno : -ENOMEM;
         weft_ibv_qp_close(q);
@@ -257,7 +295,7 @@ int weft_ibv_qp_open(struct weft_ibv_ctx *c, int port, int depth, struct weft_ib
     attr.pkey_index = 0;
     attr.port_num = port;
     attr.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
-    int rc = p_modify_qp(q->qp, &attr,
+    int rc = q->lib->modify_qp(q->qp, &attr,
                          IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
     if (rc) {
         weft_ibv_qp_close(q);
@@ -301,7 +339,7 @@ int weft_ibv_qp_connect(struct weft_ibv_qp *q, const struct weft_ibv_peer *p) {
         attr.ah_attr.grh.sgid_index = p->gid_index;
         attr.ah_attr.grh.hop_limit = 255;
     }
-    int rc = p_modify_qp(q->qp, &attr,
+    int rc = q->lib->modify_qp(q->qp, &attr,
                          IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
                              IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
     if (rc)
@@ -313,7 +351,7 @@ int weft_ibv_qp_connect(struct weft_ibv_qp *q, const struct weft_ibv_peer *p) {
     attr.rnr_retry = 7;
     attr.sq_psn = p->my_psn;
     attr.max_rd_atomic = 1;
-    rc = p_modify_qp(q->qp, &attr,
+    rc = q->lib->modify_qp(q->qp, &attr,
                      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
     return rc ? -abs(rc) : 0;

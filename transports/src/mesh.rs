@@ -411,8 +411,11 @@ impl IdleWaiter for MeshWaiter {
             return Ok(());
         }
         let (want_shm, want_tcp, want_net) = self.wants(interest);
-        let max = if want_net {
-            net::stream::progress_all();
+        // Network connections move only when polled: poll them whatever this wait is for, and
+        // wake again soon while one owes its peer a word (a head behind its data's
+        // completion), since that peer may be what the peers waited for are waiting on.
+        let owed = net::stream::progress_all();
+        let max = if want_net || owed {
             max.min(net::stream::NET_POLL_SLICE)
         } else {
             max

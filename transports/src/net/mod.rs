@@ -262,11 +262,12 @@ pub trait Provider: Send + Sync {
     }
 }
 
-/// One end of a reliable, ordered connection to one peer's endpoint.
+/// One end of a reliable connection to one peer's endpoint.
 ///
-/// Writes posted on one endpoint are placed at the peer in the order they were posted (RDMA
-/// write-after-write ordering on a reliable connection): the stream protocol writes the data
-/// and then the head, and relies on it.
+/// Writes posted on one endpoint arrive in the order they were posted; whether they are also
+/// placed in that order is [`Endpoint::placement_ordered`]: where it is, the stream protocol
+/// writes the data and then the head at once, and elsewhere the head only once the data's
+/// writes completed.
 pub trait Endpoint: Send {
     /// This endpoint's address, for the peer's [`Endpoint::connect`].
     fn address(&self) -> NetResult<Vec<u8>>;
@@ -276,6 +277,14 @@ pub trait Endpoint: Send {
     fn max_outstanding(&self) -> usize;
     /// Largest payload [`Endpoint::write_inline`] takes.
     fn inline_max(&self) -> usize;
+    /// Whether a reader of the peer's memory sees this endpoint's writes placed in the order
+    /// they were posted. Verbs does not promise it (the InfiniBand specification orders
+    /// write-after-write on the wire, not their placement as a polling CPU sees it: relaxed
+    /// ordering, adaptive routing), so a flag behind its data must wait for the data's
+    /// completion there; libfabric's `FI_ORDER_RMA_WAW` does promise it.
+    fn placement_ordered(&self) -> bool {
+        true
+    }
     /// Posts a write of the registered `src` range to `dst` of the peer's region. The source
     /// must stay unchanged until the write completes.
     fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted>;

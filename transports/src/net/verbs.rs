@@ -16,8 +16,12 @@
 //!   `WEFT_IB_RETRY_CNT` (0–7, default 7): how long a queue pair retries before its writes fail,
 //!   which the connection turns into `PeerLost` naming the peer.
 //!
-//! Compiled, not run: no RDMA hardware has been available to this project's tests; everything
-//! above the shim (parsing, device and GID choice) is tested here.
+//! * `WEFT_IB_LIBRARY`: the library loaded instead of `libibverbs.so.1` (the tests load the
+//!   emulated RDMA device, [`EMULATOR`], this way).
+//!
+//! Run on the emulated RDMA device (`csrc/ibemu.c`: the conformance suite, the queue-pair tests
+//! of `tests/verbs_emulated.rs`, the collectives matrix, the fault tests), never on RDMA
+//! hardware: none has been available to this project.
 
 use super::NetResult;
 use crate::error::{Result, TransportError};
@@ -119,7 +123,15 @@ pub struct VerbsConfig {
     pub timeout: u8,
     /// `WEFT_IB_RETRY_CNT`.
     pub retry_cnt: u8,
+    /// `WEFT_IB_LIBRARY`: the verbs library to load instead of `libibverbs.so.1` from the
+    /// search path (the tests' emulated device, [`EMULATOR`]).
+    pub library: Option<std::path::PathBuf>,
 }
+
+/// The emulated RDMA device this build made (`csrc/ibemu.c`, built where the verbs headers
+/// are installed): a stand-in for `libibverbs.so.1` whose wire runs over Unix sockets between
+/// the processes of this machine. Loaded only when [`VerbsConfig::library`] names it.
+pub const EMULATOR: Option<&str> = option_env!("WEFTCC_IBEMU_LIBRARY");
 
 impl Default for VerbsConfig {
     fn default() -> Self {
@@ -128,20 +140,25 @@ impl Default for VerbsConfig {
             gid_index: None,
             timeout: 20,
             retry_cnt: 7,
+            library: None,
         }
     }
 }
 
 impl VerbsConfig {
-    /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`.
+    /// From `WEFT_IB_HCA`, `WEFT_IB_GID_INDEX`, `WEFT_IB_TIMEOUT`, `WEFT_IB_RETRY_CNT`,
+    /// `WEFT_IB_LIBRARY`.
     pub fn from_env() -> Result<VerbsConfig> {
-        use weftcc_settings::{IB_GID_INDEX, IB_HCA, IB_RETRY_CNT, IB_TIMEOUT};
-        VerbsConfig::parse(
-            IB_HCA.value().as_deref(),
-            IB_GID_INDEX.value().as_deref(),
-            IB_TIMEOUT.value().as_deref(),
-            IB_RETRY_CNT.value().as_deref(),
-        )
+        use weftcc_settings::{IB_GID_INDEX, IB_HCA, IB_LIBRARY, IB_RETRY_CNT, IB_TIMEOUT};
+        Ok(VerbsConfig {
+            library: IB_LIBRARY.path(),
+            ..VerbsConfig::parse(
+                IB_HCA.value().as_deref(),
+                IB_GID_INDEX.value().as_deref(),
+                IB_TIMEOUT.value().as_deref(),
+                IB_RETRY_CNT.value().as_deref(),
+            )?
+        })
     }
 
     /// From the variables' values (`None` where unset).
@@ -162,6 +179,7 @@ impl VerbsConfig {
             retry_cnt: IB_RETRY_CNT
                 .number_in(retry_cnt)?
                 .map_or(d.retry_cnt, |v| v as u8),
+            library: None,
         })
     }
 }
@@ -327,6 +345,10 @@ mod sys {
     use std::sync::Arc;
 
     #[repr(C)]
+    pub struct RawLib {
+        _private: [u8; 0],
+    }
+    #[repr(C)]
     pub struct RawCtx {
         _private: [u8; 0],
     }
@@ -365,10 +387,20 @@ mod sys {
     }
 
     extern "C" {
-        fn weft_ibv_load(err: *mut c_char, errlen: usize) -> c_int;
-        fn weft_ibv_status_str(status: c_int) -> *const c_char;
-        fn weft_ibv_devices(names: *mut c_char, len: usize) -> c_int;
-        fn weft_ibv_open(name: *const c_char, out: *mut *mut RawCtx, ports: *mut c_int) -> c_int;
+        fn weft_ibv_load(
+            path: *const c_char,
+            out: *mut *const RawLib,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        fn weft_ibv_status_str(c: *mut RawCtx, status: c_int) -> *const c_char;
+        fn weft_ibv_devices(lib: *const RawLib, names: *mut c_char, len: usize) -> c_int;
+        fn weft_ibv_open(
+            lib: *const RawLib,
+            name: *const c_char,
+            out: *mut *mut RawCtx,
+            ports: *mut c_int,
+        ) -> c_int;
         fn weft_ibv_close(c: *mut RawCtx);
         fn weft_ibv_port(c: *mut RawCtx, port: c_int, info: *mut RawPortInfo) -> c_int;
         fn weft_ibv_gid(c: *mut RawCtx, port: c_int, index: c_int, gid: *mut u8) -> c_int;
@@ -380,7 +412,7 @@ mod sys {
             lkey: *mut u32,
             rkey: *mut u32,
         ) -> c_int;
-        fn weft_ibv_dereg(mr: *mut RawMr);
+        fn weft_ibv_dereg(c: *mut RawCtx, mr: *mut RawMr);
         fn weft_ibv_qp_open(
             c: *mut RawCtx,
             port: c_int,
@@ -456,9 +488,22 @@ mod sys {
                 provider: PROVIDER,
                 detail,
             };
-            let mut err = [0u8; 256];
-            // SAFETY: `err` is writable for its length.
-            if unsafe { weft_ibv_load(err.as_mut_ptr().cast(), err.len()) } != 0 {
+            let mut err = [0u8; 512];
+            let path = match &cfg.library {
+                Some(p) => {
+                    Some(CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| {
+                        unavailable(format!("WEFT_IB_LIBRARY={p:?} holds a NUL byte"))
+                    })?)
+                }
+                None => None,
+            };
+            let path_ptr = path.as_ref().map_or(std::ptr::null(), |p| p.as_ptr());
+            let mut lib: *const RawLib = std::ptr::null();
+            // SAFETY: `err` is writable for its length; `path_ptr` is NULL or a C string that
+            // outlives the call; `lib` is a valid out-pointer. A loaded library is never
+            // unloaded: `lib` stays valid for the process's life.
+            if unsafe { weft_ibv_load(path_ptr, &mut lib, err.as_mut_ptr().cast(), err.len()) } != 0
+            {
                 let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
                 return Err(unavailable(
                     String::from_utf8_lossy(&err[..end]).into_owned(),
@@ -466,7 +511,7 @@ mod sys {
             }
             let mut names = vec![0u8; 4096];
             // SAFETY: `names` is writable for its length; the shim NUL-separates names in it.
-            let n = unsafe { weft_ibv_devices(names.as_mut_ptr().cast(), names.len()) };
+            let n = unsafe { weft_ibv_devices(lib, names.as_mut_ptr().cast(), names.len()) };
             if n < 0 {
                 return Err(unavailable(format!(
                     "no RDMA device ({})",
@@ -488,7 +533,7 @@ mod sys {
                 };
                 let (mut raw, mut nports) = (std::ptr::null_mut(), 0);
                 // SAFETY: valid C string and out-pointers.
-                if unsafe { weft_ibv_open(cname.as_ptr(), &mut raw, &mut nports) } != 0 {
+                if unsafe { weft_ibv_open(lib, cname.as_ptr(), &mut raw, &mut nports) } != 0 {
                     continue;
                 }
                 let ctx = Arc::new(Ctx(raw));
@@ -651,7 +696,7 @@ mod sys {
         fn drop(&mut self) {
             // SAFETY: registered by `weft_ibv_reg`, deregistered once, before the memory (see
             // `Region`) and after the queue pairs that used it (`EndpointState`).
-            unsafe { weft_ibv_dereg(self.mr) }
+            unsafe { weft_ibv_dereg(self._ctx.0, self.mr) }
         }
     }
 
@@ -750,6 +795,13 @@ mod sys {
             self.max_inline
         }
 
+        fn placement_ordered(&self) -> bool {
+            // A reliable connection delivers writes in order, but a CPU polling the peer's
+            // memory may see a later write placed before an earlier one (relaxed ordering):
+            // flags wait for their data's completion.
+            false
+        }
+
         fn write(&mut self, src: Source<'_>, dst: Target, wr_id: u64) -> NetResult<Posted> {
             let raddr = self.bounds(dst, src.len)?;
             src.check(PROVIDER)?;
@@ -806,9 +858,11 @@ mod sys {
                             Ok(())
                         } else {
                             // SAFETY: the shim returns a static string for any status.
-                            let text = unsafe { CStr::from_ptr(weft_ibv_status_str(status[i])) }
-                                .to_string_lossy()
-                                .into_owned();
+                            let text = unsafe {
+                                CStr::from_ptr(weft_ibv_status_str(self._ctx.0, status[i]))
+                            }
+                            .to_string_lossy()
+                            .into_owned();
                             Err(NetError::WorkFailed {
                                 provider: PROVIDER,
                                 wr_id: ids[i],

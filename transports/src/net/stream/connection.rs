@@ -165,7 +165,10 @@ impl NetConnection {
     /// Returns the bytes posted.
     fn post_data(&mut self, data: &[u8]) -> Result<usize> {
         let mut sent = 0usize;
-        let streams = lock(&self.io).eps.len();
+        let (streams, ordered) = {
+            let io = lock(&self.io);
+            (io.eps.len(), io.ordered)
+        };
         while sent < data.len() {
             if !self.decide_promise()? {
                 break;
@@ -193,7 +196,8 @@ impl NetConnection {
                 .writable(data.len() - sent, self.remote_cap)
                 .map_err(|c| self.corrupt(c))?;
             let mut n = n.min(self.remote_cap - at);
-            if streams > 1 {
+            if !ordered {
+                // The head moves as writes complete: pieces let it move along.
                 n = n.min(STRIPE);
             }
             if n == 0 {
@@ -238,10 +242,10 @@ impl NetConnection {
         }
         if self.head_sent != self.send.head {
             let head = self.send.head;
-            // One endpoint keeps its writes in order: the head may follow the data at once.
-            // Over several, `EndpointState::poll` moves it as data writes complete.
+            // One endpoint whose writes are placed in order: the head may follow the data at
+            // once. Otherwise `EndpointState::poll` moves it as data writes complete.
             self.sync_words(|io| {
-                if streams == 1 {
+                if io.ordered {
                     io.head_want = head;
                 }
             })?;

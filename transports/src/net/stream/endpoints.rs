@@ -27,6 +27,10 @@ pub(super) struct EndpointState {
     pub(super) slots: [Option<u64>; WORD_SLOTS],
     /// Work requests posted and not completed, per endpoint.
     pub(super) outstanding: Vec<usize>,
+    /// One endpoint whose writes are placed in order ([`Endpoint::placement_ordered`]): the
+    /// head may follow its data at once. Otherwise the head covers only data whose writes
+    /// completed.
+    pub(super) ordered: bool,
     /// The endpoint the next data write goes to (round robin).
     pub(super) rr: usize,
     pub(super) next_wr: u64,
@@ -119,11 +123,20 @@ impl EndpointState {
         // Direct writes go to the destination on any endpoint: the `direct` word covers only
         // bytes whose writes completed.
         self.direct_want = self.direct_want.max(self.direct_done);
-        if self.eps.len() > 1 {
-            // Writes on different endpoints land in no particular order: the head covers
-            // only bytes whose writes completed.
+        if !self.ordered {
+            // Writes on different endpoints, or on one whose placement is relaxed, land in no
+            // particular order: the head covers only bytes whose writes completed.
             self.head_want = self.head_want.max(self.data_done);
         }
+    }
+
+    /// Whether a word for the peer waits for a later poll (see [`progress_all`]).
+    pub(super) fn owes_words(&self) -> bool {
+        self.failed.is_none()
+            && (!self.data.is_empty()
+                || self.head_want != self.head_posted
+                || self.tail_want != self.tail_posted
+                || self.direct_pending())
     }
 
     pub(super) fn total_outstanding(&self) -> usize {
@@ -243,18 +256,29 @@ pub(super) fn registry() -> &'static Mutex<Vec<Weak<Mutex<EndpointState>>>> {
 }
 
 /// Polls every network endpoint of this process that nobody else is polling right now.
-pub fn progress_all() {
+/// Returns whether one of them still owes its peer a word that only a later poll posts: a
+/// head that waits for its data's completion (relaxed placement, several endpoints), or a
+/// tail or direct word a full queue held back. Whoever waits must then poll again soon even
+/// if it waits for other peers: the owed peer may be waiting for that word.
+pub fn progress_all() -> bool {
     let live: Vec<Arc<Mutex<EndpointState>>> = {
         let mut reg = lock(registry());
         reg.retain(|w| w.strong_count() > 0);
         reg.iter().filter_map(Weak::upgrade).collect()
     };
+    let mut owed = false;
     for st in live {
-        if let Ok(mut st) = st.try_lock() {
-            st.poll();
-            st.flush_words();
+        match st.try_lock() {
+            Ok(mut st) => {
+                st.poll();
+                st.flush_words();
+                owed |= st.owes_words();
+            }
+            // Someone else polls it now; it may owe: look again soon.
+            Err(_) => owed = true,
         }
     }
+    owed
 }
 /// Sleeps in short slices: a network connection moves only when polled, and the caller polls
 /// again after every return (spurious returns are allowed by [`IdleWaiter`]).
@@ -263,7 +287,7 @@ pub struct NetWaiter;
 
 impl IdleWaiter for NetWaiter {
     fn wait(&mut self, _interest: &[Interest], max: Duration) -> Result<()> {
-        progress_all();
+        let _ = progress_all();
         std::thread::sleep(max.min(NET_POLL_SLICE));
         Ok(())
     }

@@ -2,10 +2,10 @@
 //! and warmed up, and the ready byte ([`NetConnection::establish`]).
 
 use super::connection::NetConnection;
-use super::endpoints::{registry, EndpointState};
+use super::endpoints::{progress_all, registry, EndpointState};
 use super::layout::{
-    NetLink, CLOSED_IN, CONTROL, HEAD_IN, HELLO_FIXED, MAGIC, MAX_STREAMS, PROMISE_SOURCE,
-    PROMISE_WORDS, READY, RING_MAX, RING_MIN, TAIL_IN, WORD_SLOT, WORD_SLOTS,
+    NetLink, CLOSED_IN, CONNECTED, CONTROL, HEAD_IN, HELLO_FIXED, MAGIC, MAX_STREAMS,
+    PROMISE_SOURCE, PROMISE_WORDS, READY, RING_MAX, RING_MIN, TAIL_IN, WORD_SLOT, WORD_SLOTS,
 };
 use crate::conn::Connection;
 use crate::error::{Result, TransportError};
@@ -136,11 +136,31 @@ impl NetConnection {
             .register(alloc(remote_cap as usize)?)
             .map_err(net)?;
 
-        // Neither side writes data before the other's endpoints are connected (a reliable
-        // connection must be ready to receive). Each side first writes a zero into the peer's
-        // close word on every endpoint and waits for the writes to complete, polling all the
-        // while so that the peer's connection set-up progresses too (libfabric's rxm connects
-        // on the first write).
+        // No write before both sides' endpoints are connected: on verbs a write that reaches
+        // a queue pair not yet in RTR is dropped and resent only after the ACK timeout (about
+        // 4 s at WEFT_IB_TIMEOUT=20), or fails without retries. Each side says CONNECTED once
+        // its own endpoints are, and waits for the peer's.
+        send_all(
+            side.as_mut(),
+            &[CONNECTED],
+            deadline,
+            "sending network connected",
+        )?;
+        let mut connected = [0u8; 1];
+        recv_exact(
+            side.as_mut(),
+            &mut connected,
+            deadline,
+            "waiting for the peer's endpoints to connect",
+        )?;
+        if connected[0] != CONNECTED {
+            return Err(bad("bad connected byte".into()));
+        }
+
+        // Then each side writes a zero into the peer's close word on every endpoint and waits
+        // for the writes to complete, polling all the while so that the peer's connection
+        // set-up progresses too (libfabric's rxm connects on the first write), and only then
+        // says READY: neither side writes data before the other's endpoints carried a write.
         let peer_region = RemoteRegion { base, key, len };
         let close_word = remote_cap + CLOSED_IN as u64;
         let mut posted = vec![false; eps.len()];
@@ -194,6 +214,7 @@ impl NetConnection {
                     .timeout_error(format!("connecting the network endpoints to rank {peer}")));
             }
             if !(warmed.iter().all(|&w| w) && got_ready) {
+                progress_all();
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
@@ -204,12 +225,14 @@ impl NetConnection {
             .unwrap_or(4)
             .max(4);
         let n_eps = eps.len();
+        let ordered = n_eps == 1 && eps.iter().all(|e| e.placement_ordered());
         let (landing, staging) = (Arc::new(landing), Arc::new(staging));
         let io = Arc::new(Mutex::new(EndpointState {
             eps,
             _regions: [Arc::clone(&landing), Arc::clone(&staging)],
             words,
             slots: [None; WORD_SLOTS],
+            ordered,
             outstanding: vec![0; n_eps],
             rr: 0,
             next_wr: 0,
@@ -270,6 +293,15 @@ impl NetConnection {
     }
 }
 
+/// A wait of the handshake: the other connections of this process progress meanwhile. A peer
+/// may wait for bytes this rank's last operation sent on another connection, whose head goes
+/// out only when polled (after its data's completion where placement is relaxed, or over
+/// several endpoints), before it answers this handshake.
+fn idle() {
+    progress_all();
+    std::thread::sleep(Duration::from_micros(100));
+}
+
 fn send_all(
     c: &mut dyn Connection,
     mut data: &[u8],
@@ -283,7 +315,7 @@ fn send_all(
             if deadline.expired() {
                 return Err(deadline.timeout_error(what.to_string()));
             }
-            std::thread::sleep(Duration::from_micros(100));
+            idle();
         }
     }
     Ok(())
@@ -304,7 +336,7 @@ fn recv_exact(
             if deadline.expired() {
                 return Err(deadline.timeout_error(what.to_string()));
             }
-            std::thread::sleep(Duration::from_micros(100));
+            idle();
         }
     }
     Ok(())

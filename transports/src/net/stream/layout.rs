@@ -36,10 +36,14 @@ pub(super) const PROMISE_SOURCE: usize = WORD_SLOTS * WORD_SLOT;
 pub const MAX_STREAMS: usize = 16;
 /// How long a [`NetWaiter`](super::NetWaiter) sleeps between polls when nothing moved.
 pub const NET_POLL_SLICE: Duration = Duration::from_micros(50);
-pub(super) const MAGIC: &[u8; 8] = b"WEFTNET2";
+/// The handshake's version: 3 added [`CONNECTED`] (no write before both sides connected).
+pub(super) const MAGIC: &[u8; 8] = b"WEFTNET3";
 /// Bytes of the hello before the endpoint address.
 pub(super) const HELLO_FIXED: usize = 8 + 4 * 8 + 4;
 pub(super) const READY: u8 = 0xA5;
+/// Sent once this side's endpoints are connected (a verbs queue pair in RTR and RTS): the peer
+/// writes nothing before it has this byte.
+pub(super) const CONNECTED: u8 = 0x5A;
 
 /// The shape of a network connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
