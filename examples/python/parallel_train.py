@@ -13,7 +13,8 @@
   stage per rank (2 ranks).
 * `fsdp-tp`: a 2-D mesh `("dp", "tp")` of shape (world/2, 2): TP inside each pair, FSDP2 across.
 
-`--save PREFIX` writes each rank's full parameters after the steps to PREFIX.rank<r>.pt.
+`--save PREFIX` writes each rank's full parameters after the steps to PREFIX.rank<r>.pt, and
+rank 0 the model's parameters before them to PREFIX.init.pt.
 """
 
 import argparse
@@ -145,6 +146,8 @@ def main():
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.save and rank == 0:
+        torch.save(full_state(mlp(args.seed)), f"{args.save}.init.pt")
     model, loss = MODES[args.mode](args, rank, world)
     state = model if isinstance(model, dict) else full_state(model)
     if loss is not None and (rank == 0 or args.mode == "pipeline"):
