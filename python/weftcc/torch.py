@@ -606,7 +606,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
         if t.dtype in _BYTES or t.dtype in _COMPLEX:
             raise _unsupported(call, f"reduction {kind.name} on {t.dtype}")
         flat = torch.empty(self.size() * t.numel(), dtype=t.dtype)
-        gather = self._gather_into(call, flat, t.reshape(-1))
+        gather = self._gather_into(call, flat, t)  # its contiguous copy made when the job runs
         fold = _BITWISE[kind]
 
         def job() -> None:
