@@ -243,12 +243,20 @@ def mesh():
     dist.all_reduce(y, group=sub)
     pair = [r // 2 * 2, r // 2 * 2 + 1] if r // 2 * 2 + 1 < n else [r]
     check("new_subgroups", y, torch.tensor([float(sum(q + 1 for q in pair))]))
-    parity = dist.split_group(split_ranks=[list(range(0, n, 2)), list(range(1, n, 2))])
+    # Lists in descending order: the new ranks follow the list, not the old ranks.
+    lists = [list(range(0, n, 2))[::-1], list(range(1, n, 2))[::-1]]
+    queued = dist.all_reduce(torch.ones(1), async_op=True)  # the split runs after it
+    parity = dist.split_group(split_ranks=lists)
+    queued.wait()
+    mine = lists[r % 2]
     y = torch.tensor([float(r + 1)])
     dist.all_reduce(y, group=parity)
-    check("split_group", y, torch.tensor([float(sum(q + 1 for q in range(r % 2, n, 2)))]))
-    if dist.get_rank(parity) != r // 2 or not parity.group_name:
-        failures.append(f"split_group: rank {dist.get_rank(parity)}, name {parity.group_name!r}")
+    check("split_group", y, torch.tensor([float(sum(q + 1 for q in mine))]))
+    if parity.rank() != mine.index(r) or not parity.group_name:
+        failures.append(f"split_group: rank {parity.rank()} (want {mine.index(r)}), name {parity.group_name!r}")
+    first = torch.tensor([float(r)])
+    dist.broadcast(first, group_src=0, group=parity)
+    check("split_group: broadcast from its rank 0", first, torch.tensor([float(mine[0])]))
     # Bitwise reductions (integers; BXOR also on bool) and PREMUL_SUM (a number or a tensor).
     for dt in (torch.uint8, torch.int32, torch.int64):
         v = torch.tensor([r + 1, 1 << r, 0x55], dtype=dt)
@@ -295,6 +303,21 @@ def mesh():
                 dist.irecv(got, 0).wait()
                 check(f"pipeline: micro-batch {k}", got, torch.full((8,), float(k)))
             dist.isend(torch.full((8,), 9.0), 0).wait()
+    # A batch whose op raises is ended; the next batch runs.
+    if n > 1:
+        try:
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(1), (r + 1) % n, tag=5)])
+            failures.append("a tagged receive in a batch was accepted")
+        except weftcc.InvalidArgument:
+            pass
+        got = torch.zeros(2)
+        ring = [
+            dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % n),
+            dist.P2POp(dist.irecv, got, (r - 1) % n),
+        ]
+        for w in dist.batch_isend_irecv(ring):
+            w.wait()
+        check("a batch after a failed one", got, torch.full((2,), float((r - 1) % n)))
     dist.monitored_barrier(timeout=timedelta(seconds=60))
     # The last rank skips a monitored barrier: rank 0 names it within the timeout.
     if r != n - 1 and n > 1:

@@ -89,6 +89,8 @@ def _dtype(call: str, t: torch.Tensor) -> int:
         )
     if t.is_sparse:
         raise _unsupported(call, "sparse tensors are not supported")
+    if t.is_conj():
+        raise _unsupported(call, "a conjugate view (call resolve_conj() first)")
     code = _TYPES.get(t.dtype, _COMPLEX.get(t.dtype))
     if code is None and t.dtype in _BYTES:
         code = DataType.UINT8
@@ -351,10 +353,13 @@ class ProcessGroupWeft(dist.ProcessGroup):
     sent); the operation itself, contiguous copies included, runs as a job in call order, so an
     asynchronous operation sees what the operations before it wrote."""
 
-    def __init__(self, comm: Communicator, rank: int, size: int, store=None):
+    def __init__(self, comm: Communicator, rank: int, size: int, store=None, salt: str = ""):
         super().__init__(rank, size)
         self._comm = comm
         self._store = store  # torch's store for this group (monitored_barrier, splits)
+        # Names this communicator in the store's keys, so a group made again on the same store
+        # (after destroy_process_group) never meets this one's keys.
+        self._salt = salt
         self._splits = 0
         self._monitored = 0
         self._exec = _Executor(f"weft-pg-r{rank}")
@@ -388,7 +393,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
                 store.delete_key(_UID_KEY)
             except Exception:
                 pass
-        return cls(comm, rank, size, store)
+        return cls(comm, rank, size, store, salt=uid)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -425,7 +430,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
 
     def _start_coalescing(self, device=None) -> None:
         if self._batch is not None:
-            raise errors.InvalidUsage("weft backend: coalescing started twice")
+            self._abandon_batch(errors.InvalidUsage("weft backend: a coalesced batch was never ended"))
         _flush_all_p2p()  # sends and receives posted before the batch go first
         self._batch, self._batch_works = [], []
 
@@ -468,16 +473,31 @@ class ProcessGroupWeft(dist.ProcessGroup):
         members = [int(r) for r in ranks]
         me = self.rank()
         mine = me in members
-        comm = self._comm.split(min(members) if mine and members else None, members.index(me) if mine else 0)
+        color = min(members) if mine and members else None
+        made: list = []
+        # In call order with this group's other operations (a queued one must not meet the
+        # split on another rank).
+        work = self._submit(
+            "split_group", None, [], lambda: made.append(self._comm.split(color, members.index(me) if mine else 0))
+        )
+        work.wait()
+        comm = made[0]
         if comm is None:
             return None
         store = None
         if self._store is not None:
             store = dist.PrefixStore(f"weft-split/{group_name}/", self._store)
-        pg = ProcessGroupWeft(comm, comm.rank, comm.size, store)
+        pg = ProcessGroupWeft(comm, comm.rank, comm.size, store, salt=f"{self._salt}/split{self._splits}")
         pg._set_group_name(group_name or "")
         pg._set_group_desc(group_desc or "")
         return pg
+
+    def eager_connect_single_device(self, device=None) -> None:
+        """Connections are made when the communicator is (torch asks with a bound device)."""
+
+    def perform_nocolor_split(self, device=None) -> None:
+        """A non-member's part in `new_group` with a bound device: nothing (members make their
+        group from its store, not by a split)."""
 
     @property
     def comm(self) -> Communicator:
@@ -495,7 +515,8 @@ class ProcessGroupWeft(dist.ProcessGroup):
         self._closed = True
         _LIVE.discard(self)
         with self._p2p_lock:
-            ops, self._p2p = self._p2p, []
+            ops, self._p2p = self._p2p + (self._batch or []), []
+            self._batch = self._batch_works = None
             _WITH_P2P.discard(self)
         for op in ops:
             op[4]._finish(
@@ -521,6 +542,21 @@ class ProcessGroupWeft(dist.ProcessGroup):
         return work
 
     def _p2p_op(self, call: str, tensors, peer: int, tag: int, send: bool) -> WeftWork:
+        try:
+            return self._post(call, tensors, peer, tag, send)
+        except BaseException as e:
+            # torch's coalescing manager never ends a batch whose op raised: end it here.
+            self._abandon_batch(e)
+            raise
+
+    def _abandon_batch(self, exc: BaseException) -> None:
+        """Fails an open coalesced batch's sends and receives (never run) and closes it."""
+        with self._p2p_lock:
+            ops, self._batch, self._batch_works = self._batch or [], None, None
+        for op in ops:
+            op[4]._finish(exc)
+
+    def _post(self, call: str, tensors, peer: int, tag: int, send: bool) -> WeftWork:
         if len(tensors) != 1:
             raise _unsupported(call, f"{len(tensors)} tensors (one per call is supported)")
         if tag != 0:
@@ -901,7 +937,7 @@ class ProcessGroupWeft(dist.ProcessGroup):
             raise _unsupported("monitored_barrier", "this group has no store")
         self._monitored += 1
         store, me, n = self._store, self.rank(), self.size()
-        prefix = f"weft-monitored/{self._monitored}/"
+        prefix = f"weft-monitored/{self._salt}/{self._monitored}/"
         seconds = _seconds(timeout) or 1800.0
 
         def arrived(r: int) -> bool:
@@ -921,6 +957,8 @@ class ProcessGroupWeft(dist.ProcessGroup):
                     raise errors.Timeout(
                         f"weft backend: monitored_barrier: rank(s) {who} did not arrive within {seconds} s"
                     )
+                for r in range(n):
+                    store.delete_key(f"{prefix}{r}")
                 store.set(f"{prefix}done", b"1")
             else:
                 while not store.check([f"{prefix}done"]):
