@@ -367,9 +367,9 @@ class ProcessGroupWeft(dist.ProcessGroup):
         self._p2p: list = []
         self._closed = False
         self._group_name = ""
+        self._group_desc = ""
         self._batch: Optional[list] = None  # a coalesced batch's sends and receives
         self._batch_works: Optional[List[WeftWork]] = None  # and its other operations
-        self._group_desc = ""
         _LIVE.add(self)
 
     # --- creation and life ---------------------------------------------------------------
@@ -443,15 +443,14 @@ class ProcessGroupWeft(dist.ProcessGroup):
         self._batch = self._batch_works = None
         if ops:
             self._submit_group(ops)
-        work = WeftWork(self, "coalesced operations", [])
 
         def job() -> None:
             for w in started:
                 if w._exc is not None:
                     raise w._exc
 
-        self._exec.submit(job, [work], inline=False)
-        return work
+        return self._submit("coalesced operations", None, [], job)
+
     supports_splitting = True
 
     @property
@@ -940,19 +939,25 @@ class ProcessGroupWeft(dist.ProcessGroup):
         prefix = f"weft-monitored/{self._salt}/{self._monitored}/"
         seconds = _seconds(timeout) or 1800.0
 
-        def arrived(r: int) -> bool:
-            return store.check([f"{prefix}{r}"])
+        def until(done: Callable[[], bool], deadline: float) -> bool:
+            """Polls the store until `done()` or the deadline; whether it was done."""
+            while not done():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+            return True
 
         def job() -> None:
             store.set(f"{prefix}{me}", b"1")
             deadline = time.monotonic() + seconds
             if me == 0:
                 missing = list(range(1, n))
-                while missing and time.monotonic() < deadline:
-                    missing = [r for r in missing if not arrived(r)]
-                    if missing:
-                        time.sleep(0.005)
-                if missing:
+
+                def all_arrived() -> bool:
+                    missing[:] = [r for r in missing if not store.check([f"{prefix}{r}"])]
+                    return not missing
+
+                if not until(all_arrived, deadline):
                     who = missing if wait_all_ranks else missing[:1]
                     raise errors.Timeout(
                         f"weft backend: monitored_barrier: rank(s) {who} did not arrive within {seconds} s"
@@ -960,14 +965,10 @@ class ProcessGroupWeft(dist.ProcessGroup):
                 for r in range(n):
                     store.delete_key(f"{prefix}{r}")
                 store.set(f"{prefix}done", b"1")
-            else:
-                while not store.check([f"{prefix}done"]):
-                    if time.monotonic() > deadline:
-                        raise errors.Timeout(
-                            f"weft backend: monitored_barrier: rank {me} was not released by rank 0 "
-                            f"within {seconds} s"
-                        )
-                    time.sleep(0.005)
+            elif not until(lambda: store.check([f"{prefix}done"]), deadline):
+                raise errors.Timeout(
+                    f"weft backend: monitored_barrier: rank {me} was not released by rank 0 within {seconds} s"
+                )
 
         work = self._submit("monitored_barrier", None, [], job)
         work.wait()
