@@ -361,22 +361,14 @@ fn cases(n: usize, colls: &[Coll], types: &[(usize, bool)], extent: Extent) -> V
                     (false, false) => vec![ReduceOp::Sum],
                 }
             };
-            for op in ops(&small) {
-                for count in counts(n) {
-                    for in_place in [false, true] {
-                        out.push(Case {
-                            coll: c,
-                            ty,
-                            op,
-                            count,
-                            in_place,
-                        });
-                    }
-                }
-            }
-            for op in ops(&large) {
+            // Each small count with the small list's reductions, then the large count with the
+            // large list's, each out of place and in place.
+            let small_calls = ops(&small)
+                .into_iter()
+                .flat_map(|op| counts(n).into_iter().map(move |count| (op, count)));
+            let large_calls = ops(&large).into_iter().map(|op| (op, LARGE));
+            for (op, count) in small_calls.chain(large_calls) {
                 for in_place in [false, true] {
-                    let count = LARGE;
                     out.push(Case {
                         coll: c,
                         ty,

@@ -62,13 +62,7 @@ pub fn reduce_into(
     a: &[u8],
     b: &[u8],
 ) -> Result<(), KernelError> {
-    if dst.len() != a.len() || dst.len() != b.len() {
-        return Err(KernelError::LengthMismatch {
-            dst: dst.len(),
-            a: a.len(),
-            b: b.len(),
-        });
-    }
+    same_lens(dst.len(), a.len(), b.len())?;
     whole_elements(dtype, dst.len())?;
     with_element!(dtype, |T| bytes_reduce_into::<T>(comb, dst, a, b));
     Ok(())
@@ -127,13 +121,7 @@ pub fn reduce_slice_into<T: Element>(
     a: &[T],
     b: &[T],
 ) -> Result<(), KernelError> {
-    if dst.len() != a.len() || dst.len() != b.len() {
-        return Err(KernelError::LengthMismatch {
-            dst: dst.len(),
-            a: a.len(),
-            b: b.len(),
-        });
-    }
+    same_lens(dst.len(), a.len(), b.len())?;
     let (dst, a, b) = (bytes_mut_of(dst)?, bytes_of(a)?, bytes_of(b)?);
     reduce_into(T::DTYPE, comb, dst, a, b)
 }
@@ -148,6 +136,14 @@ pub fn reduce_slice_in_place<T: Element>(
     same_len(dst.len(), src.len())?;
     let (dst, src) = (bytes_mut_of(dst)?, bytes_of(src)?);
     reduce_in_place(T::DTYPE, comb, dst, src)
+}
+
+fn same_lens(dst: usize, a: usize, b: usize) -> Result<(), KernelError> {
+    if dst == a && dst == b {
+        Ok(())
+    } else {
+        Err(KernelError::LengthMismatch { dst, a, b })
+    }
 }
 
 fn same_len(dst: usize, src: usize) -> Result<(), KernelError> {
@@ -545,8 +541,10 @@ fn half_into<H: HalfKernels>(comb: Combiner, dst: &mut [H], a: &[H], b: &[H]) {
     }
 }
 
+/// A 16-bit float type's kernels: its [`HalfKernels`] and its [`Lanes`], whose reductions run
+/// through [`half_into`]/[`half_in_place`] and whose scaling and division are the type's own.
 macro_rules! half_kernels {
-    ($($t:ty => $kind:ident, $into:ident, $in_place:ident;)*) => {$(
+    ($($t:ty => $kind:ident, $into:ident, $in_place:ident, $scale:ident, $divide:ident;)*) => {$(
         impl HalfKernels for $t {
             const KIND: Half = Half::$kind;
             fn portable_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
@@ -556,34 +554,40 @@ macro_rules! half_kernels {
                 $in_place(comb, dst, src);
             }
         }
+
+        impl Lanes for $t {
+            fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
+                half_into(comb, dst, a, b);
+            }
+            fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
+                half_in_place(comb, dst, src);
+            }
+            fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
+                $scale(dst, src, factor);
+            }
+            fn divide(buf: &mut [Self], divisor: usize) {
+                $divide(buf, divisor);
+            }
+        }
     )*};
 }
 
 half_kernels! {
-    f16 => F16, f16_portable_into, f16_portable_in_place;
-    bf16 => Bf16, bf16_portable_into, bf16_portable_in_place;
+    f16 => F16, f16_portable_into, f16_portable_in_place, f16_scale, f16_divide;
+    bf16 => Bf16, bf16_portable_into, bf16_portable_in_place, bf16_scale, bf16_divide;
 }
 
-impl Lanes for f16 {
-    fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
-        half_into(comb, dst, a, b);
-    }
-    fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
-        half_in_place(comb, dst, src);
-    }
+fn f16_scale(dst: &mut [f16], src: &[f16], factor: f64) {
+    half_blocks(dst, src, false, |d, s| f32::scale(d, s, factor));
+}
 
-    fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
-        half_blocks(dst, src, false, |d, s| f32::scale(d, s, factor));
-    }
-
-    fn divide(buf: &mut [Self], divisor: usize) {
-        let mut fb = [0f32; BLOCK];
-        for chunk in buf.chunks_mut(BLOCK) {
-            let (w, _) = fb.split_at_mut(chunk.len());
-            f16::widen(chunk, w);
-            f32::divide(w, divisor);
-            f16::narrow(w, chunk);
-        }
+fn f16_divide(buf: &mut [f16], divisor: usize) {
+    let mut fb = [0f32; BLOCK];
+    for chunk in buf.chunks_mut(BLOCK) {
+        let (w, _) = fb.split_at_mut(chunk.len());
+        f16::widen(chunk, w);
+        f32::divide(w, divisor);
+        f16::narrow(w, chunk);
     }
 }
 
@@ -661,26 +665,17 @@ fn bf16_op(f: fn(f32, f32) -> f32) -> impl Fn(bf16, bf16) -> bf16 {
     }
 }
 
-impl Lanes for bf16 {
-    fn reduce_into(comb: Combiner, dst: &mut [Self], a: &[Self], b: &[Self]) {
-        half_into(comb, dst, a, b);
+fn bf16_scale(dst: &mut [bf16], src: &[bf16], factor: f64) {
+    let f = factor as f32;
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16::from_bits(f32_to_bf16(bf16_widen(s.to_bits()) * f));
     }
-    fn reduce_in_place(comb: Combiner, dst: &mut [Self], src: &[Self]) {
-        half_in_place(comb, dst, src);
-    }
+}
 
-    fn scale(dst: &mut [Self], src: &[Self], factor: f64) {
-        let f = factor as f32;
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = bf16::from_bits(f32_to_bf16(bf16_widen(s.to_bits()) * f));
-        }
-    }
-
-    fn divide(buf: &mut [Self], divisor: usize) {
-        let d = divisor as f32;
-        for x in buf.iter_mut() {
-            *x = bf16::from_bits(f32_to_bf16(bf16_widen(x.to_bits()) / d));
-        }
+fn bf16_divide(buf: &mut [bf16], divisor: usize) {
+    let d = divisor as f32;
+    for x in buf.iter_mut() {
+        *x = bf16::from_bits(f32_to_bf16(bf16_widen(x.to_bits()) / d));
     }
 }
 
@@ -712,25 +707,56 @@ mod tests {
 
     /// Reference combination of one pair of values, written independently of the kernels.
     fn reference<T: Element>(comb: Combiner, a: T, b: T) -> T {
-        macro_rules! int {
-            ($t:ty) => {{
-                let (x, y): ($t, $t) = (bytemuck::cast(a), bytemuck::cast(b));
-                let r: $t = match comb {
-                    Combiner::Sum => x.wrapping_add(y),
-                    Combiner::Prod => x.wrapping_mul(y),
-                    Combiner::Min => x.min(y),
-                    Combiner::Max => x.max(y),
-                };
+        // `$x` and `$y` combined by `$add`/`$mul` (wrapping for integers).
+        macro_rules! arith {
+            ($x:expr, $y:expr, $add:expr, $mul:expr) => {
+                match comb {
+                    Combiner::Sum => $add($x, $y),
+                    Combiner::Prod => $mul($x, $y),
+                    Combiner::Min => $x.min($y),
+                    Combiner::Max => $x.max($y),
+                }
+            };
+        }
+        // `a` and `b` seen as `$t`, combined by `$combine(x, y)`, seen as `T` again.
+        macro_rules! as_type {
+            ($t:ty, |$x:ident, $y:ident| $combine:expr) => {{
+                let ($x, $y): ($t, $t) = (bytemuck::cast(a), bytemuck::cast(b));
+                let r: $t = $combine;
                 bytemuck::cast(r)
             }};
         }
-        fn f32op(comb: Combiner, x: f32, y: f32) -> f32 {
-            match comb {
-                Combiner::Sum => x + y,
-                Combiner::Prod => x * y,
-                Combiner::Min => x.min(y),
-                Combiner::Max => x.max(y),
-            }
+        macro_rules! int {
+            ($t:ty) => {
+                as_type!($t, |x, y| arith!(
+                    x,
+                    y,
+                    <$t>::wrapping_add,
+                    <$t>::wrapping_mul
+                ))
+            };
+        }
+        macro_rules! float {
+            ($t:ty) => {
+                as_type!($t, |x, y| arith!(
+                    x,
+                    y,
+                    std::ops::Add::add,
+                    std::ops::Mul::mul
+                ))
+            };
+        }
+        // Halves combine in f32 and round once; two NaNs give the first one, quieted (the half
+        // kernels' documented choice).
+        macro_rules! half {
+            ($t:ty) => {
+                as_type!($t, |x, y| <$t>::from_f32(if x.is_nan() && y.is_nan() {
+                    x.to_f32()
+                } else {
+                    let (x, y) = (x.to_f32(), y.to_f32());
+                    arith!(x, y, std::ops::Add::add, std::ops::Mul::mul)
+                }))
+            };
         }
         match T::DTYPE {
             DataType::Int8 => int!(i8),
@@ -739,39 +765,10 @@ mod tests {
             DataType::Uint32 => int!(u32),
             DataType::Int64 => int!(i64),
             DataType::Uint64 => int!(u64),
-            DataType::Float32 => {
-                let (x, y): (f32, f32) = (bytemuck::cast(a), bytemuck::cast(b));
-                bytemuck::cast(f32op(comb, x, y))
-            }
-            DataType::Float64 => {
-                let (x, y): (f64, f64) = (bytemuck::cast(a), bytemuck::cast(b));
-                let r = match comb {
-                    Combiner::Sum => x + y,
-                    Combiner::Prod => x * y,
-                    Combiner::Min => x.min(y),
-                    Combiner::Max => x.max(y),
-                };
-                bytemuck::cast(r)
-            }
-            // Two NaNs give the first one, quieted (the half kernels' documented choice).
-            DataType::Float16 => {
-                let (x, y): (f16, f16) = (bytemuck::cast(a), bytemuck::cast(b));
-                let r = if x.is_nan() && y.is_nan() {
-                    f16::from_f32(x.to_f32())
-                } else {
-                    f16::from_f32(f32op(comb, x.to_f32(), y.to_f32()))
-                };
-                bytemuck::cast(r)
-            }
-            DataType::Bfloat16 => {
-                let (x, y): (bf16, bf16) = (bytemuck::cast(a), bytemuck::cast(b));
-                let r = if x.is_nan() && y.is_nan() {
-                    bf16::from_f32(x.to_f32())
-                } else {
-                    bf16::from_f32(f32op(comb, x.to_f32(), y.to_f32()))
-                };
-                bytemuck::cast(r)
-            }
+            DataType::Float32 => float!(f32),
+            DataType::Float64 => float!(f64),
+            DataType::Float16 => half!(f16),
+            DataType::Bfloat16 => half!(bf16),
         }
     }
 

@@ -113,6 +113,18 @@ pub struct TierPlan {
     pub scratch_bytes: usize,
 }
 
+impl TierPlan {
+    /// Adds a collective stage (see [`Stage::Collective`]).
+    fn collective(&mut self, tier: Tier, op: RawOp, send: Option<Region>, recv: Region) {
+        self.stages.push(Stage::Collective {
+            tier,
+            op,
+            send,
+            recv,
+        });
+    }
+}
+
 /// Reductions of the first and of the later reducing stages.
 fn stage_ops(op: ReduceOp) -> (ReduceOp, ReduceOp) {
     match op {
@@ -190,12 +202,7 @@ pub fn plan(
                         || (call.kind == OpKind::ReduceScatter && in_place),
                 )),
             };
-            p.stages.push(Stage::Collective {
-                tier: Tier::Flat,
-                op: *call,
-                send: (!in_place).then_some(send),
-                recv,
-            });
+            p.collective(Tier::Flat, *call, (!in_place).then_some(send), recv);
             return p;
         }
     }
@@ -238,32 +245,27 @@ fn all_reduce(
     if shard > 0 {
         let (all, mine) = (sharded * es, output.part(l * shard * es, shard * es));
         let in_place = input == output;
-        p.stages.push(Stage::Collective {
-            tier: Tier::Local,
-            op: RawOp {
+        p.collective(
+            Tier::Local,
+            RawOp {
                 kind: OpKind::ReduceScatter,
                 count: shard,
                 op: first,
                 ..at(shard)
             },
-            send: (!in_place).then(|| input.part(0, all)),
-            recv: if in_place { output.part(0, all) } else { mine },
-        });
-        p.stages.push(Stage::Collective {
-            tier: Tier::Cross,
-            op: at(shard).with_op(later),
-            send: None,
-            recv: mine,
-        });
-        p.stages.push(Stage::Collective {
-            tier: Tier::Local,
-            op: RawOp {
+            (!in_place).then(|| input.part(0, all)),
+            if in_place { output.part(0, all) } else { mine },
+        );
+        p.collective(Tier::Cross, at(shard).with_op(later), None, mine);
+        p.collective(
+            Tier::Local,
+            RawOp {
                 kind: OpKind::AllGather,
                 ..at(shard)
             },
-            send: None,
-            recv: output.part(0, all),
-        });
+            None,
+            output.part(0, all),
+        );
     }
     let rest = call.count - sharded;
     if rest == 0 {
@@ -271,33 +273,28 @@ fn all_reduce(
     }
     let (from, len) = (sharded * es, rest * es);
     let (input, output) = (input.part(from, len), output.part(from, len));
-    p.stages.push(Stage::Collective {
-        tier: Tier::Local,
-        op: RawOp {
+    p.collective(
+        Tier::Local,
+        RawOp {
             kind: OpKind::Reduce,
             ..at(rest)
         }
         .with_op(first),
-        send: (input != output).then_some(input),
-        recv: output,
-    });
+        (input != output).then_some(input),
+        output,
+    );
     if l == 0 {
-        p.stages.push(Stage::Collective {
-            tier: Tier::Cross,
-            op: at(rest).with_op(later),
-            send: None,
-            recv: output,
-        });
+        p.collective(Tier::Cross, at(rest).with_op(later), None, output);
     }
-    p.stages.push(Stage::Collective {
-        tier: Tier::Local,
-        op: RawOp {
+    p.collective(
+        Tier::Local,
+        RawOp {
             kind: OpKind::Broadcast,
             ..at(rest)
         },
-        send: None,
-        recv: output,
-    });
+        None,
+        output,
+    );
 }
 
 /// Uniform layouts only.
@@ -317,23 +314,23 @@ fn reduce(p: &mut TierPlan, layout: &HostLayout, rank: usize, call: &RawOp, in_p
     // on the root and in scratch elsewhere.
     let partial = if h == root_host { output } else { carrier };
     let lands = if l == root_local { partial } else { carrier };
-    p.stages.push(Stage::Collective {
-        tier: Tier::Local,
-        op: RawOp::new(OpKind::Reduce, call.dtype, call.count)
+    p.collective(
+        Tier::Local,
+        RawOp::new(OpKind::Reduce, call.dtype, call.count)
             .with_op(first)
             .with_root(root_local),
-        send: (input != lands).then_some(input),
-        recv: lands,
-    });
+        (input != lands).then_some(input),
+        lands,
+    );
     if l == root_local {
-        p.stages.push(Stage::Collective {
-            tier: Tier::Cross,
-            op: RawOp::new(OpKind::Reduce, call.dtype, call.count)
+        p.collective(
+            Tier::Cross,
+            RawOp::new(OpKind::Reduce, call.dtype, call.count)
                 .with_op(later)
                 .with_root(root_host),
-            send: None,
-            recv: partial,
-        });
+            None,
+            partial,
+        );
     }
 }
 
@@ -344,19 +341,14 @@ fn broadcast(p: &mut TierPlan, layout: &HostLayout, rank: usize, call: &RawOp, i
     let output = Region::new(Buf::Recv, 0, bytes);
     let op = RawOp::new(OpKind::Broadcast, call.dtype, call.count);
     if place(layout, rank).1 == root_local {
-        p.stages.push(Stage::Collective {
-            tier: Tier::Cross,
-            op: op.with_root(root_host),
-            send: (rank == call.root && !in_place).then(|| Region::new(Buf::Send, 0, bytes)),
-            recv: output,
-        });
+        p.collective(
+            Tier::Cross,
+            op.with_root(root_host),
+            (rank == call.root && !in_place).then(|| Region::new(Buf::Send, 0, bytes)),
+            output,
+        );
     }
-    p.stages.push(Stage::Collective {
-        tier: Tier::Local,
-        op: op.with_root(root_local),
-        send: None,
-        recv: output,
-    });
+    p.collective(Tier::Local, op.with_root(root_local), None, output);
 }
 
 /// The copies that move block `(h, l)` between `local_major` (blocks ordered local rank first,
@@ -400,18 +392,18 @@ fn all_gather(p: &mut TierPlan, layout: &HostLayout, call: &RawOp, own: Region, 
     let across = Region::new(Buf::Scratch, 0, hosts * block);
     let gathered = Region::new(Buf::Scratch, hosts * block, n * block);
     p.scratch_bytes = (hosts + n) * block;
-    p.stages.push(Stage::Collective {
-        tier: Tier::Cross,
-        op: RawOp::new(OpKind::AllGather, call.dtype, call.count),
-        send: Some(own),
-        recv: across,
-    });
-    p.stages.push(Stage::Collective {
-        tier: Tier::Local,
-        op: RawOp::new(OpKind::AllGather, call.dtype, call.count * hosts),
-        send: Some(across),
-        recv: gathered,
-    });
+    p.collective(
+        Tier::Cross,
+        RawOp::new(OpKind::AllGather, call.dtype, call.count),
+        Some(own),
+        across,
+    );
+    p.collective(
+        Tier::Local,
+        RawOp::new(OpKind::AllGather, call.dtype, call.count * hosts),
+        Some(across),
+        gathered,
+    );
     p.stages
         .extend(permutation(layout, block, gathered, output, true));
 }
@@ -432,18 +424,18 @@ fn reduce_scatter(
     p.scratch_bytes = (hosts + n) * block;
     p.stages
         .extend(permutation(layout, block, ordered, input, false));
-    p.stages.push(Stage::Collective {
-        tier: Tier::Local,
-        op: RawOp::new(OpKind::ReduceScatter, call.dtype, call.count * hosts).with_op(first),
-        send: Some(ordered),
-        recv: partial,
-    });
-    p.stages.push(Stage::Collective {
-        tier: Tier::Cross,
-        op: RawOp::new(OpKind::ReduceScatter, call.dtype, call.count).with_op(later),
-        send: Some(partial),
-        recv: output,
-    });
+    p.collective(
+        Tier::Local,
+        RawOp::new(OpKind::ReduceScatter, call.dtype, call.count * hosts).with_op(first),
+        Some(ordered),
+        partial,
+    );
+    p.collective(
+        Tier::Cross,
+        RawOp::new(OpKind::ReduceScatter, call.dtype, call.count).with_op(later),
+        Some(partial),
+        output,
+    );
 }
 
 /// Any layout: this rank's own block copied, the other blocks sent and received over each

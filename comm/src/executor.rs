@@ -283,6 +283,13 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// `n` more bytes of the header moved; whether all of it has now.
+    fn header_advanced(&mut self, n: usize) -> bool {
+        self.header_moved += n;
+        self.header_done = self.header_moved >= HEADER_LEN;
+        self.header_done
+    }
+
     /// The step in progress has moved all its bytes: on to the lane's next.
     fn step_done(&mut self) {
         self.next += 1;
@@ -629,6 +636,13 @@ impl Io<'_, '_> {
     fn ready(&self, i: usize) -> bool {
         deps_done(self.steps, self.done, i)
     }
+
+    /// Step `i`, the one `cur` is on, has moved all its bytes: steps that depend on it may
+    /// start, and `cur` goes on to its lane's next.
+    fn step_done(&mut self, cur: &mut Cursor, i: usize) {
+        self.done[i] = true;
+        cur.step_done();
+    }
 }
 
 /// Pushes the header and then every send step whose dependencies are met, until the connection
@@ -671,12 +685,10 @@ fn pump_sends(
                     .conn
                     .try_send(&cur.header[cur.header_moved..])
                     .map_err(|e| ctx.transport(peer, e))?;
-                cur.header_moved += n;
                 progressed |= n > 0;
-                if cur.header_moved < HEADER_LEN {
+                if !cur.header_advanced(n) {
                     return Ok(progressed);
                 }
-                cur.header_done = true;
             }
         }
     }
@@ -715,8 +727,7 @@ fn pump_sends(
                 break;
             }
         }
-        io.done[i] = true;
-        cur.step_done();
+        io.step_done(cur, i);
         progressed = true;
     }
     Ok(progressed)
@@ -815,12 +826,10 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
             .conn
             .try_recv_into(&mut cur.header[cur.header_moved..])
             .map_err(|e| ctx.transport(peer, e))?;
-        cur.header_moved += n;
         progressed |= n > 0;
-        if cur.header_moved < HEADER_LEN {
+        if !cur.header_advanced(n) {
             return Ok(progressed);
         }
-        cur.header_done = true;
         check_header(ctx, peer, &cur.header, &cur.expect)?;
     }
     while cur.next < cur.end {
@@ -893,8 +902,7 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
             cur.moved += n;
             progressed = true;
         }
-        io.done[i] = true;
-        cur.step_done();
+        io.step_done(cur, i);
         progressed = true;
     }
     Ok(progressed)

@@ -55,29 +55,10 @@ impl PcieLevel {
     }
 }
 
-/// One GPU as NVML describes it.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct NvmlGpu {
-    /// Driver index (`nvmlDeviceGetIndex`).
-    pub index: u32,
-    /// Product name.
-    pub name: Option<String>,
-    /// PCI bus id as NVML prints it (`00000000:07:00.0`; normalised on conversion).
-    pub bus_id: Option<String>,
-    /// NUMA node of the GPU (`nvmlDeviceGetNumaNodeId`, recent drivers).
-    pub numa: Option<u32>,
-    /// CPUs close to the GPU as a list (`0-19,40-59`), from `nvmlDeviceGetCpuAffinity`.
-    pub cpu_affinity: Option<String>,
-    /// Total device memory in bytes.
-    pub mem_bytes: Option<u64>,
-    /// Compute capability × 10.
-    pub sm: Option<u32>,
-}
-
 /// One NVLink of one GPU.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct NvmlLink {
-    /// Index of the GPU ([`NvmlGpu::index`]) the link belongs to.
+    /// Index of the GPU ([`Gpu::index`]) the link belongs to.
     pub gpu: u32,
     /// Link number on that GPU (0..18).
     pub link: u32,
@@ -103,8 +84,8 @@ pub struct NvmlPair {
 /// Everything NVML reported, as plain data.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct NvmlSnapshot {
-    /// GPUs.
-    pub gpus: Vec<NvmlGpu>,
+    /// GPUs, with bus ids as NVML prints them (`00000000:07:00.0`; normalised on conversion).
+    pub gpus: Vec<Gpu>,
     /// NVLinks (one entry per link per GPU).
     pub nvlinks: Vec<NvmlLink>,
     /// Pairs of GPUs.
@@ -179,7 +160,7 @@ pub fn cpulist_from_mask(words: &[u64]) -> Option<String> {
 /// Errors on a snapshot that names a GPU twice or a pair of GPUs it does not list.
 pub fn to_topology(s: &NvmlSnapshot) -> Result<Topology> {
     let bad = |m: String| TopoError::Invalid(format!("NVML snapshot: {m}"));
-    let mut gpus: Vec<&NvmlGpu> = s.gpus.iter().collect();
+    let mut gpus: Vec<&Gpu> = s.gpus.iter().collect();
     gpus.sort_by_key(|g| g.index);
     if let Some(w) = gpus.windows(2).find(|w| w[0].index == w[1].index) {
         return Err(bad(format!("GPU {} listed twice", w[0].index)));
@@ -261,14 +242,9 @@ pub fn to_topology(s: &NvmlSnapshot) -> Result<Topology> {
         gpus: gpus
             .iter()
             .zip(&buses)
-            .map(|(g, bus)| Gpu {
-                index: g.index,
-                name: g.name.clone(),
+            .map(|(&g, bus)| Gpu {
                 bus_id: bus.clone(),
-                cpu_affinity: g.cpu_affinity.clone(),
-                numa: g.numa,
-                sm: g.sm,
-                mem_bytes: g.mem_bytes,
+                ..g.clone()
             })
             .collect(),
         paths,
@@ -330,7 +306,7 @@ pub fn capture(lib: &Path) -> std::result::Result<NvmlSnapshot, NvmlUnavailable>
             .cpu_affinity(16)
             .ok()
             .and_then(|w| cpulist_from_mask(&w.into_iter().map(u64::from).collect::<Vec<_>>()));
-        snap.gpus.push(NvmlGpu {
+        snap.gpus.push(Gpu {
             index,
             name: d.name().ok(),
             bus_id: d.pci_info().ok().map(|p| p.bus_id),
@@ -396,9 +372,9 @@ mod tests {
         format!("00000000:{:02X}:00.0", 0x07 + 0x10 * i)
     }
 
-    fn gpus(n: u32, numa: impl Fn(u32) -> u32, aff: impl Fn(u32) -> &'static str) -> Vec<NvmlGpu> {
+    fn gpus(n: u32, numa: impl Fn(u32) -> u32, aff: impl Fn(u32) -> &'static str) -> Vec<Gpu> {
         (0..n)
-            .map(|i| NvmlGpu {
+            .map(|i| Gpu {
                 index: i,
                 name: Some("Tesla V100-SXM2-32GB".into()),
                 bus_id: Some(bus(i)),

@@ -263,7 +263,6 @@ impl Connector {
         peer: usize,
         addr: Option<SocketAddr>,
         deadline: &Deadline,
-        timeout: Duration,
         cancel: &dyn Fn() -> bool,
     ) -> Result<Made> {
         let s = &*self.shared;
@@ -284,7 +283,7 @@ impl Connector {
                 Link::Idle => {
                     links.state[peer] = Link::Dialing;
                     drop(links);
-                    let dialed = s.dial(peer, addr, deadline, timeout, cancel);
+                    let dialed = s.dial(peer, addr, deadline, cancel);
                     links = lock(&s.links);
                     match dialed {
                         Ok(Some(made)) => {
@@ -476,7 +475,6 @@ impl Shared {
         peer: usize,
         addr: Option<SocketAddr>,
         deadline: &Deadline,
-        timeout: Duration,
         cancel: &dyn Fn() -> bool,
     ) -> Result<Option<Made>> {
         let kind = self.kind(peer);
@@ -496,7 +494,7 @@ impl Shared {
                 let addr = addr.ok_or_else(|| {
                     TransportError::Config(format!("no TCP address known for rank {peer}"))
                 })?;
-                Stream::Tcp(crate::socket::dial_socket(peer, addr, deadline, timeout)?)
+                Stream::Tcp(crate::socket::dial_socket(peer, addr, deadline)?)
             }
         };
         let wait = deadline
@@ -573,7 +571,7 @@ impl Shared {
                 } else {
                     self.stripes
                 };
-                let socks = open_stripes(peer, sock, side, plan, &Deadline::after(wait), wait)?;
+                let socks = open_stripes(peer, sock, side, plan, &Deadline::after(wait))?;
                 Ok(Made::Tcp(TcpConnection::from_sockets(
                     peer,
                     socks,

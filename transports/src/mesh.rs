@@ -828,7 +828,7 @@ impl Mesh {
             let (conn, kind, poll) = if family.share {
                 if links.by_rank[f].is_none() {
                     let (conn, kind, poll) = self
-                        .open(&family, p, addr, &deadline, timeout, cancel)
+                        .open(&family, p, addr, &deadline, cancel)
                         .map_err(|source| ConnectError { peer: p, source })?;
                     links.by_rank[f] = Some(Linked {
                         mux: Mux::new(conn),
@@ -846,7 +846,7 @@ impl Mesh {
                 let conn: Box<dyn Connection> = Box::new(channel);
                 (conn, linked.kind, linked.poll.clone())
             } else {
-                self.open(&family, p, addr, &deadline, timeout, cancel)
+                self.open(&family, p, addr, &deadline, cancel)
                     .map_err(|source| ConnectError { peer: p, source })?
             };
             match (&poll, kind) {
@@ -868,12 +868,11 @@ impl Mesh {
         p: usize,
         addr: Option<SocketAddr>,
         deadline: &Deadline,
-        timeout: Duration,
         cancel: &dyn Fn() -> bool,
     ) -> Result<(Box<dyn Connection>, &'static str, Option<TcpPollHandle>)> {
         let made = family
             .connector
-            .connect(self.members[p], addr, deadline, timeout, cancel)?;
+            .connect(self.members[p], addr, deadline, cancel)?;
         let opened: (Box<dyn Connection>, &'static str, Option<TcpPollHandle>) = match made {
             Made::Shm(mut c) => {
                 c.set_low_latency_max(family.shm_ll_max);

@@ -21,13 +21,8 @@ pub(crate) fn configure_stream(sock: &Socket) {
 }
 
 /// A TCP stream connected to `peer` at `addr`, retrying while it is not listening yet, until
-/// `deadline` (`timeout` is its length, for the error).
-pub(crate) fn dial_socket(
-    peer: usize,
-    addr: SocketAddr,
-    deadline: &Deadline,
-    timeout: Duration,
-) -> Result<Socket> {
+/// `deadline`.
+pub(crate) fn dial_socket(peer: usize, addr: SocketAddr, deadline: &Deadline) -> Result<Socket> {
     let target = SockAddr::from(addr);
     loop {
         let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
@@ -41,10 +36,9 @@ pub(crate) fn dial_socket(
             Ok(()) => return Ok(sock),
             Err(e) => {
                 if deadline.expired() {
-                    return Err(TransportError::Timeout {
-                        what: format!("connecting to rank {peer} at {addr} (last error: {e})"),
-                        after: timeout,
-                    });
+                    return Err(deadline.timeout_error(format!(
+                        "connecting to rank {peer} at {addr} (last error: {e})"
+                    )));
                 }
                 std::thread::sleep(Duration::from_millis(20).min(deadline.remaining()));
             }

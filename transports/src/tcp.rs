@@ -904,7 +904,7 @@ impl TcpEndpoint {
         timeout: Duration,
     ) -> Result<TcpConnection> {
         let deadline = Deadline::after(timeout);
-        let sock = dial_socket(peer, addr, &deadline, timeout)?;
+        let sock = dial_socket(peer, addr, &deadline)?;
         let hs = deadline
             .remaining()
             .min(HANDSHAKE_TIMEOUT)
@@ -1016,8 +1016,8 @@ pub fn local_pair_striped(
     let deadline = Deadline::after(timeout);
     std::thread::scope(|s| {
         let dialer = s.spawn(|| -> Result<TcpConnection> {
-            let sock = dial_socket(rank_b, at, &deadline, timeout)?;
-            let socks = open_stripes(rank_b, sock, Side::Dialer, plan, &deadline, timeout)?;
+            let sock = dial_socket(rank_b, at, &deadline)?;
+            let socks = open_stripes(rank_b, sock, Side::Dialer, plan, &deadline)?;
             TcpConnection::from_sockets(rank_b, socks, plan.threads)
         });
         let accepted = (|| -> Result<TcpConnection> {
@@ -1031,7 +1031,7 @@ pub fn local_pair_striped(
             };
             sock.set_nonblocking(false)
                 .map_err(|e| TransportError::io("set_nonblocking", e))?;
-            let socks = open_stripes(rank_a, sock, Side::Acceptor, plan, &deadline, timeout)?;
+            let socks = open_stripes(rank_a, sock, Side::Acceptor, plan, &deadline)?;
             TcpConnection::from_sockets(rank_a, socks, plan.threads)
         })();
         let dialed = dialer.join().unwrap_or_else(|_| {

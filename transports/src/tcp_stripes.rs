@@ -155,7 +155,6 @@ pub(crate) fn open_stripes(
     side: Side,
     plan: StripePlan,
     deadline: &Deadline,
-    timeout: Duration,
 ) -> Result<(Vec<Socket>, usize)> {
     let io = |what: &str, e: std::io::Error| {
         TransportError::io_with(peer, format!("{what} (stripes, rank {peer})"), e)
@@ -273,7 +272,7 @@ pub(crate) fn open_stripes(
                     .ok_or_else(|| TransportError::Protocol("first socket has no peer".into()))?;
                 at.set_port(port);
                 for i in 1..count {
-                    let s = crate::socket::dial_socket(peer, at, deadline, timeout)?;
+                    let s = crate::socket::dial_socket(peer, at, deadline)?;
                     let mut hello = frame[12..FRAME_BYTES].to_vec();
                     hello.extend_from_slice(&(i as u16).to_le_bytes());
                     (&s).write_all(&hello)
@@ -1163,15 +1162,7 @@ mod tests {
     fn a_dialer_sent_something_else_than_a_stripe_frame_fails_clearly() {
         let dial = |first: Socket| {
             let d = Deadline::after(Duration::from_secs(5));
-            open_stripes(
-                1,
-                first,
-                Side::Dialer,
-                StripePlan::SINGLE,
-                &d,
-                Duration::from_secs(5),
-            )
-            .unwrap_err()
+            open_stripes(1, first, Side::Dialer, StripePlan::SINGLE, &d).unwrap_err()
         };
         let (dialed, accepted) = socket_pair();
         (&accepted).write_all(&[0x55; FRAME_BYTES]).unwrap();
@@ -1203,14 +1194,7 @@ mod tests {
         std::thread::scope(|s| {
             let acceptor = s.spawn(|| {
                 let d = Deadline::after(Duration::from_secs(10));
-                open_stripes(
-                    0,
-                    accepted,
-                    Side::Acceptor,
-                    plan,
-                    &d,
-                    Duration::from_secs(10),
-                )
+                open_stripes(0, accepted, Side::Acceptor, plan, &d)
             });
             let mut frame = [0u8; FRAME_BYTES];
             (&dialed).read_exact(&mut frame).unwrap();
@@ -1242,15 +1226,7 @@ mod tests {
         let (dialed, accepted) = socket_pair();
         let t = std::time::Instant::now();
         let d = Deadline::after(Duration::from_millis(500));
-        let e = open_stripes(
-            0,
-            accepted,
-            Side::Acceptor,
-            plan,
-            &d,
-            Duration::from_millis(500),
-        )
-        .unwrap_err();
+        let e = open_stripes(0, accepted, Side::Acceptor, plan, &d).unwrap_err();
         assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
         assert!(t.elapsed() < Duration::from_secs(5));
         drop(dialed);
