@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 use weftcc::{CommConfig, Communicator, ReduceOp, UniqueId};
+use weftcc_collectives::testing::SplitMix64;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -105,29 +106,13 @@ fn cycles(world: &Communicator, n: u64) {
     }
 }
 
-/// The same pseudo-random sequence on every rank (so they agree without talking).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // SplitMix64.
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+/// 0, or log-uniform in 1 ..= 2^20 elements.
+fn random_count(rng: &mut SplitMix64) -> usize {
+    if rng.below(16) == 0 {
+        return 0;
     }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// 0, or log-uniform in 1 ..= 2^20 elements.
-    fn count(&mut self) -> usize {
-        if self.below(16) == 0 {
-            return 0;
-        }
-        let bits = self.below(21);
-        (1usize << bits) + self.below(1 << bits) as usize / 2
-    }
+    let bits = rng.below(21);
+    (1usize << bits) + rng.below(1 << bits) / 2
 }
 
 /// Rank `r`'s element `i`: small integers, exact in every type and sum of ranks.
@@ -139,14 +124,14 @@ fn random(world: &Communicator, duration: Duration, seed: u64) {
     let algos = [None, Some("ring"), Some("tree"), Some("rd")];
     let comms: Vec<Communicator> = algos.iter().map(|a| fresh(world, *a)).collect();
     let (n, me) = (world.size(), world.rank());
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let start = Instant::now();
     let mut last = Instant::now();
     let mut done = 0u64;
     sample(me, start, 0);
     while start.elapsed() < duration {
-        let comm = &comms[rng.below(comms.len() as u64) as usize];
-        let count = rng.count();
+        let comm = &comms[rng.below(comms.len())];
+        let count = random_count(&mut rng);
         let kind = rng.below(6);
         let as_f64 = rng.below(2) == 0;
         let check = |what: &str, got: &[f64], want: &dyn Fn(usize) -> f64| {
@@ -198,7 +183,7 @@ fn random(world: &Communicator, duration: Duration, seed: u64) {
                 });
             }
             3 => {
-                let root = rng.below(n as u64) as usize;
+                let root = rng.below(n);
                 let got = run(&|c| {
                     let mut v: Vec<f64> = (0..count)
                         .map(|i| if me == root { value(root, i) } else { -1.0 })
@@ -220,7 +205,7 @@ fn random(world: &Communicator, duration: Duration, seed: u64) {
                 });
             }
             _ => {
-                let root = rng.below(n as u64) as usize;
+                let root = rng.below(n);
                 let send: Vec<f64> = (0..count).map(|i| value(me, i)).collect();
                 let got = run(&|c| {
                     let mut r = vec![0f64; count];

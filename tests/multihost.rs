@@ -228,11 +228,35 @@ fn bring_up(ns: &str, dev: &str, ip: &str) -> bool {
         && sh(&["ip", "-n", ns, "link", "set", "lo", "up"])
 }
 
+/// Network namespaces a test made, deleted on drop (and with them the veth ends inside).
+#[derive(Default)]
+struct Namespaces(Vec<String>);
+
+impl Namespaces {
+    /// Makes namespace `name`; false where `ip netns add` fails.
+    fn add(&mut self, name: &str) -> bool {
+        let made = sh(&["ip", "netns", "add", name]);
+        if made {
+            self.0.push(name.to_string());
+        }
+        made
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
 /// Two namespaces and a veth pair; deleted on drop.
 struct Hosts {
     ns: [String; 2],
     dev: [String; 2],
     ip: [String; 2],
+    made: Namespaces,
 }
 
 impl Hosts {
@@ -240,13 +264,14 @@ impl Hosts {
         let id = std::process::id();
         let tag = format!("{:x}", id % 0xfffff);
         let subnet = 16 + id % 200;
-        let h = Hosts {
+        let mut h = Hosts {
             ns: [format!("weftmh-{tag}-a"), format!("weftmh-{tag}-b")],
             dev: [format!("wmh{tag}a"), format!("wmh{tag}b")],
             ip: [format!("10.231.{subnet}.1"), format!("10.231.{subnet}.2")],
+            made: Namespaces::default(),
         };
         for ns in &h.ns {
-            if !sh(&["ip", "netns", "add", ns]) {
+            if !h.made.add(ns) {
                 return Err(format!("cannot create network namespace {ns}"));
             }
         }
@@ -261,20 +286,8 @@ impl Hosts {
                     "rate", "1gbit", "burst", "128kb", "latency", "50ms",
                 ])
         });
-        if ok {
-            Ok(h)
-        } else {
-            Err("cannot set up the veth pair".into())
-        }
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for ns in &self.ns {
-            // Deleting a namespace deletes the veth end inside it, and with it the pair.
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
+        ok.then_some(h)
+            .ok_or_else(|| "cannot set up the veth pair".into())
     }
 }
 
@@ -478,6 +491,7 @@ struct Cluster {
     ns: Vec<String>,
     dev: Vec<String>,
     ip: Vec<String>,
+    made: Namespaces,
 }
 
 impl Cluster {
@@ -485,23 +499,25 @@ impl Cluster {
         let id = std::process::id();
         let tag = format!("{:x}", id % 0xfffff);
         let subnet = 16 + id % 200;
-        let c = Cluster {
+        let mut c = Cluster {
             switch: format!("weftcl-{tag}-sw"),
             ns: (0..n).map(|k| format!("weftcl-{tag}-{k}")).collect(),
             dev: (0..n).map(|k| format!("wcl{tag}h{k}")).collect(),
             ip: (0..n)
                 .map(|k| format!("10.233.{subnet}.{}", k + 1))
                 .collect(),
+            made: Namespaces::default(),
         };
-        let sw = c.switch.as_str();
-        let mut ok = sh(&["ip", "netns", "add", sw])
+        let sw = c.switch.clone();
+        let sw = sw.as_str();
+        let mut ok = c.made.add(sw)
             && sh(&["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
             && sh(&["ip", "-n", sw, "link", "set", "br0", "up"]);
         for k in 0..n {
             let (ns, dev) = (&c.ns[k], &c.dev[k]);
             let port = format!("wcl{tag}s{k}");
             ok = ok
-                && sh(&["ip", "netns", "add", ns])
+                && c.made.add(ns)
                 && sh(&[
                     "ip", "link", "add", dev, "type", "veth", "peer", "name", &port,
                 ])
@@ -511,19 +527,8 @@ impl Cluster {
                 && sh(&["ip", "-n", sw, "link", "set", &port, "up"])
                 && bring_up(ns, dev, &c.ip[k]);
         }
-        if ok {
-            Ok(c)
-        } else {
-            Err("cannot set up the namespaces and their bridge".into())
-        }
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for ns in self.ns.iter().chain([&self.switch]) {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
+        ok.then_some(c)
+            .ok_or_else(|| "cannot set up the namespaces and their bridge".into())
     }
 }
 

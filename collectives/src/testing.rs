@@ -1,5 +1,32 @@
-//! Test support shared by weftcc's crates: deterministic pseudo-random data (xorshift64), value
-//! comparison, and deterministic mode's reference result. Not part of the API.
+//! Test support shared by weftcc's crates: deterministic pseudo-random data (xorshift64 bytes,
+//! a SplitMix64 generator), value comparison, and deterministic mode's reference result. Not
+//! part of the API.
+
+/// SplitMix64: the same sequence for a seed on every machine, so ranks can make the same random
+/// choices without talking.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A number below `n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// `len` random bytes.
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        (0..len).map(|_| self.next_u64() as u8).collect()
+    }
+}
 
 /// `len` bytes from `seed`: the same seed gives the same bytes on every machine.
 pub fn noise(seed: u64, len: usize) -> Vec<u8> {
@@ -61,6 +88,55 @@ pub fn rank_order_fold(
         reduce::divide_in_place(dtype, &mut acc, inputs.len()).expect("ranks");
     }
     acc
+}
+
+/// PreMulSum's scalar of rank `r` in the tests (it differs between ranks, as NCCL allows).
+pub fn premul_factor(r: usize) -> f64 {
+    (r + 1) as f64
+}
+
+/// `op` as rank `r` passes it: a PreMulSum with [`premul_factor`]`(r)`, any other unchanged.
+pub fn op_of_rank(op: crate::ReduceOp, r: usize) -> crate::ReduceOp {
+    match op {
+        crate::ReduceOp::PreMulSum(_) => crate::ReduceOp::PreMulSum(premul_factor(r)),
+        other => other,
+    }
+}
+
+/// Every reduction, PreMulSum with rank `r`'s factor ([`premul_factor`]).
+pub fn every_op(r: usize) -> Vec<crate::ReduceOp> {
+    use crate::ReduceOp::*;
+    vec![Sum, Prod, Min, Max, Avg, PreMulSum(premul_factor(r))]
+}
+
+/// The collectives that move data: every kind but send/recv and barrier.
+pub fn data_collectives() -> Vec<crate::OpKind> {
+    crate::OpKind::ALL
+        .into_iter()
+        .filter(|k| !matches!(k, crate::OpKind::SendRecv | crate::OpKind::Barrier))
+        .collect()
+}
+
+/// What rank `me`'s receive buffer holds after `call` on `n` ranks whose inputs are their
+/// [`small_input`]s and whose PreMulSum factors are their [`premul_factor`]s (`None`: the call
+/// leaves it untouched, as a reduce off the root).
+pub fn expected_recv(call: &crate::RawOp, n: usize, me: usize) -> Option<Vec<u8>> {
+    use crate::OpKind::*;
+    let (t, op, count) = (call.dtype, call.op, call.count);
+    let block = count * t.size();
+    let factors: Vec<f64> = (0..n).map(premul_factor).collect();
+    let each =
+        |len: usize| -> Vec<Vec<u8>> { (0..n).map(|r| small_input(t, op, r, len)).collect() };
+    let mine = |v: Vec<u8>| v[me * block..(me + 1) * block].to_vec();
+    match call.kind {
+        AllReduce => Some(rank_order_fold(t, op, &each(count), &factors)),
+        Reduce => (me == call.root).then(|| rank_order_fold(t, op, &each(count), &factors)),
+        Broadcast => Some(small_input(t, op, call.root, count)),
+        AllGather => Some(each(count).concat()),
+        ReduceScatter => Some(mine(rank_order_fold(t, op, &each(count * n), &factors))),
+        AllToAll => Some(each(count * n).into_iter().flat_map(mine).collect()),
+        SendRecv | Barrier => None,
+    }
 }
 
 /// Elements of the send and the receive buffer a test gives every rank for a call of `count`

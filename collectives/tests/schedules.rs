@@ -10,30 +10,10 @@ use weftcc_collectives::schedule::hierarchical::{self, HostLayout};
 use weftcc_collectives::schedule::sim::{self, RankMemory, SimError};
 use weftcc_collectives::schedule::tree;
 use weftcc_collectives::schedule::{self, p2p, Action, Part, Schedule, ScheduleError};
+use weftcc_collectives::testing::SplitMix64 as Rng;
 use weftcc_collectives::{Combiner, DataType};
 
 const COMBS: [Combiner; 4] = [Combiner::Sum, Combiner::Prod, Combiner::Min, Combiner::Max];
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    fn bytes(&mut self, len: usize) -> Vec<u8> {
-        (0..len).map(|_| self.next() as u8).collect()
-    }
-}
 
 /// Input data for one rank: arbitrary bytes for integers, small integers for floats (in
 /// {-2, -1, 1, 2} for products, so they stay exact, -8..=8 otherwise).
@@ -83,7 +63,7 @@ fn mixed_data(rng: &mut Rng, dtype: DataType, comb: Combiner, elems: usize) -> V
     };
     let mut out = Vec::with_capacity(elems * dtype.size());
     for _ in 0..elems {
-        let m = 1.0 + (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let m = 1.0 + (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         let e = rng.below(2 * span as usize + 1) as i32 - span;
         let v = if rng.below(2) == 0 { m } else { -m } * 2f64.powi(e);
         push_float(&mut out, dtype, v);
@@ -210,7 +190,7 @@ fn simulate(
     mem: &mut [RankMemory],
 ) -> Result<(), SimError> {
     let policy = rng.below(4);
-    let mut pick = Rng(rng.next());
+    let mut pick = Rng(rng.next_u64());
     let mut sticky = 0usize;
     let mut order = move |k: usize| match policy {
         0 => 0,

@@ -7,67 +7,26 @@
 use proptest::prelude::*;
 use weftcc_collectives::reduce;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
-use weftcc_collectives::testing::{buffer_counts, small_input};
+use weftcc_collectives::testing::{
+    buffer_counts, data_collectives, every_op, expected_recv, op_of_rank, rank_order_fold,
+    small_input,
+};
 use weftcc_collectives::tiers::{plan, Buf, Region, Stage, Tier, TierPlan};
 use weftcc_collectives::{DataType, OpKind, RawOp, ReduceOp};
 
 /// A byte every result differs from (inputs are small non-negative integers).
 const SENTINEL: u8 = 0xA5;
 
-fn factor(r: usize) -> f64 {
-    (r + 1) as f64
-}
-
-fn op_of(op: ReduceOp, r: usize) -> ReduceOp {
-    match op {
-        ReduceOp::PreMulSum(_) => ReduceOp::PreMulSum(factor(r)),
-        other => other,
-    }
-}
-
-/// The reduction of `inputs` (member i's input scaled by its own PreMulSum factor).
+/// The reduction of `inputs` (member i's input scaled by its own PreMulSum factor, `ops[i]`).
 fn reduce_all(t: DataType, ops: &[ReduceOp], inputs: &[Vec<u8>]) -> Vec<u8> {
-    let scaled = |i: usize| match ops[i] {
-        ReduceOp::PreMulSum(f) => {
-            let mut y = vec![0u8; inputs[i].len()];
-            reduce::scale_into(t, &mut y, &inputs[i], f).expect("scale");
-            y
-        }
-        _ => inputs[i].clone(),
-    };
-    let mut acc = scaled(0);
-    for i in 1..inputs.len() {
-        reduce::reduce_in_place(t, ops[0].combiner(), &mut acc, &scaled(i)).expect("reduce");
-    }
-    if ops[0] == ReduceOp::Avg {
-        reduce::divide_in_place(t, &mut acc, inputs.len()).expect("divide");
-    }
-    acc
-}
-
-/// What rank `me`'s receive buffer holds after the call (None: untouched).
-fn expected(call: &RawOp, n: usize, me: usize) -> Option<Vec<u8>> {
-    let (t, op, count) = (call.dtype, call.op, call.count);
-    let es = t.size();
-    let ops: Vec<ReduceOp> = (0..n).map(|r| op_of(op, r)).collect();
-    let each =
-        |len: usize| -> Vec<Vec<u8>> { (0..n).map(|r| small_input(t, op, r, len)).collect() };
-    match call.kind {
-        OpKind::AllReduce => Some(reduce_all(t, &ops, &each(count))),
-        OpKind::Reduce => (me == call.root).then(|| reduce_all(t, &ops, &each(count))),
-        OpKind::Broadcast => Some(small_input(t, op, call.root, count)),
-        OpKind::AllGather => Some(each(count).concat()),
-        OpKind::ReduceScatter => Some(
-            reduce_all(t, &ops, &each(count * n))[me * count * es..(me + 1) * count * es].to_vec(),
-        ),
-        OpKind::AllToAll => Some(
-            each(count * n)
-                .iter()
-                .flat_map(|x| x[me * count * es..(me + 1) * count * es].to_vec())
-                .collect(),
-        ),
-        _ => None,
-    }
+    let factors: Vec<f64> = ops
+        .iter()
+        .map(|op| match op {
+            ReduceOp::PreMulSum(f) => *f,
+            _ => 1.0,
+        })
+        .collect();
+    rank_order_fold(t, ops[0], inputs, &factors)
 }
 
 #[derive(Clone)]
@@ -307,17 +266,14 @@ fn execute(layout: &HostLayout, plans: &[TierPlan], bufs: &mut [Bufs]) {
 
 /// Runs `call` (op and root as rank 0 passes them) on `hosts` (host of each rank) and checks
 /// every rank's result.
-#[allow(clippy::too_many_arguments)]
-fn check(
-    shard_min: usize,
-    hosts: &[usize],
-    kind: OpKind,
-    t: DataType,
-    op: ReduceOp,
-    count: usize,
-    root: usize,
-    in_place: bool,
-) {
+fn check(shard_min: usize, hosts: &[usize], call: RawOp, in_place: bool) {
+    let RawOp {
+        kind,
+        dtype: t,
+        count,
+        op,
+        root,
+    } = call;
     let layout = HostLayout::from_labels(hosts);
     let n = hosts.len();
     let es = t.size();
@@ -358,7 +314,7 @@ fn check(
     let plans: Vec<TierPlan> = (0..n)
         .map(|r| {
             let call = RawOp::new(kind, t, count)
-                .with_op(op_of(op, r))
+                .with_op(op_of_rank(op, r))
                 .with_root(root);
             let p = plan(&layout, r, &call, in_place, shard_min);
             bufs[r].scratch = vec![SENTINEL; p.scratch_bytes];
@@ -367,13 +323,12 @@ fn check(
         .collect();
     let before: Vec<Vec<u8>> = bufs.iter().map(|b| b.recv.clone()).collect();
     execute(&layout, &plans, &mut bufs);
-    let call = RawOp::new(kind, t, count).with_op(op).with_root(root);
     for (r, b) in bufs.iter().enumerate() {
         let got = match (kind, in_place) {
             (OpKind::ReduceScatter, true) => b.recv[r * count * es..(r + 1) * count * es].to_vec(),
             _ => b.recv.clone(),
         };
-        match expected(&call, n, r) {
+        match expected_recv(&call, n, r) {
             Some(want) => assert!(got == want, "rank {r}: {what}: got {got:?}, want {want:?}"),
             None => assert!(
                 b.recv == before[r],
@@ -383,23 +338,8 @@ fn check(
     }
 }
 
-/// The collectives (every kind but send/recv and barrier).
-fn kinds() -> Vec<OpKind> {
-    OpKind::ALL
-        .into_iter()
-        .filter(|k| !matches!(k, OpKind::SendRecv | OpKind::Barrier))
-        .collect()
-}
-
-fn ops() -> Vec<ReduceOp> {
-    vec![
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-        ReduceOp::PreMulSum(1.0),
-    ]
+fn call(kind: OpKind, t: DataType, op: ReduceOp, count: usize, root: usize) -> RawOp {
+    RawOp::new(kind, t, count).with_op(op).with_root(root)
 }
 
 #[test]
@@ -437,10 +377,10 @@ fn every_collective_on_fixed_layouts() {
         &[3, 3, 3],
     ];
     for hosts in layouts {
-        for kind in kinds() {
+        for kind in data_collectives() {
             for t in [DataType::Float32, DataType::Int32, DataType::Uint8] {
                 let ops = if kind.has_reduction() {
-                    ops()
+                    every_op(0)
                 } else {
                     vec![ReduceOp::Sum]
                 };
@@ -449,7 +389,12 @@ fn every_collective_on_fixed_layouts() {
                         for in_place in [false, true] {
                             for root in [0, hosts.len() - 1] {
                                 for shard_min in [0, usize::MAX] {
-                                    check(shard_min, hosts, kind, t, op, count, root, in_place);
+                                    check(
+                                        shard_min,
+                                        hosts,
+                                        call(kind, t, op, count, root),
+                                        in_place,
+                                    );
                                 }
                             }
                         }
@@ -533,9 +478,9 @@ proptest! {
     #[test]
     fn random_layouts_give_the_direct_result(
         hosts in prop::collection::vec(0usize..4, 1..=9),
-        kind in prop::sample::select(kinds()),
+        kind in prop::sample::select(data_collectives()),
         t in prop::sample::select(vec![DataType::Float32, DataType::Float64, DataType::Int32, DataType::Uint8]),
-        op in prop::sample::select(ops()),
+        op in prop::sample::select(every_op(0)),
         count in prop::sample::select(vec![0usize, 1, 3, 4, 7, 9, 16, 37]),
         root_pick in 0usize..9,
         in_place in any::<bool>(),
@@ -543,7 +488,7 @@ proptest! {
     ) {
         let root = root_pick % hosts.len();
         let op = if kind.has_reduction() { op } else { ReduceOp::Sum };
-        check(shard_min, &hosts, kind, t, op, count, root, in_place);
+        check(shard_min, &hosts, call(kind, t, op, count, root), in_place);
     }
 }
 

@@ -268,12 +268,7 @@ impl Stream {
     pub fn is_idle(&self) -> Result<bool> {
         self.ctx.bind()?;
         // SAFETY: the stream is alive (owned by self) and its context is current.
-        let r = unsafe { sys::cuStreamQuery(self.raw) };
-        match r {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => check("cuStreamQuery", other).map(|_| false),
-        }
+        finished("cuStreamQuery", unsafe { sys::cuStreamQuery(self.raw) })
     }
 
     /// Waits until all enqueued work has finished, at most `timeout` (then an error; the work
@@ -298,6 +293,15 @@ impl Drop for Stream {
             // SAFETY: created by cuStreamCreate and destroyed once; pending work still completes.
             let _ = unsafe { sys::cuStreamDestroy_v2(self.raw) };
         }
+    }
+}
+
+/// A stream or event query's answer: finished, not yet, or the driver's error.
+fn finished(what: &'static str, r: sys::CUresult) -> Result<bool> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => check(what, other).map(|_| false),
     }
 }
 
@@ -365,12 +369,7 @@ impl Event {
     pub fn is_done(&self) -> Result<bool> {
         self.ctx.bind()?;
         // SAFETY: the event is alive.
-        let r = unsafe { sys::cuEventQuery(self.raw) };
-        match r {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => check("cuEventQuery", other).map(|_| false),
-        }
+        finished("cuEventQuery", unsafe { sys::cuEventQuery(self.raw) })
     }
 
     /// Waits for the recorded work, at most `timeout`.

@@ -20,9 +20,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weftcc_collectives::reduce;
 use weftcc_collectives::testing::{
-    buffer_counts, noise, same_value as same, small_input, to_bytes,
+    buffer_counts, data_collectives, every_op, expected_recv, noise, same_value as same,
+    small_input, to_bytes,
 };
-use weftcc_collectives::{Combiner, DataType, Element, OpKind, ReduceOp};
+use weftcc_collectives::{Combiner, DataType, Element, OpKind, RawOp, ReduceOp};
 use weftcc_comm::{Communicator, Error, UniqueId};
 use weftcc_cuda::kernels::{divide_on_device, reduce_on_device, scale_on_device};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream, Transport};
@@ -151,91 +152,15 @@ fn child() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host reference.
-
-/// PreMulSum's scalar of rank `r` (differs between ranks, as NCCL allows).
-fn premul(r: usize) -> f64 {
-    (r + 1) as f64
-}
-
-/// The reduction of every rank's `len`-element input, with the CPU kernels.
-fn reduced(t: DataType, op: ReduceOp, n: usize, len: usize) -> Vec<u8> {
-    let scaled = |r: usize| {
-        let x = small_input(t, op, r, len);
-        match op {
-            ReduceOp::PreMulSum(_) => {
-                let mut y = vec![0u8; x.len()];
-                reduce::scale_into(t, &mut y, &x, premul(r)).expect("scale");
-                y
-            }
-            _ => x,
-        }
-    };
-    let mut acc = scaled(0);
-    for r in 1..n {
-        reduce::reduce_in_place(t, op.combiner(), &mut acc, &scaled(r)).expect("reduce");
-    }
-    if op == ReduceOp::Avg {
-        reduce::divide_in_place(t, &mut acc, n).expect("divide");
-    }
-    acc
-}
-
-/// What `me`'s receive buffer must hold afterwards (None: must be left untouched).
-fn expected(
-    kind: OpKind,
-    t: DataType,
-    op: ReduceOp,
-    n: usize,
-    me: usize,
-    count: usize,
-    root: usize,
-) -> Option<Vec<u8>> {
-    let es = t.size();
-    match kind {
-        OpKind::AllReduce => Some(reduced(t, op, n, count)),
-        OpKind::Reduce => (me == root).then(|| reduced(t, op, n, count)),
-        OpKind::Broadcast => Some(small_input(t, op, root, count)),
-        OpKind::AllGather => Some((0..n).flat_map(|r| small_input(t, op, r, count)).collect()),
-        OpKind::ReduceScatter => {
-            Some(reduced(t, op, n, count * n)[me * count * es..(me + 1) * count * es].to_vec())
-        }
-        OpKind::AllToAll => Some(
-            (0..n)
-                .flat_map(|r| {
-                    small_input(t, op, r, count * n)[me * count * es..(me + 1) * count * es]
-                        .to_vec()
-                })
-                .collect(),
-        ),
-        _ => None,
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 // The matrix.
-
-/// The device collectives (every kind but send/recv and barrier).
-fn kinds() -> impl Iterator<Item = OpKind> {
-    OpKind::ALL
-        .into_iter()
-        .filter(|k| !matches!(k, OpKind::SendRecv | OpKind::Barrier))
-}
 
 fn matrix(comm: &DeviceComm, ctx: &Context, stream: &Stream, full: bool) {
     let n = comm.size();
     let me = comm.rank();
     let mut cases = 0usize;
-    for kind in kinds() {
+    for kind in data_collectives() {
         let ops: Vec<ReduceOp> = if kind.has_reduction() {
-            vec![
-                ReduceOp::Sum,
-                ReduceOp::Prod,
-                ReduceOp::Min,
-                ReduceOp::Max,
-                ReduceOp::Avg,
-                ReduceOp::PreMulSum(premul(me)),
-            ]
+            every_op(me)
         } else {
             vec![ReduceOp::Sum]
         };
@@ -381,7 +306,8 @@ fn run_case<T: Element>(
             .unwrap_or_else(|e| panic!("rank {me}: {what}: {e}"));
         download(&recv)
     };
-    match expected(kind, t, op, n, me, count, root) {
+    let call = RawOp::new(kind, t, count).with_op(op).with_root(root);
+    match expected_recv(&call, n, me) {
         Some(want) => {
             if got != want {
                 let bad = got
