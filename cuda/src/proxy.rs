@@ -429,6 +429,7 @@ mod tests {
     use super::*;
     use crate::comm::DevSpan;
     use std::time::Instant;
+    use weftcc_collectives::testing::buffer_counts;
     use weftcc_collectives::{DataType, OpKind, RawOp};
     use weftcc_comm::{AbortCause, Error as HostError};
 
@@ -472,6 +473,29 @@ mod tests {
         DevSpan { ptr: 0, bytes }
     }
 
+    /// `op` on `n` ranks as a job, its buffers' lengths as a test gives them; in place (no send
+    /// buffer) when `in_place`.
+    fn collective(op: RawOp, n: usize, in_place: bool) -> Work {
+        let (send, recv) = buffer_counts(op.kind, op.count, n);
+        let es = op.dtype.size();
+        Work::Collective {
+            op,
+            send: (!in_place).then(|| span(send * es)),
+            recv: span(recv * es),
+        }
+    }
+
+    /// Runs `body` on `n` ranks, each with its proxy started, communicators timing out after
+    /// `timeout`.
+    fn on_ranks<T: Send>(
+        n: usize,
+        timeout: Duration,
+        body: impl Fn(usize, Rank) -> T + Sync,
+    ) -> Vec<T> {
+        weftcc_comm::run_ranks(n, |r| config(r, timeout), |r, host| body(r, start(host)))
+            .expect("ranks")
+    }
+
     fn f32_bytes(v: impl IntoIterator<Item = f32>) -> Vec<u8> {
         v.into_iter().flat_map(f32::to_ne_bytes).collect()
     }
@@ -480,183 +504,167 @@ mod tests {
 
     #[test]
     fn jobs_run_in_ticket_order_over_the_network_and_release_their_streams() {
-        let results = weftcc_comm::run_ranks(
-            N,
-            |r| config(r, Duration::from_secs(30)),
-            |r, host| {
-                let rank = start(host);
-                // Four operations queued at once, as a stream enqueues them.
-                let elems = 1000;
-                let all_reduce = rank.submit(
-                    1,
-                    Work::Collective {
-                        op: RawOp::new(OpKind::AllReduce, DataType::Float32, elems).with_root(0),
-                        send: Some(span(4 * elems)),
-                        recv: span(4 * elems),
-                    },
-                    f32_bytes((0..elems).map(|i| (i * (r + 1)) as f32)),
-                    vec![0; 4 * elems],
-                );
-                let broadcast = rank.submit(
-                    2,
-                    Work::Collective {
-                        op: RawOp::new(OpKind::Broadcast, DataType::Uint8, 5000).with_root(1),
-                        send: None,
-                        recv: span(5000),
-                    },
-                    Vec::new(),
-                    vec![r as u8 + 10; 5000],
-                );
-                let (to, from) = ((r + 1) % N, (r + N - 1) % N);
-                let shift = rank.submit(
-                    3,
-                    Work::Group {
-                        sends: vec![(to, span(3000))],
-                        recvs: vec![(from, span(3000))],
-                    },
-                    vec![r as u8 + 100; 3000],
-                    vec![0; 3000],
-                );
-                let gather = rank.submit(
-                    4,
-                    Work::Collective {
-                        op: RawOp::new(OpKind::AllGather, DataType::Int32, 100).with_root(0),
-                        send: Some(span(400)),
-                        recv: span(400 * N),
-                    },
-                    (0..100i32)
-                        .flat_map(|i| (i + 1000 * r as i32).to_ne_bytes())
-                        .collect(),
-                    vec![0; 400 * N],
-                );
-                let jobs = [&all_reduce, &broadcast, &shift, &gather];
-                // The proxy waits for each job's stream position: nothing is released before.
-                std::thread::sleep(Duration::from_millis(50));
+        on_ranks(N, Duration::from_secs(30), |r, rank| {
+            // Four operations queued at once, as a stream enqueues them.
+            let elems = 1000;
+            let all_reduce = rank.submit(
+                1,
+                collective(
+                    RawOp::new(OpKind::AllReduce, DataType::Float32, elems),
+                    N,
+                    false,
+                ),
+                f32_bytes((0..elems).map(|i| (i * (r + 1)) as f32)),
+                vec![0; 4 * elems],
+            );
+            let broadcast = rank.submit(
+                2,
+                collective(
+                    RawOp::new(OpKind::Broadcast, DataType::Uint8, 5000).with_root(1),
+                    N,
+                    true,
+                ),
+                Vec::new(),
+                vec![r as u8 + 10; 5000],
+            );
+            let (to, from) = ((r + 1) % N, (r + N - 1) % N);
+            let shift = rank.submit(
+                3,
+                Work::Group {
+                    sends: vec![(to, span(3000))],
+                    recvs: vec![(from, span(3000))],
+                },
+                vec![r as u8 + 100; 3000],
+                vec![0; 3000],
+            );
+            let gather = rank.submit(
+                4,
+                collective(
+                    RawOp::new(OpKind::AllGather, DataType::Int32, 100),
+                    N,
+                    false,
+                ),
+                (0..100i32)
+                    .flat_map(|i| (i + 1000 * r as i32).to_ne_bytes())
+                    .collect(),
+                vec![0; 400 * N],
+            );
+            let jobs = [&all_reduce, &broadcast, &shift, &gather];
+            // The proxy waits for each job's stream position: nothing is released before.
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                rank.counter.raised().is_empty(),
+                "released before its stream was ready"
+            );
+            for job in jobs {
+                job.mark.pass();
                 assert!(
-                    rank.counter.raised().is_empty(),
-                    "released before its stream was ready"
+                    rank.counter.wait_for(job.ticket, Duration::from_secs(20)),
+                    "rank {r}: ticket {} not released",
+                    job.ticket
                 );
-                for job in jobs {
-                    job.mark.pass();
-                    assert!(
-                        rank.counter.wait_for(job.ticket, Duration::from_secs(20)),
-                        "rank {r}: ticket {} not released",
-                        job.ticket
-                    );
-                    let outcome = job.done.wait(Duration::from_secs(5));
-                    assert!(matches!(outcome, Some(Ok(()))), "rank {r}: {outcome:?}");
-                }
-                assert_eq!(rank.counter.raised(), vec![1, 2, 3, 4], "rank {r}");
-                assert_eq!(rank.host.transport_to(to), Some("net"));
-                assert!(rank.shared.check().is_ok());
-                let sum = (1..=N).sum::<usize>();
-                assert_eq!(
-                    all_reduce.output.bytes(),
-                    f32_bytes((0..elems).map(|i| (i * sum) as f32)),
-                    "rank {r}: all-reduce"
-                );
-                assert_eq!(
-                    broadcast.output.bytes(),
-                    vec![11u8; 5000],
-                    "rank {r}: broadcast"
-                );
-                assert_eq!(
-                    shift.output.bytes(),
-                    vec![from as u8 + 100; 3000],
-                    "rank {r}: shift"
-                );
-                let want: Vec<u8> = (0..N as i32)
-                    .flat_map(|q| (0..100i32).map(move |i| i + 1000 * q))
-                    .flat_map(i32::to_ne_bytes)
-                    .collect();
-                assert_eq!(gather.output.bytes(), want, "rank {r}: all-gather");
-            },
-        );
-        results.expect("ranks");
+                let outcome = job.done.wait(Duration::from_secs(5));
+                assert!(matches!(outcome, Some(Ok(()))), "rank {r}: {outcome:?}");
+            }
+            assert_eq!(rank.counter.raised(), vec![1, 2, 3, 4], "rank {r}");
+            assert_eq!(rank.host.transport_to(to), Some("net"));
+            assert!(rank.shared.check().is_ok());
+            let sum = (1..=N).sum::<usize>();
+            assert_eq!(
+                all_reduce.output.bytes(),
+                f32_bytes((0..elems).map(|i| (i * sum) as f32)),
+                "rank {r}: all-reduce"
+            );
+            assert_eq!(
+                broadcast.output.bytes(),
+                vec![11u8; 5000],
+                "rank {r}: broadcast"
+            );
+            assert_eq!(
+                shift.output.bytes(),
+                vec![from as u8 + 100; 3000],
+                "rank {r}: shift"
+            );
+            let want: Vec<u8> = (0..N as i32)
+                .flat_map(|q| (0..100i32).map(move |i| i + 1000 * q))
+                .flat_map(i32::to_ne_bytes)
+                .collect();
+            assert_eq!(gather.output.bytes(), want, "rank {r}: all-gather");
+        });
     }
 
     #[test]
     fn a_mismatch_stays_typed_and_every_later_stream_is_released_without_running() {
-        let results = weftcc_comm::run_ranks(
-            2,
-            |r| config(r, Duration::from_secs(30)),
-            |r, host| {
-                let rank = start(host);
-                // Rank 1 calls one element more.
-                let elems = 1000 + r;
-                let bytes = 4 * elems;
-                let work = || Work::Collective {
-                    op: RawOp::new(OpKind::AllReduce, DataType::Float32, elems).with_root(0),
-                    send: Some(span(bytes)),
-                    recv: span(bytes),
-                };
-                let first = rank.submit(1, work(), vec![0; bytes], vec![0; bytes]);
-                let second = rank.submit(2, work(), vec![0; bytes], vec![0; bytes]);
-                first.mark.pass();
-                assert!(
-                    rank.counter.wait_for(1, Duration::from_secs(10)),
-                    "rank {r}"
-                );
-                // The rank that compared the headers has the mismatch itself; the other may
-                // learn it first as that rank's abort, its cause a mismatch, as typed fields.
-                match first.done.wait(Duration::from_secs(5)) {
-                    Some(Err(CudaError::Host(HostError::Mismatch { ours, theirs, .. }))) => {
-                        assert_eq!((ours.count, ours.seq), (elems as u64, 1));
-                        assert_eq!(theirs.count, (1000 + (1 - r)) as u64);
-                    }
-                    Some(Err(CudaError::Host(HostError::Aborted {
-                        by: Some(by),
-                        cause: AbortCause::Mismatch,
-                        during: Some((OpKind::AllReduce, 1)),
-                        ..
-                    }))) if by == 1 - r => {}
-                    other => panic!("rank {r}: {other:?}"),
+        on_ranks(2, Duration::from_secs(30), |r, rank| {
+            // Rank 1 calls one element more.
+            let elems = 1000 + r;
+            let bytes = 4 * elems;
+            let work = || {
+                collective(
+                    RawOp::new(OpKind::AllReduce, DataType::Float32, elems),
+                    2,
+                    false,
+                )
+            };
+            let first = rank.submit(1, work(), vec![0; bytes], vec![0; bytes]);
+            let second = rank.submit(2, work(), vec![0; bytes], vec![0; bytes]);
+            first.mark.pass();
+            assert!(
+                rank.counter.wait_for(1, Duration::from_secs(10)),
+                "rank {r}"
+            );
+            // The rank that compared the headers has the mismatch itself; the other may
+            // learn it first as that rank's abort, its cause a mismatch, as typed fields.
+            match first.done.wait(Duration::from_secs(5)) {
+                Some(Err(CudaError::Host(HostError::Mismatch { ours, theirs, .. }))) => {
+                    assert_eq!((ours.count, ours.seq), (elems as u64, 1));
+                    assert_eq!(theirs.count, (1000 + (1 - r)) as u64);
                 }
-                match rank.shared.check() {
-                    Err(CudaError::Poisoned { first, .. }) => {
-                        assert!(first.contains("mismatched collectives"), "{first}")
-                    }
-                    other => panic!("rank {r}: {other:?}"),
+                Some(Err(CudaError::Host(HostError::Aborted {
+                    by: Some(by),
+                    cause: AbortCause::Mismatch,
+                    during: Some((OpKind::AllReduce, 1)),
+                    ..
+                }))) if by == 1 - r => {}
+                other => panic!("rank {r}: {other:?}"),
+            }
+            match rank.shared.check() {
+                Err(CudaError::Poisoned { first, .. }) => {
+                    assert!(first.contains("mismatched collectives"), "{first}")
                 }
-                // The next job's stream is released although its host side never runs: its
-                // stream position is never passed either.
-                assert!(rank.counter.wait_for(2, Duration::from_secs(5)), "rank {r}");
-                assert!(matches!(
-                    second.done.wait(Duration::from_secs(5)),
-                    Some(Err(CudaError::Poisoned { .. }))
-                ));
-                assert_eq!(rank.counter.raised(), vec![1, 2]);
-            },
-        );
-        results.expect("ranks");
+                other => panic!("rank {r}: {other:?}"),
+            }
+            // The next job's stream is released although its host side never runs: its
+            // stream position is never passed either.
+            assert!(rank.counter.wait_for(2, Duration::from_secs(5)), "rank {r}");
+            assert!(matches!(
+                second.done.wait(Duration::from_secs(5)),
+                Some(Err(CudaError::Poisoned { .. }))
+            ));
+            assert_eq!(rank.counter.raised(), vec![1, 2]);
+        });
     }
 
     #[test]
     fn a_peer_that_aborts_releases_a_waiting_stream_with_the_operation_named() {
         // The timeout is long: the release must come from the abort, not from it.
-        let results = weftcc_comm::run_ranks(
-            2,
-            |r| config(r, Duration::from_secs(60)),
-            |r, host| {
-                let rank = start(host);
-                if r == 1 {
-                    std::thread::sleep(Duration::from_millis(300));
-                    rank.host.abort();
-                    return None;
-                }
-                let work = Work::Collective {
-                    op: RawOp::new(OpKind::AllReduce, DataType::Float32, 1 << 16).with_root(0),
-                    send: None,
-                    recv: span(4 << 16),
-                };
-                let start = Instant::now();
-                let job = rank.submit(7, work, Vec::new(), vec![0; 4 << 16]);
-                job.mark.pass();
-                assert!(rank.counter.wait_for(job.ticket, Duration::from_secs(10)));
-                Some((job.done.wait(Duration::from_secs(5)), start.elapsed()))
-            },
-        );
-        let results = results.expect("ranks");
+        let results = on_ranks(2, Duration::from_secs(60), |r, rank| {
+            if r == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                rank.host.abort();
+                return None;
+            }
+            let work = collective(
+                RawOp::new(OpKind::AllReduce, DataType::Float32, 1 << 16),
+                2,
+                true,
+            );
+            let start = Instant::now();
+            let job = rank.submit(7, work, Vec::new(), vec![0; 4 << 16]);
+            job.mark.pass();
+            assert!(rank.counter.wait_for(job.ticket, Duration::from_secs(10)));
+            Some((job.done.wait(Duration::from_secs(5)), start.elapsed()))
+        });
         let (outcome, took) = results[0].clone().expect("rank 0");
         assert!(took < Duration::from_secs(3), "released after {took:?}");
         match outcome {
@@ -672,47 +680,35 @@ mod tests {
 
     #[test]
     fn a_stream_that_never_reaches_its_job_times_out_and_is_released() {
-        let results = weftcc_comm::run_ranks(
-            1,
-            |r| config(r, Duration::from_millis(300)),
-            |_, host| {
-                let rank = start(host);
-                let work = Work::Collective {
-                    op: RawOp::new(OpKind::AllReduce, DataType::Float32, 10).with_root(0),
-                    send: None,
-                    recv: span(40),
-                };
-                let job = rank.submit(1, work, Vec::new(), vec![0; 40]);
-                // Never passed.
-                assert!(rank.counter.wait_for(1, Duration::from_secs(5)));
-                match job.done.wait(Duration::from_secs(5)) {
-                    Some(Err(CudaError::Collective { detail, .. })) => {
-                        assert!(detail.contains("did not finish"), "{detail}")
-                    }
-                    other => panic!("{other:?}"),
+        on_ranks(1, Duration::from_millis(300), |_, rank| {
+            let work = collective(
+                RawOp::new(OpKind::AllReduce, DataType::Float32, 10),
+                1,
+                true,
+            );
+            let job = rank.submit(1, work, Vec::new(), vec![0; 40]);
+            // Never passed.
+            assert!(rank.counter.wait_for(1, Duration::from_secs(5)));
+            match job.done.wait(Duration::from_secs(5)) {
+                Some(Err(CudaError::Collective { detail, .. })) => {
+                    assert!(detail.contains("did not finish"), "{detail}")
                 }
-                assert!(rank.shared.check().is_err());
-            },
-        );
-        results.expect("ranks");
+                other => panic!("{other:?}"),
+            }
+            assert!(rank.shared.check().is_err());
+        });
     }
 
     #[test]
     fn stopping_the_proxy_releases_tickets_it_never_processed() {
-        let results = weftcc_comm::run_ranks(
-            1,
-            |r| config(r, Duration::from_secs(30)),
-            |_, host| {
-                let rank = start(host);
-                // Issued but never submitted (an enqueue that failed between the two).
-                let t1 = rank.proxy.next_ticket();
-                let t2 = rank.proxy.next_ticket();
-                let counter = rank.counter.clone();
-                drop(rank);
-                assert_eq!((t1, t2), (1, 2));
-                assert_eq!(counter.raised(), vec![2]);
-            },
-        );
-        results.expect("ranks");
+        on_ranks(1, Duration::from_secs(30), |_, rank| {
+            // Issued but never submitted (an enqueue that failed between the two).
+            let t1 = rank.proxy.next_ticket();
+            let t2 = rank.proxy.next_ticket();
+            let counter = rank.counter.clone();
+            drop(rank);
+            assert_eq!((t1, t2), (1, 2));
+            assert_eq!(counter.raised(), vec![2]);
+        });
     }
 }
