@@ -292,8 +292,11 @@ impl Hosts {
 }
 
 /// The two hosts, or `None` after saying why test `label` is skipped (it needs root and
-/// iproute2's `ip` and `tc`).
+/// iproute2's `ip` and `tc`); `None` in a rank process (the test runs there as its parent does).
 fn two_hosts_or_skip(label: &str) -> Option<Hosts> {
+    if std::env::var(ROLE).is_ok() {
+        return None;
+    }
     if !is_root() {
         println!("{label}: SKIPPED (needs root to create network namespaces)");
         return None;
@@ -342,11 +345,17 @@ fn watchdog(pids: Vec<u32>, limit: Duration) -> Watchdog {
     Watchdog { done }
 }
 
+/// Every child's output; children still running after `limit` are killed.
+fn outputs_within(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let _dog = watchdog(children.iter().map(Child::id).collect(), limit);
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait for a child"))
+        .collect()
+}
+
 #[test]
 fn two_hosts_two_ranks_each() {
-    if std::env::var(ROLE).is_ok() {
-        return;
-    }
     let Some(hosts) = two_hosts_or_skip("multihost") else {
         return;
     };
@@ -434,14 +443,7 @@ fn run_two_hosts(hosts: &Hosts, across: Across) {
         let child = cmd.spawn().expect("spawn a rank");
         children.push(child);
     }
-    let _dog = watchdog(
-        children.iter().map(Child::id).collect(),
-        Duration::from_secs(300),
-    );
-    let outputs: Vec<Output> = children
-        .into_iter()
-        .map(|c| c.wait_with_output().expect("wait for a rank"))
-        .collect();
+    let outputs = outputs_within(children, Duration::from_secs(300));
     let _ = std::fs::remove_file(&cal_path);
     let label = match across {
         Across::Tcp => "TCP",
@@ -596,14 +598,7 @@ fn eight_hosts_of_eight_ranks_through_weft_run() {
                 .expect("spawn weft run")
         })
         .collect();
-    let _dog = watchdog(
-        nodes.iter().map(Child::id).collect(),
-        Duration::from_secs(400),
-    );
-    let outputs: Vec<Output> = nodes
-        .into_iter()
-        .map(|c| c.wait_with_output().expect("wait for weft run"))
-        .collect();
+    let outputs = outputs_within(nodes, Duration::from_secs(400));
     drop(cluster);
     let mut connections = 0usize;
     let mut over_tcp = 0usize;
@@ -672,9 +667,6 @@ fn link_cut_child() {
 /// the far side), exit, and give back its descriptors and threads.
 #[test]
 fn a_link_cut_mid_operation_fails_every_rank_in_bounded_time() {
-    if std::env::var(ROLE).is_ok() {
-        return;
-    }
     let Some(hosts) = two_hosts_or_skip("link cut") else {
         return;
     };

@@ -363,42 +363,26 @@ mod tests {
             bytes: 8000,
         };
         for chunk in [0, 1000] {
-            let bcast = RawOp::new(OpKind::Broadcast, DataType::Float64, 1000).with_root(1);
-            let work = Work::Collective {
-                op: bcast,
-                send: Some(short),
-                recv: full,
+            // Rank 0 of a call rooted at rank 1, with a short send (or receive) buffer.
+            let off_root = |kind, send, recv| {
+                let op = RawOp::new(kind, DataType::Float64, 1000).with_root(1);
+                let send = Some(send);
+                pieces(Work::Collective { op, send, recv }, 0, chunk)
             };
-            let ps = pieces(work, 0, chunk);
+            let ps = off_root(OpKind::Broadcast, short, full);
             assert!(ps.iter().all(|p| p.copy_in.is_empty()), "chunk {chunk}");
-            assert_eq!(
-                ps.iter()
-                    .flat_map(|p| &p.copy_back)
-                    .map(|c| c.1.bytes)
-                    .sum::<usize>(),
-                8000
-            );
+            let copied_back: usize = ps
+                .iter()
+                .flat_map(|p| &p.copy_back)
+                .map(|c| c.1.bytes)
+                .sum();
+            assert_eq!(copied_back, 8000);
             assert!(ps.iter().all(|p| p.work.staged_bytes().0 == 0));
-            let reduce = RawOp::new(OpKind::Reduce, DataType::Float64, 1000).with_root(1);
-            let send = DevSpan {
-                ptr: 1 << 40,
-                bytes: 8000,
-            };
-            let work = Work::Collective {
-                op: reduce,
-                send: Some(send),
-                recv: short,
-            };
-            let ps = pieces(work, 0, chunk);
+            let ps = off_root(OpKind::Reduce, full, short);
             assert!(ps.iter().all(|p| p.copy_back.is_empty()), "chunk {chunk}");
             assert!(ps.iter().all(|p| p.work.staged_bytes().1 == 0));
-            assert_eq!(
-                ps.iter()
-                    .flat_map(|p| &p.copy_in)
-                    .map(|c| c.0.bytes)
-                    .sum::<usize>(),
-                8000
-            );
+            let copied_in: usize = ps.iter().flat_map(|p| &p.copy_in).map(|c| c.0.bytes).sum();
+            assert_eq!(copied_in, 8000);
         }
     }
 
