@@ -267,13 +267,7 @@ fn execute(layout: &HostLayout, plans: &[TierPlan], bufs: &mut [Bufs]) {
 /// Runs `call` (op and root as rank 0 passes them) on `hosts` (host of each rank) and checks
 /// every rank's result.
 fn check(shard_min: usize, hosts: &[usize], call: RawOp, in_place: bool) {
-    let RawOp {
-        kind,
-        dtype: t,
-        count,
-        op,
-        root,
-    } = call;
+    let (kind, t, count, op, root) = (call.kind, call.dtype, call.count, call.op, call.root);
     let layout = HostLayout::from_labels(hosts);
     let n = hosts.len();
     let es = t.size();

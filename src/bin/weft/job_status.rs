@@ -51,21 +51,19 @@ pub struct RankStatus {
     pub progress: Option<Progress>,
 }
 
-/// What a rank has done.
+/// What a rank has done: its last progress record, and the time since it changed (on the rank's
+/// clock against the reader's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
-    /// The last collective it entered.
-    pub entered: Option<(OpKind, u64)>,
-    /// The last operation it completed.
-    pub completed: Option<(OpKind, u64)>,
-    /// Time since either changed (on the rank's clock against the reader's).
+    pub record: ProgressRecord,
     pub since: Duration,
 }
 
 impl Progress {
     /// The collective the rank is in (entered and not completed), if any.
     pub fn current(&self) -> Option<(OpKind, u64)> {
-        self.entered.filter(|e| Some(*e) != self.completed)
+        let r = &self.record;
+        r.entered.filter(|e| Some(*e) != r.completed)
     }
 }
 
@@ -295,10 +293,9 @@ pub fn rank_statuses(
             rank,
             identity: None,
             liveness: Liveness::Absent,
-            progress: records.get(rank).copied().flatten().map(|r| Progress {
-                entered: r.entered,
-                completed: r.completed,
-                since: Duration::from_millis(now_ms.saturating_sub(r.at_ms)),
+            progress: records.get(rank).copied().flatten().map(|record| Progress {
+                record,
+                since: Duration::from_millis(now_ms.saturating_sub(record.at_ms)),
             }),
         })
         .collect();

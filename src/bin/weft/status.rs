@@ -75,7 +75,7 @@ fn row(r: &RankStatus) -> [String; 7] {
     };
     let last = r
         .progress
-        .and_then(|p| p.completed)
+        .and_then(|p| p.record.completed)
         .map_or("-".into(), |(k, s)| format!("{k} #{s}"));
     let since = r.progress.map_or("-".into(), |p| secs(p.since));
     [
@@ -151,7 +151,7 @@ fn json(id: &UniqueId, s: &JobStatus) -> serde_json::Value {
                 "pid": r.identity.as_ref().map(|i| i.pid),
                 "state": r.state(),
                 "current": op(r.progress.and_then(|p| p.current())),
-                "last_completed": op(r.progress.and_then(|p| p.completed)),
+                "last_completed": op(r.progress.and_then(|p| p.record.completed)),
                 "since_s": r.progress.map(|p| p.since.as_secs_f64()),
                 "liveness": alive,
                 "liveness_for_s": for_s.map(|d| d.as_secs_f64()),
