@@ -47,8 +47,11 @@ fn run_ranks(case: &str, n: usize, env: &[(&str, &str)]) {
 
 /// Runs `case` on one rank process per entry of `hosts`, rank r on the "host" `hosts[r]`
 /// (`WEFT_HOST_ID`: ranks of one host reach each other by CUDA IPC and shared memory, others by
-/// TCP, as between machines), and fails if any of them fails.
+/// TCP, as between machines), and fails if any of them fails; skipped without a device.
 fn run_ranks_on(case: &str, hosts: &[usize], env: &[(&str, &str)]) {
+    if skip() {
+        return;
+    }
     let n = hosts.len();
     let exe = std::env::current_exe().expect("test binary");
     let addr = format!("127.0.0.1:{}", free_port());
@@ -751,9 +754,6 @@ fn kernel_case<T: Element>(ctx: &Context, stream: &Stream) {
 
 #[test]
 fn ipc_matrix_2_ranks() {
-    if skip() {
-        return;
-    }
     // 1 MiB slots, 4 deep (the defaults are 16 MiB × 2, which the 3- and 4-rank runs use):
     // the largest case spans several slots in every type.
     run_ranks(
@@ -765,18 +765,12 @@ fn ipc_matrix_2_ranks() {
 
 #[test]
 fn ipc_matrix_3_and_4_ranks() {
-    if skip() {
-        return;
-    }
     run_ranks("ipc-matrix", 3, &[]);
     run_ranks("ipc-matrix", 4, &[]);
 }
 
 #[test]
 fn ipc_matrix_small_slots_deep_pipeline() {
-    if skip() {
-        return;
-    }
     // 4 KiB slots, 2 deep: many messages per operation, slots reused constantly; all-reduce
     // always by the ring (the other runs use recursive doubling up to 4 MiB).
     run_ranks(
@@ -792,9 +786,6 @@ fn ipc_matrix_small_slots_deep_pipeline() {
 
 #[test]
 fn send_recv_ipc_and_staged() {
-    if skip() {
-        return;
-    }
     run_ranks("p2p", 2, &[]);
     run_ranks("p2p", 3, &[]);
     run_ranks("p2p", 2, &[("WEFT_CUDA_SLOT_BYTES", "1M")]);
@@ -803,18 +794,12 @@ fn send_recv_ipc_and_staged() {
 
 #[test]
 fn staged_matrix_2_and_3_ranks() {
-    if skip() {
-        return;
-    }
     run_ranks("staged-matrix", 2, &[("WEFT_CUDA_IPC", "0")]);
     run_ranks("staged-matrix", 3, &[("WEFT_CUDA_IPC", "0")]);
 }
 
 #[test]
 fn results_follow_stream_order() {
-    if skip() {
-        return;
-    }
     run_ranks("stream-order", 2, &[]);
     run_ranks("stream-order", 3, &[("WEFT_CUDA_IPC", "0")]);
 }
@@ -824,9 +809,6 @@ fn results_follow_stream_order() {
 /// 1 MiB slots, so the earlier all-reduce spans several; 3 ranks with the defaults).
 #[test]
 fn mismatched_collectives_over_ipc_fail_on_every_rank() {
-    if skip() {
-        return;
-    }
     run_ranks(
         "mismatch",
         2,
@@ -839,9 +821,6 @@ fn mismatched_collectives_over_ipc_fail_on_every_rank() {
 /// exchange below the sharding threshold, sharded above it): every rank learns of it.
 #[test]
 fn hierarchical_mismatch_across_hosts_fails_every_rank() {
-    if skip() {
-        return;
-    }
     for count in ["1000", "1000000"] {
         run_ranks_on(
             "hier-mismatch",
@@ -855,9 +834,6 @@ fn hierarchical_mismatch_across_hosts_fails_every_rank() {
 /// TCP between them; every collective, type and reduction, in and out of place.
 #[test]
 fn hierarchical_matrix_two_hosts() {
-    if skip() {
-        return;
-    }
     run_ranks_on("hier-matrix", &[0, 0, 1, 1], &[("WEFT_TEST_FULL", "1")]);
 }
 
@@ -867,9 +843,6 @@ fn hierarchical_matrix_two_hosts() {
 /// across hosts.
 #[test]
 fn hierarchical_other_layouts_send_recv_and_stream_order() {
-    if skip() {
-        return;
-    }
     run_ranks_on("hier-matrix", &[0, 1, 0, 1], &[]);
     run_ranks_on("hier-matrix", &[0, 0, 0, 1], &[]);
     run_ranks_on(
@@ -885,9 +858,6 @@ fn hierarchical_other_layouts_send_recv_and_stream_order() {
 /// staged, and with ranks on two hosts (staged: the hierarchical transport is off in this mode).
 #[test]
 fn deterministic_mode_gives_the_cpu_bits() {
-    if skip() {
-        return;
-    }
     let det = ("WEFT_DETERMINISTIC", "1");
     run_ranks("deterministic", 2, &[det]);
     run_ranks("deterministic", 3, &[det, ("WEFT_CUDA_SLOT_BYTES", "1M")]);
@@ -898,9 +868,6 @@ fn deterministic_mode_gives_the_cpu_bits() {
 /// A rank killed mid-operation: every other rank's stream drains and each gets an error.
 #[test]
 fn hierarchical_rank_killed_mid_operation() {
-    if skip() {
-        return;
-    }
     run_ranks_on("hier-kill", &[0, 0, 1, 1], &[("WEFT_TIMEOUT", "10")]);
 }
 
@@ -908,9 +875,6 @@ fn hierarchical_rank_killed_mid_operation() {
 /// by their host communicator's failure, not at their timeout.
 #[test]
 fn ipc_rank_killed_mid_operation() {
-    if skip() {
-        return;
-    }
     run_ranks_on("ipc-kill", &[0, 0, 0], &[("WEFT_TIMEOUT", "10")]);
 }
 
