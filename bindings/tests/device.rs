@@ -68,6 +68,12 @@ fn ok(what: &str, rc: weftResult_t, comm: weftComm_t) {
     assert_eq!(rc, weftSuccess, "{what}: {rc}: {message:?}");
 }
 
+/// Checks a call's result, then waits for its stream.
+fn synced(what: &str, rc: weftResult_t, comm: weftComm_t, stream: &Stream) {
+    ok(what, rc, comm);
+    stream.synchronize(Duration::from_secs(60)).expect("sync");
+}
+
 fn ptr<T: weftcc_collectives::Element>(b: &DeviceBuffer<T>) -> *mut std::ffi::c_void {
     b.device_ptr() as *mut std::ffi::c_void
 }
@@ -99,14 +105,8 @@ fn child() {
     let all = ctx.alloc::<f32>(len * n).expect("alloc");
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "all-reduce",
-            weftAllReduce(ptr(&send), ptr(&recv), len, weftFloat32, weftSum, comm, s),
-            comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let rc = unsafe { weftAllReduce(ptr(&send), ptr(&recv), len, weftFloat32, weftSum, comm, s) };
+    synced("all-reduce", rc, comm, &stream);
     let want: Vec<f32> = (0..len).map(|i| (0..n).map(|r| of(r, i)).sum()).collect();
     assert_eq!(
         recv.to_vec().expect("download"),
@@ -117,14 +117,8 @@ fn child() {
     recv.copy_from_device(&send, &stream).expect("copy");
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "all-reduce avg",
-            weftAllReduce(ptr(&recv), ptr(&recv), len, weftFloat32, weftAvg, comm, s),
-            comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let rc = unsafe { weftAllReduce(ptr(&recv), ptr(&recv), len, weftFloat32, weftAvg, comm, s) };
+    synced("all-reduce avg", rc, comm, &stream);
     let got = recv.to_vec().expect("download");
     for (i, g) in got.iter().enumerate() {
         assert!(
@@ -137,22 +131,18 @@ fn child() {
     let root = n - 1;
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "broadcast",
-            weftBroadcast(
-                ptr(&send),
-                ptr(&recv),
-                len,
-                weftFloat32,
-                root as i32,
-                comm,
-                s,
-            ),
+    let rc = unsafe {
+        weftBroadcast(
+            ptr(&send),
+            ptr(&recv),
+            len,
+            weftFloat32,
+            root as i32,
             comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+            s,
+        )
+    };
+    synced("broadcast", rc, comm, &stream);
     let want: Vec<f32> = (0..len).map(|i| of(root, i)).collect();
     assert_eq!(
         recv.to_vec().expect("download"),
@@ -161,14 +151,8 @@ fn child() {
     );
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "all-gather",
-            weftAllGather(ptr(&send), ptr(&all), len, weftFloat32, comm, s),
-            comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let rc = unsafe { weftAllGather(ptr(&send), ptr(&all), len, weftFloat32, comm, s) };
+    synced("all-gather", rc, comm, &stream);
     let want: Vec<f32> = (0..n)
         .flat_map(|r| (0..len).map(move |i| of(r, i)))
         .collect();
@@ -180,14 +164,8 @@ fn child() {
     let out = if me == 0 { ptr(&recv) } else { null_mut() };
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "reduce",
-            weftReduce(ptr(&send), out, len, weftFloat32, weftMax, 0, comm, s),
-            comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let rc = unsafe { weftReduce(ptr(&send), out, len, weftFloat32, weftMax, 0, comm, s) };
+    synced("reduce", rc, comm, &stream);
     if me == 0 {
         let want: Vec<f32> = (0..len).map(|i| of(n - 1, i)).collect();
         assert_eq!(recv.to_vec().expect("download"), want, "rank 0: reduce max");
@@ -197,14 +175,9 @@ fn child() {
     let part = ctx.alloc::<f32>(block).expect("alloc");
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "reduce-scatter",
-            weftReduceScatter(ptr(&all), ptr(&part), block, weftFloat32, weftSum, comm, s),
-            comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let rc =
+        unsafe { weftReduceScatter(ptr(&all), ptr(&part), block, weftFloat32, weftSum, comm, s) };
+    synced("reduce-scatter", rc, comm, &stream);
     let want: Vec<f32> = (0..block).map(|i| of(me, i) * n as f32).collect();
     assert_eq!(
         part.to_vec().expect("download"),
@@ -216,14 +189,8 @@ fn child() {
     let a2a_recv = ctx.alloc::<f32>(n * 5).expect("alloc");
     // SAFETY: device buffers of the stated lengths, alive until the stream is synchronised; a
     // live communicator and stream.
-    unsafe {
-        ok(
-            "all-to-all",
-            weftAllToAll(ptr(&a2a_send), ptr(&a2a_recv), 5, weftFloat32, comm, s),
-            comm,
-        );
-    }
-    stream.synchronize(Duration::from_secs(60)).expect("sync");
+    let rc = unsafe { weftAllToAll(ptr(&a2a_send), ptr(&a2a_recv), 5, weftFloat32, comm, s) };
+    synced("all-to-all", rc, comm, &stream);
     let want: Vec<f32> = (0..n)
         .flat_map(|r| (0..5).map(move |j| (r * 100 + me * 5 + j) as f32))
         .collect();
