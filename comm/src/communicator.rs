@@ -47,6 +47,26 @@ impl fmt::Debug for Communicator {
     }
 }
 
+/// A collective's two typed forms: `$name` from `send` into `recv`, `$in_place` on one buffer;
+/// each `$arg` sets a field of the call through `RawOp::$set`.
+macro_rules! collective {
+    (
+        $(#[$doc:meta])* $name:ident,
+        $(#[$in_place_doc:meta])* $in_place:ident,
+        $kind:expr $(, $arg:ident : $ty:ty => $set:ident)*
+    ) => {
+        $(#[$doc])*
+        pub fn $name<T: Element>(&self, send: &[T], recv: &mut [T] $(, $arg: $ty)*) -> Result<()> {
+            self.typed($kind, send, recv, |c| c $(.$set($arg))*)
+        }
+
+        $(#[$in_place_doc])*
+        pub fn $in_place<T: Element>(&self, buf: &mut [T] $(, $arg: $ty)*) -> Result<()> {
+            self.typed_in_place($kind, buf, |c| c $(.$set($arg))*)
+        }
+    };
+}
+
 impl Communicator {
     /// Joins the job described by the launcher's environment: `weft run`, torchrun, SLURM or
     /// Open MPI variables (see [`LaunchInfo`]), with settings from `WEFT_*` variables.
@@ -357,84 +377,49 @@ impl Communicator {
         self.execute_raw(call, None, bytemuck::cast_slice_mut(buf))
     }
 
-    /// All-reduce from `send` into `recv` (equal lengths).
-    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.typed(OpKind::AllReduce, send, recv, |c| c.with_op(op))
-    }
-
-    /// All-reduce in place.
-    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.typed_in_place(OpKind::AllReduce, buf, |c| c.with_op(op))
-    }
-
-    /// Reduce to `root`: `recv` is written on the root only (other ranks may pass an empty slice).
-    pub fn reduce<T: Element>(
-        &self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        self.typed(OpKind::Reduce, send, recv, |c| {
-            c.with_op(op).with_root(root)
-        })
-    }
-
-    /// Reduce to `root` in place (non-root buffers are left unchanged).
-    pub fn reduce_in_place<T: Element>(
-        &self,
-        buf: &mut [T],
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        self.typed_in_place(OpKind::Reduce, buf, |c| c.with_op(op).with_root(root))
-    }
-
-    /// Broadcast `send` on the root into `recv` on every rank (non-roots may pass an empty `send`).
-    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.typed(OpKind::Broadcast, send, recv, |c| c.with_root(root))
-    }
-
-    /// Broadcast in place from `root`.
-    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.typed_in_place(OpKind::Broadcast, buf, |c| c.with_root(root))
-    }
-
-    /// All-gather: `recv` (size × `send.len()`) receives every rank's `send`, in rank order.
-    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.typed(OpKind::AllGather, send, recv, |c| c)
-    }
-
-    /// All-gather in place: this rank's contribution is block `rank` of `buf`.
-    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.typed_in_place(OpKind::AllGather, buf, |c| c)
-    }
-
-    /// Reduce-scatter: `send` has size × `recv.len()` elements; block `rank` of the element-wise
-    /// reduction lands in `recv`.
-    pub fn reduce_scatter<T: Element>(
-        &self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.typed(OpKind::ReduceScatter, send, recv, |c| c.with_op(op))
-    }
-
-    /// Reduce-scatter in place: the result is block `rank` of `buf`.
-    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.typed_in_place(OpKind::ReduceScatter, buf, |c| c.with_op(op))
-    }
-
-    /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
-    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.typed(OpKind::AllToAll, send, recv, |c| c)
-    }
-
-    /// All-to-all in place (uses a scratch copy of `buf`).
-    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.typed_in_place(OpKind::AllToAll, buf, |c| c)
-    }
+    collective!(
+        /// All-reduce from `send` into `recv` (equal lengths).
+        all_reduce,
+        /// All-reduce in place.
+        all_reduce_in_place,
+        OpKind::AllReduce, op: ReduceOp => with_op
+    );
+    collective!(
+        /// Reduce to `root`: `recv` is written on the root only (other ranks may pass an empty slice).
+        reduce,
+        /// Reduce to `root` in place (non-root buffers are left unchanged).
+        reduce_in_place,
+        OpKind::Reduce, op: ReduceOp => with_op, root: usize => with_root
+    );
+    collective!(
+        /// Broadcast `send` on the root into `recv` on every rank (non-roots may pass an empty `send`).
+        broadcast,
+        /// Broadcast in place from `root`.
+        broadcast_in_place,
+        OpKind::Broadcast, root: usize => with_root
+    );
+    collective!(
+        /// All-gather: `recv` (size × `send.len()`) receives every rank's `send`, in rank order.
+        all_gather,
+        /// All-gather in place: this rank's contribution is block `rank` of `buf`.
+        all_gather_in_place,
+        OpKind::AllGather
+    );
+    collective!(
+        /// Reduce-scatter: `send` has size × `recv.len()` elements; block `rank` of the element-wise
+        /// reduction lands in `recv`.
+        reduce_scatter,
+        /// Reduce-scatter in place: the result is block `rank` of `buf`.
+        reduce_scatter_in_place,
+        OpKind::ReduceScatter, op: ReduceOp => with_op
+    );
+    collective!(
+        /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
+        all_to_all,
+        /// All-to-all in place (uses a scratch copy of `buf`).
+        all_to_all_in_place,
+        OpKind::AllToAll
+    );
 
     /// Blocks until every rank has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
