@@ -167,4 +167,8 @@ settings! {
         "A job's unique id in a rank's environment: `weft status --pid` and `weft trace --pid` read it.";
     TRAIN_KILL_AT = "WEFT_TRAIN_KILL_AT", Text, "unset",
         "`weft train` fault injection: `RANK:STEP` exits that rank at that step (first attempt).";
+
+    // The tests.
+    FUZZ_CASES = "WEFT_FUZZ_CASES", Number { min: 1, max: 1 << 31 }, "1000",
+        "Cases per target of the fuzz tests (`transports/tests/fuzz.rs`, `topology/tests/fuzz.rs`).";
 }

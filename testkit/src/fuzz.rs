@@ -5,12 +5,13 @@ use proptest::strategy::Strategy;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use std::cell::Cell;
 
-/// The cases each target runs: `WEFT_FUZZ_CASES`, default 1000.
+/// The cases each target runs: `WEFT_FUZZ_CASES`, default 1000 (a value that does not parse
+/// fails the test, naming the variable).
 pub fn cases() -> u32 {
-    std::env::var("WEFT_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
+    match weftcc_settings::FUZZ_CASES.number() {
+        Ok(n) => n.map_or(1000, |n| n as u32),
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// Runs `test` on [`cases`] values of `strategy`, prints how many ran as `fuzz {name}: N cases
