@@ -4,6 +4,7 @@
 //! validation patterns and their expected values, row formatting) live in [`spec`] with unit tests;
 //! this module holds the command line and the driver that runs them on a communicator.
 
+use std::borrow::Cow;
 use std::io::Write;
 use std::time::Instant;
 
@@ -583,7 +584,7 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
         print_header(&mut out, opts, title, lines);
     }
     let rows = sweep(opts, me, &mut out, |dtype, op, size| {
-        with_element!(dtype, |T| bench_size::<T>(comm, opts, op, size))
+        with_element!(dtype, |T| bench_size::<_, T>(comm, opts, op, size))
     })?;
     let wrong = wrong_values(&rows);
     if me == 0 {
@@ -595,74 +596,122 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
     Ok(wrong == 0)
 }
 
-/// Out-of-place call of the benchmarked collective.
-fn run_oop<T: Element>(
-    comm: &Communicator,
-    c: Collective,
-    op: ReduceOp,
-    root: usize,
-    send: &[T],
-    recv: &mut [T],
-) -> Result<(), Error> {
-    let (me, n) = (comm.rank(), comm.size());
-    match c {
-        Collective::AllReduce => comm.all_reduce(send, recv, op),
-        Collective::Reduce => comm.reduce(send, recv, op, root),
-        Collective::Broadcast => comm.broadcast(send, recv, root),
-        Collective::AllGather => comm.all_gather(send, recv),
-        Collective::ReduceScatter => comm.reduce_scatter(send, recv, op),
-        Collective::AllToAll => comm.all_to_all(send, recv),
-        Collective::SendRecv => comm
-            .group()
-            .send(send, (me + 1) % n)
-            .recv(recv, (me + n - 1) % n)
-            .run(),
-    }
+/// Where a benchmark's buffers live and how its calls run: host memory through the
+/// `Communicator` here, device memory through the CUDA path (`perf/cuda.rs`). One
+/// [`bench_size`] times and checks both.
+trait Bench {
+    type Buf<T: Element>;
+    type Error: From<Error>;
+    /// The host communicator: figures and counts of wrong values are combined through it.
+    fn host(&self) -> &Communicator;
+    /// A buffer holding `v`.
+    fn buffer<T: Element>(&self, v: Vec<T>) -> Result<Self::Buf<T>, Self::Error>;
+    /// Overwrites `b` with `v` (of its length).
+    fn fill<T: Element>(&self, b: &mut Self::Buf<T>, v: &[T]) -> Result<(), Self::Error>;
+    /// `b`'s contents once every call made so far has finished.
+    fn read<'b, T: Element>(&self, b: &'b Self::Buf<T>) -> Result<Cow<'b, [T]>, Self::Error>;
+    /// Waits for every call made so far (calls on the host finish before they return).
+    fn settle(&self) -> Result<(), Self::Error>;
+    /// The benchmarked collective out of place.
+    fn run_oop<T: Element>(
+        &self,
+        p: &SizePlan,
+        send: &Self::Buf<T>,
+        recv: &mut Self::Buf<T>,
+    ) -> Result<(), Self::Error>;
+    /// The benchmarked collective in place.
+    fn run_ip<T: Element>(&self, p: &SizePlan, buf: &mut Self::Buf<T>) -> Result<(), Self::Error>;
 }
 
-/// In-place call of the benchmarked collective. Send/recv has no in-place form that Rust's
-/// borrows allow (one buffer sent and received into at once), so its in-place variant sends the
-/// buffer's first half and receives into its second half.
-fn run_ip<T: Element>(
-    comm: &Communicator,
-    c: Collective,
-    op: ReduceOp,
-    root: usize,
-    buf: &mut [T],
-) -> Result<(), Error> {
-    let (me, n) = (comm.rank(), comm.size());
-    match c {
-        Collective::AllReduce => comm.all_reduce_in_place(buf, op),
-        Collective::Reduce => comm.reduce_in_place(buf, op, root),
-        Collective::Broadcast => comm.broadcast_in_place(buf, root),
-        Collective::AllGather => comm.all_gather_in_place(buf),
-        Collective::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
-        Collective::AllToAll => comm.all_to_all_in_place(buf),
-        Collective::SendRecv => {
-            let (send, recv) = buf.split_at_mut(buf.len() / 2);
-            comm.group()
-                .send(&*send, (me + 1) % n)
-                .recv(recv, (me + n - 1) % n)
-                .run()
+impl Bench for Communicator {
+    type Buf<T: Element> = Vec<T>;
+    type Error = Error;
+
+    fn host(&self) -> &Communicator {
+        self
+    }
+
+    fn buffer<T: Element>(&self, v: Vec<T>) -> Result<Vec<T>, Error> {
+        Ok(v)
+    }
+
+    fn fill<T: Element>(&self, b: &mut Vec<T>, v: &[T]) -> Result<(), Error> {
+        b.copy_from_slice(v);
+        Ok(())
+    }
+
+    fn read<'b, T: Element>(&self, b: &'b Vec<T>) -> Result<Cow<'b, [T]>, Error> {
+        Ok(Cow::Borrowed(b))
+    }
+
+    fn settle(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn run_oop<T: Element>(
+        &self,
+        p: &SizePlan,
+        send: &Vec<T>,
+        recv: &mut Vec<T>,
+    ) -> Result<(), Error> {
+        let (me, n, op, root) = (self.rank(), self.size(), p.rop, p.root);
+        match p.coll {
+            Collective::AllReduce => self.all_reduce(send, recv, op),
+            Collective::Reduce => self.reduce(send, recv, op, root),
+            Collective::Broadcast => self.broadcast(send, recv, root),
+            Collective::AllGather => self.all_gather(send, recv),
+            Collective::ReduceScatter => self.reduce_scatter(send, recv, op),
+            Collective::AllToAll => self.all_to_all(send, recv),
+            Collective::SendRecv => self
+                .group()
+                .send(&send[..], (me + 1) % n)
+                .recv(&mut recv[..], (me + n - 1) % n)
+                .run(),
+        }
+    }
+
+    /// Send/recv has no in-place form that Rust's borrows allow (one buffer sent and received
+    /// into at once), so its in-place variant sends the buffer's first half and receives into
+    /// its second half.
+    fn run_ip<T: Element>(&self, p: &SizePlan, buf: &mut Vec<T>) -> Result<(), Error> {
+        let (me, n, op, root) = (self.rank(), self.size(), p.rop, p.root);
+        match p.coll {
+            Collective::AllReduce => self.all_reduce_in_place(buf, op),
+            Collective::Reduce => self.reduce_in_place(buf, op, root),
+            Collective::Broadcast => self.broadcast_in_place(buf, root),
+            Collective::AllGather => self.all_gather_in_place(buf),
+            Collective::ReduceScatter => self.reduce_scatter_in_place(buf, op),
+            Collective::AllToAll => self.all_to_all_in_place(buf),
+            Collective::SendRecv => {
+                let half = buf.len() / 2;
+                let (send, recv) = buf.split_at_mut(half);
+                self.group()
+                    .send(&*send, (me + 1) % n)
+                    .recv(recv, (me + n - 1) % n)
+                    .run()
+            }
         }
     }
 }
 
-/// Seconds per iteration of `f`, after `warmup` untimed calls and a barrier.
-fn time_loop(
-    comm: &Communicator,
+/// Seconds per call of `f`, timed like nccl-tests: `warmup` untimed calls, a barrier, then
+/// `iters` calls and the wait for them to finish.
+fn time_loop<B: Bench>(
+    b: &B,
     warmup: u64,
     iters: u64,
-    mut f: impl FnMut() -> Result<(), Error>,
-) -> Result<f64, Error> {
+    mut f: impl FnMut() -> Result<(), B::Error>,
+) -> Result<f64, B::Error> {
     for _ in 0..warmup {
         f()?;
     }
-    comm.barrier()?;
+    b.settle()?;
+    b.host().barrier()?;
     let start = Instant::now();
     for _ in 0..iters {
         f()?;
     }
+    b.settle()?;
     Ok(start.elapsed().as_secs_f64() / iters as f64)
 }
 
@@ -797,37 +846,34 @@ impl SizePlan {
 }
 
 /// Benchmarks one size of one (type, op) combination. None when the size holds no element.
-fn bench_size<T: Element>(
-    comm: &Communicator,
+fn bench_size<B: Bench, T: Element>(
+    b: &B,
     opts: &Options,
     op: Option<ReduceOp>,
     size: u64,
-) -> Result<Option<Row>, Error> {
-    let Some(p) = SizePlan::new(opts, T::DTYPE, op, size, comm.rank(), comm.size()) else {
+) -> Result<Option<Row>, B::Error> {
+    let host = b.host();
+    let Some(p) = SizePlan::new(opts, T::DTYPE, op, size, host.rank(), host.size()) else {
         return Ok(None);
     };
-    let (c, rop, root) = (p.coll, p.rop, p.root);
-
-    let send: Vec<T> = p.send();
-    let mut recv: Vec<T> = vec![T::from_f64(0.0); p.recv_len];
-    let oop_s = time_loop(comm, opts.warmup, opts.iters, || {
-        run_oop(comm, c, rop, root, &send, &mut recv)
+    let send = b.buffer(p.send::<T>())?;
+    let mut recv = b.buffer(vec![T::from_f64(0.0); p.recv_len])?;
+    let oop_s = time_loop(b, opts.warmup, opts.iters, || {
+        b.run_oop(&p, &send, &mut recv)
     })?;
-    let mut buf: Vec<T> = p.timed_in_place();
-    let ip_s = time_loop(comm, opts.warmup, opts.iters, || {
-        run_ip(comm, c, rop, root, &mut buf)
-    })?;
+    let mut buf = b.buffer(p.timed_in_place::<T>())?;
+    let ip_s = time_loop(b, opts.warmup, opts.iters, || b.run_ip(&p, &mut buf))?;
 
-    let times = aggregate_times(comm, opts.average, [oop_s, ip_s])?;
+    let times = aggregate_times(host, opts.average, [oop_s, ip_s])?;
 
     let wrong = if opts.check {
-        recv.copy_from_slice(&p.sentinels::<T>());
-        run_oop(comm, c, rop, root, &send, &mut recv)?;
-        let oop_wrong = p.oop_wrong(&recv);
-        buf.copy_from_slice(&p.in_place_inputs::<T>());
-        run_ip(comm, c, rop, root, &mut buf)?;
-        let mut w = [oop_wrong, p.ip_wrong(&buf)];
-        comm.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
+        b.fill(&mut recv, &p.sentinels::<T>())?;
+        b.run_oop(&p, &send, &mut recv)?;
+        let oop_wrong = p.oop_wrong(&b.read(&recv)?);
+        b.fill(&mut buf, &p.in_place_inputs::<T>())?;
+        b.run_ip(&p, &mut buf)?;
+        let mut w = [oop_wrong, p.ip_wrong(&b.read(&buf)?)];
+        host.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
         Some(w)
     } else {
         None

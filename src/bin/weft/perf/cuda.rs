@@ -4,14 +4,14 @@
 //! enqueued on one stream per rank and timed like nccl-tests: wall time of `-n` enqueued calls
 //! plus the final stream synchronisation.
 
-use std::time::Instant;
+use std::borrow::Cow;
 
 use weftcc::collectives::with_element;
-use weftcc::{Communicator, Element, ReduceOp};
+use weftcc::{Communicator, Element};
 use weftcc_cuda::{Context, CudaError, DeviceBuffer, DeviceComm, Stream};
 
 use super::spec::{self, Collective};
-use super::{Options, Outputs, PerfArgs, Row, SizePlan};
+use super::{bench_size, Bench, Options, Outputs, PerfArgs, SizePlan};
 
 /// Entry point of `weft perf --device cuda` (after the options were parsed).
 pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i32 {
@@ -89,10 +89,13 @@ fn run(comm: Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool
             });
         super::print_header(&mut out, opts, title, lines);
     }
+    let device = Device {
+        comm: &dcomm,
+        ctx: &ctx,
+        stream: &stream,
+    };
     let rows = super::sweep(opts, me, &mut out, |dtype, op, size| {
-        with_element!(dtype, |T| bench_size::<T>(
-            &dcomm, &ctx, &stream, opts, op, size
-        ))
+        with_element!(dtype, |T| bench_size::<_, T>(&device, opts, op, size))
     })?;
     let wrong = super::wrong_values(&rows);
     if me == 0 {
@@ -103,126 +106,79 @@ fn run(comm: Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<bool
     Ok(wrong == 0)
 }
 
-/// Out-of-place call on device buffers.
-fn run_oop<T: Element>(
-    c: &DeviceComm,
-    coll: Collective,
-    op: ReduceOp,
-    root: usize,
-    send: &DeviceBuffer<T>,
-    recv: &mut DeviceBuffer<T>,
-    s: &Stream,
-) -> Result<(), CudaError> {
-    match coll {
-        Collective::AllReduce => c.all_reduce(send, recv, op, s),
-        Collective::Reduce => c.reduce(send, recv, op, root, s),
-        Collective::Broadcast => c.broadcast(send, recv, root, s),
-        Collective::AllGather => c.all_gather(send, recv, s),
-        Collective::ReduceScatter => c.reduce_scatter(send, recv, op, s),
-        Collective::AllToAll => c.all_to_all(send, recv, s),
-        Collective::SendRecv => {
-            let (me, n) = (c.rank(), c.size());
-            c.group()
-                .send(send, (me + 1) % n)
-                .recv(recv, (me + n - 1) % n)
-                .run(s)
+/// A rank's GPU, its device communicator and the stream its calls are enqueued on.
+struct Device<'a> {
+    comm: &'a DeviceComm,
+    ctx: &'a Context,
+    stream: &'a Stream,
+}
+
+impl Bench for Device<'_> {
+    type Buf<T: Element> = DeviceBuffer<T>;
+    type Error = CudaError;
+
+    fn host(&self) -> &Communicator {
+        self.comm.host()
+    }
+
+    fn buffer<T: Element>(&self, v: Vec<T>) -> Result<DeviceBuffer<T>, CudaError> {
+        self.ctx.upload(&v)
+    }
+
+    fn fill<T: Element>(&self, b: &mut DeviceBuffer<T>, v: &[T]) -> Result<(), CudaError> {
+        b.copy_from_host(v)
+    }
+
+    fn read<'b, T: Element>(&self, b: &'b DeviceBuffer<T>) -> Result<Cow<'b, [T]>, CudaError> {
+        self.settle()?;
+        Ok(Cow::Owned(b.to_vec()?))
+    }
+
+    fn settle(&self) -> Result<(), CudaError> {
+        self.comm.synchronize(self.stream)
+    }
+
+    fn run_oop<T: Element>(
+        &self,
+        p: &SizePlan,
+        send: &DeviceBuffer<T>,
+        recv: &mut DeviceBuffer<T>,
+    ) -> Result<(), CudaError> {
+        let (c, s, op, root) = (self.comm, self.stream, p.rop, p.root);
+        match p.coll {
+            Collective::AllReduce => c.all_reduce(send, recv, op, s),
+            Collective::Reduce => c.reduce(send, recv, op, root, s),
+            Collective::Broadcast => c.broadcast(send, recv, root, s),
+            Collective::AllGather => c.all_gather(send, recv, s),
+            Collective::ReduceScatter => c.reduce_scatter(send, recv, op, s),
+            Collective::AllToAll => c.all_to_all(send, recv, s),
+            Collective::SendRecv => {
+                let (me, n) = (c.rank(), c.size());
+                c.group()
+                    .send(send, (me + 1) % n)
+                    .recv(recv, (me + n - 1) % n)
+                    .run(s)
+            }
         }
     }
-}
 
-/// In-place call on a device buffer.
-fn run_ip<T: Element>(
-    c: &DeviceComm,
-    coll: Collective,
-    op: ReduceOp,
-    root: usize,
-    buf: &mut DeviceBuffer<T>,
-    s: &Stream,
-) -> Result<(), CudaError> {
-    match coll {
-        Collective::AllReduce => c.all_reduce_in_place(buf, op, s),
-        Collective::Reduce => c.reduce_in_place(buf, op, root, s),
-        Collective::Broadcast => c.broadcast_in_place(buf, root, s),
-        Collective::AllGather => c.all_gather_in_place(buf, s),
-        Collective::ReduceScatter => c.reduce_scatter_in_place(buf, op, s),
-        Collective::AllToAll => c.all_to_all_in_place(buf, s),
-        Collective::SendRecv => {
-            // As on the host: send the first half of the buffer, receive into the second.
-            let (me, n, half) = (c.rank(), c.size(), buf.len() / 2);
-            let len = buf.len();
-            c.group()
-                .send_recv_parts(buf, 0..half, (me + 1) % n, half..len, (me + n - 1) % n)
-                .run(s)
+    fn run_ip<T: Element>(&self, p: &SizePlan, buf: &mut DeviceBuffer<T>) -> Result<(), CudaError> {
+        let (c, s, op, root) = (self.comm, self.stream, p.rop, p.root);
+        match p.coll {
+            Collective::AllReduce => c.all_reduce_in_place(buf, op, s),
+            Collective::Reduce => c.reduce_in_place(buf, op, root, s),
+            Collective::Broadcast => c.broadcast_in_place(buf, root, s),
+            Collective::AllGather => c.all_gather_in_place(buf, s),
+            Collective::ReduceScatter => c.reduce_scatter_in_place(buf, op, s),
+            Collective::AllToAll => c.all_to_all_in_place(buf, s),
+            Collective::SendRecv => {
+                // As on the host: send the first half of the buffer, receive into the second.
+                let (me, n, half) = (c.rank(), c.size(), buf.len() / 2);
+                let len = buf.len();
+                c.group()
+                    .send_recv_parts(buf, 0..half, (me + 1) % n, half..len, (me + n - 1) % n)
+                    .run(s)
+            }
         }
     }
-}
-
-/// Seconds per call: `warmup` calls, a barrier, then `iters` enqueued calls and one
-/// synchronisation of the stream.
-fn time_loop(
-    c: &DeviceComm,
-    s: &Stream,
-    warmup: u64,
-    iters: u64,
-    mut f: impl FnMut() -> Result<(), CudaError>,
-) -> Result<f64, CudaError> {
-    for _ in 0..warmup {
-        f()?;
-    }
-    c.synchronize(s)?;
-    c.host().barrier()?;
-    let start = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    c.synchronize(s)?;
-    Ok(start.elapsed().as_secs_f64() / iters as f64)
-}
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> Result<DeviceBuffer<T>, CudaError> {
-    ctx.upload(v)
-}
-
-/// One size of one (type, op) combination, as the host benchmark's `bench_size`.
-fn bench_size<T: Element>(
-    c: &DeviceComm,
-    ctx: &Context,
-    s: &Stream,
-    opts: &Options,
-    op: Option<ReduceOp>,
-    size: u64,
-) -> Result<Option<Row>, CudaError> {
-    let Some(p) = SizePlan::new(opts, T::DTYPE, op, size, c.rank(), c.size()) else {
-        return Ok(None);
-    };
-    let (coll, rop, root) = (p.coll, p.rop, p.root);
-
-    let send = upload(ctx, &p.send::<T>())?;
-    let mut recv = upload(ctx, &vec![T::from_f64(0.0); p.recv_len])?;
-    let oop_s = time_loop(c, s, opts.warmup, opts.iters, || {
-        run_oop(c, coll, rop, root, &send, &mut recv, s)
-    })?;
-    let mut buf = upload(ctx, &p.timed_in_place::<T>())?;
-    let ip_s = time_loop(c, s, opts.warmup, opts.iters, || {
-        run_ip(c, coll, rop, root, &mut buf, s)
-    })?;
-
-    let host = c.host();
-    let times = super::aggregate_times(host, opts.average, [oop_s, ip_s])?;
-
-    let wrong = if opts.check {
-        recv.copy_from_host(&p.sentinels::<T>())?;
-        run_oop(c, coll, rop, root, &send, &mut recv, s)?;
-        c.synchronize(s)?;
-        let oop_wrong = p.oop_wrong(&recv.to_vec()?);
-        buf.copy_from_host(&p.in_place_inputs::<T>())?;
-        run_ip(c, coll, rop, root, &mut buf, s)?;
-        c.synchronize(s)?;
-        let mut w = [oop_wrong, p.ip_wrong(&buf.to_vec()?)];
-        host.all_reduce_in_place(&mut w[..], ReduceOp::Sum)?;
-        Some(w)
-    } else {
-        None
-    };
-    Ok(Some(p.row(times, wrong)))
 }
