@@ -97,7 +97,7 @@ static void rooted(weftComm_t comm, int n) {
   free(red);
 }
 
-static void gather_scatter(weftComm_t comm, int n) {
+static void all_gather(weftComm_t comm, int n) {
   const size_t count = 7;
   uint8_t mine[7];
   uint8_t *all = malloc(n * count);
@@ -113,7 +113,11 @@ static void gather_scatter(weftComm_t comm, int n) {
   for (int r = 0; r < n; r++)
     for (size_t i = 0; i < count; i++)
       CHECK(all[r * count + i] == (uint8_t)value(r, i), "in-place all-gather[%d][%zu]", r, i);
+  free(all);
+}
 
+static void reduce_scatter(weftComm_t comm, int n) {
+  const size_t count = 7;
   int32_t *send = malloc(n * count * sizeof(int32_t));
   int32_t recv[7];
   for (size_t j = 0; j < n * count; j++) send[j] = (int32_t)value(me, j);
@@ -131,7 +135,11 @@ static void gather_scatter(weftComm_t comm, int n) {
       if (value(r, me * count + i) < min) min = value(r, me * count + i);
     CHECK(send[me * count + i] == (int32_t)min, "in-place reduce-scatter min[%zu]", i);
   }
+  free(send);
+}
 
+static void all_to_all(weftComm_t comm, int n) {
+  const size_t count = 7;
   uint64_t *a2a = malloc(n * count * sizeof(uint64_t));
   uint64_t *got = malloc(n * count * sizeof(uint64_t));
   for (int p = 0; p < n; p++)
@@ -140,8 +148,6 @@ static void gather_scatter(weftComm_t comm, int n) {
   for (int p = 0; p < n; p++)
     for (size_t i = 0; i < count; i++)
       CHECK(got[p * count + i] == (uint64_t)(p * 1000 + me * 10 + i), "all-to-all[%d][%zu]", p, i);
-  free(all);
-  free(send);
   free(a2a);
   free(got);
 }
@@ -372,7 +378,9 @@ int main(int argc, char **argv) {
   all_reduce(comm, n, 1);
   all_reduce(comm, n, 1037);
   rooted(comm, n);
-  gather_scatter(comm, n);
+  all_gather(comm, n);
+  reduce_scatter(comm, n);
+  all_to_all(comm, n);
   if (n > 1) point_to_point(comm, n); /* a rank cannot send to itself */
   split(comm, n);
   errors(comm, n);
