@@ -123,6 +123,8 @@ settings! {
     NET_GDR_LEVEL = "WEFT_NET_GDR_LEVEL", Text, "PXB",
         "Farthest GPU-NIC path for GPUDirect RDMA: LOC, PIX, PXB, PHB, NODE, SYS or 0-4.";
 
+    NCCL_INCLUDE = "WEFT_NCCL_INCLUDE", Path, "found from pip's nvidia-nccl wheel",
+        "Directory of NVIDIA's nccl.h for the NCCL drop-in's tests (`scripts/nccl_header.sh` fetches it; CI sets it, so the tests fail without it).";
     REQUIRE_NET_TESTS = "WEFT_REQUIRE_NET_TESTS", Flag, "off",
         "Tests of the network providers (libfabric's tcp provider, the emulated RDMA device) fail instead of skipping when their prerequisite is missing (CI sets it).";
 
