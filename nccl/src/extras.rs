@@ -119,4 +119,28 @@ not_implemented! {
     fn ncclGroupSimulateEnd(simInfo: *mut c_void);
     /// NCCL 2.30's parameter queries.
     fn ncclParamBind(out: *mut *mut c_void, key: *const c_char);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetI8(h: *mut c_void, out: *mut i8);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetI16(h: *mut c_void, out: *mut i16);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetI32(h: *mut c_void, out: *mut i32);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetI64(h: *mut c_void, out: *mut i64);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetU8(h: *mut c_void, out: *mut u8);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetU16(h: *mut c_void, out: *mut u16);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetU32(h: *mut c_void, out: *mut u32);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetU64(h: *mut c_void, out: *mut u64);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetStr(h: *mut c_void, out: *mut *const c_char);
+    /// See [`ncclParamBind`].
+    fn ncclParamGet(h: *mut c_void, out: *mut c_void, maxLen: c_int, len: *mut c_int);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetParameter(key: *const c_char, value: *mut *const c_char, valueLen: *mut c_int);
+    /// See [`ncclParamBind`].
+    fn ncclParamGetAllParameterKeys(table: *mut *mut *const c_char, tableLen: *mut c_int);
 }
