@@ -69,6 +69,11 @@ fn scratch(name: &str) -> PathBuf {
 /// Compiles a C program against `nccl.h` (the stand-in CUDA headers beside it) and, `link`,
 /// links it with weftcc's libnccl (its ELF name libnccl.so.2, as NVIDIA's).
 fn cc(include: &Path, source: &Path, out: &Path, link: bool) {
+    cc_with(include, source, out, link, &[]);
+}
+
+/// [`cc`] with more linker arguments.
+fn cc_with(include: &Path, source: &Path, out: &Path, link: bool, libs: &[&str]) {
     let mut c = Command::new("cc");
     c.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
         .arg(root().join("nccl/tests/c/nocuda"))
@@ -76,7 +81,12 @@ fn cc(include: &Path, source: &Path, out: &Path, link: bool) {
         .arg(include)
         .arg(source);
     if link {
-        c.arg("-o").arg(out).arg("-L").arg(lib_dir()).arg("-lnccl");
+        c.arg("-o")
+            .arg(out)
+            .arg("-L")
+            .arg(lib_dir())
+            .arg("-lnccl")
+            .args(libs);
     } else {
         c.arg("-fsyntax-only");
     }
@@ -230,6 +240,48 @@ fn c_programs_against_nccl_h_run_on_1_to_4_ranks_and_in_one_process() {
             .env("WEFT_TIMEOUT", "60");
         run(&format!("nccl_ranks local {n}"), cmd);
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The C program on device buffers (`cudaMalloc`, a stream; the CUDA runtime opened at run
+/// time): compiled against `nccl.h` everywhere, run under `weft run -n 2` where a GPU is
+/// (docs/gpu-results.md), else skipped saying so.
+#[test]
+fn c_program_on_device_buffers_compiles_and_runs_where_a_gpu_is() {
+    let Some(include) = nccl_include() else {
+        return;
+    };
+    let dir = scratch("device");
+    let exe = dir.join("nccl_device");
+    cc_with(
+        &include,
+        &root().join("nccl/tests/c/nccl_device.c"),
+        &exe,
+        true,
+        &["-ldl"],
+    );
+    let gpus = if weftcc::cuda::driver_present() {
+        weftcc::cuda::device_count().unwrap_or(0)
+    } else {
+        0
+    };
+    if gpus == 0 {
+        println!("skipped running nccl_device: no CUDA device (compiled against nccl.h only)");
+        let _ = std::fs::remove_dir_all(dir);
+        return;
+    }
+    let libs = library_dir(&dir);
+    let path = match weftcc_settings::foreign("LD_LIBRARY_PATH") {
+        Some(p) => format!("{}:{p}", libs.display()),
+        None => libs.display().to_string(),
+    };
+    let mut cmd = Command::new(WEFT);
+    cmd.args(["run", "-n", "2", "--"])
+        .arg(&exe)
+        .arg(&dir)
+        .env("LD_LIBRARY_PATH", path)
+        .env("WEFT_TIMEOUT", "60");
+    run("weft run -n 2 nccl_device", cmd);
     let _ = std::fs::remove_dir_all(dir);
 }
 
