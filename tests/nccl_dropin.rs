@@ -66,41 +66,80 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// Compiles a C program against `nccl.h` (the stand-in CUDA headers beside it) and, `link`,
-/// links it with weftcc's libnccl (its ELF name libnccl.so.2, as NVIDIA's).
-fn cc(include: &Path, source: &Path, out: &Path, link: bool) {
-    cc_with(include, source, out, link, &[]);
-}
-
-/// [`cc`] with more linker arguments.
-fn cc_with(include: &Path, source: &Path, out: &Path, link: bool, libs: &[&str]) {
+/// Compiles `source` against `nccl.h` (the stand-in CUDA headers beside it): with `out`, links
+/// it with weftcc's libnccl (its ELF name libnccl.so.2, as NVIDIA's) and `libs`; without, only
+/// checks it.
+fn cc(include: &Path, source: &Path, out: Option<&Path>, libs: &[&str]) {
     let mut c = Command::new("cc");
     c.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
         .arg(root().join("nccl/tests/c/nocuda"))
         .arg("-I")
         .arg(include)
         .arg(source);
-    if link {
-        c.arg("-o")
+    match out {
+        Some(out) => c
+            .arg("-o")
             .arg(out)
             .arg("-L")
             .arg(lib_dir())
             .arg("-lnccl")
-            .args(libs);
-    } else {
-        c.arg("-fsyntax-only");
-    }
+            .args(libs),
+        None => c.arg("-fsyntax-only"),
+    };
     let status = c.status().expect("a C compiler (cc)");
     assert!(status.success(), "{} does not compile", source.display());
 }
 
-/// A directory holding `libnccl.so.2` (the name the programs ask for) for LD_LIBRARY_PATH.
-fn library_dir(dir: &Path) -> PathBuf {
-    let libs = dir.join("lib");
-    std::fs::create_dir_all(&libs).expect("lib directory");
-    std::os::unix::fs::symlink(lib_dir().join("libnccl.so"), libs.join("libnccl.so.2"))
-        .expect("libnccl.so.2 link");
-    libs
+/// A test program `nccl/tests/c/NAME.c` built in a scratch directory of its own, with a
+/// directory holding `libnccl.so.2` (the name the program asks for) for LD_LIBRARY_PATH.
+struct Program {
+    dir: PathBuf,
+    exe: PathBuf,
+    libs: PathBuf,
+}
+
+impl Program {
+    fn build(include: &Path, name: &str, scratch_name: &str, libs: &[&str]) -> Program {
+        let dir = scratch(scratch_name);
+        let exe = dir.join(name);
+        let source = root().join(format!("nccl/tests/c/{name}.c"));
+        cc(include, &source, Some(&exe), libs);
+        let lib = dir.join("lib");
+        std::fs::create_dir_all(&lib).expect("lib directory");
+        std::os::unix::fs::symlink(lib_dir().join("libnccl.so"), lib.join("libnccl.so.2"))
+            .expect("libnccl.so.2 link");
+        Program {
+            dir,
+            exe,
+            libs: lib,
+        }
+    }
+
+    /// The program with `args`, finding weftcc's library first.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.args(args)
+            .env("LD_LIBRARY_PATH", &self.libs)
+            .env("WEFT_TIMEOUT", "60");
+        c
+    }
+
+    /// `weft run -n N` of the program with `args`.
+    fn weft_run(&self, n: usize, args: &[&str], library_path: &str) -> Command {
+        let mut c = Command::new(WEFT);
+        c.args(["run", "-n", &n.to_string(), "--"])
+            .arg(&self.exe)
+            .args(args)
+            .env("LD_LIBRARY_PATH", library_path)
+            .env("WEFT_TIMEOUT", "60");
+        c
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn run(what: &str, mut cmd: Command) {
@@ -185,7 +224,7 @@ fn layouts_and_values_match_nccl_h() {
     }
     let source = dir.join("layout.c");
     std::fs::write(&source, &c).expect("write layout.c");
-    cc(&include, &source, &dir.join("layout"), false);
+    cc(&include, &source, None, &[]);
     println!(
         "{} static assertions hold against {}",
         c.matches("_Static_assert").count(),
@@ -212,35 +251,20 @@ fn c_programs_against_nccl_h_run_on_1_to_4_ranks_and_in_one_process() {
     let Some(include) = nccl_include() else {
         return;
     };
-    let dir = scratch("ranks");
-    let exe = dir.join("nccl_ranks");
-    cc(
-        &include,
-        &root().join("nccl/tests/c/nccl_ranks.c"),
-        &exe,
-        true,
-    );
-    let libs = library_dir(&dir);
+    let p = Program::build(&include, "nccl_ranks", "ranks", &[]);
+    let libs = p.libs.display().to_string();
     for n in 1..=4 {
-        let ids = dir.join(format!("ids-{n}"));
+        let ids = p.dir.join(format!("ids-{n}"));
         std::fs::create_dir_all(&ids).expect("ids directory");
-        let mut cmd = Command::new(WEFT);
-        cmd.args(["run", "-n", &n.to_string(), "--"])
-            .arg(&exe)
-            .arg("job")
-            .arg(&ids)
-            .env("LD_LIBRARY_PATH", &libs)
-            .env("WEFT_TIMEOUT", "60");
-        run(&format!("weft run -n {n} nccl_ranks job"), cmd);
+        let ids = ids.display().to_string();
+        run(
+            &format!("weft run -n {n} nccl_ranks job"),
+            p.weft_run(n, &["job", &ids], &libs),
+        );
     }
-    for n in [1, 4] {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["local", &n.to_string()])
-            .env("LD_LIBRARY_PATH", &libs)
-            .env("WEFT_TIMEOUT", "60");
-        run(&format!("nccl_ranks local {n}"), cmd);
+    for n in ["1", "4"] {
+        run(&format!("nccl_ranks local {n}"), p.command(&["local", n]));
     }
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The C program on device buffers (`cudaMalloc`, a stream; the CUDA runtime opened at run
@@ -251,15 +275,7 @@ fn c_program_on_device_buffers_compiles_and_runs_where_a_gpu_is() {
     let Some(include) = nccl_include() else {
         return;
     };
-    let dir = scratch("device");
-    let exe = dir.join("nccl_device");
-    cc_with(
-        &include,
-        &root().join("nccl/tests/c/nccl_device.c"),
-        &exe,
-        true,
-        &["-ldl"],
-    );
+    let p = Program::build(&include, "nccl_device", "device", &["-ldl"]);
     let gpus = if weftcc::cuda::driver_present() {
         weftcc::cuda::device_count().unwrap_or(0)
     } else {
@@ -267,22 +283,15 @@ fn c_program_on_device_buffers_compiles_and_runs_where_a_gpu_is() {
     };
     if gpus == 0 {
         println!("skipped running nccl_device: no CUDA device (compiled against nccl.h only)");
-        let _ = std::fs::remove_dir_all(dir);
         return;
     }
-    let libs = library_dir(&dir);
+    // The CUDA runtime is found where the machine's LD_LIBRARY_PATH says.
     let path = match weftcc_settings::foreign("LD_LIBRARY_PATH") {
-        Some(p) => format!("{}:{p}", libs.display()),
-        None => libs.display().to_string(),
+        Some(rest) => format!("{}:{rest}", p.libs.display()),
+        None => p.libs.display().to_string(),
     };
-    let mut cmd = Command::new(WEFT);
-    cmd.args(["run", "-n", "2", "--"])
-        .arg(&exe)
-        .arg(&dir)
-        .env("LD_LIBRARY_PATH", path)
-        .env("WEFT_TIMEOUT", "60");
-    run("weft run -n 2 nccl_device", cmd);
-    let _ = std::fs::remove_dir_all(dir);
+    let ids = p.dir.display().to_string();
+    run("weft run -n 2 nccl_device", p.weft_run(2, &[&ids], &path));
 }
 
 /// NCCL's variables are read where their weftcc twin is unset, and the twin wins: a value
@@ -292,21 +301,10 @@ fn nccl_variables_are_honoured_and_weft_ones_win() {
     let Some(include) = nccl_include() else {
         return;
     };
-    let dir = scratch("twins");
-    let exe = dir.join("nccl_ranks");
-    cc(
-        &include,
-        &root().join("nccl/tests/c/nccl_ranks.c"),
-        &exe,
-        true,
-    );
-    let libs = library_dir(&dir);
+    let p = Program::build(&include, "nccl_ranks", "twins", &[]);
     let local = |weft_proto: Option<&str>| {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["local", "2"])
-            .env("LD_LIBRARY_PATH", &libs)
-            .env("NCCL_PROTO", "bogus")
-            .env_remove("WEFT_PROTO");
+        let mut cmd = p.command(&["local", "2"]);
+        cmd.env("NCCL_PROTO", "bogus").env_remove("WEFT_PROTO");
         if let Some(v) = weft_proto {
             cmd.env("WEFT_PROTO", v);
         }
@@ -324,7 +322,6 @@ fn nccl_variables_are_honoured_and_weft_ones_win() {
         "WEFT_PROTO did not win over NCCL_PROTO: {}",
         String::from_utf8_lossy(&won.stderr)
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The `nccl*` names in the first column of docs/nccl-dropin.md's symbol table.

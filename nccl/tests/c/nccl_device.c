@@ -17,28 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-static int failures = 0;
-static int me = -1;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "rank %d: line %d: ", me, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-      failures++;                                          \
-    }                                                      \
-  } while (0)
-
-#define OK(call)                                                                    \
-  do {                                                                              \
-    ncclResult_t r_ = (call);                                                       \
-    if (r_ != ncclSuccess) {                                                        \
-      fprintf(stderr, "rank %d: line %d: %s -> %d (%s): %s\n", me, __LINE__, #call, \
-              (int)r_, ncclGetErrorString(r_), ncclGetLastError(NULL));             \
-      exit(2);                                                                      \
-    }                                                                               \
-  } while (0)
+#include "common.h"
 
 /* The few CUDA runtime calls used, looked up at run time. */
 static int (*cudaGetDeviceCount_)(int *);
@@ -87,36 +66,6 @@ static void load_cudart(void) {
   *(void **)&cudaMemcpyAsync_ = sym(lib, "cudaMemcpyAsync");
 }
 
-static void sleep_ms(long ms) {
-  struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&t, NULL);
-}
-
-static void share_id(const char *dir, int rank, ncclUniqueId *id) {
-  char path[4096], tmp[4200];
-  snprintf(path, sizeof path, "%s/device-id", dir);
-  if (rank == 0) {
-    OK(ncclGetUniqueId(id));
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (!f) exit(2);
-    fwrite(id, sizeof *id, 1, f);
-    fclose(f);
-    rename(tmp, path);
-    return;
-  }
-  for (int i = 0; i < 60000; i++) {
-    FILE *f = fopen(path, "rb");
-    if (f) {
-      size_t got = fread(id, sizeof *id, 1, f);
-      fclose(f);
-      if (got == 1) return;
-    }
-    sleep_ms(1);
-  }
-  exit(2);
-}
-
 int main(int argc, char **argv) {
   const char *r = getenv("RANK"), *w = getenv("WORLD_SIZE"), *l = getenv("LOCAL_RANK");
   if (argc != 2 || !r || !w) {
@@ -137,7 +86,7 @@ int main(int argc, char **argv) {
   CUDA(cudaStreamCreate_(&s));
 
   ncclUniqueId id;
-  share_id(argv[1], rank, &id);
+  share_id(argv[1], "device-id", rank, &id);
   ncclComm_t comm;
   OK(ncclCommInitRank(&comm, n, id, rank));
 

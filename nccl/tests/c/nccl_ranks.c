@@ -18,28 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-static int failures = 0;
-static int me = -1;
-
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      fprintf(stderr, "rank %d: line %d: ", me, __LINE__);            \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fprintf(stderr, "\n");                                          \
-      failures++;                                                     \
-    }                                                                 \
-  } while (0)
-
-#define OK(call)                                                                      \
-  do {                                                                                \
-    ncclResult_t r_ = (call);                                                         \
-    if (r_ != ncclSuccess) {                                                          \
-      fprintf(stderr, "rank %d: line %d: %s -> %d (%s): %s\n", me, __LINE__, #call,   \
-              (int)r_, ncclGetErrorString(r_), ncclGetLastError(NULL));               \
-      exit(2);                                                                        \
-    }                                                                                 \
-  } while (0)
+#include "common.h"
 
 /* A call that must fail with `want` and leave a message naming `word`. */
 #define FAILS(call, want, word)                                                          \
@@ -52,11 +31,6 @@ static int me = -1;
 
 /* Rank r's element i: small integers, exact in every type and reduction. */
 static double value(int r, size_t i) { return (double)((r + 1) * 2 + (int)(i % 5)); }
-
-static void sleep_ms(long ms) {
-  struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&t, NULL);
-}
 
 /* Waits until a non-blocking communicator's init ended; returns its state. */
 static ncclResult_t settle(ncclComm_t comm) {
@@ -216,33 +190,6 @@ static void error_paths(ncclComm_t comm, int n) {
 }
 
 /* ---- one rank of a job under `weft run` ---- */
-
-static void share_id(const char *dir, const char *name, int rank, ncclUniqueId *id) {
-  char path[4096], tmp[4200];
-  snprintf(path, sizeof path, "%s/%s", dir, name);
-  if (rank == 0) {
-    OK(ncclGetUniqueId(id));
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    CHECK(f != NULL, "cannot write %s", tmp);
-    if (!f) exit(2);
-    fwrite(id, sizeof *id, 1, f);
-    fclose(f);
-    rename(tmp, path);
-    return;
-  }
-  for (int i = 0; i < 60000; i++) {
-    FILE *f = fopen(path, "rb");
-    if (f) {
-      size_t got = fread(id, sizeof *id, 1, f);
-      fclose(f);
-      if (got == 1) return;
-    }
-    sleep_ms(1);
-  }
-  fprintf(stderr, "rank %d: no unique id in %s\n", rank, path);
-  exit(2);
-}
 
 static int job(const char *dir) {
   const char *r = getenv("RANK"), *w = getenv("WORLD_SIZE");
