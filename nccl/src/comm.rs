@@ -9,7 +9,7 @@ use weft::{
 };
 
 use crate::errors::{bad_arg, bad_usage, check, nccl_code, run, DONE};
-use crate::group::submit;
+use crate::group::{forget, submit};
 use crate::handle::{comm_arc, ncclComm, ncclComm_t, take, Raw, State};
 use crate::init::{settings_of, Settings};
 use crate::types::*;
@@ -95,6 +95,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
     run(|| {
         // SAFETY: per the contract.
         if let Some(c) = unsafe { take(comm) } {
+            forget(&c);
             c.wait_settled();
         }
         DONE
@@ -114,6 +115,7 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         let Some(c) = (unsafe { take(comm) }) else {
             return DONE;
         };
+        forget(&c);
         if let Ok(Some(w)) = c.poll() {
             // SAFETY: live while `c` holds it.
             check(unsafe { weftCommAbort(w) })?;

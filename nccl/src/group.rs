@@ -37,6 +37,30 @@ pub(crate) fn in_group() -> bool {
     GROUP.with(|g| g.borrow().depth > 0)
 }
 
+/// Drops what this thread's group collected for `comm` (it is being destroyed or aborted); an
+/// init collected there ends as failed, so that nothing waits for it.
+pub(crate) fn forget(comm: &Arc<ncclComm>) {
+    let (inits, ops) = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut g.inits)
+            .into_iter()
+            .partition(|(c, _)| Arc::ptr_eq(c, comm));
+        g.inits = rest;
+        let (ops, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut g.ops)
+            .into_iter()
+            .partition(|(c, _)| Arc::ptr_eq(c, comm));
+        g.ops = rest;
+        (mine, ops)
+    });
+    drop(ops);
+    for (c, _) in inits {
+        c.settle(Err(Failure {
+            code: weft::weftInvalidUsage,
+            msg: "the communicator was destroyed before the ncclGroupEnd that would make it".into(),
+        }));
+    }
+}
+
 /// Runs `job` on `comm` now, or collects it until the group ends.
 pub(crate) fn submit(comm: Arc<ncclComm>, call: &str, job: Job) -> Outcome {
     let now = GROUP.with(|g| {

@@ -160,6 +160,10 @@ static void error_paths(ncclComm_t comm, int n) {
   FAILS(ncclAllReduce(x, x + 1, 3, ncclFloat, ncclSum, comm, NULL), ncclInvalidArgument,
         "overlap");
   FAILS(ncclGroupEnd(), ncclInvalidUsage, "ncclGroupEnd");
+  /* In a group, a call's arguments are checked when the group runs: ncclGroupEnd reports. */
+  OK(ncclGroupStart());
+  OK(ncclAllReduce(x, x, 4, ncclFloat8e4m3, ncclSum, comm, NULL));
+  FAILS(ncclGroupEnd(), ncclInvalidArgument, "type");
   FAILS(ncclGather(x, x, 1, ncclFloat, 0, comm, NULL), ncclInvalidUsage, "ncclGather");
   void *p = NULL;
   FAILS(ncclMemAlloc(&p, 64), ncclInvalidUsage, "ncclMemAlloc");
@@ -340,6 +344,14 @@ static int local(int n) {
   for (int i = 0; i < n; i++)
     CHECK(settle(nb[i]) == ncclSuccess, "non-blocking rank %d: %s", i, ncclGetLastError(NULL));
   grouped_all_reduce(nb, n, "non-blocking");
+
+  /* A communicator destroyed before the ncclGroupEnd that would make it: nothing waits. */
+  ncclComm_t dropped = NULL;
+  OK(ncclGetUniqueId(&id));
+  OK(ncclGroupStart());
+  OK(ncclCommInitRank(&dropped, 2, id, 0));
+  OK(ncclCommDestroy(dropped));
+  OK(ncclGroupEnd());
 
   for (int i = 0; i < n; i++) {
     OK(ncclCommDestroy(comms[i]));
