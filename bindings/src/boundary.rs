@@ -27,6 +27,12 @@ pub(crate) fn entry(f: impl FnOnce() -> Outcome) -> weftResult_t {
     }
 }
 
+/// Runs the body of an entry point of a layer built on this ABI (Rust only, not in the header):
+/// a panic becomes `weftInternalError` with the same message as here.
+pub fn guarded(f: impl FnOnce() -> weftResult_t) -> weftResult_t {
+    entry(|| Ok(f()))
+}
+
 pub(crate) fn from_lib(r: Result<(), Error>) -> Outcome {
     r.map(|()| weftSuccess).map_err(|e| lib_fail(&e))
 }

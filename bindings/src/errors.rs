@@ -79,6 +79,13 @@ pub(crate) fn fail(code: weftResult_t, msg: &str) -> weftResult_t {
     record(code, msg, ErrorFacts::default())
 }
 
+/// Records a failure found by a layer built on this ABI (Rust only, not in the header):
+/// weftcc-nccl's `libnccl.so.2` reports its own checks here, so that one thread has one last
+/// error whichever layer found it. Returns `code`.
+pub fn record_failure(code: weftResult_t, msg: &str) -> weftResult_t {
+    fail(code, msg)
+}
+
 /// A library error: its code, message and facts.
 pub(crate) fn lib_fail(e: &Error) -> weftResult_t {
     record(code_of(e), &e.to_string(), e.facts())

@@ -51,6 +51,7 @@ mod boundary;
 mod device;
 mod handle;
 
+pub use boundary::guarded;
 pub use codes::*;
 pub use collectives::*;
 pub use communicators::*;

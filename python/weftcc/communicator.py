@@ -260,11 +260,13 @@ class Communicator:
             if self._users == 0:
                 self._lock.notify_all()
 
-    def _call(self, fn, *args, stream: bool = True) -> None:
-        """`fn(*args, comm[, NULL stream])` with the handle kept alive for the call."""
+    def _call(self, fn, *args, stream: bool = True, cuda_stream: int = 0) -> None:
+        """`fn(*args, comm[, stream])` with the handle kept alive for the call: the stream is
+        `cuda_stream` (a `cudaStream_t` as an integer: the buffers are device memory, the call
+        enqueues on it) or NULL (host buffers, the call returns when done)."""
         h = self._enter()
         try:
-            code = fn(*args, h, None) if stream else fn(h, *args)
+            code = fn(*args, h, cuda_stream or None) if stream else fn(h, *args)
         finally:
             self._exit()
         check(code)
@@ -308,28 +310,38 @@ class Communicator:
                 raise errors.InvalidArgument(f"unknown reduction {op!r}") from None
         yield int(op)
 
-    def raw_all_reduce(self, send: int, recv: int, count: int, dtype: int, op: Op) -> None:
-        with self._op(op) as code:
-            self._call(lib.weftAllReduce, send, recv, count, dtype, code)
-
-    def raw_broadcast(self, send: int, recv: int, count: int, dtype: int, root: int) -> None:
-        self._call(lib.weftBroadcast, send, recv, count, dtype, root)
-
-    def raw_reduce(
-        self, send: int, recv: int, count: int, dtype: int, op: Op, root: int
+    def raw_all_reduce(
+        self, send: int, recv: int, count: int, dtype: int, op: Op, cuda_stream: int = 0
     ) -> None:
         with self._op(op) as code:
-            self._call(lib.weftReduce, send, recv, count, dtype, code, root)
+            self._call(lib.weftAllReduce, send, recv, count, dtype, code, cuda_stream=cuda_stream)
 
-    def raw_all_gather(self, send: int, recv: int, count: int, dtype: int) -> None:
-        self._call(lib.weftAllGather, send, recv, count, dtype)
+    def raw_broadcast(
+        self, send: int, recv: int, count: int, dtype: int, root: int, cuda_stream: int = 0
+    ) -> None:
+        self._call(lib.weftBroadcast, send, recv, count, dtype, root, cuda_stream=cuda_stream)
 
-    def raw_reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: Op) -> None:
+    def raw_reduce(
+        self, send: int, recv: int, count: int, dtype: int, op: Op, root: int, cuda_stream: int = 0
+    ) -> None:
         with self._op(op) as code:
-            self._call(lib.weftReduceScatter, send, recv, count, dtype, code)
+            self._call(lib.weftReduce, send, recv, count, dtype, code, root, cuda_stream=cuda_stream)
 
-    def raw_all_to_all(self, send: int, recv: int, count: int, dtype: int) -> None:
-        self._call(lib.weftAllToAll, send, recv, count, dtype)
+    def raw_all_gather(
+        self, send: int, recv: int, count: int, dtype: int, cuda_stream: int = 0
+    ) -> None:
+        self._call(lib.weftAllGather, send, recv, count, dtype, cuda_stream=cuda_stream)
+
+    def raw_reduce_scatter(
+        self, send: int, recv: int, count: int, dtype: int, op: Op, cuda_stream: int = 0
+    ) -> None:
+        with self._op(op) as code:
+            self._call(lib.weftReduceScatter, send, recv, count, dtype, code, cuda_stream=cuda_stream)
+
+    def raw_all_to_all(
+        self, send: int, recv: int, count: int, dtype: int, cuda_stream: int = 0
+    ) -> None:
+        self._call(lib.weftAllToAll, send, recv, count, dtype, cuda_stream=cuda_stream)
 
     def raw_send(self, buf: int, count: int, dtype: int, peer: int) -> None:
         self._call(lib.weftSend, buf, count, dtype, peer)

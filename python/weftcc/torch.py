@@ -9,8 +9,11 @@ on the calling thread when nothing is queued, an asynchronous one on the worker.
 follows NCCL: single sends and receives are collected until one of their `Work`s is waited on
 (or asked for its future or completion) or the next collective is called on any weft group,
 then run in order, each on its own; a `batch_isend_irecv` batch runs as one weftcc group. The
-groups still open at the interpreter's exit are shut down. CPU tensors only for now; CUDA
-tensors raise a clear error. docs/python.md lists every ProcessGroup method with its status.
+groups still open at the interpreter's exit are shut down. CUDA tensors (all_reduce, broadcast,
+reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single with equal splits) are
+enqueued on torch's current CUDA stream through the C ABI's device path, with
+ProcessGroupNCCL's semantics (see `_CudaWork`); other calls on CUDA tensors raise a clear error.
+docs/python.md lists every ProcessGroup method with its status.
 """
 
 from __future__ import annotations
@@ -80,12 +83,19 @@ def _unsupported(call: str, why: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(f"weft backend: {call}: {why}")
 
 
-def _dtype(call: str, t: torch.Tensor) -> int:
-    if t.device.type != "cpu":
+# The calls that take CUDA tensors (the others raise naming them).
+_CUDA_CALLS = (
+    "all_reduce, broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, "
+    "all_to_all_single (equal splits)"
+)
+
+
+def _dtype(call: str, t: torch.Tensor, cuda: bool = False) -> int:
+    if t.device.type == "cuda" and not cuda:
+        raise _unsupported(call, f"a CUDA tensor: on CUDA tensors the weft backend runs {_CUDA_CALLS}")
+    if t.device.type not in ("cpu", "cuda"):
         raise _unsupported(
-            call,
-            f"a {t.device.type} tensor: the weft torch backend runs on CPU tensors (device "
-            "tensors need weftcc's GPU communicators across hosts, not yet in this package)",
+            call, f"a {t.device.type} tensor: the weft torch backend runs on CPU and CUDA tensors"
         )
     if t.is_sparse:
         raise _unsupported(call, "sparse tensors are not supported")
@@ -97,6 +107,18 @@ def _dtype(call: str, t: torch.Tensor) -> int:
     if code is None:
         raise _unsupported(call, f"dtype {t.dtype} is not a weftcc type")
     return int(code)
+
+
+def _on_cuda(call: str, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the call's tensors are CUDA tensors (all of them, on one device) rather than CPU
+    ones; a mix raises."""
+    kinds = {t.device.type for t in tensors}
+    if kinds != {"cuda"}:
+        return False
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise _unsupported(call, f"tensors on {sorted(map(str, devices))}: one device per call")
+    return True
 
 
 def _n(t: torch.Tensor) -> int:
@@ -232,11 +254,14 @@ class WeftWork(dist.Work):
         self._progress()
         with self._lock:
             if self._future is None:
-                self._source = torch.futures.Future()
+                self._source = self._new_future()
                 self._future = self._source.then(_unwrap)
                 if self._finished:
                     _settle(self._source, self._outputs, self._exc)
             return self._future
+
+    def _new_future(self):
+        return torch.futures.Future()
 
     def is_completed(self) -> bool:
         self._progress()
@@ -253,6 +278,54 @@ class WeftWork(dist.Work):
 
     def synchronize(self) -> None:
         pass
+
+
+class _CudaWork(WeftWork):
+    """An operation on CUDA tensors, with ProcessGroupNCCL's semantics: enqueued on the
+    caller's current stream (so after what that stream already holds), in call order with the
+    group's other operations (on the calling thread when nothing is queued, else by the
+    group's worker, on the same stream). `wait()` and `synchronize()` make the caller's current
+    stream wait for the operation (the host waits only until it is enqueued); `is_completed()`
+    asks the GPU; the future is CUDA-aware (its value is ready on the stream that uses it). The
+    tensors are kept (and `record_stream`ed) until the operation completed."""
+
+    def __init__(self, pg: "ProcessGroupWeft", call: str, outputs, keep, stream):
+        super().__init__(pg, call, outputs)
+        self._keep = list(keep)
+        self._stream = stream
+        self._end = None  # a torch.cuda.Event recorded after the operation was enqueued
+
+    def _finish(self, exc: Optional[BaseException]) -> None:
+        # The future's value is marked ready on the operation's stream.
+        with torch.cuda.stream(self._stream):
+            super()._finish(exc)
+
+    def _new_future(self):
+        return torch.futures.Future(devices=[self._stream.device])
+
+    def get_future(self):
+        with torch.cuda.stream(self._stream):
+            return super().get_future()
+
+    def wait(self, timeout=None) -> bool:
+        super().wait(timeout)  # enqueued (or its error raised)
+        if self._end is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._end)
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        if not self._finished:
+            return False
+        done = self._exc is not None or self._end is None or self._end.query()
+        if done:
+            self._keep = []
+        return done
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._exc is None
 
 
 class _Failed:
@@ -540,6 +613,54 @@ class ProcessGroupWeft(dist.ProcessGroup):
             self._batch_works.append(work)
         return work
 
+    def _submit_cuda(
+        self, call: str, opts, outputs, keep, enqueue: Callable[[int], None]
+    ) -> WeftWork:
+        """Queues `enqueue(stream)` (the C ABI's calls with the caller's current CUDA stream,
+        as an integer `cudaStream_t`) like any operation of the group, then records the
+        operation's end on that stream (`_CudaWork`)."""
+        _flush_all_p2p()
+        stream = torch.cuda.current_stream(keep[0].device)
+        for t in keep:
+            t.record_stream(stream)  # the caching allocator keeps them until the stream passed
+        work = _CudaWork(self, call, outputs, keep, stream)
+
+        def job() -> None:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                enqueue(stream.cuda_stream)
+                end = torch.cuda.Event()
+                end.record(stream)
+                work._end = end
+
+        # Inline when nothing is queued: enqueued before the call returns, as NCCL does.
+        self._exec.submit(job, [work], True)
+        if self._batch_works is not None:
+            self._batch_works.append(work)
+        return work
+
+    def _cuda_in_place(self, call: str, opts, t: torch.Tensor, run) -> WeftWork:
+        """`run(address, count, stream)` on CUDA tensor `t` (through a contiguous copy made and
+        written back on the stream if need be)."""
+
+        def enqueue(stream: int) -> None:
+            d = _Dense(t)
+            run(d.ptr, _n(d.buf), stream)
+            d.done()
+
+        return self._submit_cuda(call, opts, [t], [t], enqueue)
+
+    def _cuda_into(self, call: str, opts, out: torch.Tensor, inp: torch.Tensor, run) -> WeftWork:
+        """`run(input address, output address, output count, stream)` from CUDA tensor `inp`
+        into `out` (contiguous copies made, and written back, on the stream)."""
+
+        def enqueue(stream: int) -> None:
+            src = inp.contiguous()
+            d = _Dense(out)
+            run(src.data_ptr(), d.ptr, _n(src), _n(d.buf), stream)
+            d.done()
+
+        return self._submit_cuda(call, opts, [out], [out, inp], enqueue)
+
     def _p2p_op(self, call: str, tensors, peer: int, tag: int, send: bool) -> WeftWork:
         try:
             return self._post(call, tensors, peer, tag, send)
@@ -625,8 +746,13 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         call = "all_reduce"
         t = self._one(call, tensors)
-        dtype = _dtype(call, t)
         red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if _on_cuda(call, [t]):
+            dtype, op, comm = _dtype(call, t, cuda=True), _op(call, red, t), self._comm
+            return self._cuda_in_place(
+                call, opts, t, lambda p, n, s: comm.raw_all_reduce(p, p, n, dtype, op, cuda_stream=s)
+            )
+        dtype = _dtype(call, t)
         kind = getattr(red, "op", red)
         if kind in _BITWISE and not t.is_floating_point() and not (t.dtype == torch.bool and kind in _BOOL_OPS):
             return self._submit(call, opts, [t], self._bitwise_all_reduce(call, t, kind))
@@ -669,19 +795,29 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def broadcast(self, tensors, opts):
         call = "broadcast"
         t = self._one(call, tensors)
-        dtype = _dtype(call, t)
         root = opts.rootRank
         comm = self._comm
+        if _on_cuda(call, [t]):
+            dtype = _dtype(call, t, cuda=True)
+            return self._cuda_in_place(
+                call, opts, t, lambda p, n, s: comm.raw_broadcast(p, p, n, dtype, root, cuda_stream=s)
+            )
+        dtype = _dtype(call, t)
         job = self._in_place(t, lambda p, n: comm.raw_broadcast(p, p, n, dtype, root))
         return self._submit(call, opts, [t], job)
 
     def reduce(self, tensors, opts):
         call = "reduce"
         t = self._one(call, tensors)
-        dtype = _dtype(call, t)
         op = _op(call, opts.reduceOp, t)
         root = opts.rootRank
         comm = self._comm
+        if _on_cuda(call, [t]):
+            dtype = _dtype(call, t, cuda=True)
+            return self._cuda_in_place(
+                call, opts, t, lambda p, n, s: comm.raw_reduce(p, p, n, dtype, op, root, cuda_stream=s)
+            )
+        dtype = _dtype(call, t)
         job = self._in_place(t, lambda p, n: comm.raw_reduce(p, p, n, dtype, op, root))
         return self._submit(call, opts, [t], job)
 
@@ -705,6 +841,15 @@ class ProcessGroupWeft(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         call = "all_gather_into_tensor"
+        if _on_cuda(call, [output, input]):
+            dtype = _dtype(call, input, cuda=True)
+            if output.dtype != input.dtype or output.numel() != input.numel() * self.size():
+                raise _unsupported(call, f"output of {output.numel()} is not {self.size()} x {input.numel()}")
+            comm = self._comm
+            return self._cuda_into(
+                call, opts, output, input,
+                lambda i, o, n, _m, s: comm.raw_all_gather(i, o, n, dtype, cuda_stream=s),
+            )
         return self._submit(call, opts, [output], self._gather_into(call, output, input))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -760,6 +905,15 @@ class ProcessGroupWeft(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         call = "reduce_scatter_tensor"
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if _on_cuda(call, [output, input]):
+            dtype, o = _dtype(call, input, cuda=True), _op(call, op, input)
+            if output.dtype != input.dtype or output.numel() * self.size() != input.numel():
+                raise _unsupported(call, f"input of {input.numel()} is not {self.size()} x {output.numel()}")
+            comm = self._comm
+            return self._cuda_into(
+                call, opts, output, input,
+                lambda i, out, _n, m, s: comm.raw_reduce_scatter(i, out, m, dtype, o, cuda_stream=s),
+            )
         job = self._scatter_into(call, output, lambda: input, input.numel(), input, op)
         return self._submit(call, opts, [output], job)
 
@@ -818,10 +972,19 @@ class ProcessGroupWeft(dist.ProcessGroup):
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         call = "all_to_all_single"
-        dtype = _dtype(call, input)
         n, me = self.size(), self.rank()
         if output.dtype != input.dtype:
             raise _unsupported(call, f"output {output.dtype}, input {input.dtype}")
+        if _on_cuda(call, [output, input]) and not output_split_sizes and not input_split_sizes:
+            dtype = _dtype(call, input, cuda=True)
+            if input.numel() % n or output.numel() != input.numel():
+                raise _unsupported(call, f"{input.numel()} input / {output.numel()} output elements for {n} ranks")
+            comm = self._comm
+            return self._cuda_into(
+                call, opts, output, input,
+                lambda i, o, c, _m, s: comm.raw_all_to_all(i, o, c // n, dtype, cuda_stream=s),
+            )
+        dtype = _dtype(call, input)
         if not output_split_sizes and not input_split_sizes:
             if input.numel() % n or output.numel() != input.numel():
                 raise _unsupported(

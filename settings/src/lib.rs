@@ -66,9 +66,16 @@ pub struct SettingError {
 }
 
 impl Setting {
-    /// The value, trimmed; `None` when unset, empty or blank (or not Unicode).
+    /// The value, trimmed; `None` when unset, empty or blank (or not Unicode). In a process
+    /// that honours NCCL's variables ([`honour_nccl_twins`]), an unset variable with an
+    /// `NCCL_*` twin ([`NCCL_TWINS`]) takes the twin's value.
     pub fn value(&self) -> Option<String> {
-        read(self.name)
+        read(self.name).or_else(|| {
+            honouring_nccl_twins()
+                .then(|| nccl_twin(self))
+                .flatten()
+                .and_then(read)
+        })
     }
 
     /// Whether the variable is set to something other than blanks.
@@ -261,6 +268,28 @@ pub fn foreign(name: &str) -> Option<String> {
         "{name} is weftcc's own: use its Setting"
     );
     read(name)
+}
+
+/// The `NCCL_*` twin of `setting` ([`NCCL_TWINS`]), if it has one.
+pub fn nccl_twin(setting: &Setting) -> Option<&'static str> {
+    NCCL_TWINS
+        .iter()
+        .find(|(s, _)| std::ptr::eq(*s, setting))
+        .map(|(_, twin)| *twin)
+}
+
+static NCCL_TWINS_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on, in this process, a `WEFT_*` variable that is unset takes the value of its
+/// `NCCL_*` twin ([`NCCL_TWINS`]): called by weftcc's `libnccl.so.2`, whose users configure
+/// NCCL. Values are read as the `WEFT_*` variable's (its grammar); an error names the `WEFT_*`
+/// variable and the value given.
+pub fn honour_nccl_twins() {
+    NCCL_TWINS_ON.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn honouring_nccl_twins() -> bool {
+    NCCL_TWINS_ON.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The whole process environment (Unicode entries), for readers of a launcher's variables

@@ -50,8 +50,8 @@ settings! {
         "Operations the flight recorder keeps per communicator (0: none).";
     TRACE_DUMP_DIR = "WEFT_TRACE_DUMP_DIR", Path, "unset",
         "Directory the flight recorder is written to when a communicator fails.";
-    DEBUG = "WEFT_DEBUG", Choice(&["WARN", "INFO", "DEBUG", "TRACE", "OFF", "NONE"]), "off",
-        "Log level on stderr: WARN, INFO, DEBUG or TRACE (OFF or NONE: no log).";
+    DEBUG = "WEFT_DEBUG", Choice(&["WARN", "INFO", "DEBUG", "TRACE", "OFF", "NONE", "VERSION"]), "off",
+        "Log level on stderr: WARN, INFO, DEBUG or TRACE (OFF, NONE or NCCL's VERSION: no log).";
     DEBUG_SUBSYS = "WEFT_DEBUG_SUBSYS", Text, "all",
         "Subsystems to log: INIT, NET, SHM, BOOTSTRAP, OP, TUNING, ERROR, CUDA, TRACE (or ALL).";
     HOST_ID = "WEFT_HOST_ID", Text, "hostname + boot id",
@@ -123,6 +123,8 @@ settings! {
     NET_GDR_LEVEL = "WEFT_NET_GDR_LEVEL", Text, "PXB",
         "Farthest GPU-NIC path for GPUDirect RDMA: LOC, PIX, PXB, PHB, NODE, SYS or 0-4.";
 
+    NCCL_INCLUDE = "WEFT_NCCL_INCLUDE", Path, "found from pip's nvidia-nccl wheel",
+        "Directory of NVIDIA's nccl.h for the NCCL drop-in's tests (`scripts/nccl_header.sh` fetches it; CI sets it, so the tests fail without it).";
     REQUIRE_NET_TESTS = "WEFT_REQUIRE_NET_TESTS", Flag, "off",
         "Tests of the network providers (libfabric's tcp provider, the emulated RDMA device) fail instead of skipping when their prerequisite is missing (CI sets it).";
 
@@ -172,3 +174,25 @@ settings! {
     FUZZ_CASES = "WEFT_FUZZ_CASES", Number { min: 1, max: 1 << 31 }, "1000",
         "Cases per target of the fuzz tests (`transports/tests/fuzz.rs`, `topology/tests/fuzz.rs`).";
 }
+
+/// NCCL's variables that mean what a `WEFT_*` one means, in the same grammar: honoured, the
+/// `WEFT_*` one winning, in processes that use weftcc's `libnccl.so.2`
+/// ([`crate::honour_nccl_twins`]). docs/nccl-dropin.md lists them (a test holds the two
+/// together).
+pub static NCCL_TWINS: &[(&Setting, &str)] = &[
+    (&DEBUG, "NCCL_DEBUG"),
+    (&DEBUG_SUBSYS, "NCCL_DEBUG_SUBSYS"),
+    (&ALGO, "NCCL_ALGO"),
+    (&PROTO, "NCCL_PROTO"),
+    (&SHM_DISABLE, "NCCL_SHM_DISABLE"),
+    (&SOCKET_IFNAME, "NCCL_SOCKET_IFNAME"),
+    (&SOCKET_FAMILY, "NCCL_SOCKET_FAMILY"),
+    (&SOCKET_NTHREADS, "NCCL_SOCKET_NTHREADS"),
+    (&NSOCKS_PERTHREAD, "NCCL_NSOCKS_PERTHREAD"),
+    (&IB_DISABLE, "NCCL_IB_DISABLE"),
+    (&IB_HCA, "NCCL_IB_HCA"),
+    (&IB_GID_INDEX, "NCCL_IB_GID_INDEX"),
+    (&IB_TIMEOUT, "NCCL_IB_TIMEOUT"),
+    (&IB_RETRY_CNT, "NCCL_IB_RETRY_CNT"),
+    (&NET_GDR_LEVEL, "NCCL_NET_GDR_LEVEL"),
+];

@@ -54,3 +54,32 @@ fn the_table_reader_finds_every_name_of_a_row() {
     let names: Vec<_> = documented(readme).into_iter().collect();
     assert_eq!(names, ["WEFT_A", "WEFT_B", "WEFT_C_2"]);
 }
+
+/// docs/nccl-dropin.md's table of `NCCL_*` twins is `NCCL_TWINS`, row for row.
+#[test]
+fn the_nccl_guide_lists_exactly_the_twins() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/nccl-dropin.md");
+    let guide = std::fs::read_to_string(path).expect("docs/nccl-dropin.md");
+    let documented: BTreeSet<(String, String)> = guide
+        .lines()
+        .filter(|l| l.starts_with("| `NCCL_"))
+        .filter_map(|l| {
+            let mut names = l.split('`').skip(1).step_by(2);
+            Some((names.next()?.to_string(), names.next()?.to_string()))
+        })
+        .collect();
+    let declared: BTreeSet<(String, String)> = weftcc_settings::NCCL_TWINS
+        .iter()
+        .map(|(s, twin)| (twin.to_string(), s.name.to_string()))
+        .collect();
+    assert_eq!(
+        documented, declared,
+        "docs/nccl-dropin.md's twins table (left) is not NCCL_TWINS"
+    );
+    for (s, _) in weftcc_settings::NCCL_TWINS {
+        assert_eq!(
+            weftcc_settings::nccl_twin(s).map(|t| t.replace("NCCL_", "WEFT_")),
+            Some(s.name.to_string())
+        );
+    }
+}
