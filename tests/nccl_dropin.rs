@@ -74,6 +74,8 @@ fn cc(include: &Path, source: &Path, out: Option<&Path>, libs: &[&str]) {
     c.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
         .arg(root().join("nccl/tests/c/nocuda"))
         .arg("-I")
+        .arg(root().join("testkit/c"))
+        .arg("-I")
         .arg(include)
         .arg(source);
     match out {

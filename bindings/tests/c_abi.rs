@@ -30,6 +30,8 @@ fn build() -> Option<PathBuf> {
     let status = Command::new("cc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
         .arg(dir.join("include"))
+        .arg("-I")
+        .arg(dir.join("../testkit/c"))
         .arg(dir.join("tests/c/ranks.c"))
         .arg("-o")
         .arg(&out)

@@ -28,208 +28,132 @@ unsafe fn on(
     submit(c, call, Box::new(job))
 }
 
-/// All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
-///
-/// # Safety
-/// NCCL's: buffers of `count` elements valid until the call (host) or the stream (device)
-/// completed; `comm` live.
-#[no_mangle]
-pub unsafe extern "C" fn ncclAllReduce(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    op: ncclRedOp_t,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, r, st) = (sendbuff as usize, recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclAllReduce", move |w| {
-            weftAllReduce(s as _, r as _, count, datatype, op, w, st as _)
-        })
-    })
+/// An argument as it travels to the call's group end: a pointer as its address (pointers are not
+/// `Send`; NCCL's contract keeps what they point at valid until the call or its group ended).
+trait Carry: Copy {
+    type Sent: Copy + Send + 'static;
+    fn sent(self) -> Self::Sent;
+    fn back(sent: Self::Sent) -> Self;
 }
 
-/// Broadcast from `root`; in place when equal.
-///
-/// # Safety
-/// As [`ncclAllReduce`].
-#[no_mangle]
-pub unsafe extern "C" fn ncclBroadcast(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: c_int,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, r, st) = (sendbuff as usize, recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclBroadcast", move |w| {
-            weftBroadcast(s as _, r as _, count, datatype, root, w, st as _)
-        })
-    })
+// Numbers as they are, pointers as addresses.
+macro_rules! carry {
+    ($($t:ty => $sent:ty),*) => {$(
+        impl Carry for $t {
+            type Sent = $sent;
+            fn sent(self) -> $sent {
+                self as $sent
+            }
+            fn back(sent: $sent) -> Self {
+                sent as Self
+            }
+        }
+    )*};
 }
 
-/// NCCL's in-place broadcast (legacy form).
-///
-/// # Safety
-/// As [`ncclAllReduce`].
-#[no_mangle]
-pub unsafe extern "C" fn ncclBcast(
-    buff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: c_int,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (b, st) = (buff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclBcast", move |w| {
-            weftBroadcast(b as _, b as _, count, datatype, root, w, st as _)
-        })
-    })
+carry!(c_int => c_int, usize => usize, *const c_void => usize, *mut c_void => usize);
+
+/// NCCL's `$name`, with NCCL's arguments and then `comm` and `stream`: weftcc's `$weft` with the
+/// arguments listed (then weftcc's communicator and the stream), now or at the group's end.
+macro_rules! forward {
+    ($(
+        $(#[$doc:meta])*
+        fn $name:ident($($arg:ident: $ty:ty),*) => $weft:ident($($pass:ident),*);
+    )*) => {$(
+        $(#[$doc])*
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            $($arg: $ty,)*
+            comm: ncclComm_t,
+            stream: cudaStream_t,
+        ) -> ncclResult_t {
+            $(let $arg = Carry::sent($arg);)*
+            let stream = Carry::sent(stream);
+            // SAFETY: per the contract, passed on to weftcc's call.
+            run(|| unsafe {
+                on(comm, stringify!($name), move |w| {
+                    $(let $arg = <$ty as Carry>::back($arg);)*
+                    $weft($($pass,)* w, Carry::back(stream))
+                })
+            })
+        }
+    )*};
 }
 
-/// Reduce into `root`'s `recvbuff`.
-///
-/// # Safety
-/// As [`ncclAllReduce`].
-#[no_mangle]
-pub unsafe extern "C" fn ncclReduce(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    op: ncclRedOp_t,
-    root: c_int,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, r, st) = (sendbuff as usize, recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclReduce", move |w| {
-            weftReduce(s as _, r as _, count, datatype, op, root, w, st as _)
-        })
-    })
-}
+forward! {
+    /// All-reduce of `count` elements; in place when `sendbuff == recvbuff`.
+    ///
+    /// # Safety
+    /// NCCL's: buffers of `count` elements valid until the call (host) or the stream (device)
+    /// completed; `comm` live.
+    fn ncclAllReduce(
+        sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
+        op: ncclRedOp_t
+    ) => weftAllReduce(sendbuff, recvbuff, count, datatype, op);
 
-/// All-gather of `sendcount` elements per rank.
-///
-/// # Safety
-/// As [`ncclAllReduce`], `recvbuff` of nranks × `sendcount`.
-#[no_mangle]
-pub unsafe extern "C" fn ncclAllGather(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    sendcount: usize,
-    datatype: ncclDataType_t,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, r, st) = (sendbuff as usize, recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclAllGather", move |w| {
-            weftAllGather(s as _, r as _, sendcount, datatype, w, st as _)
-        })
-    })
-}
+    /// Broadcast from `root`; in place when equal.
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`].
+    fn ncclBroadcast(
+        sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
+        root: c_int
+    ) => weftBroadcast(sendbuff, recvbuff, count, datatype, root);
 
-/// Reduce-scatter into `recvcount` elements per rank.
-///
-/// # Safety
-/// As [`ncclAllReduce`], `sendbuff` of nranks × `recvcount`.
-#[no_mangle]
-pub unsafe extern "C" fn ncclReduceScatter(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    recvcount: usize,
-    datatype: ncclDataType_t,
-    op: ncclRedOp_t,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, r, st) = (sendbuff as usize, recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclReduceScatter", move |w| {
-            weftReduceScatter(s as _, r as _, recvcount, datatype, op, w, st as _)
-        })
-    })
-}
+    /// NCCL's in-place broadcast (legacy form).
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`].
+    fn ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int)
+        => weftBroadcast(buff, buff, count, datatype, root);
 
-/// All-to-all of `count` elements per pair of ranks (NCCL 2.28).
-///
-/// # Safety
-/// As [`ncclAllReduce`], both buffers of nranks × `count`.
-#[no_mangle]
-pub unsafe extern "C" fn ncclAlltoAll(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, r, st) = (sendbuff as usize, recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclAlltoAll", move |w| {
-            weftAllToAll(s as _, r as _, count, datatype, w, st as _)
-        })
-    })
-}
+    /// Reduce into `root`'s `recvbuff`.
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`].
+    fn ncclReduce(
+        sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
+        op: ncclRedOp_t, root: c_int
+    ) => weftReduce(sendbuff, recvbuff, count, datatype, op, root);
 
-/// Sends `count` elements to `peer` (in a group, with the group's other calls).
-///
-/// # Safety
-/// As [`ncclAllReduce`].
-#[no_mangle]
-pub unsafe extern "C" fn ncclSend(
-    sendbuff: *const c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    peer: c_int,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (s, st) = (sendbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclSend", move |w| {
-            weftSend(s as _, count, datatype, peer, w, st as _)
-        })
-    })
-}
+    /// All-gather of `sendcount` elements per rank.
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`], `recvbuff` of nranks × `sendcount`.
+    fn ncclAllGather(
+        sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: ncclDataType_t
+    ) => weftAllGather(sendbuff, recvbuff, sendcount, datatype);
 
-/// Receives `count` elements from `peer`.
-///
-/// # Safety
-/// As [`ncclAllReduce`].
-#[no_mangle]
-pub unsafe extern "C" fn ncclRecv(
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    peer: c_int,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (r, st) = (recvbuff as usize, stream as usize);
-    // SAFETY: per the contract, passed on to weftcc's call.
-    run(|| unsafe {
-        on(comm, "ncclRecv", move |w| {
-            weftRecv(r as _, count, datatype, peer, w, st as _)
-        })
-    })
+    /// Reduce-scatter into `recvcount` elements per rank.
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`], `sendbuff` of nranks × `recvcount`.
+    fn ncclReduceScatter(
+        sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: ncclDataType_t,
+        op: ncclRedOp_t
+    ) => weftReduceScatter(sendbuff, recvbuff, recvcount, datatype, op);
+
+    /// All-to-all of `count` elements per pair of ranks (NCCL 2.28).
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`], both buffers of nranks × `count`.
+    fn ncclAlltoAll(
+        sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t
+    ) => weftAllToAll(sendbuff, recvbuff, count, datatype);
+
+    /// Sends `count` elements to `peer` (in a group, with the group's other calls).
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`].
+    fn ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int)
+        => weftSend(sendbuff, count, datatype, peer);
+
+    /// Receives `count` elements from `peer`.
+    ///
+    /// # Safety
+    /// As [`ncclAllReduce`].
+    fn ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int)
+        => weftRecv(recvbuff, count, datatype, peer);
 }
 
 /// A reduction multiplying each input by `*scalar` before summing (host-immediate scalars).

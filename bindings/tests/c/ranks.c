@@ -12,28 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-static int me = -1;
+#include "checks.h"
 
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      fprintf(stderr, "rank %d: line %d: ", me, __LINE__);            \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fprintf(stderr, "\n");                                          \
-      failures++;                                                     \
-    }                                                                 \
-  } while (0)
-
-#define OK(call)                                                                    \
-  do {                                                                              \
-    weftResult_t r_ = (call);                                                       \
-    if (r_ != weftSuccess) {                                                        \
-      fprintf(stderr, "rank %d: line %d: %s -> %d (%s): %s\n", me, __LINE__, #call, \
-              r_, weftGetErrorString(r_), weftGetLastError(NULL));                  \
-      exit(2);                                                                      \
-    }                                                                               \
-  } while (0)
+/* A weft* call that must succeed. */
+#define OK(call) MUST(call, weftResult_t, weftSuccess, weftGetErrorString, weftGetLastError(NULL))
 
 /* Rank r's element i: small integers, exact in every type and every reduction. */
 static double value(int r, size_t i) { return (double)((r + 1) * 2 + (int)(i % 5)); }

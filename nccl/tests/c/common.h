@@ -1,5 +1,5 @@
-/* What the drop-in's C test programs share (nccl_ranks.c, nccl_device.c): the check macros,
- * and the unique id handed from rank 0 to the others through a file, the "share it by your own
+/* What the drop-in's C test programs share (nccl_ranks.c, nccl_device.c): the check macros
+ * (testkit/c/checks.h, as weftcc's other C tests), and the unique id handed from rank 0 to the others through a file, the "share it by your own
  * means" step of NCCL programs. Include after nccl.h. */
 #ifndef WEFTCC_NCCL_TEST_COMMON_H
 #define WEFTCC_NCCL_TEST_COMMON_H
@@ -9,30 +9,10 @@
 #include <string.h>
 #include <time.h>
 
-static int failures = 0;
-static int me = -1;
+#include "checks.h"
 
-/* A check: on failure prints the rank, the line and the message, and counts it. */
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "rank %d: line %d: ", me, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-      failures++;                                          \
-    }                                                      \
-  } while (0)
-
-/* A call that must succeed: otherwise prints its code and message and exits 2. */
-#define OK(call)                                                                    \
-  do {                                                                              \
-    ncclResult_t r_ = (call);                                                       \
-    if (r_ != ncclSuccess) {                                                        \
-      fprintf(stderr, "rank %d: line %d: %s -> %d (%s): %s\n", me, __LINE__, #call, \
-              (int)r_, ncclGetErrorString(r_), ncclGetLastError(NULL));             \
-      exit(2);                                                                      \
-    }                                                                               \
-  } while (0)
+/* An nccl* call that must succeed. */
+#define OK(call) MUST(call, ncclResult_t, ncclSuccess, ncclGetErrorString, ncclGetLastError(NULL))
 
 static void sleep_ms(long ms) {
   struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
