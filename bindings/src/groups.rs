@@ -18,13 +18,37 @@ use crate::handle::weftComm_t;
 
 thread_local! {
     /// Point-to-point calls collected between weftGroupStart and weftGroupEnd.
-    static GROUP: RefCell<GroupState> = RefCell::new(GroupState::default());
+    static GROUP: RefCell<Nesting<Vec<P2p>>> = RefCell::new(Nesting::default());
 }
 
+/// A thread's open groups (NCCL's semantics: groups nest, calls inside one are collected, the
+/// outermost end runs them) and what they collected. The NCCL drop-in keeps its groups in one too.
 #[derive(Default)]
-struct GroupState {
+pub struct Nesting<T> {
     depth: usize,
-    ops: Vec<P2p>,
+    collected: T,
+}
+
+impl<T: Default> Nesting<T> {
+    /// A group start.
+    pub fn start(&mut self) {
+        self.depth += 1;
+    }
+
+    /// A group end: `None` without an open group; else what was collected at the outermost end
+    /// (nothing, `T::default()`, at an inner one).
+    pub fn end(&mut self) -> Option<T> {
+        self.depth = self.depth.checked_sub(1)?;
+        Some(match self.depth {
+            0 => std::mem::take(&mut self.collected),
+            _ => T::default(),
+        })
+    }
+
+    /// What the open group collected, to add to; `None` outside any group.
+    pub fn open(&mut self) -> Option<&mut T> {
+        (self.depth > 0).then_some(&mut self.collected)
+    }
 }
 
 /// One deferred send or receive.
@@ -41,14 +65,14 @@ struct P2p {
 /// Drops the calls of `comm` collected in this thread's group (the communicator is being
 /// destroyed).
 pub(crate) fn drop_calls_of(comm: weftComm_t) {
-    GROUP.with(|g| g.borrow_mut().ops.retain(|op| op.comm != comm));
+    GROUP.with(|g| g.borrow_mut().collected.retain(|op| op.comm != comm));
 }
 
 /// Starts (or nests) a group: `weftSend`/`weftRecv` calls are collected until the matching
 /// `weftGroupEnd`, which runs them together (so ranks can exchange without deadlock).
 #[no_mangle]
 pub extern "C" fn weftGroupStart() -> weftResult_t {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    GROUP.with(|g| g.borrow_mut().start());
     weftSuccess
 }
 
@@ -58,18 +82,7 @@ pub extern "C" fn weftGroupStart() -> weftResult_t {
 #[no_mangle]
 pub extern "C" fn weftGroupEnd() -> weftResult_t {
     entry(|| {
-        let ops = GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.depth == 0 {
-                return None;
-            }
-            g.depth -= 1;
-            Some(if g.depth == 0 {
-                std::mem::take(&mut g.ops)
-            } else {
-                Vec::new()
-            })
-        });
+        let ops = GROUP.with(|g| g.borrow_mut().end());
         let ops =
             ops.ok_or_else(|| fail(weftInvalidUsage, "weftGroupEnd without weftGroupStart"))?;
         let mut comms: Vec<weftComm_t> = Vec::new();
@@ -255,14 +268,12 @@ unsafe fn point_to_point(
         peer,
         stream: stream as usize,
     };
-    let now = GROUP.with(move |g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 {
-            g.ops.push(op);
+    let now = GROUP.with(move |g| match g.borrow_mut().open() {
+        Some(ops) => {
+            ops.push(op);
             None
-        } else {
-            Some(op)
         }
+        None => Some(op),
     });
     match now {
         None => Ok(weftSuccess),

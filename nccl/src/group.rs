@@ -8,7 +8,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use weft::{weftComm_t, weftGroupEnd, weftGroupStart, weftInternalError, weftResult_t};
+use weft::{weftComm_t, weftGroupEnd, weftGroupStart, weftInternalError, weftResult_t, Nesting};
 
 use crate::errors::{bad_usage, check, run, Failure, Outcome, DONE};
 use crate::handle::{ncclComm, Raw, IN_PROGRESS};
@@ -22,19 +22,35 @@ pub(crate) type Make = Box<dyn FnOnce() -> Result<Raw, Failure> + Send>;
 /// One task of [`together`].
 pub(crate) type Task = Box<dyn FnOnce() -> Option<Failure> + Send>;
 
+/// What a group collects: inits, then calls.
 #[derive(Default)]
-struct Group {
-    depth: usize,
+struct Collected {
     inits: Vec<(Arc<ncclComm>, Make)>,
     ops: Vec<(Arc<ncclComm>, Job)>,
 }
 
 thread_local! {
-    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+    static GROUP: RefCell<Nesting<Collected>> = RefCell::new(Nesting::default());
 }
 
 pub(crate) fn in_group() -> bool {
-    GROUP.with(|g| g.borrow().depth > 0)
+    GROUP.with(|g| g.borrow_mut().open().is_some())
+}
+
+/// Collects `item` in this thread's open group (where `list` says), or gives it back to run
+/// now outside any group.
+fn collect_or_now<X>(
+    item: X,
+    list: impl FnOnce(&mut Collected) -> &mut Vec<(Arc<ncclComm>, X)>,
+    comm: &Arc<ncclComm>,
+) -> Option<X> {
+    GROUP.with(|g| match g.borrow_mut().open() {
+        Some(c) => {
+            list(c).push((comm.clone(), item));
+            None
+        }
+        None => Some(item),
+    })
 }
 
 /// Drops what this thread's group collected for `comm` (it is being destroyed or aborted); an
@@ -42,6 +58,9 @@ pub(crate) fn in_group() -> bool {
 pub(crate) fn forget(comm: &Arc<ncclComm>) {
     let (inits, ops) = GROUP.with(|g| {
         let mut g = g.borrow_mut();
+        let Some(g) = g.open() else {
+            return Default::default();
+        };
         let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut g.inits)
             .into_iter()
             .partition(|(c, _)| Arc::ptr_eq(c, comm));
@@ -63,15 +82,7 @@ pub(crate) fn forget(comm: &Arc<ncclComm>) {
 
 /// Runs `job` on `comm` now, or collects it until the group ends.
 pub(crate) fn submit(comm: Arc<ncclComm>, call: &str, job: Job) -> Outcome {
-    let now = GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 {
-            g.ops.push((comm.clone(), job));
-            None
-        } else {
-            Some(job)
-        }
-    });
+    let now = collect_or_now(job, |c| &mut c.ops, &comm);
     match now {
         None => DONE,
         Some(job) => check(job(comm.weft(call)?)),
@@ -81,15 +92,7 @@ pub(crate) fn submit(comm: Arc<ncclComm>, call: &str, job: Job) -> Outcome {
 /// Makes `comm`'s weftcc communicator: collected in a group; else now (blocking) or on a
 /// thread of its own (non-blocking: `weftInProgress`, `ncclCommGetAsyncError` tells the end).
 pub(crate) fn submit_init(comm: Arc<ncclComm>, make: Make) -> Outcome {
-    let now = GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 {
-            g.inits.push((comm.clone(), make));
-            None
-        } else {
-            Some(make)
-        }
-    });
+    let now = collect_or_now(make, |c| &mut c.inits, &comm);
     let Some(make) = now else { return DONE };
     if !comm.blocking {
         spawn_init(comm, make);
@@ -169,7 +172,7 @@ fn run_jobs(comm: &ncclComm, jobs: Vec<Job>) -> Option<Failure> {
 #[no_mangle]
 pub extern "C" fn ncclGroupStart() -> ncclResult_t {
     run(|| {
-        GROUP.with(|g| g.borrow_mut().depth += 1);
+        GROUP.with(|g| g.borrow_mut().start());
         DONE
     })
 }
@@ -179,19 +182,8 @@ pub extern "C" fn ncclGroupStart() -> ncclResult_t {
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
     run(|| {
-        let taken = GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.depth == 0 {
-                return None;
-            }
-            g.depth -= 1;
-            Some(if g.depth == 0 {
-                (std::mem::take(&mut g.inits), std::mem::take(&mut g.ops))
-            } else {
-                Default::default()
-            })
-        });
-        let Some((inits, ops)) = taken else {
+        let taken = GROUP.with(|g| g.borrow_mut().end());
+        let Some(Collected { inits, ops }) = taken else {
             return Err(bad_usage("ncclGroupEnd without ncclGroupStart"));
         };
         let mut in_progress = false;
