@@ -10,7 +10,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaSlice};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 
 fn env_number(name: &str) -> Result<usize, String> {
@@ -84,7 +84,9 @@ fn run() -> Result<bool, String> {
     let cuda = |e: cudarc::driver::DriverError| format!("{e:?}");
     let nccl = |e: cudarc::nccl::result::NcclError| format!("{e:?}");
     let mut ok = true;
-    let mut check = |what: &str, got: Vec<f32>, want: Vec<f32>| {
+    // Copies `got` back to the host and compares it with `want`.
+    let mut check = |what: &str, got: &CudaSlice<f32>, want: Vec<f32>| -> Result<(), String> {
+        let got = stream.clone_dtoh(got).map_err(cuda)?;
         if got != want {
             eprintln!(
                 "rank {rank}: {what}: got {:?}…, want {:?}…",
@@ -93,6 +95,7 @@ fn run() -> Result<bool, String> {
             );
             ok = false;
         }
+        Ok(())
     };
 
     let count = 1 << 16;
@@ -102,38 +105,22 @@ fn run() -> Result<bool, String> {
     let mut recv = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
     comm.all_reduce(&send, &mut recv, &ReduceOp::Sum)
         .map_err(nccl)?;
-    check(
-        "all_reduce",
-        stream.clone_dtoh(&recv).map_err(cuda)?,
-        vec![(n * (n + 1) / 2) as f32; count],
-    );
+    check("all_reduce", &recv, vec![(n * (n + 1) / 2) as f32; count])?;
 
     let mut b = stream.clone_htod(&vec![rank as f32; count]).map_err(cuda)?;
     comm.broadcast_in_place(&mut b, 0).map_err(nccl)?;
-    check(
-        "broadcast",
-        stream.clone_dtoh(&b).map_err(cuda)?,
-        vec![0.0; count],
-    );
+    check("broadcast", &b, vec![0.0; count])?;
 
     let mut gathered = stream.alloc_zeros::<f32>(count * n).map_err(cuda)?;
     let mine = stream.clone_htod(&vec![rank as f32; count]).map_err(cuda)?;
     comm.all_gather(&mine, &mut gathered).map_err(nccl)?;
     let want: Vec<f32> = (0..n).flat_map(|r| vec![r as f32; count]).collect();
-    check(
-        "all_gather",
-        stream.clone_dtoh(&gathered).map_err(cuda)?,
-        want,
-    );
+    check("all_gather", &gathered, want)?;
 
     let mut part = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
     comm.reduce_scatter(&gathered, &mut part, &ReduceOp::Sum)
         .map_err(nccl)?;
-    check(
-        "reduce_scatter",
-        stream.clone_dtoh(&part).map_err(cuda)?,
-        vec![(n * rank) as f32; count],
-    );
+    check("reduce_scatter", &part, vec![(n * rank) as f32; count])?;
     stream.synchronize().map_err(cuda)?;
     Ok(ok)
 }
