@@ -2,7 +2,8 @@
 //!
 //! A call checks its arguments, enqueues the collective on the caller's [`Stream`] and returns;
 //! work enqueued on that stream afterwards sees the result, as if the collective were a kernel.
-//! Each `*_blocking` form also waits (within the communicator's timeout) and reports errors.
+//! [`DeviceComm::synchronize`] waits for a stream (within the communicator's timeout) and
+//! reports errors.
 //!
 //! Two transports, chosen at creation by all ranks together:
 //! * [`Transport::Ipc`] (all ranks on one host, every pair of GPUs able to reach each other's
@@ -1260,7 +1261,7 @@ impl Drop for DeviceComm {
 }
 
 macro_rules! collective {
-    ($(#[$m:meta])* $name:ident, $ip:ident, $blocking:ident, $kind:expr $(, $arg:ident : $ty:ty => $set:ident)*) => {
+    ($(#[$m:meta])* $name:ident, $ip:ident, $kind:expr $(, $arg:ident : $ty:ty => $set:ident)*) => {
         $(#[$m])*
         pub fn $name<T: Element>(
             &self,
@@ -1287,46 +1288,34 @@ macro_rules! collective {
             let b = self.span(call.kind, buf)?;
             self.enqueue(call, None, b, stream)
         }
-
-        /// Blocking form: enqueues on `stream`, then waits for it (within the timeout).
-        pub fn $blocking<T: Element>(
-            &self,
-            send: &DeviceBuffer<T>,
-            recv: &mut DeviceBuffer<T>,
-            $($arg: $ty,)*
-            stream: &Stream,
-        ) -> Result<()> {
-            self.$name(send, recv, $($arg,)* stream)?;
-            self.synchronize(stream)
-        }
     };
 }
 
 impl DeviceComm {
     collective!(
         /// All-reduce: every rank's `recv` holds the reduction of all `send`s.
-        all_reduce, all_reduce_in_place, all_reduce_blocking, OpKind::AllReduce, op: ReduceOp => with_op
+        all_reduce, all_reduce_in_place, OpKind::AllReduce, op: ReduceOp => with_op
     );
     collective!(
         /// Reduce: `root`'s `recv` holds the reduction (others' `recv` is not written).
-        reduce, reduce_in_place, reduce_blocking, OpKind::Reduce, op: ReduceOp => with_op, root: usize => with_root
+        reduce, reduce_in_place, OpKind::Reduce, op: ReduceOp => with_op, root: usize => with_root
     );
     collective!(
         /// Broadcast of `root`'s `send` into every `recv`.
-        broadcast, broadcast_in_place, broadcast_blocking, OpKind::Broadcast, root: usize => with_root
+        broadcast, broadcast_in_place, OpKind::Broadcast, root: usize => with_root
     );
     collective!(
         /// All-gather: `recv` (n × count) holds every rank's `send` (count) in rank order.
-        all_gather, all_gather_in_place, all_gather_blocking, OpKind::AllGather
+        all_gather, all_gather_in_place, OpKind::AllGather
     );
     collective!(
         /// Reduce-scatter: `recv` (count) holds block `rank` of the reduction of the `send`s
         /// (n × count).
-        reduce_scatter, reduce_scatter_in_place, reduce_scatter_blocking, OpKind::ReduceScatter, op: ReduceOp => with_op
+        reduce_scatter, reduce_scatter_in_place, OpKind::ReduceScatter, op: ReduceOp => with_op
     );
     collective!(
         /// All-to-all: block j of `send` goes to rank j, block i of `recv` comes from rank i.
-        all_to_all, all_to_all_in_place, all_to_all_blocking, OpKind::AllToAll
+        all_to_all, all_to_all_in_place, OpKind::AllToAll
     );
 
     /// The data type of a call (for callers working with raw buffers).
