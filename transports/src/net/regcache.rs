@@ -8,12 +8,36 @@
 //! false: verbs) keeps none idle: a buffer freed and mapped again at the same address would
 //! still be backed by the old pages in its registration, and a later write would land there.
 //! Its ranges are registered for each use and dropped after it.
+//!
+//! Device memory (GPUDirect RDMA, [`RegistrationCache::lease_device`]) is registered whole, as
+//! its owner allocated it, through its dmabuf or else, where the NIC's driver reaches device
+//! memory itself (`nvidia-peermem`), by its address. Such a registration stays after its use
+//! whatever the provider (a dmabuf registration holds the exporter's buffer, not the address
+//! range) until the owner frees the memory, which calls [`invalidate_everywhere`].
 
-use super::{Memory, NetResult, Provider, Region, RemoteRegion};
+use super::device::DeviceMemory;
+use super::{Dmabuf, Memory, NetError, NetResult, Provider, Region, RemoteRegion};
 use crate::util::lock;
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+type Caches = Mutex<HashMap<usize, Weak<RegistrationCache>>>;
+/// Every provider's cache in this process, by the provider's address.
+static CACHES: OnceLock<Caches> = OnceLock::new();
+
+/// Forgets the registrations of every cache that overlap the `len` bytes at `address`: their
+/// memory is being freed (leases still held keep their registration until released).
+pub fn invalidate_everywhere(address: u64, len: usize) {
+    let caches: Vec<_> = lock(CACHES.get_or_init(Default::default))
+        .values()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for c in caches {
+        c.invalidate(address, len);
+    }
+}
 
 /// Most idle registrations kept per provider.
 pub const IDLE_MAX: usize = 64;
@@ -37,6 +61,31 @@ struct Entry {
     end: usize,
     region: Arc<Region>,
     last_use: u64,
+    /// How device memory was registered; `None` for host memory.
+    device: Option<DeviceRegistration>,
+}
+
+/// How the NIC reaches a device range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceRegistration {
+    /// `ibv_reg_dmabuf_mr` on the dmabuf the GPU driver exported.
+    Dmabuf,
+    /// `ibv_reg_mr` of the device address (`nvidia-peermem`), the dmabuf having been refused.
+    PeerMemory,
+}
+
+/// Why device memory could not be registered: the caller stages through host memory instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("dmabuf registration refused ({dmabuf}); {}", match .peer_memory {
+    Some(e) => format!("peer-memory registration refused ({e})"),
+    None => "no peer-memory driver (nvidia-peermem) to fall back to".into(),
+})]
+pub struct DeviceRefused {
+    /// Why the dmabuf was not registered (not exported, or refused by the NIC).
+    pub dmabuf: NetError,
+    /// Why registering the device address failed; `None` where it was not tried (no
+    /// `nvidia-peermem`).
+    pub peer_memory: Option<NetError>,
 }
 
 /// A registered range in use: the registration stays while the lease is held.
@@ -45,9 +94,25 @@ pub struct Lease {
     /// The leased address's offset in the registration.
     offset: u64,
     len: u64,
+    device: Option<DeviceRegistration>,
 }
 
 impl Lease {
+    /// The registration (a write's source names its range at [`Lease::offset`]).
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// The leased address's offset in [`Lease::region`].
+    pub fn offset(&self) -> usize {
+        self.offset as usize
+    }
+
+    /// How device memory was registered (`None` for host memory).
+    pub fn device(&self) -> Option<DeviceRegistration> {
+        self.device
+    }
+
     /// What a peer needs to write the leased bytes: offset 0 is the leased address.
     pub fn remote(&self) -> RemoteRegion {
         let r = self.region.remote();
@@ -62,8 +127,6 @@ impl Lease {
 impl RegistrationCache {
     /// The cache of `provider` (one per provider object in this process).
     pub fn of(provider: &Arc<dyn Provider>) -> Arc<RegistrationCache> {
-        type Caches = Mutex<HashMap<usize, Weak<RegistrationCache>>>;
-        static CACHES: OnceLock<Caches> = OnceLock::new();
         let key = Arc::as_ptr(provider) as *const () as usize;
         let mut caches = lock(CACHES.get_or_init(Default::default));
         caches.retain(|_, c| c.strong_count() > 0);
@@ -102,6 +165,7 @@ impl RegistrationCache {
                 region: Arc::clone(&e.region),
                 offset: (addr - e.start) as u64,
                 len: len as u64,
+                device: e.device,
             });
         }
         let start = addr - addr % PAGE;
@@ -117,12 +181,94 @@ impl RegistrationCache {
             end: span_end,
             region: Arc::clone(&region),
             last_use: now,
+            device: None,
         });
         Ok(Lease {
             region,
             offset: (addr - start) as u64,
             len: len as u64,
+            device: None,
         })
+    }
+
+    /// A registration of the device range `dev`: a cached one, else its dmabuf registered,
+    /// else (where [`DeviceMemory::peer_memory`]) its address registered. It stays cached
+    /// until the memory is freed ([`invalidate_everywhere`]).
+    pub fn lease_device(&self, dev: &dyn DeviceMemory) -> Result<Lease, DeviceRefused> {
+        let (addr, len) = (dev.address() as usize, dev.len());
+        let end = addr.saturating_add(len.max(1));
+        let mut entries = lock(&self.entries);
+        entries.clock += 1;
+        let now = entries.clock;
+        if let Some(e) = entries
+            .list
+            .iter_mut()
+            .find(|e| e.device.is_some() && e.start <= addr && end <= e.end)
+        {
+            e.last_use = now;
+            return Ok(Lease {
+                region: Arc::clone(&e.region),
+                offset: (addr - e.start) as u64,
+                len: len as u64,
+                device: e.device,
+            });
+        }
+        let record = || {
+            let ptr = NonNull::new(addr as *mut u8).unwrap_or(NonNull::dangling());
+            // SAFETY: the device range, named by its address for work requests; the host
+            // never reads or writes through it (providers hand the address to the NIC), and
+            // the registration is forgotten when the owner frees the memory.
+            Arc::new(unsafe { Memory::borrowed(ptr, len) })
+        };
+        let dmabuf = dev.export_dmabuf().and_then(|(fd, offset)| {
+            let d = Dmabuf {
+                fd: fd.as_fd(),
+                offset,
+            };
+            self.provider.register_dmabuf(record(), d)
+        });
+        let (region, how) = match dmabuf {
+            Ok(r) => (r, DeviceRegistration::Dmabuf),
+            Err(dmabuf) if !dev.peer_memory() => {
+                return Err(DeviceRefused {
+                    dmabuf,
+                    peer_memory: None,
+                })
+            }
+            Err(dmabuf) => match self.provider.register(record()) {
+                Ok(r) => (r, DeviceRegistration::PeerMemory),
+                Err(e) => {
+                    return Err(DeviceRefused {
+                        dmabuf,
+                        peer_memory: Some(e),
+                    })
+                }
+            },
+        };
+        let region = Arc::new(region);
+        entries.list.push(Entry {
+            start: addr,
+            end,
+            region: Arc::clone(&region),
+            last_use: now,
+            device: Some(how),
+        });
+        Ok(Lease {
+            region,
+            offset: 0,
+            len: len as u64,
+            device: Some(how),
+        })
+    }
+
+    /// Forgets the registrations overlapping the `len` bytes at `address` (their memory is
+    /// being freed).
+    pub fn invalidate(&self, address: u64, len: usize) {
+        let start = address as usize;
+        let end = start.saturating_add(len.max(1));
+        lock(&self.entries)
+            .list
+            .retain(|e| e.end <= start || end <= e.start);
     }
 
     /// Ends `lease` and drops the registrations no lease holds that this cache does not keep:
@@ -131,7 +277,8 @@ impl RegistrationCache {
     pub fn release(&self, lease: Lease) {
         drop(lease);
         let mut entries = lock(&self.entries);
-        let idle = |e: &Entry| Arc::strong_count(&e.region) == 1;
+        // Device registrations stay until their memory is freed (`invalidate`).
+        let idle = |e: &Entry| e.device.is_none() && Arc::strong_count(&e.region) == 1;
         if !self.keep_idle {
             entries.list.retain(|e| !idle(e));
             return;
@@ -237,6 +384,36 @@ mod tests {
         assert_eq!(newest.remote().key, keys[IDLE_MAX + 1], "still cached");
         c.release(first);
         c.release(newest);
+    }
+
+    #[test]
+    fn device_memory_without_dmabuf_is_refused_or_registered_through_peer_memory() {
+        use crate::net::device::MemfdDevice;
+        let p: Arc<dyn Provider> = Arc::new(LoopbackProvider(Loopback::new()));
+        // Registered in the process's list, so that freeing device memory reaches it.
+        let c = RegistrationCache::of(&p);
+        let plain = MemfdDevice::new(3 * PAGE, false).unwrap();
+        let refused = c
+            .lease_device(&plain)
+            .err()
+            .expect("no dmabuf, no peer memory");
+        assert!(
+            matches!(refused.dmabuf, NetError::Unavailable { .. }) && refused.peer_memory.is_none(),
+            "{refused:?}"
+        );
+        assert!(c.is_empty());
+        let peermem = MemfdDevice::new(3 * PAGE, true).unwrap();
+        let a = c.lease_device(&peermem).unwrap();
+        assert_eq!(a.device(), Some(DeviceRegistration::PeerMemory));
+        assert_eq!(a.remote().len, 3 * PAGE as u64);
+        let key = a.remote().key;
+        c.release(a);
+        assert_eq!(c.len(), 1, "a device registration stays after its use");
+        let b = c.lease_device(&peermem).unwrap();
+        assert_eq!(b.remote().key, key, "found again");
+        c.release(b);
+        drop(peermem);
+        assert!(c.is_empty(), "freeing the memory forgot its registration");
     }
 
     #[test]
