@@ -74,6 +74,15 @@ pub enum DeviceRegistration {
     PeerMemory,
 }
 
+impl std::fmt::Display for DeviceRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceRegistration::Dmabuf => "dmabuf",
+            DeviceRegistration::PeerMemory => "nvidia-peermem",
+        })
+    }
+}
+
 /// Why device memory could not be registered: the caller stages through host memory instead.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("dmabuf registration refused ({dmabuf}); {}", match .peer_memory {
