@@ -28,7 +28,11 @@
 //! Without a GPU the same code runs on [`HostDevice`]: host memory behind a memfd standing in
 //! for device memory (the memfd is the dmabuf), and the reduction on the CPU.
 
+use crate::driver::{check, has_symbol};
 use crate::error::CudaError;
+use crate::memory::{Context, PinnedBuffer, Stream};
+use cudarc::driver::sys;
+use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,16 +52,31 @@ use weftcc_transports::net::{
 pub trait DeviceSide: Send {
     /// `len` bytes of device memory (the scratch the previous rank writes into).
     fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>, CudaError>;
-    /// The ordering step and the consumer: waits until `flag` (a control word the previous
-    /// rank's NIC writes after the data's writes completed) reaches `value`, then, if
-    /// `reduce` is given, runs `dst = dst ⊕ src` on the device and returns once it is done.
+    /// `len` bytes of host memory the NIC writes control words into and the device reads
+    /// them from (GPU: pinned, device-mapped).
+    fn control(&self, len: usize) -> Result<Control, CudaError>;
+    /// The ordering step and the consumer: waits until the control word at `flag_offset` of
+    /// `control` (which the previous rank's NIC writes after the data's writes completed)
+    /// reaches `value`, then, if `reduce` is given, runs `dst = dst ⊕ src` on the device and
+    /// returns once it is done.
     fn consume(
         &self,
-        flag: &Memory,
+        control: &Control,
         flag_offset: usize,
         value: u64,
         reduce: Option<Reduce>,
     ) -> Result<(), CudaError>;
+}
+
+/// Control words: host memory the NIC writes and the device reads.
+pub struct Control {
+    /// The memory as the host (and the NIC's registration) sees it.
+    pub memory: Arc<Memory>,
+    /// Its address for the device (GPU: the device-mapped address of the pinned pages).
+    pub device_address: u64,
+    /// Whatever owns the pages (dropped after every registration of `memory`, which the ring
+    /// drops first).
+    _owner: Option<Box<dyn Send + Sync>>,
 }
 
 /// A reduction of `count` elements at device address `src` into device address `dst`.
@@ -89,15 +108,24 @@ impl DeviceSide for HostDevice {
             .map_err(|e| CudaError::Other(format!("memfd device memory: {e}")))
     }
 
+    fn control(&self, len: usize) -> Result<Control, CudaError> {
+        let memory = Memory::new(len).ok_or_else(|| CudaError::Other("host memory".into()))?;
+        Ok(Control {
+            device_address: memory.as_ptr() as u64,
+            memory: Arc::new(memory),
+            _owner: None,
+        })
+    }
+
     fn consume(
         &self,
-        flag: &Memory,
+        control: &Control,
         flag_offset: usize,
         value: u64,
         reduce: Option<Reduce>,
     ) -> Result<(), CudaError> {
         // The device's wait: an acquire load, which orders the reads below after it.
-        let seen = flag.word(flag_offset).load(Ordering::Acquire);
+        let seen = control.memory.word(flag_offset).load(Ordering::Acquire);
         if seen < value {
             return Err(CudaError::Other(format!(
                 "flag {seen} below {value} when consumed"
@@ -121,6 +149,98 @@ impl DeviceSide for HostDevice {
             .map_err(|e| CudaError::Other(format!("reduction: {e}")))
     }
 }
+
+/// The GPU as the ring's device side: scratch from `cuMemAlloc`, control words in pinned,
+/// device-mapped host memory, the flag waited for on a stream (`cuStreamWaitValue64`), writes
+/// the NIC made flushed to the GPU (`cuFlushGPUDirectRDMAWrites`), the reduction with the
+/// NVRTC kernel. Compiled, not run: no machine of this project has had a GPU beside an RDMA
+/// NIC (docs/gpu-results.md).
+pub struct CudaDevice {
+    ctx: Context,
+    stream: Stream,
+    timeout: Duration,
+}
+
+impl CudaDevice {
+    /// The device of `ctx`, consuming on a stream of its own; each consumption waits at most
+    /// `timeout`.
+    pub fn new(ctx: &Context, timeout: Duration) -> Result<CudaDevice, CudaError> {
+        Ok(CudaDevice {
+            ctx: ctx.clone(),
+            stream: ctx.stream()?,
+            timeout,
+        })
+    }
+}
+
+impl DeviceSide for CudaDevice {
+    fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>, CudaError> {
+        // Whole pages: a dmabuf export covers page-aligned ranges (cuMemAlloc aligns the start).
+        let b = self
+            .ctx
+            .alloc_zeroed::<u8>(len.max(1).next_multiple_of(PAGE))?;
+        Ok(Box::new(b))
+    }
+
+    fn control(&self, len: usize) -> Result<Control, CudaError> {
+        let pinned = PinnedBuffer::new(&self.ctx, len.max(1).next_multiple_of(PAGE))?;
+        let device_address = pinned.device_ptr()?;
+        let ptr = NonNull::new(pinned.host_ptr())
+            .ok_or_else(|| CudaError::Other("pinned memory at NULL".into()))?;
+        // SAFETY: the pinned pages live as long as `_owner`, which the ring drops after the
+        // registration of this `Memory` and after its last use.
+        let memory = unsafe { Memory::borrowed(ptr, len) };
+        Ok(Control {
+            memory: Arc::new(memory),
+            device_address,
+            _owner: Some(Box::new(pinned)),
+        })
+    }
+
+    fn consume(
+        &self,
+        control: &Control,
+        flag_offset: usize,
+        value: u64,
+        reduce: Option<Reduce>,
+    ) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        // SAFETY: the address maps the pinned control words (`control`, alive for the call and
+        // until the synchronization below ends the stream's use of it).
+        check("cuStreamWaitValue64", unsafe {
+            sys::cuStreamWaitValue64_v2(
+                self.stream.as_raw(),
+                control.device_address + flag_offset as u64,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        })?;
+        if has_symbol("cuFlushGPUDirectRDMAWrites") {
+            // SAFETY: a context is current (bound above); the call takes no pointers.
+            check("cuFlushGPUDirectRDMAWrites", unsafe {
+                sys::cuFlushGPUDirectRDMAWrites(
+                    sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                    sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+                )
+            })?;
+        }
+        if let Some(r) = reduce {
+            let k = self.ctx.kernels()?;
+            k.reduce(
+                r.comb,
+                r.dtype,
+                r.dst,
+                r.dst,
+                r.src,
+                r.count,
+                self.stream.as_raw(),
+            )?;
+        }
+        self.stream.synchronize(self.timeout)
+    }
+}
+
+const PAGE: usize = 4096;
 
 /// The GPU–NIC path of this rank, judged against `WEFT_NET_GDR_LEVEL`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,7 +350,7 @@ pub enum GdrError {
         /// Its sequence number.
         seq: u64,
         /// The device's error.
-        source: CudaError,
+        source: Box<CudaError>,
     },
     /// The caller's buffer could not be registered (it is not device memory the NIC takes).
     #[error("rank {rank}: GDR {op} #{seq}: the buffer is not registered: {source}")]
@@ -362,8 +482,10 @@ pub struct GdrRing {
     next_control: RemoteRegion,
     next_scratch: RemoteRegion,
     prev_control: RemoteRegion,
-    /// The words neighbours write (host memory, registered).
-    control: Region,
+    /// The registration of the words neighbours write (held, and dropped before their
+    /// memory).
+    _control_region: Region,
+    control: Control,
     scratch_lease: Lease,
     // Declared after the lease: the memory goes after its registration.
     scratch: Box<dyn DeviceMemory>,
@@ -480,7 +602,12 @@ impl GdrRing {
             let m = Memory::new(len).ok_or_else(|| setup("host memory".into()))?;
             provider.register(Arc::new(m)).map_err(net)
         };
-        let control = host(CONTROL_LEN)?;
+        let control = device
+            .control(CONTROL_LEN)
+            .map_err(|e| setup(format!("control words: {e}")))?;
+        let control_region = provider
+            .register(Arc::clone(&control.memory))
+            .map_err(net)?;
         let (mut to_next, mut to_prev) = (
             provider.endpoint().map_err(net)?,
             provider.endpoint().map_err(net)?,
@@ -492,7 +619,7 @@ impl GdrRing {
         };
         let record = Record {
             code,
-            control: control.remote(),
+            control: control_region.remote(),
             scratch: lease.as_ref().map(Lease::remote).unwrap_or_default(),
             to_next: to_next.address().map_err(net)?,
             to_prev: to_prev.address().map_err(net)?,
@@ -555,6 +682,7 @@ impl GdrRing {
             next_control: records[next].control,
             next_scratch: records[next].scratch,
             prev_control: records[prev].control,
+            _control_region: control_region,
             control,
             scratch_lease,
             scratch,
@@ -721,12 +849,12 @@ impl GdrRing {
                 count: rlen / size,
             });
             self.device
-                .consume(&self.control.memory, DATA_FLAG, self.received, reduce)
+                .consume(&self.control, DATA_FLAG, self.received, reduce)
                 .map_err(|source| GdrError::Device {
                     rank,
                     op,
                     seq,
-                    source,
+                    source: Box::new(source),
                 })?;
         }
         self.cache.release(lease);

@@ -562,7 +562,34 @@ impl<T: Element> DeviceBuffer<T> {
 
 impl<T: Element> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
+        // A NIC's registration of this memory (GPUDirect RDMA) must not be found again.
+        weftcc_transports::net::regcache::invalidate_everywhere(self.ptr, self.byte_len());
         raw_free(&self.ctx, self.ptr);
+    }
+}
+
+/// Device memory for a NIC (GPUDirect RDMA): [`DeviceBuffer::export_dmabuf`], or its address
+/// where `nvidia-peermem` is loaded. Its length is in bytes.
+impl<T: Element> weftcc_transports::net::device::DeviceMemory for DeviceBuffer<T> {
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.byte_len()
+    }
+
+    fn export_dmabuf(&self) -> weftcc_transports::net::NetResult<(std::os::fd::OwnedFd, u64)> {
+        DeviceBuffer::export_dmabuf(self)
+            .map(|fd| (fd, 0))
+            .map_err(|e| weftcc_transports::net::NetError::Unavailable {
+                provider: "CUDA",
+                detail: e.to_string(),
+            })
+    }
+
+    fn peer_memory(&self) -> bool {
+        crate::driver::nvidia_peermem()
     }
 }
 

@@ -94,7 +94,7 @@ pub struct DeviceRefused {
     pub dmabuf: NetError,
     /// Why registering the device address failed; `None` where it was not tried (no
     /// `nvidia-peermem`).
-    pub peer_memory: Option<NetError>,
+    pub peer_memory: Option<Box<NetError>>,
 }
 
 /// A registered range in use: the registration stays while the lease is held.
@@ -249,7 +249,7 @@ impl RegistrationCache {
                 Err(e) => {
                     return Err(DeviceRefused {
                         dmabuf,
-                        peer_memory: Some(e),
+                        peer_memory: Some(Box::new(e)),
                     })
                 }
             },
