@@ -430,8 +430,8 @@ pub fn render_text(r: &Report) -> String {
     if r.nic_pairs.iter().any(|p| p.gdr) {
         let _ = writeln!(
             o,
-            "  (weftcc's device path stages through pinned host memory between hosts today: its \
-             GPUDirect RDMA registration is not built)"
+            "  (weftcc's device communicator stages through pinned host memory between hosts \
+             today: its GPUDirect RDMA ring, weftcc_cuda::gdr, is not chosen by it yet)"
         );
     }
     let nd = t.ndevices();
