@@ -588,6 +588,10 @@ impl<T: Element> weftcc_transports::net::device::DeviceMemory for DeviceBuffer<T
             })
     }
 
+    fn device_ordinal(&self) -> i32 {
+        self.ctx.ordinal() as i32
+    }
+
     fn peer_memory(&self) -> bool {
         crate::driver::nvidia_peermem()
     }

@@ -30,6 +30,10 @@ pub trait DeviceMemory: Send + Sync {
     /// A dmabuf holding the range, and the range's offset in it; or why there is none (the
     /// driver or the GPU has no dmabuf export).
     fn export_dmabuf(&self) -> NetResult<(OwnedFd, u64)>;
+    /// The CUDA device ordinal owning the range (0 for the stand-in).
+    fn device_ordinal(&self) -> i32 {
+        0
+    }
     /// Whether the NIC may register the range by its device address with `ibv_reg_mr`
     /// (`nvidia-peermem` loaded): the fallback when the dmabuf is refused.
     fn peer_memory(&self) -> bool;

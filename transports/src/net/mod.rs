@@ -201,6 +201,9 @@ pub struct Dmabuf<'a> {
     pub fd: std::os::fd::BorrowedFd<'a>,
     /// The range's offset in the dmabuf.
     pub offset: u64,
+    /// The CUDA device owning the memory: providers that name device memory by address and
+    /// device rather than by dmabuf (libfabric's `FI_HMEM_CUDA` before 1.20) use it.
+    pub device: i32,
 }
 
 /// What a provider keeps for a registration until it is dropped (deregisters on drop).
@@ -267,7 +270,8 @@ pub trait Provider: Send + Sync {
     /// Registers device memory exported as a dmabuf (`ibv_reg_dmabuf_mr`): `memory` names the
     /// range by its device address (the I/O virtual address work requests use, never
     /// dereferenced by the host), `dmabuf` is the exporter's descriptor and the range's offset
-    /// in it. Providers without dmabuf support refuse ([`NetError::Unavailable`]).
+    /// in it. Providers without dmabuf support refuse ([`NetError::Unavailable`]); libfabric
+    /// registers the device address with `FI_HMEM_CUDA` where its domain has `FI_HMEM`.
     fn register_dmabuf(&self, memory: Arc<Memory>, dmabuf: Dmabuf<'_>) -> NetResult<Region> {
         let _ = (memory, dmabuf);
         Err(NetError::Unavailable {

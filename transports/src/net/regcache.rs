@@ -233,6 +233,7 @@ impl RegistrationCache {
             let d = Dmabuf {
                 fd: fd.as_fd(),
                 offset,
+                device: dev.device_ordinal(),
             };
             self.provider.register_dmabuf(record(), d)
         });
