@@ -982,30 +982,13 @@ mod tests {
     //! tests run in a child process of this binary.
     use super::*;
     use std::sync::{Barrier, Mutex};
-    use weftcc_transports::net::verbs::{VerbsConfig, VerbsProvider, EMULATOR};
 
     /// Set in the child processes of the fault tests.
     const CHILD: &str = "WEFT_GDR_TEST_CHILD";
 
     fn provider() -> Option<Arc<dyn Provider>> {
-        let Some(lib) = EMULATOR else {
-            let why = "the emulated RDMA device was not built (install libibverbs-dev)";
-            assert!(
-                !weftcc_settings::REQUIRE_NET_TESTS.flag().unwrap_or(true),
-                "WEFT_REQUIRE_NET_TESTS=1 and {why}"
-            );
-            eprintln!("skipping: {why}");
-            return None;
-        };
-        let cfg = VerbsConfig {
-            library: Some(lib.into()),
-            timeout: 14,
-            retry_cnt: 7,
-            ..VerbsConfig::default()
-        };
-        Some(Arc::new(
-            VerbsProvider::open(&cfg).expect("the emulated device opens"),
-        ))
+        let p = weftcc_transports::net::verbs::emulated_for_tests(14, 7)?;
+        Some(Arc::new(p))
     }
 
     /// An all-gather of byte records between the threads of one test.

@@ -17,22 +17,7 @@ const WR_FLUSH_ERR: i64 = 5;
 
 /// The provider on the emulated device with ACK timeout exponent `timeout` and `retries`.
 fn provider(timeout: u8, retries: u8) -> Option<VerbsProvider> {
-    let Some(lib) = EMULATOR else {
-        let why = "the emulated RDMA device was not built (install libibverbs-dev and rebuild)";
-        assert!(
-            !weftcc_settings::REQUIRE_NET_TESTS.flag().unwrap_or(true),
-            "WEFT_REQUIRE_NET_TESTS=1 and {why}"
-        );
-        eprintln!("skipping: {why}");
-        return None;
-    };
-    let cfg = VerbsConfig {
-        library: Some(lib.into()),
-        timeout,
-        retry_cnt: retries,
-        ..VerbsConfig::default()
-    };
-    Some(VerbsProvider::open(&cfg).expect("the emulated device opens"))
+    weftcc_transports::net::verbs::emulated_for_tests(timeout, retries)
 }
 
 fn region(p: &dyn Provider, len: usize, fill: u8) -> Region {

@@ -56,6 +56,27 @@ struct Entries {
     clock: u64,
 }
 
+impl Entries {
+    /// A lease of the `len` bytes at `addr` from a registration of host memory (`device`
+    /// false) or of device memory covering them, marked as used now; the clock advances
+    /// either way.
+    fn cached(&mut self, addr: usize, len: usize, device: bool) -> Option<Lease> {
+        self.clock += 1;
+        let (now, end) = (self.clock, addr.saturating_add(len.max(1)));
+        let e = self
+            .list
+            .iter_mut()
+            .find(|e| e.device.is_some() == device && e.start <= addr && end <= e.end)?;
+        e.last_use = now;
+        Some(Lease {
+            region: Arc::clone(&e.region),
+            offset: (addr - e.start) as u64,
+            len: len as u64,
+            device: e.device,
+        })
+    }
+}
+
 struct Entry {
     start: usize,
     end: usize,
@@ -162,21 +183,10 @@ impl RegistrationCache {
         let addr = ptr.as_ptr() as usize;
         let end = addr.saturating_add(len.max(1));
         let mut entries = lock(&self.entries);
-        entries.clock += 1;
-        let now = entries.clock;
-        if let Some(e) = entries
-            .list
-            .iter_mut()
-            .find(|e| e.start <= addr && end <= e.end)
-        {
-            e.last_use = now;
-            return Ok(Lease {
-                region: Arc::clone(&e.region),
-                offset: (addr - e.start) as u64,
-                len: len as u64,
-                device: e.device,
-            });
+        if let Some(l) = entries.cached(addr, len, false) {
+            return Ok(l);
         }
+        let now = entries.clock;
         let start = addr - addr % PAGE;
         let span_end = end.next_multiple_of(PAGE);
         let base = NonNull::new(start as *mut u8).unwrap_or(ptr);
@@ -207,21 +217,10 @@ impl RegistrationCache {
         let (addr, len) = (dev.address() as usize, dev.len());
         let end = addr.saturating_add(len.max(1));
         let mut entries = lock(&self.entries);
-        entries.clock += 1;
-        let now = entries.clock;
-        if let Some(e) = entries
-            .list
-            .iter_mut()
-            .find(|e| e.device.is_some() && e.start <= addr && end <= e.end)
-        {
-            e.last_use = now;
-            return Ok(Lease {
-                region: Arc::clone(&e.region),
-                offset: (addr - e.start) as u64,
-                len: len as u64,
-                device: e.device,
-            });
+        if let Some(l) = entries.cached(addr, len, true) {
+            return Ok(l);
         }
+        let now = entries.clock;
         let record = || {
             let ptr = NonNull::new(addr as *mut u8).unwrap_or(NonNull::dangling());
             // SAFETY: the device range, named by its address for work requests; the host

@@ -262,6 +262,29 @@ pub fn parse_gid(text: &str) -> Option<[u8; 16]> {
     Some(gid)
 }
 
+/// The emulated RDMA device ([`EMULATOR`]) opened for a test, with ACK timeout exponent
+/// `timeout` and `retry_cnt` retries. Where it was not built: `None` after saying so, or a panic
+/// where `WEFT_REQUIRE_NET_TESTS=1` (CI never passes by skipping).
+#[doc(hidden)]
+pub fn emulated_for_tests(timeout: u8, retry_cnt: u8) -> Option<VerbsProvider> {
+    let Some(lib) = EMULATOR else {
+        let why = "the emulated RDMA device was not built (install libibverbs-dev and rebuild)";
+        assert!(
+            !weftcc_settings::REQUIRE_NET_TESTS.flag().unwrap_or(true),
+            "WEFT_REQUIRE_NET_TESTS=1 and {why}"
+        );
+        eprintln!("skipping: {why}");
+        return None;
+    };
+    let cfg = VerbsConfig {
+        library: Some(lib.into()),
+        timeout,
+        retry_cnt,
+        ..VerbsConfig::default()
+    };
+    Some(VerbsProvider::open(&cfg).expect("the emulated device opens"))
+}
+
 /// The verbs provider: a device port opened for this process.
 pub struct VerbsProvider {
     #[cfg(weft_ibv)]
