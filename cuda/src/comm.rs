@@ -1099,8 +1099,13 @@ impl Proxy {
         let flag = Arc::new(PinnedBuffer::new(ctx, 64)?);
         let flag_dev = flag.device_ptr()?;
         let bind_ctx = ctx.clone();
-        let thread =
-            ProxyThread::start(move || bind_ctx.bind(), host.clone(), shared.clone(), flag)?;
+        let thread = ProxyThread::start(
+            move || bind_ctx.bind(),
+            host.clone(),
+            shared.clone(),
+            flag,
+            None,
+        )?;
         Ok(Proxy {
             thread,
             flag_dev,

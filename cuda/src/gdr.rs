@@ -380,9 +380,78 @@ pub enum GdrError {
     },
 }
 
+impl GdrError {
+    /// The failure's facts as typed fields (the peer: the rank written to or waited for, or
+    /// where a failure started).
+    pub fn facts(&self) -> weftcc_comm::ErrorFacts {
+        let (rank, op, seq, peer) = match self {
+            GdrError::Net {
+                rank,
+                op,
+                seq,
+                peer,
+                ..
+            }
+            | GdrError::Timeout {
+                rank,
+                op,
+                seq,
+                peer,
+                ..
+            } => (*rank, Some(*op), Some(*seq), Some(*peer)),
+            GdrError::PeerFailed {
+                rank,
+                op,
+                seq,
+                origin,
+                ..
+            } => (*rank, Some(*op), Some(*seq), Some(*origin)),
+            GdrError::Device { rank, op, seq, .. } | GdrError::Buffer { rank, op, seq, .. } => {
+                (*rank, Some(*op), Some(*seq), None)
+            }
+            GdrError::Setup { rank, .. } | GdrError::Broken { rank } => (*rank, None, None, None),
+        };
+        weftcc_comm::ErrorFacts {
+            rank: Some(rank),
+            peer,
+            op,
+            seq,
+        }
+    }
+}
+
 /// Exchanges one record per rank with every rank of the ring (an all-gather of bytes; the
 /// host communicator, or the tests' in-process one).
 pub type Exchange<'a> = &'a dyn Fn(Vec<u8>) -> Result<Vec<Vec<u8>>, String>;
+
+/// Most bytes of one rank's record in [`exchange_over`].
+const RECORD: usize = 512;
+
+/// An [`Exchange`] over a host communicator: each record framed in [`RECORD`] bytes and
+/// all-gathered (every rank of the communicator must call it alike).
+pub fn exchange_over(
+    host: &weftcc_comm::Communicator,
+) -> impl Fn(Vec<u8>) -> Result<Vec<Vec<u8>>, String> + '_ {
+    move |mine: Vec<u8>| {
+        if mine.len() + 4 > RECORD {
+            return Err(format!("a record of {} bytes exceeds {RECORD}", mine.len()));
+        }
+        let mut framed = vec![0u8; RECORD];
+        framed[..4].copy_from_slice(&(mine.len() as u32).to_le_bytes());
+        framed[4..4 + mine.len()].copy_from_slice(&mine);
+        let mut all = vec![0u8; RECORD * host.size()];
+        host.all_gather(&framed, &mut all)
+            .map_err(|e| e.to_string())?;
+        all.chunks(RECORD)
+            .map(|r| {
+                let n = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
+                r.get(4..4 + n)
+                    .map(<[u8]>::to_vec)
+                    .ok_or_else(|| format!("a peer's record claims {n} bytes"))
+            })
+            .collect()
+    }
+}
 
 /// Control words a rank's neighbours write (offsets in its control region).
 const DATA_FLAG: usize = 0; // data steps landed from the previous rank
@@ -707,10 +776,11 @@ impl GdrRing {
     }
 
     /// `buf = buf₀ ⊕ … ⊕ buf_{n−1}` element-wise over the ring, on device memory: `count`
-    /// elements of `dtype` at the start of `buf`.
+    /// elements of `dtype` at byte `offset` of the device allocation `buf` (registered whole).
     pub fn all_reduce_in_place(
         &mut self,
         buf: &dyn DeviceMemory,
+        offset: usize,
         count: usize,
         dtype: DataType,
         comb: Combiner,
@@ -720,7 +790,7 @@ impl GdrRing {
         if self.broken {
             return Err(GdrError::Broken { rank: self.rank });
         }
-        let r = self.all_reduce(seq, buf, count, dtype, comb);
+        let r = self.all_reduce(seq, buf, offset, count, dtype, comb);
         if let Err(e) = &r {
             self.broken = true;
             let origin = match e {
@@ -736,6 +806,7 @@ impl GdrRing {
         &mut self,
         seq: u64,
         buf: &dyn DeviceMemory,
+        offset: usize,
         count: usize,
         dtype: DataType,
         comb: Combiner,
@@ -747,12 +818,15 @@ impl GdrRing {
             return Ok(());
         }
         let per = count.div_ceil(n);
-        if (per * size) * (n - 1) > self.scratch.len() || count * size > buf.len() {
+        let fits = offset
+            .checked_add(count * size)
+            .is_some_and(|end| end <= buf.len());
+        if (per * size) * (n - 1) > self.scratch.len() || !fits {
             return Err(GdrError::Setup {
                 rank,
                 detail: format!(
-                    "{count} elements of {dtype:?} exceed the buffer ({} bytes) or the scratch \
-                     ({} bytes for {} ranks)",
+                    "{count} elements of {dtype:?} at {offset} exceed the buffer ({} bytes) or \
+                     the scratch ({} bytes for {} ranks)",
                     buf.len(),
                     self.scratch.len(),
                     n
@@ -782,13 +856,9 @@ impl GdrRing {
         // landed) its number.
         let mine = lease.remote();
         let prev = self.to_prev.peer;
+        let post = [mine.base + offset as u64, mine.key, (count * size) as u64];
         self.to_prev
-            .words(
-                &[mine.base, mine.key, mine.len],
-                self.prev_control,
-                POST,
-                deadline,
-            )
+            .words(&post, self.prev_control, POST, deadline)
             .map_err(net(prev))?;
         self.to_prev
             .words(&[seq + 1], self.prev_control, POSTED, deadline)
@@ -830,7 +900,7 @@ impl GdrRing {
                 false => self.next_scratch.at((s * slot) as u64),
                 true => next_buf.at(at as u64),
             };
-            self.send(&lease, at, len, target, deadline)
+            self.send(&lease, offset + at, len, target, deadline)
                 .map_err(net(self.to_next.peer))?;
             self.sent += 1;
             let flag = [self.sent];
@@ -844,7 +914,7 @@ impl GdrRing {
             let reduce = (!gather && rlen > 0).then_some(Reduce {
                 dtype,
                 comb,
-                dst: buf.address() + rat as u64,
+                dst: buf.address() + (offset + rat) as u64,
                 src: self.scratch.address() + (s * slot) as u64,
                 count: rlen / size,
             });
@@ -1095,7 +1165,7 @@ mod tests {
                 // another buffer.
                 for (round, count) in [(0, 1001), (1, 4096), (2, 4096), (3, 70_000)] {
                     let b = buffer(count, |i| (i as i32) * (rank as i32 + 1) + round);
-                    ring.all_reduce_in_place(&b, count, DataType::Int32, Combiner::Sum)
+                    ring.all_reduce_in_place(&b, 0, count, DataType::Int32, Combiner::Sum)
                         .expect("all-reduce");
                     let sum = (n * (n + 1) / 2) as i32;
                     let got = values(&b, count);
@@ -1235,7 +1305,7 @@ mod tests {
             let mut ring = direct(setup);
             assert_eq!(ring.registration(), Some(DeviceRegistration::PeerMemory));
             let b = buffer_with(true, 5000, |i| i as i32 + rank as i32);
-            ring.all_reduce_in_place(&b, 5000, DataType::Int32, Combiner::Sum)
+            ring.all_reduce_in_place(&b, 0, 5000, DataType::Int32, Combiner::Sum)
                 .expect("all-reduce");
             values(&b, 5000)
         });
@@ -1262,9 +1332,12 @@ mod tests {
             let mut ring = direct(setup);
             let b = buffer(4096, |i| i as i32);
             for _ in 0..4 {
-                if let Err(e) = ring.all_reduce_in_place(&b, 4096, DataType::Int32, Combiner::Sum) {
+                if let Err(e) =
+                    ring.all_reduce_in_place(&b, 0, 4096, DataType::Int32, Combiner::Sum)
+                {
                     // The ring stays failed.
-                    let again = ring.all_reduce_in_place(&b, 4096, DataType::Int32, Combiner::Sum);
+                    let again =
+                        ring.all_reduce_in_place(&b, 0, 4096, DataType::Int32, Combiner::Sum);
                     assert_eq!(again, Err(GdrError::Broken { rank }));
                     return e;
                 }

@@ -1098,7 +1098,7 @@ fn gdr_ring_all_reduce_on_device_memory() {
                     };
                     let data: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + rank as f32).collect();
                     let buf = ctx.upload(&data).expect("upload");
-                    ring.all_reduce_in_place(&buf, n, DataType::Float32, Combiner::Sum)
+                    ring.all_reduce_in_place(&buf, 0, n, DataType::Float32, Combiner::Sum)
                         .expect("all-reduce");
                     let mut out = vec![0f32; n];
                     buf.copy_to_host(&mut out).expect("download");
