@@ -30,6 +30,11 @@ pub trait DeviceMemory: Send + Sync {
     /// A dmabuf holding the range, and the range's offset in it; or why there is none (the
     /// driver or the GPU has no dmabuf export).
     fn export_dmabuf(&self) -> NetResult<(OwnedFd, u64)>;
+    /// What tells this allocation from a later one at the same addresses (CUDA's buffer id,
+    /// never reused in a process): a cached registration is found again only for the same
+    /// identity, so memory freed behind the cache's back (another allocator's `cudaFree`) and
+    /// allocated again never finds the old pages' registration.
+    fn identity(&self) -> u64;
     /// The CUDA device ordinal owning the range (0 for the stand-in).
     fn device_ordinal(&self) -> i32 {
         0
@@ -43,6 +48,7 @@ pub trait DeviceMemory: Send + Sync {
 /// this process. Dropping it forgets its registrations in every cache (as freeing device
 /// memory must), then unmaps and closes it.
 pub struct MemfdDevice {
+    id: u64,
     file: File,
     map: memmap2::MmapRaw,
     view: Memory,
@@ -69,7 +75,9 @@ impl MemfdDevice {
         // SAFETY: the mapping is valid for `len` bytes for as long as `map`, which this value
         // owns and drops after `view` (field order); `view` never frees it.
         let view = unsafe { Memory::borrowed(ptr, len) };
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(MemfdDevice {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             file,
             map,
             view,
@@ -91,6 +99,10 @@ impl DeviceMemory for MemfdDevice {
 
     fn len(&self) -> usize {
         self.view.len()
+    }
+
+    fn identity(&self) -> u64 {
+        self.id
     }
 
     fn export_dmabuf(&self) -> NetResult<(OwnedFd, u64)> {

@@ -13,7 +13,10 @@
 //! its owner allocated it, through its dmabuf or else, where the NIC's driver reaches device
 //! memory itself (`nvidia-peermem`), by its address. Such a registration stays after its use
 //! whatever the provider (a dmabuf registration holds the exporter's buffer, not the address
-//! range) until the owner frees the memory, which calls [`invalidate_everywhere`].
+//! range) until the owner frees the memory, which calls [`invalidate_everywhere`], or it is
+//! among the least recently used beyond [`IDLE_MAX`] idle ones. It is found again only by the
+//! same allocation ([`DeviceMemory::identity`]), so memory another allocator freed and
+//! allocated again at the same addresses is registered anew.
 
 use super::device::DeviceMemory;
 use super::{Dmabuf, Memory, NetError, NetResult, Provider, Region, RemoteRegion};
@@ -58,15 +61,18 @@ struct Entries {
 
 impl Entries {
     /// A lease of the `len` bytes at `addr` from a registration of host memory (`device`
-    /// false) or of device memory covering them, marked as used now; the clock advances
-    /// either way.
-    fn cached(&mut self, addr: usize, len: usize, device: bool) -> Option<Lease> {
+    /// `None`) or of the device allocation with identity `device` covering them, marked as
+    /// used now; the clock advances either way.
+    fn cached(&mut self, addr: usize, len: usize, device: Option<u64>) -> Option<Lease> {
         self.clock += 1;
         let (now, end) = (self.clock, addr.saturating_add(len.max(1)));
-        let e = self
-            .list
-            .iter_mut()
-            .find(|e| e.device.is_some() == device && e.start <= addr && end <= e.end)?;
+        let e = self.list.iter_mut().find(|e| {
+            let same = match device {
+                None => e.device.is_none(),
+                Some(id) => e.device.is_some() && e.identity == id,
+            };
+            same && e.start <= addr && end <= e.end
+        })?;
         e.last_use = now;
         Some(Lease {
             region: Arc::clone(&e.region),
@@ -84,6 +90,8 @@ struct Entry {
     last_use: u64,
     /// How device memory was registered; `None` for host memory.
     device: Option<DeviceRegistration>,
+    /// The device allocation's identity ([`DeviceMemory::identity`]; 0 for host memory).
+    identity: u64,
 }
 
 /// How the NIC reaches a device range.
@@ -183,7 +191,7 @@ impl RegistrationCache {
         let addr = ptr.as_ptr() as usize;
         let end = addr.saturating_add(len.max(1));
         let mut entries = lock(&self.entries);
-        if let Some(l) = entries.cached(addr, len, false) {
+        if let Some(l) = entries.cached(addr, len, None) {
             return Ok(l);
         }
         let now = entries.clock;
@@ -201,6 +209,7 @@ impl RegistrationCache {
             region: Arc::clone(&region),
             last_use: now,
             device: None,
+            identity: 0,
         });
         Ok(Lease {
             region,
@@ -217,7 +226,7 @@ impl RegistrationCache {
         let (addr, len) = (dev.address() as usize, dev.len());
         let end = addr.saturating_add(len.max(1));
         let mut entries = lock(&self.entries);
-        if let Some(l) = entries.cached(addr, len, true) {
+        if let Some(l) = entries.cached(addr, len, Some(dev.identity())) {
             return Ok(l);
         }
         let now = entries.clock;
@@ -261,6 +270,7 @@ impl RegistrationCache {
             region: Arc::clone(&region),
             last_use: now,
             device: Some(how),
+            identity: dev.identity(),
         });
         Ok(Lease {
             region,
@@ -281,16 +291,16 @@ impl RegistrationCache {
     }
 
     /// Ends `lease` and drops the registrations no lease holds that this cache does not keep:
-    /// all of them where registrations pin pages, else the least recently used beyond
-    /// [`IDLE_MAX`].
+    /// where registrations pin pages all of host memory, then of what is left idle the least
+    /// recently used beyond [`IDLE_MAX`].
     pub fn release(&self, lease: Lease) {
         drop(lease);
         let mut entries = lock(&self.entries);
-        // Device registrations stay until their memory is freed (`invalidate`).
-        let idle = |e: &Entry| e.device.is_none() && Arc::strong_count(&e.region) == 1;
+        let idle = |e: &Entry| Arc::strong_count(&e.region) == 1;
         if !self.keep_idle {
-            entries.list.retain(|e| !idle(e));
-            return;
+            // Device registrations stay (a dmabuf registration holds the exporter's buffer,
+            // not the addresses) until their memory is freed or the bound below.
+            entries.list.retain(|e| e.device.is_some() || !idle(e));
         }
         loop {
             let idle_count = entries.list.iter().filter(|e| idle(e)).count();
@@ -423,6 +433,47 @@ mod tests {
         c.release(b);
         drop(peermem);
         assert!(c.is_empty(), "freeing the memory forgot its registration");
+    }
+
+    #[test]
+    fn a_device_registration_is_found_again_only_by_the_same_allocation() {
+        use crate::net::device::MemfdDevice;
+        /// The same memory under another allocation's identity (memory freed behind the
+        /// cache's back and allocated again at the same addresses).
+        struct Renamed<'a>(&'a MemfdDevice, u64);
+        impl DeviceMemory for Renamed<'_> {
+            fn address(&self) -> u64 {
+                self.0.address()
+            }
+            fn len(&self) -> usize {
+                self.0.len()
+            }
+            fn identity(&self) -> u64 {
+                self.1
+            }
+            fn export_dmabuf(&self) -> NetResult<(std::os::fd::OwnedFd, u64)> {
+                self.0.export_dmabuf()
+            }
+            fn peer_memory(&self) -> bool {
+                true
+            }
+        }
+        let p: Arc<dyn Provider> = Arc::new(LoopbackProvider(Loopback::new()));
+        let c = RegistrationCache::of(&p);
+        let dev = MemfdDevice::new(PAGE, true).unwrap();
+        let first = c.lease_device(&Renamed(&dev, 1)).unwrap();
+        let key = first.remote().key;
+        c.release(first);
+        let again = c.lease_device(&Renamed(&dev, 1)).unwrap();
+        assert_eq!(again.remote().key, key, "the same allocation: cached");
+        c.release(again);
+        let other = c.lease_device(&Renamed(&dev, 2)).unwrap();
+        assert_ne!(
+            other.remote().key,
+            key,
+            "another allocation: registered anew"
+        );
+        c.release(other);
     }
 
     #[test]
