@@ -1204,7 +1204,7 @@ fn log_paths(
     let gdr = if gdr_level == weftcc_topology::PathClass::Loc {
         "off (WEFT_NET_GDR_LEVEL=LOC)"
     } else {
-        "built (weftcc_cuda::gdr), not chosen by the device communicator yet"
+        "the cross tier's all-reduces where its ring connects (GDRDMA per peer)"
     };
     let host = layout.host_of(rank);
     let (near, far): (Vec<usize>, Vec<usize>) = (0..layout.nranks())
