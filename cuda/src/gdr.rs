@@ -265,6 +265,9 @@ pub enum NoGdr {
     /// The NIC did not register this rank's device memory.
     #[error("{0}")]
     Refused(DeviceRefused),
+    /// This rank could not make its part of the ring (device memory, endpoints, connecting).
+    #[error("set-up failed: {0}")]
+    Setup(String),
     /// Another rank of the ring cannot.
     #[error("rank {rank} cannot ({why})")]
     Peer {
@@ -282,6 +285,8 @@ pub enum NoGdrKind {
     Level,
     /// No dmabuf (nor peer-memory) registration.
     Registration,
+    /// Its set-up failed.
+    Setup,
 }
 
 impl std::fmt::Display for NoGdrKind {
@@ -289,6 +294,7 @@ impl std::fmt::Display for NoGdrKind {
         f.write_str(match self {
             NoGdrKind::Level => "topology: beyond WEFT_NET_GDR_LEVEL",
             NoGdrKind::Registration => "no dmabuf registration",
+            NoGdrKind::Setup => "its set-up failed",
         })
     }
 }
@@ -629,6 +635,59 @@ impl Record {
     }
 }
 
+/// A rank's own resources for a ring, made before the ranks compare verdicts. Fields drop
+/// in order: endpoints, then registrations, then the memory under them.
+struct Parts {
+    to_next: Box<dyn Endpoint>,
+    to_prev: Box<dyn Endpoint>,
+    next_address: Vec<u8>,
+    prev_address: Vec<u8>,
+    /// Registered slots the control words are written from, one per link.
+    out_next: Region,
+    out_prev: Region,
+    control_region: Region,
+    control: Control,
+    scratch: Box<dyn DeviceMemory>,
+}
+
+impl Parts {
+    fn open(
+        provider: &Arc<dyn Provider>,
+        device: &dyn DeviceSide,
+        scratch_bytes: usize,
+    ) -> Result<Parts, String> {
+        let scratch = device
+            .alloc(scratch_bytes.max(1))
+            .map_err(|e| format!("scratch: {e}"))?;
+        let control = device
+            .control(CONTROL_LEN)
+            .map_err(|e| format!("control words: {e}"))?;
+        let net = |e: NetError| e.to_string();
+        let control_region = provider
+            .register(Arc::clone(&control.memory))
+            .map_err(net)?;
+        let slots = || -> Result<Region, String> {
+            let m = Memory::new(64).ok_or("host memory")?;
+            provider.register(Arc::new(m)).map_err(net)
+        };
+        let (to_next, to_prev) = (
+            provider.endpoint().map_err(net)?,
+            provider.endpoint().map_err(net)?,
+        );
+        Ok(Parts {
+            scratch,
+            control,
+            control_region,
+            next_address: to_next.address().map_err(net)?,
+            prev_address: to_prev.address().map_err(net)?,
+            to_next,
+            to_prev,
+            out_next: slots()?,
+            out_prev: slots()?,
+        })
+    }
+}
+
 impl GdrRing {
     /// Decides with every rank whether the ring runs on device memory and, if so, connects it.
     /// `scratch_bytes` bounds the chunk an operation's step may carry: operations on buffers
@@ -648,50 +707,46 @@ impl GdrRing {
         let next = (rank + 1) % nranks;
         let prev = (rank + nranks - 1) % nranks;
         let cache = RegistrationCache::of(provider);
-        // This rank's verdict.
-        let mut mine: Option<NoGdr> = None;
-        if !gdr_allowed(path.class, path.level) {
-            mine = Some(NoGdr::Level {
-                class: path.class,
-                level: path.level,
-            });
-        }
-        let scratch = device
-            .alloc(scratch_bytes.max(1))
-            .map_err(|e| setup(format!("scratch: {e}")))?;
+        // This rank's verdict. A local failure is one too: every rank must reach the exchange
+        // (the others wait there), and then every rank stages.
+        let mut mine = (!gdr_allowed(path.class, path.level)).then_some(NoGdr::Level {
+            class: path.class,
+            level: path.level,
+        });
+        let mut parts = match Parts::open(provider, device.as_ref(), scratch_bytes) {
+            Ok(p) => Some(p),
+            Err(detail) => {
+                mine = mine.or(Some(NoGdr::Setup(detail)));
+                None
+            }
+        };
         let mut lease = None;
-        if mine.is_none() {
-            match cache.lease_device(scratch.as_ref()) {
+        if let (None, Some(p)) = (&mine, &parts) {
+            match cache.lease_device(p.scratch.as_ref()) {
                 Ok(l) => lease = Some(l),
                 Err(e) => mine = Some(NoGdr::Refused(e)),
             }
         }
-        let net = |e: NetError| setup(e.to_string());
-        let host = |len: usize| -> Result<Region, GdrError> {
-            let m = Memory::new(len).ok_or_else(|| setup("host memory".into()))?;
-            provider.register(Arc::new(m)).map_err(net)
-        };
-        let control = device
-            .control(CONTROL_LEN)
-            .map_err(|e| setup(format!("control words: {e}")))?;
-        let control_region = provider
-            .register(Arc::clone(&control.memory))
-            .map_err(net)?;
-        let (mut to_next, mut to_prev) = (
-            provider.endpoint().map_err(net)?,
-            provider.endpoint().map_err(net)?,
-        );
-        let code = match &mine {
-            None => 0,
-            Some(NoGdr::Level { .. }) => 1,
-            Some(_) => 2,
-        };
         let record = Record {
-            code,
-            control: control_region.remote(),
+            code: match &mine {
+                None => 0,
+                Some(NoGdr::Level { .. }) => 1,
+                Some(NoGdr::Setup(_)) => 3,
+                Some(_) => 2,
+            },
+            control: parts
+                .as_ref()
+                .map(|p| p.control_region.remote())
+                .unwrap_or_default(),
             scratch: lease.as_ref().map(Lease::remote).unwrap_or_default(),
-            to_next: to_next.address().map_err(net)?,
-            to_prev: to_prev.address().map_err(net)?,
+            to_next: parts
+                .as_ref()
+                .map(|p| p.next_address.clone())
+                .unwrap_or_default(),
+            to_prev: parts
+                .as_ref()
+                .map(|p| p.prev_address.clone())
+                .unwrap_or_default(),
         };
         let all = exchange(record.encode()).map_err(setup)?;
         let records = all
@@ -700,20 +755,42 @@ impl GdrRing {
             .collect::<Option<Vec<_>>>()
             .filter(|r| r.len() == nranks)
             .ok_or_else(|| setup("malformed records from the ring".into()))?;
-        let why = records.iter().enumerate().find_map(|(r, rec)| {
+        let mut why = records.iter().enumerate().find_map(|(r, rec)| {
             let why = match rec.code {
                 0 => return None,
                 1 => NoGdrKind::Level,
+                3 => NoGdrKind::Setup,
                 _ => NoGdrKind::Registration,
             };
             Some(NoGdr::Peer { rank: r, why })
         });
+        // Connect, then tell every rank whether it worked (nothing is written before every
+        // queue pair is ready to receive).
+        if why.is_none() {
+            if let Some(p) = parts.as_mut() {
+                let connected = p
+                    .to_next
+                    .connect(&records[next].to_prev)
+                    .and_then(|()| p.to_prev.connect(&records[prev].to_next));
+                if let Err(e) = connected {
+                    mine = Some(NoGdr::Setup(e.to_string()));
+                }
+            }
+            let all = exchange(vec![u8::from(mine.is_none())]).map_err(setup)?;
+            why = all
+                .iter()
+                .position(|v| v.first() != Some(&1))
+                .map(|r| NoGdr::Peer {
+                    rank: r,
+                    why: NoGdrKind::Setup,
+                });
+        }
         let peers = if next == prev {
             vec![next]
         } else {
             vec![next, prev]
         };
-        let (Some(scratch_lease), None) = (lease, why.clone()) else {
+        let (Some(parts), Some(scratch_lease), None) = (parts, lease, why.clone()) else {
             let reason = mine.or(why).unwrap_or(NoGdr::Peer {
                 rank,
                 why: NoGdrKind::Registration,
@@ -724,10 +801,6 @@ impl GdrRing {
             }
             return Ok(GdrSetup::Staged(reason));
         };
-        to_next.connect(&records[next].to_prev).map_err(net)?;
-        to_prev.connect(&records[prev].to_next).map_err(net)?;
-        // Nothing is written before every queue pair is ready to receive.
-        exchange(Vec::new()).map_err(setup)?;
         let how = scratch_lease.device().unwrap_or(DeviceRegistration::Dmabuf);
         for p in peers {
             tracing::info!(target: "weftcc::net", rank, peer = p, "GDRDMA to rank {p} via NET/{} \
@@ -737,24 +810,24 @@ impl GdrRing {
             rank,
             nranks,
             to_next: Link {
-                ep: to_next,
-                out: host(64)?,
+                ep: parts.to_next,
+                out: parts.out_next,
                 peer: next,
                 next_id: 0,
             },
             to_prev: Link {
-                ep: to_prev,
-                out: host(64)?,
+                ep: parts.to_prev,
+                out: parts.out_prev,
                 peer: prev,
                 next_id: 0,
             },
             next_control: records[next].control,
             next_scratch: records[next].scratch,
             prev_control: records[prev].control,
-            _control_region: control_region,
-            control,
+            _control_region: parts.control_region,
+            control: parts.control,
             scratch_lease,
-            scratch,
+            scratch: parts.scratch,
             cache,
             device,
             ops: 0,
@@ -1232,6 +1305,75 @@ mod tests {
                 level: PathClass::Pxb
             }
         );
+    }
+
+    /// A device whose allocations fail.
+    struct NoMemory;
+
+    impl DeviceSide for NoMemory {
+        fn alloc(&self, _: usize) -> Result<Box<dyn DeviceMemory>, CudaError> {
+            Err(CudaError::Other("out of device memory".into()))
+        }
+        fn control(&self, len: usize) -> Result<Control, CudaError> {
+            HostDevice { peer_memory: false }.control(len)
+        }
+        fn consume(
+            &self,
+            _: &Control,
+            _: usize,
+            _: u64,
+            _: Option<Reduce>,
+        ) -> Result<(), CudaError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_rank_whose_set_up_fails_makes_every_rank_stage_without_waiting() {
+        let Some(p) = provider() else { return };
+        let hub = Hub::new(3);
+        let whys: Vec<NoGdr> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    let (hub, p) = (&hub, &p);
+                    s.spawn(move || {
+                        let device: Box<dyn DeviceSide> = match rank {
+                            2 => Box::new(NoMemory),
+                            _ => Box::new(HostDevice { peer_memory: false }),
+                        };
+                        let setup = GdrRing::connect(
+                            rank,
+                            3,
+                            p,
+                            device,
+                            PATH,
+                            4096,
+                            &|mine| hub.exchange(rank, mine),
+                            Duration::from_secs(30),
+                        );
+                        match setup.expect("a verdict, not an error") {
+                            GdrSetup::Staged(why) => why,
+                            GdrSetup::Direct(_) => panic!("rank {rank} direct"),
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            matches!(&whys[2], NoGdr::Setup(d) if d.contains("out of device memory")),
+            "{:?}",
+            whys[2]
+        );
+        for why in &whys[..2] {
+            assert_eq!(
+                why,
+                &NoGdr::Peer {
+                    rank: 2,
+                    why: NoGdrKind::Setup
+                }
+            );
+        }
     }
 
     /// Runs test `name` of this binary in a child process with `env`; its stderr.
