@@ -1006,15 +1006,7 @@ impl DeviceComm {
         if let Some(prev) = &staging.done {
             stream.wait_event(prev)?;
         }
-        let gpu = GpuStaging {
-            ctx: &self.ctx,
-            stream,
-            input: &staging.input,
-            output: &staging.output,
-            flag_dev: proxy.mem_ops.then_some(proxy.flag_dev),
-        };
-        let input: Arc<dyn StagingMemory> = staging.input.clone();
-        let output: Arc<dyn StagingMemory> = staging.output.clone();
+        let (gpu, input, output) = self.gpu_staging(proxy, &staging, stream);
         staged::enqueue(
             &gpu,
             &proxy.thread,
@@ -1037,6 +1029,28 @@ impl DeviceComm {
 }
 
 impl DeviceComm {
+    /// The caller's stream as the proxy's jobs drive it, and the staging buffers as the jobs
+    /// hold them.
+    fn gpu_staging<'a>(
+        &'a self,
+        proxy: &'a Proxy,
+        staging: &'a Staging,
+        stream: &'a Stream,
+    ) -> (
+        GpuStaging<'a>,
+        Arc<dyn StagingMemory>,
+        Arc<dyn StagingMemory>,
+    ) {
+        let gpu = GpuStaging {
+            ctx: &self.ctx,
+            stream,
+            input: &staging.input,
+            output: &staging.output,
+            flag_dev: proxy.mem_ops.then_some(proxy.flag_dev),
+        };
+        (gpu, staging.input.clone(), staging.output.clone())
+    }
+
     /// Whether `op` runs on the GPUDirect RDMA ring: an all-reduce with a plain reduction (Avg
     /// and PreMulSum scale, which the ring does not) whose chunks fit the scratch.
     fn gdr_fits(&self, op: &weftcc_collectives::RawOp) -> bool {
@@ -1076,18 +1090,10 @@ impl DeviceComm {
                 sys::cuMemcpyDtoDAsync_v2(recv.ptr, s.ptr, recv.bytes, stream.as_raw())
             })?;
         }
-        let gpu = GpuStaging {
-            ctx: &self.ctx,
-            stream,
-            input: &staging.input,
-            output: &staging.output,
-            flag_dev: proxy.mem_ops.then_some(proxy.flag_dev),
-        };
+        let (gpu, input, output) = self.gpu_staging(proxy, &staging, stream);
         let ready = gpu.mark()?;
         let ticket = proxy.thread.next_ticket();
         let done = Arc::new(Outcome::default());
-        let input: Arc<dyn StagingMemory> = staging.input.clone();
-        let output: Arc<dyn StagingMemory> = staging.output.clone();
         proxy.thread.submit(Job {
             seq,
             ticket,

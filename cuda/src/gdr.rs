@@ -1170,29 +1170,48 @@ mod tests {
         peer_memory: bool,
         f: impl Fn(usize, GdrSetup) -> R + Sync,
     ) -> Vec<R> {
+        ring_of(p, n, |_| (path, Box::new(HostDevice { peer_memory })), f)
+    }
+
+    /// Runs `f(rank, setup)` on `n` threads, rank `r` connecting with `of(r)`'s path and
+    /// device.
+    fn ring_of<R: Send>(
+        p: &Arc<dyn Provider>,
+        n: usize,
+        of: impl Fn(usize) -> (GdrPath, Box<dyn DeviceSide>) + Sync,
+        f: impl Fn(usize, GdrSetup) -> R + Sync,
+    ) -> Vec<R> {
         let hub = Hub::new(n);
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)
                 .map(|rank| {
-                    let (hub, f) = (&hub, &f);
+                    let (hub, f, of) = (&hub, &f, &of);
                     s.spawn(move || {
+                        let (path, device) = of(rank);
                         let setup = GdrRing::connect(
                             rank,
                             n,
                             p,
-                            Box::new(HostDevice { peer_memory }),
+                            device,
                             path,
                             1 << 20,
                             &|mine| hub.exchange(rank, mine),
                             Duration::from_secs(30),
                         )
-                        .expect("set-up");
+                        .expect("a verdict, not an error");
                         f(rank, setup)
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    fn staged(setup: GdrSetup) -> NoGdr {
+        match setup {
+            GdrSetup::Staged(why) => why,
+            GdrSetup::Direct(_) => panic!("direct"),
+        }
     }
 
     fn direct(setup: GdrSetup) -> Box<GdrRing> {
@@ -1260,37 +1279,19 @@ mod tests {
     fn beyond_the_gdr_level_every_rank_stages_and_says_why() {
         let Some(p) = provider() else { return };
         // Rank 1's NIC is behind the host bridge; the level allows PXB.
-        let hub = Hub::new(2);
-        let out: Vec<GdrSetup> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (hub, p) = (&hub, &p);
-                    s.spawn(move || {
-                        let class = [PathClass::Pix, PathClass::Phb][rank];
-                        let path = GdrPath { class, ..PATH };
-                        GdrRing::connect(
-                            rank,
-                            2,
-                            p,
-                            Box::new(HostDevice { peer_memory: false }),
-                            path,
-                            4096,
-                            &|mine| hub.exchange(rank, mine),
-                            Duration::from_secs(30),
-                        )
-                        .expect("set-up")
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let whys: Vec<NoGdr> = out
-            .into_iter()
-            .map(|s| match s {
-                GdrSetup::Staged(why) => why,
-                GdrSetup::Direct(_) => panic!("direct beyond the level"),
-            })
-            .collect();
+        let whys = ring_of(
+            &p,
+            2,
+            |rank| {
+                let class = [PathClass::Pix, PathClass::Phb][rank];
+                let device = HostDevice { peer_memory: false };
+                (
+                    GdrPath { class, ..PATH },
+                    Box::new(device) as Box<dyn DeviceSide>,
+                )
+            },
+            |_, setup| staged(setup),
+        );
         assert_eq!(
             whys[0],
             NoGdr::Peer {
@@ -1331,35 +1332,18 @@ mod tests {
     #[test]
     fn a_rank_whose_set_up_fails_makes_every_rank_stage_without_waiting() {
         let Some(p) = provider() else { return };
-        let hub = Hub::new(3);
-        let whys: Vec<NoGdr> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..3)
-                .map(|rank| {
-                    let (hub, p) = (&hub, &p);
-                    s.spawn(move || {
-                        let device: Box<dyn DeviceSide> = match rank {
-                            2 => Box::new(NoMemory),
-                            _ => Box::new(HostDevice { peer_memory: false }),
-                        };
-                        let setup = GdrRing::connect(
-                            rank,
-                            3,
-                            p,
-                            device,
-                            PATH,
-                            4096,
-                            &|mine| hub.exchange(rank, mine),
-                            Duration::from_secs(30),
-                        );
-                        match setup.expect("a verdict, not an error") {
-                            GdrSetup::Staged(why) => why,
-                            GdrSetup::Direct(_) => panic!("rank {rank} direct"),
-                        }
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let whys = ring_of(
+            &p,
+            3,
+            |rank| {
+                let device: Box<dyn DeviceSide> = match rank {
+                    2 => Box::new(NoMemory),
+                    _ => Box::new(HostDevice { peer_memory: false }),
+                };
+                (PATH, device)
+            },
+            |_, setup| staged(setup),
+        );
         assert!(
             matches!(&whys[2], NoGdr::Setup(d) if d.contains("out of device memory")),
             "{:?}",
@@ -1429,10 +1413,7 @@ mod tests {
         }
         weftcc_comm::init_logging();
         let p = provider().expect("the emulator");
-        let whys = ring(&p, 2, PATH, false, |_, setup| match setup {
-            GdrSetup::Staged(why) => why,
-            GdrSetup::Direct(_) => panic!("direct with dmabuf refused"),
-        });
+        let whys = ring(&p, 2, PATH, false, |_, setup| staged(setup));
         for (rank, why) in whys.iter().enumerate() {
             match why {
                 NoGdr::Refused(DeviceRefused {
