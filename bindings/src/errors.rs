@@ -118,7 +118,9 @@ fn cuda_code(e: &CudaError) -> weftResult_t {
         CudaError::Host(e) => code_of(e),
         CudaError::Timeout { .. } => weftTimeout,
         // The first failure of the communicator (a peer's included) or an operation's.
-        CudaError::Poisoned { .. } | CudaError::Collective { .. } => weftRemoteError,
+        CudaError::Poisoned { .. } | CudaError::Collective { .. } | CudaError::Gdr(_) => {
+            weftRemoteError
+        }
         CudaError::NoDriver(_)
         | CudaError::NoNvrtc(_)
         | CudaError::Driver { .. }

@@ -47,6 +47,9 @@ pub use error::{Error, ErrorFacts, Result, SeenBy};
 pub use group::Group;
 pub use handle::Handle;
 pub use local::run_ranks;
+/// Installs the `WEFT_DEBUG` logger (a communicator does when it is created; code that logs
+/// before one exists, or without one, calls it itself).
+pub use logging::init as init_logging;
 pub use records::note::AbortCause;
 pub use records::progress::Behind;
 pub use tuning::Tuner;

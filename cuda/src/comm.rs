@@ -35,11 +35,13 @@
 use crate::driver::{check, has_symbol};
 use crate::error::DeviceArgError;
 use crate::error::{CudaError, Result};
+use crate::gdr::{exchange_over, CudaDevice, GdrPath, GdrRing, GdrSetup};
 use crate::group::DeviceGroup;
 use crate::headers;
 use crate::ipc::{BufferMap, IpcPeers};
+use crate::memory::DeviceAllocation;
 use crate::memory::{Context, DeviceBuffer, Event, PinnedBuffer, Stream};
-use crate::proxy::{ProxyThread, Ready, StagingMemory};
+use crate::proxy::{Direct, Job, Outcome, ProxyThread, Ready, StagingMemory};
 use crate::staged::{self, Side, StagingStream};
 use crate::tiered::Tiers;
 use cudarc::driver::sys;
@@ -303,6 +305,9 @@ pub struct DeviceComm {
     stage_chunk: usize,
     /// Wire code of the last operation enqueued (named in timeouts).
     last_op: AtomicU8,
+    /// Staged: the proxy owns a GPUDirect RDMA ring with this much scratch per rank (0: none);
+    /// the all-reduces that fit run on it (`enqueue_direct`).
+    gdr_scratch: usize,
 }
 
 /// What the IPC path's operation headers are numbered by.
@@ -384,6 +389,7 @@ impl DeviceComm {
         let hosts: Vec<String> = (0..size).map(|r| field(r, 0, 64)).collect();
         let layout = HostLayout::from_labels(&hosts);
         let one_host = layout.hosts() == 1;
+        let own_hosts = layout.max_local() == 1;
         let my_bus = info.pci_bus_id.clone();
         let mut sharing = false;
         // Whether this GPU reaches the GPUs of every other rank, and of every rank of its host.
@@ -485,6 +491,7 @@ impl DeviceComm {
         let shared = Arc::new(Shared::new(rank));
         let mut check_headers = false;
         let mut stage_chunk = 0;
+        let mut gdr_scratch = 0;
         let (ipc, proxy) = match transport {
             Transport::Ipc => {
                 let mut check = [u8::from(settings.check_headers)];
@@ -516,7 +523,15 @@ impl DeviceComm {
                 let mut chunk = [wanted as u64];
                 host.all_reduce_in_place(&mut chunk[..], ReduceOp::Min)?;
                 stage_chunk = usize::try_from(chunk[0]).unwrap_or(usize::MAX);
-                (None, Some(Proxy::start(&ctx, &host, &shared, mem_ops)?))
+                let gdr = match transport {
+                    Transport::Staged => gdr_ring(&host, &ctx, own_hosts, &my_bus, gdr_level)?,
+                    _ => None,
+                };
+                gdr_scratch = if gdr.is_some() { GDR_SCRATCH } else { 0 };
+                (
+                    None,
+                    Some(Proxy::start(&ctx, &host, &shared, mem_ops, gdr)?),
+                )
             }
         };
         tracing::info!(target: "weftcc::cuda", rank, size, device = ctx.ordinal(), ?transport, "device communicator ready");
@@ -540,6 +555,7 @@ impl DeviceComm {
             check_headers,
             stage_chunk,
             last_op: AtomicU8::new(OpKind::AllReduce as u8),
+            gdr_scratch,
         })
     }
 
@@ -978,6 +994,11 @@ impl DeviceComm {
             .proxy
             .as_ref()
             .ok_or_else(|| CudaError::Other("staged transport without proxy".into()))?;
+        if let Work::Collective { op, send, recv } = work {
+            if self.gdr_fits(&op) {
+                return self.enqueue_direct(proxy, seq, op, send, recv, stream);
+            }
+        }
         let mut staging = lock(&proxy.staging);
         let pieces = staged::pieces(work, self.rank, self.stage_chunk);
         let (in_bytes, out_bytes) = staged::staging_bytes(&pieces);
@@ -986,15 +1007,7 @@ impl DeviceComm {
         if let Some(prev) = &staging.done {
             stream.wait_event(prev)?;
         }
-        let gpu = GpuStaging {
-            ctx: &self.ctx,
-            stream,
-            input: &staging.input,
-            output: &staging.output,
-            flag_dev: proxy.mem_ops.then_some(proxy.flag_dev),
-        };
-        let input: Arc<dyn StagingMemory> = staging.input.clone();
-        let output: Arc<dyn StagingMemory> = staging.output.clone();
+        let (gpu, input, output) = self.gpu_staging(proxy, &staging, stream);
         staged::enqueue(
             &gpu,
             &proxy.thread,
@@ -1016,6 +1029,176 @@ impl DeviceComm {
     }
 }
 
+impl DeviceComm {
+    /// The caller's stream as the proxy's jobs drive it, and the staging buffers as the jobs
+    /// hold them.
+    fn gpu_staging<'a>(
+        &'a self,
+        proxy: &'a Proxy,
+        staging: &'a Staging,
+        stream: &'a Stream,
+    ) -> (
+        GpuStaging<'a>,
+        Arc<dyn StagingMemory>,
+        Arc<dyn StagingMemory>,
+    ) {
+        let gpu = GpuStaging {
+            ctx: &self.ctx,
+            stream,
+            input: &staging.input,
+            output: &staging.output,
+            flag_dev: proxy.mem_ops.then_some(proxy.flag_dev),
+        };
+        (gpu, staging.input.clone(), staging.output.clone())
+    }
+
+    /// Whether `op` runs on the GPUDirect RDMA ring: an all-reduce with a plain reduction (Avg
+    /// and PreMulSum scale, which the ring does not) whose chunks fit the scratch.
+    fn gdr_fits(&self, op: &weftcc_collectives::RawOp) -> bool {
+        let n = self.size;
+        self.gdr_scratch > 0
+            && op.kind == OpKind::AllReduce
+            && matches!(
+                op.op,
+                ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max
+            )
+            && op.count > 0
+            && n > 1
+            && op.count.div_ceil(n) * op.dtype.size() * (n - 1) <= self.gdr_scratch
+    }
+
+    /// An all-reduce on the GPUDirect RDMA ring: out of place, the stream first copies the
+    /// input into the output; then the proxy runs the ring on the output, in place, in device
+    /// memory (the NIC writes from and into it, the GPU reduces), and the stream waits for its
+    /// release as for a staged job. Compiled, not run.
+    fn enqueue_direct(
+        &self,
+        proxy: &Proxy,
+        seq: u64,
+        op: weftcc_collectives::RawOp,
+        send: Option<DevSpan>,
+        recv: DevSpan,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (alloc, offset) = DeviceAllocation::containing(&self.ctx, recv.ptr)?;
+        // Held across ticket and submit (tickets reach the proxy in order).
+        let staging = lock(&proxy.staging);
+        if let Some(s) = send.filter(|s| s.ptr != recv.ptr && s.bytes > 0) {
+            self.ctx.bind()?;
+            // SAFETY: both spans lie inside live device allocations of this context (the
+            // call's checks); the copy is ordered on the caller's stream.
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(recv.ptr, s.ptr, recv.bytes, stream.as_raw())
+            })?;
+        }
+        let (gpu, input, output) = self.gpu_staging(proxy, &staging, stream);
+        let ready = gpu.mark()?;
+        let ticket = proxy.thread.next_ticket();
+        let done = Arc::new(Outcome::default());
+        proxy.thread.submit(Job {
+            seq,
+            ticket,
+            work: Work::Collective { op, send, recv },
+            input_at: 0,
+            output_at: 0,
+            ready,
+            input,
+            output,
+            done: done.clone(),
+            direct: Some(Direct {
+                buf: Arc::new(alloc),
+                offset,
+                comb: op.op.combiner(),
+            }),
+        })?;
+        if !gpu.wait_release(ticket)? {
+            match done.wait(self.host.timeout() * 2) {
+                Some(r) => r?,
+                None => return Err(CudaError::Other("proxy did not answer".into())),
+            }
+            stream.synchronize(self.host.timeout())?;
+        }
+        Ok(())
+    }
+}
+
+/// Device scratch of a GPUDirect RDMA ring per rank: all-reduces of up to
+/// `GDR_SCRATCH × n / (n − 1)` bytes run on it, larger ones stage.
+const GDR_SCRATCH: usize = 64 << 20;
+
+/// The GPUDirect RDMA ring of a staged communicator whose ranks are each on a host of their
+/// own, where a network provider is open and `WEFT_NET_GDR_LEVEL` is not `LOC`: every rank
+/// votes, then [`GdrRing::connect`] decides with the GPU–NIC path and the NIC's registration
+/// (logging `GDRDMA` or why not, per peer). `None`: stage. Compiled, not run (no GPU beside an
+/// RDMA NIC has been lent).
+fn gdr_ring(
+    host: &Communicator,
+    ctx: &Context,
+    own_hosts: bool,
+    my_bus: &str,
+    level: weftcc_topology::PathClass,
+) -> Result<Option<Box<GdrRing>>> {
+    use weftcc_transports::net::{select, NetChoice};
+    let rank = host.rank();
+    let provider = NetChoice::from_env()
+        .ok()
+        .and_then(|c| select::open(&c).ok().flatten());
+    let why_not = if level == weftcc_topology::PathClass::Loc {
+        Some("WEFT_NET_GDR_LEVEL=LOC")
+    } else if provider.is_none() {
+        Some("no network provider (TCP between hosts)")
+    } else if !own_hosts || host.size() < 2 {
+        Some("not every rank on a host of its own")
+    } else {
+        None
+    };
+    let mut vote = [u8::from(why_not.is_none())];
+    host.all_reduce_in_place(&mut vote[..], ReduceOp::Min)?;
+    let (Some(provider), 1) = (provider, vote[0]) else {
+        let why = why_not.unwrap_or("another rank cannot");
+        tracing::info!(target: "weftcc::net", rank, "no GDRDMA (staged through host memory): {why}");
+        return Ok(None);
+    };
+    let device = CudaDevice::new(ctx, host.timeout())?;
+    let path = GdrPath {
+        class: gpu_nic_class(my_bus, level),
+        level,
+    };
+    let setup = GdrRing::connect(
+        rank,
+        host.size(),
+        &provider,
+        Box::new(device),
+        path,
+        GDR_SCRATCH,
+        &exchange_over(host),
+        host.timeout(),
+    )
+    .map_err(|e| CudaError::Gdr(Box::new(e)))?;
+    Ok(match setup {
+        GdrSetup::Direct(ring) => Some(ring),
+        GdrSetup::Staged(_) => None,
+    })
+}
+
+/// The PCI path class between the GPU with bus id `bus` and the NIC its traffic takes
+/// (topology discovery), `N/A` where it is not found (GDR then stays off, logged).
+fn gpu_nic_class(bus: &str, level: weftcc_topology::PathClass) -> weftcc_topology::PathClass {
+    let topo = weftcc_topology::discover::discover().topology;
+    // Bus ids differ in their domain's width ("00000000:3B:00.0", "0000:3b:00.0").
+    let tail = |s: &str| {
+        s.rsplit_once(':').map(|(a, b)| {
+            let bus = a.rsplit(':').next().unwrap_or(a);
+            format!("{}:{}", bus.to_ascii_lowercase(), b.to_ascii_lowercase())
+        })
+    };
+    let me = tail(bus);
+    weftcc_topology::netpath::nic_pairs(&topo, level)
+        .into_iter()
+        .find(|p| topo.gpus[p.gpu].bus_id.as_deref().and_then(tail) == me && me.is_some())
+        .map_or(weftcc_topology::PathClass::Na, |p| p.class)
+}
+
 /// Says at INFO (`WEFT_DEBUG=INFO`) how this rank reaches each peer of a hierarchical
 /// communicator.
 fn log_paths(
@@ -1028,7 +1211,7 @@ fn log_paths(
     let gdr = if gdr_level == weftcc_topology::PathClass::Loc {
         "off (WEFT_NET_GDR_LEVEL=LOC)"
     } else {
-        "not built"
+        "the cross tier's all-reduces where its ring connects (GDRDMA per peer)"
     };
     let host = layout.host_of(rank);
     let (near, far): (Vec<usize>, Vec<usize>) = (0..layout.nranks())
@@ -1096,12 +1279,18 @@ impl Proxy {
         host: &Arc<Communicator>,
         shared: &Arc<Shared>,
         mem_ops: bool,
+        gdr: Option<Box<GdrRing>>,
     ) -> Result<Proxy> {
         let flag = Arc::new(PinnedBuffer::new(ctx, 64)?);
         let flag_dev = flag.device_ptr()?;
         let bind_ctx = ctx.clone();
-        let thread =
-            ProxyThread::start(move || bind_ctx.bind(), host.clone(), shared.clone(), flag)?;
+        let thread = ProxyThread::start(
+            move || bind_ctx.bind(),
+            host.clone(),
+            shared.clone(),
+            flag,
+            gdr,
+        )?;
         Ok(Proxy {
             thread,
             flag_dev,

@@ -204,6 +204,17 @@ pub struct GdrSupport {
     pub dmabuf: bool,
 }
 
+/// Whether the `nvidia-peermem` kernel module is loaded (a NIC's `ibv_reg_mr` then takes
+/// device addresses: the fallback where dmabuf registration is refused).
+pub fn nvidia_peermem() -> bool {
+    [
+        "/sys/module/nvidia_peermem",
+        "/sys/kernel/mm/memory_peers/nv_mem/version",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
+}
+
 /// GPUDirect RDMA and dmabuf support of device `ordinal`.
 pub fn gdr_support(ordinal: usize) -> Result<GdrSupport> {
     let dev = device_handle(ordinal)?;

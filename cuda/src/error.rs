@@ -87,6 +87,9 @@ pub enum CudaError {
     /// An earlier fatal error left this device communicator unusable.
     #[error("rank {rank}: device communicator unusable after an earlier error: {first}")]
     Poisoned { rank: usize, first: String },
+    /// The GPUDirect RDMA ring failed (naming rank, operation and sequence number).
+    #[error(transparent)]
+    Gdr(Box<crate::gdr::GdrError>),
     /// A waiting operation's timeout or a limit that is not an argument error.
     #[error("{0}")]
     Other(String),
@@ -114,6 +117,7 @@ impl CudaError {
                 peer: None,
             },
             CudaError::Host(e) => e.facts(),
+            CudaError::Gdr(e) => e.facts(),
             CudaError::Poisoned { rank, .. } => ErrorFacts {
                 rank: Some(*rank),
                 ..ErrorFacts::default()

@@ -11,6 +11,8 @@
 //!   semantics, over CUDA IPC between ranks of one host or staged through pinned host memory
 //!   into the host communicator otherwise.
 //! * [`DeviceGroup`]: sends and receives on device buffers, grouped like NCCL's.
+//! * [`gdr`]: GPUDirect RDMA between hosts: rings whose NIC writes device memory directly,
+//!   run without a GPU on host memory standing in for it.
 //!
 //! The crate is built with cudarc's `dynamic-loading`: it builds and its tests pass (skipping
 //! the GPU parts) on machines without CUDA.
@@ -18,6 +20,7 @@
 pub mod comm;
 pub mod driver;
 pub mod error;
+pub mod gdr;
 pub mod group;
 mod headers;
 pub mod ipc;

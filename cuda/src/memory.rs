@@ -195,6 +195,127 @@ pub(crate) fn raw_free(ctx: &Context, ptr: u64) {
     }
 }
 
+/// Exports `bytes` of device memory at `ptr` (in `ctx`, inside one live allocation) as a
+/// dmabuf (`cuMemGetHandleForAddressRange`); address and length must be page multiples.
+fn export_dmabuf(ctx: &Context, ptr: u64, bytes: usize) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let support = crate::driver::gdr_support(ctx.ordinal())?;
+    if !support.dmabuf {
+        return Err(CudaError::Other(format!(
+            "device {} cannot export memory as a dmabuf (needs CUDA 11.7+, an open kernel \
+             module and CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)",
+            ctx.ordinal()
+        )));
+    }
+    let page = weftcc_transports::shm::page_size() as u64;
+    let len = bytes as u64;
+    if len == 0 || !ptr.is_multiple_of(page) || !len.is_multiple_of(page) {
+        return Err(CudaError::Other(format!(
+            "dmabuf export needs page-aligned memory: address {ptr:#x}, {len} bytes, page {page}"
+        )));
+    }
+    ctx.bind()?;
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: `fd` is an out pointer of the size the dmabuf handle type writes (an int); the
+    // range lies inside a live allocation (the caller's) and is page aligned (checked above);
+    // the symbol exists (gdr_support checked it).
+    check("cuMemGetHandleForAddressRange", unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            ptr,
+            bytes,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    if fd < 0 {
+        return Err(CudaError::Other(
+            "dmabuf export returned no descriptor".into(),
+        ));
+    }
+    // SAFETY: the driver just opened `fd` for us and nothing else owns it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// CUDA's id of the allocation holding `ptr` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`, never reused
+/// within a process).
+fn buffer_id(ctx: &Context, ptr: u64) -> Result<u64> {
+    ctx.bind()?;
+    let mut id: u64 = 0;
+    // SAFETY: a context is current; `id` is an out pointer of the attribute's size (u64).
+    check("cuPointerGetAttribute", unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut id as *mut u64).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+            ptr,
+        )
+    })?;
+    Ok(id)
+}
+
+/// The device allocation holding an address (`cuMemGetAddressRange`), as a NIC registers it
+/// (GPUDirect RDMA): whole, so that every buffer inside it finds the registration again.
+pub(crate) struct DeviceAllocation {
+    ctx: Context,
+    base: u64,
+    len: usize,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: never reused within the process.
+    id: u64,
+}
+
+impl DeviceAllocation {
+    /// The allocation containing `ptr`, and `ptr`'s offset in it.
+    pub(crate) fn containing(ctx: &Context, ptr: u64) -> Result<(DeviceAllocation, usize)> {
+        ctx.bind()?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: a context is current; both are out pointers.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+        })?;
+        let id = buffer_id(ctx, ptr)?;
+        let page = weftcc_transports::shm::page_size();
+        let alloc = DeviceAllocation {
+            ctx: ctx.clone(),
+            id,
+            base,
+            // cuMemAlloc reserves whole pages (2 MiB granules): the export covers them.
+            len: size.next_multiple_of(page),
+        };
+        Ok((alloc, (ptr - base) as usize))
+    }
+}
+
+impl weftcc_transports::net::device::DeviceMemory for DeviceAllocation {
+    fn address(&self) -> u64 {
+        self.base
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn export_dmabuf(&self) -> weftcc_transports::net::NetResult<(std::os::fd::OwnedFd, u64)> {
+        export_dmabuf(&self.ctx, self.base, self.len)
+            .map(|fd| (fd, 0))
+            .map_err(|e| weftcc_transports::net::NetError::Unavailable {
+                provider: "CUDA",
+                detail: e.to_string(),
+            })
+    }
+
+    fn identity(&self) -> u64 {
+        self.id
+    }
+
+    fn device_ordinal(&self) -> i32 {
+        self.ctx.ordinal() as i32
+    }
+
+    fn peer_memory(&self) -> bool {
+        crate::driver::nvidia_peermem()
+    }
+}
+
 /// A CUDA stream. Work enqueued on it runs in order; collectives enqueued on it run in order
 /// with that work (NCCL's semantics).
 pub struct Stream {
@@ -451,44 +572,7 @@ impl<T: Element> DeviceBuffer<T> {
     /// and length must be multiples of the host page size; the buffer must outlive every
     /// registration made from the descriptor.
     pub fn export_dmabuf(&self) -> Result<std::os::fd::OwnedFd> {
-        use std::os::fd::FromRawFd;
-        let support = crate::driver::gdr_support(self.ctx.ordinal())?;
-        if !support.dmabuf {
-            return Err(CudaError::Other(format!(
-                "device {} cannot export memory as a dmabuf (needs CUDA 11.7+, an open kernel \
-                 module and CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)",
-                self.ctx.ordinal()
-            )));
-        }
-        let page = weftcc_transports::shm::page_size() as u64;
-        let bytes = self.byte_len() as u64;
-        if bytes == 0 || !self.ptr.is_multiple_of(page) || !bytes.is_multiple_of(page) {
-            return Err(CudaError::Other(format!(
-                "dmabuf export needs page-aligned memory: address {:#x}, {bytes} bytes, page {page}",
-                self.ptr
-            )));
-        }
-        self.ctx.bind()?;
-        let mut fd: std::ffi::c_int = -1;
-        // SAFETY: `fd` is an out pointer of the size the dmabuf handle type writes (an int); the
-        // range lies inside this live allocation and is page aligned (checked above); the symbol
-        // exists (gdr_support checked it).
-        check("cuMemGetHandleForAddressRange", unsafe {
-            sys::cuMemGetHandleForAddressRange(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                self.ptr,
-                self.byte_len(),
-                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        })?;
-        if fd < 0 {
-            return Err(CudaError::Other(
-                "dmabuf export returned no descriptor".into(),
-            ));
-        }
-        // SAFETY: the driver just opened `fd` for us and nothing else owns it.
-        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+        export_dmabuf(&self.ctx, self.ptr, self.byte_len())
     }
 
     /// Copies `src` (same length) into the buffer; blocking.
@@ -561,7 +645,44 @@ impl<T: Element> DeviceBuffer<T> {
 
 impl<T: Element> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
+        // A NIC's registration of this memory (GPUDirect RDMA) must not be found again.
+        weftcc_transports::net::regcache::invalidate_everywhere(self.ptr, self.byte_len());
         raw_free(&self.ctx, self.ptr);
+    }
+}
+
+/// Device memory for a NIC (GPUDirect RDMA): [`DeviceBuffer::export_dmabuf`], or its address
+/// where `nvidia-peermem` is loaded. Its length is in bytes.
+impl<T: Element> weftcc_transports::net::device::DeviceMemory for DeviceBuffer<T> {
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.byte_len()
+    }
+
+    fn identity(&self) -> u64 {
+        // 0 where the driver cannot say: such a registration is found again only by another
+        // allocation the driver cannot name either, and it is forgotten when this buffer goes.
+        buffer_id(&self.ctx, self.ptr).unwrap_or(0)
+    }
+
+    fn export_dmabuf(&self) -> weftcc_transports::net::NetResult<(std::os::fd::OwnedFd, u64)> {
+        DeviceBuffer::export_dmabuf(self)
+            .map(|fd| (fd, 0))
+            .map_err(|e| weftcc_transports::net::NetError::Unavailable {
+                provider: "CUDA",
+                detail: e.to_string(),
+            })
+    }
+
+    fn device_ordinal(&self) -> i32 {
+        self.ctx.ordinal() as i32
+    }
+
+    fn peer_memory(&self) -> bool {
+        crate::driver::nvidia_peermem()
     }
 }
 

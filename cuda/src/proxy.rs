@@ -17,6 +17,7 @@
 
 use crate::comm::{Shared, Work};
 use crate::error::{CudaError, Result};
+use crate::gdr::GdrRing;
 use crate::headers;
 use crate::memory::{Event, PinnedBuffer};
 use std::ops::DerefMut;
@@ -24,8 +25,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use weftcc_collectives::Combiner;
 use weftcc_comm::Communicator;
 use weftcc_transports::lock;
+use weftcc_transports::net::device::DeviceMemory;
 
 /// The point on the caller's stream after the staging buffers were filled.
 pub(crate) trait Ready: Send {
@@ -90,6 +93,20 @@ pub(crate) struct Job {
     pub(crate) input: Arc<dyn StagingMemory>,
     pub(crate) output: Arc<dyn StagingMemory>,
     pub(crate) done: Arc<Outcome>,
+    /// Run on the GPUDirect RDMA ring instead of staging (its staging buffers are unused).
+    pub(crate) direct: Option<Direct>,
+}
+
+/// An all-reduce the GPUDirect RDMA ring runs in place on the caller's device memory: the
+/// NIC writes from and into it, the device reduces; nothing is staged. The job's work gives
+/// the count and type; its ready mark is passed once the stream placed the input in `buf`.
+pub(crate) struct Direct {
+    /// The device allocation holding the buffer (registered whole, cached until freed).
+    pub(crate) buf: Arc<dyn DeviceMemory>,
+    /// The buffer's byte offset in it.
+    pub(crate) offset: usize,
+    /// The reduction.
+    pub(crate) comb: Combiner,
 }
 
 /// The proxy thread, its queue and its tickets.
@@ -102,12 +119,14 @@ pub(crate) struct ProxyThread {
 
 impl ProxyThread {
     /// Starts the thread. `bind` runs on it first (makes the GPU's context current); if it
-    /// fails, every job fails with its error and is released.
+    /// fails, every job fails with its error and is released. `gdr`, the GPUDirect RDMA ring,
+    /// runs the [`Direct`] jobs.
     pub(crate) fn start(
         bind: impl FnOnce() -> Result<()> + Send + 'static,
         host: Arc<Communicator>,
         shared: Arc<Shared>,
         release: Arc<dyn Release>,
+        gdr: Option<Box<GdrRing>>,
     ) -> Result<ProxyThread> {
         let (tx, rx) = mpsc::channel::<Job>();
         let name = format!("weft-cuda-proxy-{}", host.rank());
@@ -116,7 +135,7 @@ impl ProxyThread {
             .name(name)
             .spawn(move || {
                 let bound = bind();
-                run(bound, &host, &shared, &*flag, rx)
+                run(bound, &host, &shared, &*flag, gdr, rx)
             })
             .map_err(|e| CudaError::Other(format!("cannot start the proxy thread: {e}")))?;
         Ok(ProxyThread {
@@ -168,17 +187,22 @@ fn run(
     host: &Communicator,
     shared: &Shared,
     release: &dyn Release,
+    mut gdr: Option<Box<GdrRing>>,
     rx: mpsc::Receiver<Job>,
 ) {
     for job in rx {
         let r = match (&bound, shared.check()) {
             (_, Err(e)) => Err(e),
             (Err(e), _) => Err(e.clone()),
-            (Ok(()), Ok(())) => host_side(host, &job),
+            (Ok(()), Ok(())) => match &job.direct {
+                None => host_side(host, &job),
+                Some(d) => direct_side(gdr.as_deref_mut(), host.timeout(), &job, d),
+            },
         };
         let r = r.map_err(|e| match e {
-            // A mismatch stays typed (it names both calls and their sequence number).
-            e @ CudaError::Poisoned { .. } => e,
+            // A mismatch stays typed (it names both calls and their sequence number), as do
+            // the ring's failures.
+            e @ (CudaError::Poisoned { .. } | CudaError::Gdr(_)) => e,
             e if headers::is_mismatch(&e) => e,
             other => CudaError::Collective {
                 rank: host.rank(),
@@ -195,6 +219,22 @@ fn run(
         release.release(job.ticket);
         job.done.set(r);
     }
+}
+
+/// A direct job: waits until the caller's stream placed the input, then runs the all-reduce
+/// on the ring.
+fn direct_side(ring: Option<&mut GdrRing>, timeout: Duration, job: &Job, d: &Direct) -> Result<()> {
+    let Some(ring) = ring else {
+        return Err(CudaError::Other("a direct job without a GDR ring".into()));
+    };
+    let Work::Collective { op, .. } = &job.work else {
+        return Err(CudaError::Other(
+            "a direct job that is not a collective".into(),
+        ));
+    };
+    job.ready.wait(timeout)?;
+    ring.all_reduce_in_place(d.buf.as_ref(), d.offset, op.count, op.dtype, d.comb)
+        .map_err(|e| CudaError::Gdr(Box::new(e)))
 }
 
 /// The host side of a staged job: waits until the caller's stream has filled the staging
@@ -412,6 +452,7 @@ pub(crate) mod harness {
             host.clone(),
             shared.clone(),
             counter.clone() as Arc<dyn Release>,
+            None,
         )
         .expect("proxy");
         Rank {
@@ -458,6 +499,7 @@ mod tests {
                     input: HostStaging::new(input),
                     output: output.clone(),
                     done: done.clone(),
+                    direct: None,
                 })
                 .expect("submit");
             Staged {
@@ -710,5 +752,106 @@ mod tests {
             assert_eq!((t1, t2), (1, 2));
             assert_eq!(counter.raised(), vec![2]);
         });
+    }
+
+    /// The GPUDirect RDMA path through the proxy: each rank's proxy owns a GDR ring over the
+    /// emulated RDMA device (connected through the host communicator's all-gather), and a
+    /// direct job all-reduces in place in "device memory" (a memfd stand-in) that the NIC
+    /// writes, at an offset into the allocation, then releases its stream. Nothing is staged.
+    #[test]
+    fn direct_jobs_run_on_the_gdr_ring_in_device_memory_and_release_their_streams() {
+        use crate::gdr::{exchange_over, GdrPath, GdrRing, GdrSetup, HostDevice};
+        use weftcc_collectives::Combiner;
+        use weftcc_topology::PathClass;
+        use weftcc_transports::net::device::MemfdDevice;
+        let Some(p) = weftcc_transports::net::verbs::emulated_for_tests(14, 7) else {
+            return;
+        };
+        let provider: Arc<dyn weftcc_transports::net::Provider> = Arc::new(p);
+        let (count, offset) = (3000, 4104);
+        let results = weftcc_comm::run_ranks(
+            2,
+            |r| config(r, Duration::from_secs(30)),
+            |r, host| {
+                let path = GdrPath {
+                    class: PathClass::Pix,
+                    level: PathClass::Pxb,
+                };
+                let setup = GdrRing::connect(
+                    r,
+                    2,
+                    &provider,
+                    Box::new(HostDevice { peer_memory: false }),
+                    path,
+                    1 << 20,
+                    &exchange_over(&host),
+                    Duration::from_secs(30),
+                )
+                .expect("set-up");
+                let GdrSetup::Direct(ring) = setup else {
+                    panic!("rank {r} stages");
+                };
+                let host = Arc::new(host);
+                let counter = Arc::new(Counter::default());
+                let proxy = ProxyThread::start(
+                    || Ok(()),
+                    host.clone(),
+                    Arc::new(Shared::new(r)),
+                    counter.clone() as Arc<dyn Release>,
+                    Some(ring),
+                )
+                .expect("proxy");
+                let dev = Arc::new(MemfdDevice::new(offset + 4 * count + 64, false).unwrap());
+                let input = f32_bytes((0..count).map(|i| (i * (r + 1)) as f32));
+                // SAFETY: nothing else uses the fresh allocation yet.
+                unsafe { dev.host().write(offset, &input) };
+                let (mark, done) = (Mark::default(), Arc::new(Outcome::default()));
+                let ticket = proxy.next_ticket();
+                proxy
+                    .submit(Job {
+                        seq: 1,
+                        ticket,
+                        work: Work::Collective {
+                            op: RawOp::new(OpKind::AllReduce, DataType::Float32, count),
+                            send: None,
+                            recv: span(4 * count),
+                        },
+                        input_at: 0,
+                        output_at: 0,
+                        ready: Box::new(mark.clone()),
+                        input: HostStaging::new(Vec::new()),
+                        output: HostStaging::new(Vec::new()),
+                        done: done.clone(),
+                        direct: Some(Direct {
+                            buf: dev.clone(),
+                            offset,
+                            comb: Combiner::Sum,
+                        }),
+                    })
+                    .expect("submit");
+                mark.pass();
+                assert!(
+                    counter.wait_for(ticket, Duration::from_secs(30)),
+                    "released"
+                );
+                assert_eq!(done.wait(Duration::from_secs(30)), Some(Ok(())));
+                drop(proxy);
+                // SAFETY: the job ended; nothing writes the memory any more.
+                unsafe { dev.host().read(0, offset + 4 * count + 64, <[u8]>::to_vec) }
+            },
+        )
+        .expect("ranks");
+        for (r, bytes) in results.iter().enumerate() {
+            let want = f32_bytes((0..count).map(|i| (i * 3) as f32));
+            let wrong = (0..4 * count)
+                .filter(|&i| bytes[offset + i] != want[i])
+                .count();
+            assert_eq!(wrong, 0, "rank {r}: wrong bytes in the buffer");
+            let outside = bytes[..offset].iter().chain(&bytes[offset + 4 * count..]);
+            assert!(
+                outside.into_iter().all(|&b| b == 0),
+                "rank {r}: only the buffer written"
+            );
+        }
     }
 }

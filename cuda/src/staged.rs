@@ -194,6 +194,7 @@ pub(crate) fn enqueue(
             input: input.clone(),
             output: output.clone(),
             done: done.clone(),
+            direct: None,
         })?;
         waits.push((ticket, done, piece.copy_back));
     }

@@ -926,3 +926,83 @@ fn device_communicator_without_a_driver_is_a_clean_error() {
         Err(CudaError::NoDriver(_))
     ));
 }
+
+/// GPUDirect RDMA on a real GPU and RDMA NIC: two ranks (threads sharing GPU 0 and the NIC's
+/// first active port, each its own "host") run the GDR ring's all-reduce on device buffers the
+/// NIC writes (dmabuf registration, else nvidia-peermem), the flag waited for on a stream and
+/// the reduction on the GPU. Skips without a GPU, without an RDMA device, or where the NIC takes
+/// no device memory (it then says which registration was refused).
+#[test]
+fn gdr_ring_all_reduce_on_device_memory() {
+    use std::sync::{Arc, Barrier, Mutex};
+    use weftcc_cuda::gdr::{CudaDevice, GdrPath, GdrRing, GdrSetup};
+    use weftcc_transports::net::verbs::{VerbsConfig, VerbsProvider};
+    use weftcc_transports::net::Provider;
+    if skip() {
+        return;
+    }
+    let provider: Arc<dyn Provider> = match VerbsProvider::open(&VerbsConfig::default()) {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            println!("skipped: no RDMA device for GPUDirect RDMA ({e})");
+            return;
+        }
+    };
+    let ctx = Context::new(0).expect("context");
+    let (slots, barrier) = (Mutex::new(vec![Vec::new(); 2]), Barrier::new(2));
+    let exchange = |rank: usize, mine: Vec<u8>| -> Result<Vec<Vec<u8>>, String> {
+        slots.lock().unwrap()[rank] = mine;
+        barrier.wait();
+        let all = slots.lock().unwrap().clone();
+        barrier.wait();
+        Ok(all)
+    };
+    let n = 1 << 20;
+    let results: Vec<Option<Vec<f32>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (ctx, provider, exchange) = (&ctx, &provider, &exchange);
+                s.spawn(move || {
+                    let device = CudaDevice::new(ctx, Duration::from_secs(30)).expect("device");
+                    let path = GdrPath {
+                        class: weftcc_topology::PathClass::Pix,
+                        level: weftcc_topology::PathClass::Sys,
+                    };
+                    let setup = GdrRing::connect(
+                        rank,
+                        2,
+                        provider,
+                        Box::new(device),
+                        path,
+                        4 << 20,
+                        &|mine| exchange(rank, mine),
+                        Duration::from_secs(30),
+                    )
+                    .expect("set-up");
+                    let mut ring = match setup {
+                        GdrSetup::Direct(r) => r,
+                        GdrSetup::Staged(why) => {
+                            println!("skipped: rank {rank} stages: {why}");
+                            return None;
+                        }
+                    };
+                    let data: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + rank as f32).collect();
+                    let buf = ctx.upload(&data).expect("upload");
+                    ring.all_reduce_in_place(&buf, 0, n, DataType::Float32, Combiner::Sum)
+                        .expect("all-reduce");
+                    let mut out = vec![0f32; n];
+                    buf.copy_to_host(&mut out).expect("download");
+                    Some(out)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let Some(out) = r else { continue };
+        let wrong = (0..n)
+            .filter(|&i| out[i] != 2.0 * (i % 1000) as f32 + 1.0)
+            .count();
+        assert_eq!(wrong, 0, "rank {rank}: {wrong} of {n} wrong");
+    }
+}

@@ -112,6 +112,10 @@ settings! {
         "Emulated RDMA device: completions become visible this late.";
     IBEMU_MAX_INLINE = "WEFT_IBEMU_MAX_INLINE", Number { min: 0, max: 1024 }, "64",
         "Emulated RDMA device: largest inline payload of a queue pair.";
+    IBEMU_REFUSE_DMABUF = "WEFT_IBEMU_REFUSE_DMABUF", Number { min: 0, max: 1 }, "0",
+        "Emulated RDMA device: 1 makes ibv_reg_dmabuf_mr fail with EOPNOTSUPP (no dmabuf support).";
+    IBEMU_REM_ACCESS_AFTER = "WEFT_IBEMU_REM_ACCESS_AFTER", Number { min: 0, max: 1 << 40 }, "0",
+        "Emulated RDMA device: the n-th write packet over 64 bytes received is a remote access error (0: never).";
     IB_QPS_PER_CONNECTION = "WEFT_IB_QPS_PER_CONNECTION", Number { min: 1, max: 16 }, "1",
         "Endpoints (queue pairs) per network connection.";
     OFI_PROVIDER = "WEFT_OFI_PROVIDER", Text, "the first with RDMA hardware",

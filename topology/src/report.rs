@@ -430,8 +430,9 @@ pub fn render_text(r: &Report) -> String {
     if r.nic_pairs.iter().any(|p| p.gdr) {
         let _ = writeln!(
             o,
-            "  (weftcc's device path stages through pinned host memory between hosts today: its \
-             GPUDirect RDMA registration is not built)"
+            "  (weftcc's device communicator runs all-reduces between hosts on its GPUDirect \
+             RDMA ring where every rank's NIC takes its GPU memory, and stages the rest through \
+             pinned host memory; WEFT_DEBUG=INFO says GDRDMA per peer)"
         );
     }
     let nd = t.ndevices();

@@ -44,6 +44,11 @@
  *                                (a flag) after its n-th write of more than 64 bytes
  *   WEFT_IBEMU_CQE_DELAY_US      completions become visible this long after they happen
  *   WEFT_IBEMU_MAX_INLINE        the largest inline payload (default 64)
+ *   WEFT_IBEMU_REFUSE_DMABUF     1: ibv_reg_dmabuf_mr fails with EOPNOTSUPP (a NIC or kernel
+ *                                without dmabuf support)
+ *   WEFT_IBEMU_REM_ACCESS_AFTER  the n-th RDMA-write packet of more than 64 bytes this process
+ *                                receives is refused as a remote access error (the responder
+ *                                QP goes to ERR, the requester gets IBV_WC_REM_ACCESS_ERR)
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -239,6 +244,7 @@ static struct inbound *g_in;
 static struct ibv_device g_device;
 /* knobs */
 static uint64_t k_delay_writes_ns, k_rtr_delay_ms, k_qp_err_after, k_vanish_after, k_cqe_delay_ns;
+static uint64_t k_refuse_dmabuf, k_rem_access_after, g_big_received;
 static uint32_t k_max_inline = MAX_INLINE_DEFAULT;
 static uint64_t g_big_writes;
 
@@ -585,7 +591,10 @@ static void on_data(struct emu_qp *q, const struct hdr *h, const unsigned char *
         if (h->len) {
             struct emu_mr *m = find_mr(h->rkey);
             unsigned char *dst = m ? mr_at(m, h->raddr, h->len) : NULL;
-            if (!m || m->mr.pd != q->qp.pd || !(m->access & IBV_ACCESS_REMOTE_WRITE) ||
+            int refused = k_rem_access_after && h->len > SMALL &&
+                          ++g_big_received == k_rem_access_after;
+            if (refused || !m || m->mr.pd != q->qp.pd ||
+                !(m->access & IBV_ACCESS_REMOTE_WRITE) ||
                 !(q->access & IBV_ACCESS_REMOTE_WRITE) || !dst) {
                 responder_error(q, NAK_ACCESS, h->psn);
                 return;
@@ -897,6 +906,8 @@ static int nic_start(void) {
     k_vanish_after = knob("WEFT_IBEMU_VANISH_AFTER", 0);
     k_cqe_delay_ns = knob("WEFT_IBEMU_CQE_DELAY_US", 0) * 1000;
     k_max_inline = (uint32_t)knob("WEFT_IBEMU_MAX_INLINE", MAX_INLINE_DEFAULT);
+    k_refuse_dmabuf = knob("WEFT_IBEMU_REFUSE_DMABUF", 0);
+    k_rem_access_after = knob("WEFT_IBEMU_REM_ACCESS_AFTER", 0);
     const char *dir = getenv("WEFT_IBEMU_DIR");
     int w = dir && *dir ? snprintf(g_dir, sizeof g_dir, "%s", dir)
                         : snprintf(g_dir, sizeof g_dir, "/tmp/weft-ibemu-%u", (unsigned)getuid());
@@ -1164,6 +1175,10 @@ struct ibv_mr *emu_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t len,
                                  int fd, int access) EXPORT("ibv_reg_dmabuf_mr");
 struct ibv_mr *emu_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t len, uint64_t iova,
                                  int fd, int access) {
+    if (k_refuse_dmabuf) {
+        errno = EOPNOTSUPP;
+        return NULL;
+    }
     long page = sysconf(_SC_PAGESIZE);
     uint64_t start = offset & ~(uint64_t)(page - 1);
     size_t map_len = (size_t)(offset - start) + len;

@@ -34,6 +34,8 @@ struct weft_ibv_lib {
     struct ibv_pd *(*alloc_pd)(struct ibv_context *);
     int (*dealloc_pd)(struct ibv_pd *);
     struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
+    /* NULL in rdma-core before v34 (no dmabuf support): registration falls back. */
+    struct ibv_mr *(*reg_dmabuf_mr)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int);
     int (*dereg_mr)(struct ibv_mr *);
     struct ibv_cq *(*create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *, int);
     int (*destroy_cq)(struct ibv_cq *);
@@ -98,6 +100,7 @@ int weft_ibv_load(const char *path, struct weft_ibv_lib **out, char *err, size_t
     LOAD(destroy_qp, "ibv_destroy_qp");
     LOAD(modify_qp, "ibv_modify_qp");
     LOAD(wc_status_str, "ibv_wc_status_str");
+    *(void **)(&l->reg_dmabuf_mr) = dlsym(h, "ibv_reg_dmabuf_mr");
     snprintf(l->path, sizeof l->path, "%s", want);
     l->next = loaded;
     loaded = l;
@@ -220,6 +223,22 @@ int weft_ibv_gid(struct weft_ibv_ctx *c, int port, int index, uint8_t gid[16]) {
 int weft_ibv_reg(struct weft_ibv_ctx *c, void *buf, size_t len, struct ibv_mr **mr,
                  uint32_t *lkey, uint32_t *rkey) {
     *mr = c->lib->reg_mr(c->pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!*mr)
+        return errno ? -errno : -ENOMEM;
+    *lkey = (*mr)->lkey;
+    *rkey = (*mr)->rkey;
+    return 0;
+}
+
+/* Registers `len` bytes at `offset` of dmabuf `fd` (device memory a GPU driver exported), named
+ * by `iova` in work requests. -EOPNOTSUPP where the library has no ibv_reg_dmabuf_mr. */
+int weft_ibv_reg_dmabuf(struct weft_ibv_ctx *c, uint64_t offset, size_t len, uint64_t iova, int fd,
+                        struct ibv_mr **mr, uint32_t *lkey, uint32_t *rkey) {
+    if (!c->lib->reg_dmabuf_mr)
+        return -EOPNOTSUPP;
+    errno = 0;
+    *mr = c->lib->reg_dmabuf_mr(c->pd, offset, len, iova, fd,
+                                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!*mr)
         return errno ? -errno : -ENOMEM;
     *lkey = (*mr)->lkey;

@@ -1124,3 +1124,33 @@ fn shm_child_killed_is_peer_lost() {
     let left = weftcc_testkit::shm_names(&format!("weft-{token}-"));
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// GPUDirect RDMA over libfabric: a provider without `FI_HMEM` (`tcp;ofi_rxm`) refuses device
+/// memory, so a ring over it stages (the registration's refusal names the provider).
+#[test]
+fn libfabric_without_fi_hmem_refuses_device_memory() {
+    use weftcc_transports::net::device::MemfdDevice;
+    use weftcc_transports::net::regcache::RegistrationCache;
+    let provider: Arc<dyn net::Provider> = match net::ofi::OfiProvider::open(Some("tcp"), false) {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            missing(&format!("libfabric's tcp provider is not usable here: {e}"));
+            return;
+        }
+    };
+    let dev = MemfdDevice::new(4096, false).unwrap();
+    let refused = RegistrationCache::of(&provider)
+        .lease_device(&dev)
+        .err()
+        .expect("refused");
+    match &refused.dmabuf {
+        net::NetError::Unavailable {
+            provider: "OFI",
+            detail,
+        } => {
+            assert!(detail.contains("no FI_HMEM"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(refused.peer_memory.is_none());
+}

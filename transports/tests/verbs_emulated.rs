@@ -17,25 +17,10 @@ const WR_FLUSH_ERR: i64 = 5;
 
 /// The provider on the emulated device with ACK timeout exponent `timeout` and `retries`.
 fn provider(timeout: u8, retries: u8) -> Option<VerbsProvider> {
-    let Some(lib) = EMULATOR else {
-        let why = "the emulated RDMA device was not built (install libibverbs-dev and rebuild)";
-        assert!(
-            !weftcc_settings::REQUIRE_NET_TESTS.flag().unwrap_or(true),
-            "WEFT_REQUIRE_NET_TESTS=1 and {why}"
-        );
-        eprintln!("skipping: {why}");
-        return None;
-    };
-    let cfg = VerbsConfig {
-        library: Some(lib.into()),
-        timeout,
-        retry_cnt: retries,
-        ..VerbsConfig::default()
-    };
-    Some(VerbsProvider::open(&cfg).expect("the emulated device opens"))
+    weftcc_transports::net::verbs::emulated_for_tests(timeout, retries)
 }
 
-fn region(p: &VerbsProvider, len: usize, fill: u8) -> Region {
+fn region(p: &dyn Provider, len: usize, fill: u8) -> Region {
     let m = Arc::new(Memory::new(len).expect("memory"));
     // SAFETY: nothing else uses the fresh allocation yet.
     unsafe { m.write(0, &vec![fill; len]) };
@@ -44,7 +29,7 @@ fn region(p: &VerbsProvider, len: usize, fill: u8) -> Region {
 
 /// Two endpoints of `p`; `connect_b` says whether the second is connected back (else it stays
 /// in INIT: not ready to receive).
-fn pair(p: &VerbsProvider, connect_b: bool) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
+fn pair(p: &dyn Provider, connect_b: bool) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
     let (mut a, mut b) = (p.endpoint().expect("a"), p.endpoint().expect("b"));
     let (aa, ba) = (a.address().expect("address"), b.address().expect("address"));
     a.connect(&ba).expect("connect a");
@@ -281,4 +266,55 @@ fn the_emulators_own_checks_pass() {
     println!("{text}");
     assert!(out.status.success(), "ibemu_check failed:\n{text}");
     assert!(text.contains("checks passed"), "{text}");
+}
+
+/// GPUDirect RDMA's registration on the emulated device: a memfd stands in for device memory
+/// and is registered by its dmabuf (`ibv_reg_dmabuf_mr`: the emulator maps the descriptor, as a
+/// NIC driver maps a GPU's dmabuf); the NIC writes into it and reads out of it by the range's
+/// device address; the registration is cached until the memory is freed.
+#[test]
+fn device_memory_registered_by_its_dmabuf_is_written_and_read_by_the_nic() {
+    use weftcc_transports::net::device::{DeviceMemory, MemfdDevice};
+    use weftcc_transports::net::regcache::{DeviceRegistration, RegistrationCache};
+    let Some(p) = provider(14, 7) else { return };
+    let p: Arc<dyn Provider> = Arc::new(p);
+    let cache = RegistrationCache::of(&p);
+    let dev = MemfdDevice::new(3 * 4096, false).unwrap();
+    let lease = cache.lease_device(&dev).expect("dmabuf registration");
+    assert_eq!(lease.device(), Some(DeviceRegistration::Dmabuf));
+    assert_eq!(
+        lease.remote().base,
+        dev.address(),
+        "named by its device address"
+    );
+    let src = region(p.as_ref(), 8192, 3);
+    let dst = region(p.as_ref(), 8192, 0);
+    let (mut a, _b) = pair(p.as_ref(), true);
+    // Into the device memory…
+    a.write(src.range(0, 5000), lease.remote().at(4000), 1)
+        .unwrap();
+    assert_eq!(completion(a.as_mut()).result, Ok(()));
+    // SAFETY: the write completed; nothing else writes the memory.
+    let seen = unsafe { dev.host().read(3999, 5002, <[u8]>::to_vec) };
+    assert_eq!(seen[0], 0);
+    assert_eq!(&seen[1..5001], &[3u8; 5000][..]);
+    assert_eq!(seen[5001], 0);
+    // …and out of it.
+    a.write(lease.region().range(4000, 5000), dst.remote().at(10), 2)
+        .unwrap();
+    assert_eq!(completion(a.as_mut()).result, Ok(()));
+    assert_eq!(bytes(&dst, 10, 5000), vec![3; 5000]);
+    // Past its end: the device refuses as for any region.
+    a.write(src.range(0, 64), lease.remote().at(3 * 4096 - 32), 3)
+        .unwrap_err();
+    let key = lease.remote().key;
+    cache.release(lease);
+    let again = cache.lease_device(&dev).unwrap();
+    assert_eq!(again.remote().key, key, "cached after its use");
+    cache.release(again);
+    drop(dev);
+    assert!(
+        cache.is_empty(),
+        "freeing the memory forgot the registration"
+    );
 }

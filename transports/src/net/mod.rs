@@ -18,7 +18,9 @@
 //!   receiver reduces straight out of its ring. The TCP connection that carried the handshake
 //!   stays open beside it: it tells a peer that died from one that is merely quiet.
 //! * [`regcache`]: registrations of callers' memory (rendezvous destinations), made once per
-//!   page range and reused.
+//!   page range and reused, and of device memory (GPUDirect RDMA), kept until it is freed.
+//! * [`device`]: device memory as the NIC sees it ([`device::DeviceMemory`]: its address and a
+//!   dmabuf of it), and the stand-in the tests use without a GPU ([`device::MemfdDevice`]).
 //! * [`select`]: which network a rank uses (`WEFT_NET`, `WEFT_IB_DISABLE`, `WEFT_OFI_PROVIDER`)
 //!   and the process-wide cache of opened providers.
 //!
@@ -26,6 +28,7 @@
 //! writes into behind the compiler's back) and the C interfaces of libfabric ([`ofi`]) and
 //! libibverbs ([`verbs`]).
 
+pub mod device;
 pub mod loopback;
 pub mod memory;
 pub mod ofi;
@@ -190,6 +193,19 @@ impl RemoteRegion {
     }
 }
 
+/// A dmabuf range to register ([`Provider::register_dmabuf`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Dmabuf<'a> {
+    /// The exporter's descriptor (borrowed for the call: the registration holds its own
+    /// reference to the buffer).
+    pub fd: std::os::fd::BorrowedFd<'a>,
+    /// The range's offset in the dmabuf.
+    pub offset: u64,
+    /// The CUDA device owning the memory: providers that name device memory by address and
+    /// device rather than by dmabuf (libfabric's `FI_HMEM_CUDA` before 1.20) use it.
+    pub device: i32,
+}
+
 /// What a provider keeps for a registration until it is dropped (deregisters on drop).
 pub trait Registration: Send + Sync {
     /// The descriptor local writes name their source by (libfabric's `fi_mr_desc`, a verbs
@@ -251,6 +267,18 @@ pub trait Provider: Send + Sync {
     fn id(&self) -> String;
     /// Registers `memory` for local writes out of it and remote writes into it.
     fn register(&self, memory: Arc<Memory>) -> NetResult<Region>;
+    /// Registers device memory exported as a dmabuf (`ibv_reg_dmabuf_mr`): `memory` names the
+    /// range by its device address (the I/O virtual address work requests use, never
+    /// dereferenced by the host), `dmabuf` is the exporter's descriptor and the range's offset
+    /// in it. Providers without dmabuf support refuse ([`NetError::Unavailable`]); libfabric
+    /// registers the device address with `FI_HMEM_CUDA` where its domain has `FI_HMEM`.
+    fn register_dmabuf(&self, memory: Arc<Memory>, dmabuf: Dmabuf<'_>) -> NetResult<Region> {
+        let _ = (memory, dmabuf);
+        Err(NetError::Unavailable {
+            provider: "net",
+            detail: format!("{} registers no dmabuf", self.name()),
+        })
+    }
     /// A new endpoint, not connected yet.
     fn endpoint(&self) -> NetResult<Box<dyn Endpoint>>;
     /// Whether a registration keeps naming whatever memory is mapped at its addresses (a

@@ -82,6 +82,22 @@ impl Provider for OfiProvider {
         }
     }
 
+    fn register_dmabuf(
+        &self,
+        memory: std::sync::Arc<super::Memory>,
+        dmabuf: super::Dmabuf<'_>,
+    ) -> NetResult<super::Region> {
+        #[cfg(weft_ofi)]
+        {
+            sys::register_hmem(&self.inner, &self.name, memory, dmabuf.device)
+        }
+        #[cfg(not(weft_ofi))]
+        {
+            let _ = (memory, dmabuf);
+            unreachable_provider()
+        }
+    }
+
     fn endpoint(&self) -> NetResult<Box<dyn Endpoint>> {
         #[cfg(weft_ofi)]
         {
@@ -153,6 +169,16 @@ mod sys {
             d: *mut RawDomain,
             buf: *mut c_void,
             len: usize,
+            mr: *mut *mut RawMr,
+            desc: *mut u64,
+            key: *mut u64,
+            base: *mut u64,
+        ) -> c_int;
+        fn weft_ofi_mr_reg_hmem(
+            d: *mut RawDomain,
+            buf: *mut c_void,
+            len: usize,
+            cuda_device: c_int,
             mr: *mut *mut RawMr,
             desc: *mut u64,
             key: *mut u64,
@@ -303,6 +329,62 @@ mod sys {
         }
     }
 
+    /// Registers CUDA device memory (`memory` names it by its device address) through
+    /// `FI_HMEM`; a domain without that capability refuses.
+    pub fn register_hmem(
+        domain: &Arc<Domain>,
+        name: &str,
+        memory: Arc<Memory>,
+        device: i32,
+    ) -> NetResult<Region> {
+        let (mut mr, mut desc, mut key, mut base) = (std::ptr::null_mut(), 0, 0, 0);
+        // SAFETY: the driver names the device range by its address (never dereferenced by the
+        // host here); the returned `Region` keeps `memory` (the owner's record of the range)
+        // at least as long as the registration; the out-pointers are valid.
+        let rc = unsafe {
+            weft_ofi_mr_reg_hmem(
+                domain.0,
+                memory.as_ptr().cast(),
+                memory.len(),
+                device,
+                &mut mr,
+                &mut desc,
+                &mut key,
+                &mut base,
+            )
+        };
+        if rc == -libc::EOPNOTSUPP {
+            return Err(NetError::Unavailable {
+                provider: PROVIDER,
+                detail: format!("{name} has no FI_HMEM (device memory registration)"),
+            });
+        }
+        if rc != 0 {
+            return Err(call_error("fi_mr_regattr", rc.into()));
+        }
+        Ok(region(domain, memory, mr, desc, key, base))
+    }
+
+    fn region(
+        domain: &Arc<Domain>,
+        memory: Arc<Memory>,
+        mr: *mut RawMr,
+        desc: u64,
+        key: u64,
+        base: u64,
+    ) -> Region {
+        let len = memory.len() as u64;
+        Region {
+            memory,
+            registration: Box::new(OfiRegistration {
+                mr,
+                desc,
+                remote: RemoteRegion { base, key, len },
+                _domain: Arc::clone(domain),
+            }),
+        }
+    }
+
     pub fn register(domain: &Arc<Domain>, memory: Arc<Memory>) -> NetResult<Region> {
         let (mut mr, mut desc, mut key, mut base) = (std::ptr::null_mut(), 0, 0, 0);
         // SAFETY: `memory` is a live allocation of `len` bytes that the returned `Region`
@@ -321,16 +403,7 @@ mod sys {
         if rc != 0 {
             return Err(call_error("fi_mr_reg", rc.into()));
         }
-        let len = memory.len() as u64;
-        Ok(Region {
-            memory,
-            registration: Box::new(OfiRegistration {
-                mr,
-                desc,
-                remote: RemoteRegion { base, key, len },
-                _domain: Arc::clone(domain),
-            }),
-        })
+        Ok(region(domain, memory, mr, desc, key, base))
     }
 
     pub struct OfiEndpoint {

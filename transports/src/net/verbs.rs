@@ -262,6 +262,29 @@ pub fn parse_gid(text: &str) -> Option<[u8; 16]> {
     Some(gid)
 }
 
+/// The emulated RDMA device ([`EMULATOR`]) opened for a test, with ACK timeout exponent
+/// `timeout` and `retry_cnt` retries. Where it was not built: `None` after saying so, or a panic
+/// where `WEFT_REQUIRE_NET_TESTS=1` (CI never passes by skipping).
+#[doc(hidden)]
+pub fn emulated_for_tests(timeout: u8, retry_cnt: u8) -> Option<VerbsProvider> {
+    let Some(lib) = EMULATOR else {
+        let why = "the emulated RDMA device was not built (install libibverbs-dev and rebuild)";
+        assert!(
+            !weftcc_settings::REQUIRE_NET_TESTS.flag().unwrap_or(true),
+            "WEFT_REQUIRE_NET_TESTS=1 and {why}"
+        );
+        eprintln!("skipping: {why}");
+        return None;
+    };
+    let cfg = VerbsConfig {
+        library: Some(lib.into()),
+        timeout,
+        retry_cnt,
+        ..VerbsConfig::default()
+    };
+    Some(VerbsProvider::open(&cfg).expect("the emulated device opens"))
+}
+
 /// The verbs provider: a device port opened for this process.
 pub struct VerbsProvider {
     #[cfg(weft_ibv)]
@@ -312,6 +335,22 @@ impl super::Provider for VerbsProvider {
         }
     }
 
+    fn register_dmabuf(
+        &self,
+        memory: std::sync::Arc<super::Memory>,
+        dmabuf: super::Dmabuf<'_>,
+    ) -> NetResult<super::Region> {
+        #[cfg(weft_ibv)]
+        {
+            self.inner.register_dmabuf(memory, dmabuf)
+        }
+        #[cfg(not(weft_ibv))]
+        {
+            let _ = (memory, dmabuf);
+            Err(not_built())
+        }
+    }
+
     fn endpoint(&self) -> NetResult<Box<dyn super::Endpoint>> {
         #[cfg(weft_ibv)]
         {
@@ -338,10 +377,11 @@ mod sys {
 
     use super::{choose_gid, choose_port, gid_table_from_sysfs, PortInfo, VerbsConfig, PROVIDER};
     use crate::net::{
-        check_inline, Completion, Endpoint, Memory, NetError, NetResult, Posted, Region,
+        check_inline, Completion, Dmabuf, Endpoint, Memory, NetError, NetResult, Posted, Region,
         Registration, RemoteRegion, Source, Target,
     };
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
+    use std::os::fd::AsRawFd;
     use std::sync::Arc;
 
     #[repr(C)]
@@ -408,6 +448,16 @@ mod sys {
             c: *mut RawCtx,
             buf: *mut c_void,
             len: usize,
+            mr: *mut *mut RawMr,
+            lkey: *mut u32,
+            rkey: *mut u32,
+        ) -> c_int;
+        fn weft_ibv_reg_dmabuf(
+            c: *mut RawCtx,
+            offset: u64,
+            len: usize,
+            iova: u64,
+            fd: c_int,
             mr: *mut *mut RawMr,
             lkey: *mut u32,
             rkey: *mut u32,
@@ -619,12 +669,45 @@ mod sys {
             if rc != 0 {
                 return Err(errno_error("ibv_reg_mr", rc));
             }
+            Ok(self.region(memory, mr, lkey, rkey))
+        }
+
+        /// Registers the dmabuf range `dmabuf` whose device address (iova) is `memory`'s.
+        pub fn register_dmabuf(
+            &self,
+            memory: Arc<Memory>,
+            dmabuf: Dmabuf<'_>,
+        ) -> NetResult<Region> {
+            let (mut mr, mut lkey, mut rkey) = (std::ptr::null_mut(), 0u32, 0u32);
+            // SAFETY: the descriptor is open for the call (borrowed); the driver maps the
+            // dmabuf itself and names it by `iova`, which is never dereferenced here; the
+            // returned `Region` keeps `memory` (the owner's record of the range) until after
+            // the registration is dropped; out-pointers are valid.
+            let rc = unsafe {
+                weft_ibv_reg_dmabuf(
+                    self.ctx.0,
+                    dmabuf.offset,
+                    memory.len(),
+                    memory.as_ptr() as u64,
+                    dmabuf.fd.as_raw_fd(),
+                    &mut mr,
+                    &mut lkey,
+                    &mut rkey,
+                )
+            };
+            if rc != 0 {
+                return Err(errno_error("ibv_reg_dmabuf_mr", rc));
+            }
+            Ok(self.region(memory, mr, lkey, rkey))
+        }
+
+        fn region(&self, memory: Arc<Memory>, mr: *mut RawMr, lkey: u32, rkey: u32) -> Region {
             let remote = RemoteRegion {
                 base: memory.as_ptr() as u64,
                 key: rkey.into(),
                 len: memory.len() as u64,
             };
-            Ok(Region {
+            Region {
                 registration: Box::new(VerbsRegistration {
                     mr,
                     lkey,
@@ -632,7 +715,7 @@ mod sys {
                     _ctx: Arc::clone(&self.ctx),
                 }),
                 memory,
-            })
+            }
         }
 
         pub fn endpoint(&self) -> NetResult<VerbsEndpoint> {
