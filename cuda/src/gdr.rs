@@ -1207,6 +1207,15 @@ mod tests {
         })
     }
 
+    /// Every rank's reason to stage (`of` gives each rank's path and device).
+    fn verdicts(
+        p: &Arc<dyn Provider>,
+        n: usize,
+        of: impl Fn(usize) -> (GdrPath, Box<dyn DeviceSide>) + Sync,
+    ) -> Vec<NoGdr> {
+        ring_of(p, n, of, |_, setup| staged(setup))
+    }
+
     fn staged(setup: GdrSetup) -> NoGdr {
         match setup {
             GdrSetup::Staged(why) => why,
@@ -1279,19 +1288,14 @@ mod tests {
     fn beyond_the_gdr_level_every_rank_stages_and_says_why() {
         let Some(p) = provider() else { return };
         // Rank 1's NIC is behind the host bridge; the level allows PXB.
-        let whys = ring_of(
-            &p,
-            2,
-            |rank| {
-                let class = [PathClass::Pix, PathClass::Phb][rank];
-                let device = HostDevice { peer_memory: false };
-                (
-                    GdrPath { class, ..PATH },
-                    Box::new(device) as Box<dyn DeviceSide>,
-                )
-            },
-            |_, setup| staged(setup),
-        );
+        let whys = verdicts(&p, 2, |rank| {
+            let class = [PathClass::Pix, PathClass::Phb][rank];
+            let device = HostDevice { peer_memory: false };
+            (
+                GdrPath { class, ..PATH },
+                Box::new(device) as Box<dyn DeviceSide>,
+            )
+        });
         assert_eq!(
             whys[0],
             NoGdr::Peer {
@@ -1332,18 +1336,13 @@ mod tests {
     #[test]
     fn a_rank_whose_set_up_fails_makes_every_rank_stage_without_waiting() {
         let Some(p) = provider() else { return };
-        let whys = ring_of(
-            &p,
-            3,
-            |rank| {
-                let device: Box<dyn DeviceSide> = match rank {
-                    2 => Box::new(NoMemory),
-                    _ => Box::new(HostDevice { peer_memory: false }),
-                };
-                (PATH, device)
-            },
-            |_, setup| staged(setup),
-        );
+        let whys = verdicts(&p, 3, |rank| {
+            let device: Box<dyn DeviceSide> = match rank {
+                2 => Box::new(NoMemory),
+                _ => Box::new(HostDevice { peer_memory: false }),
+            };
+            (PATH, device)
+        });
         assert!(
             matches!(&whys[2], NoGdr::Setup(d) if d.contains("out of device memory")),
             "{:?}",
