@@ -189,40 +189,32 @@ fn layouts_and_values_match_nccl_h() {
         "NCCL_SPLIT_NOCOLOR == {}",
         nccl::NCCL_SPLIT_NOCOLOR
     ));
-    for (name, value) in [
-        ("ncclSuccess", nccl::ncclSuccess),
-        ("ncclUnhandledCudaError", nccl::ncclUnhandledCudaError),
-        ("ncclSystemError", nccl::ncclSystemError),
-        ("ncclInternalError", nccl::ncclInternalError),
-        ("ncclInvalidArgument", nccl::ncclInvalidArgument),
-        ("ncclInvalidUsage", nccl::ncclInvalidUsage),
-        ("ncclRemoteError", nccl::ncclRemoteError),
-        ("ncclInProgress", nccl::ncclInProgress),
-        ("ncclTimeout", nccl::ncclTimeout),
-        // NCCL's types and reductions are weftcc's numbering (passed through unchanged).
-        ("ncclInt8", weft_code("weftInt8")),
-        ("ncclUint8", weft_code("weftUint8")),
-        ("ncclInt32", weft_code("weftInt32")),
-        ("ncclUint32", weft_code("weftUint32")),
-        ("ncclInt64", weft_code("weftInt64")),
-        ("ncclUint64", weft_code("weftUint64")),
-        ("ncclFloat16", weft_code("weftFloat16")),
-        ("ncclFloat32", weft_code("weftFloat32")),
-        ("ncclFloat64", weft_code("weftFloat64")),
-        ("ncclBfloat16", weft_code("weftBfloat16")),
-        ("ncclSum", weft_code("weftSum")),
-        ("ncclProd", weft_code("weftProd")),
-        ("ncclMax", weft_code("weftMax")),
-        ("ncclMin", weft_code("weftMin")),
-        ("ncclAvg", weft_code("weftAvg")),
-        ("ncclNumOps", weft_code("weftNumOps")),
-        ("ncclScalarDevice", weft_code("weftScalarDevice")),
-        (
-            "ncclScalarHostImmediate",
-            weft_code("weftScalarHostImmediate"),
-        ),
-    ] {
+    // Result codes: this library's own constants.
+    macro_rules! named {
+        ($($code:ident),*) => { [$((stringify!($code), nccl::$code)),*] };
+    }
+    let codes = named![
+        ncclSuccess,
+        ncclUnhandledCudaError,
+        ncclSystemError,
+        ncclInternalError,
+        ncclInvalidArgument,
+        ncclInvalidUsage,
+        ncclRemoteError,
+        ncclInProgress,
+        ncclTimeout
+    ];
+    for (name, value) in codes {
         assert(format!("{name} == {value}"));
+    }
+    // Types and reductions: weftcc's numbering, passed through unchanged.
+    let suffixes = "Int8 Uint8 Int32 Uint32 Int64 Uint64 Float16 Float32 Float64 Bfloat16 \
+                    Sum Prod Max Min Avg NumOps ScalarDevice ScalarHostImmediate";
+    for suffix in suffixes.split_whitespace() {
+        assert(format!(
+            "nccl{suffix} == {}",
+            weft_code(&format!("weft{suffix}"))
+        ));
     }
     let source = dir.join("layout.c");
     std::fs::write(&source, &c).expect("write layout.c");

@@ -136,21 +136,22 @@ mod tests {
 
     #[test]
     fn levels_parse_as_nccl_spells_them() {
-        for (s, c) in [
-            ("LOC", PathClass::Loc),
-            ("pix", PathClass::Pix),
-            ("PXB", PathClass::Pxb),
-            ("PHB", PathClass::Phb),
-            ("NODE", PathClass::Node),
-            ("SYS", PathClass::Sys),
-            ("0", PathClass::Loc),
-            ("1", PathClass::Pix),
-            ("2", PathClass::Pxb),
-            ("3", PathClass::Phb),
-            ("4", PathClass::Sys),
-            ("5", PathClass::Sys),
-        ] {
+        use PathClass::*;
+        let names = [
+            ("LOC", Loc),
+            ("pix", Pix),
+            ("PXB", Pxb),
+            ("PHB", Phb),
+            ("NODE", Node),
+            ("SYS", Sys),
+        ];
+        for (s, c) in names {
             assert_eq!(parse_gdr_level(s).expect(s), c, "{s}");
+        }
+        // NCCL's numbers: 0-3 as the first names, 4 and above SYS.
+        for (n, c) in [Loc, Pix, Pxb, Phb, Sys, Sys].into_iter().enumerate() {
+            let s = n.to_string();
+            assert_eq!(parse_gdr_level(&s).expect(&s), c, "{s}");
         }
         for bad in ["", "NV2", "fast", "-1", "N/A"] {
             let e = parse_gdr_level(bad).expect_err(bad).to_string();
