@@ -175,27 +175,19 @@ void weft_ofi_close_domain(struct weft_ofi_domain *d) {
     free(d);
 }
 
-/* Registers buf for local writes out of it and remote writes into it. */
-int weft_ofi_mr_reg(struct weft_ofi_domain *d, void *buf, size_t len, struct fid_mr **mr,
-                    uint64_t *desc, uint64_t *key, uint64_t *base) {
-    uint64_t requested = __atomic_fetch_add(&d->next_key, 1, __ATOMIC_RELAXED);
-    int rc = fi_mr_reg(d->domain, buf, len, FI_WRITE | FI_REMOTE_WRITE, 0, requested, 0, mr, NULL);
-    if (rc)
-        return rc;
-    uint64_t mode = d->info->domain_attr->mr_mode;
-    *desc = (uint64_t)(uintptr_t)fi_mr_desc(*mr);
-    *key = (mode & FI_MR_PROV_KEY) ? fi_mr_key(*mr) : requested;
-    *base = (mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
-    return 0;
-}
+/* A registration, as weft_ofi_mr_reg fills it in. */
+struct weft_ofi_mr {
+    struct fid_mr *mr;
+    uint64_t desc, key, base;
+};
 
-/* Registers `len` bytes of CUDA device memory at `buf` (device `cuda_device`) through FI_HMEM:
- * libfabric 1.17 names device memory by address and interface (FI_MR_DMABUF, taking the dmabuf
- * itself, came with 1.20). -FI_EOPNOTSUPP where the domain has no FI_HMEM capability (tcp;ofi_rxm
- * as opened here). */
-int weft_ofi_mr_reg_hmem(struct weft_ofi_domain *d, void *buf, size_t len, int cuda_device,
-                         struct fid_mr **mr, uint64_t *desc, uint64_t *key, uint64_t *base) {
-    if (!(d->info->caps & FI_HMEM))
+/* Registers `len` bytes at `buf` for remote writes: host memory (`cuda_device` < 0), or CUDA
+ * device memory of device `cuda_device` through FI_HMEM (libfabric 1.17 names device memory by
+ * address and interface; FI_MR_DMABUF, taking the dmabuf itself, came with 1.20), which is
+ * -FI_EOPNOTSUPP where the domain has no FI_HMEM capability (tcp;ofi_rxm as opened here). */
+int weft_ofi_mr_reg(struct weft_ofi_domain *d, void *buf, size_t len, int cuda_device,
+                    struct weft_ofi_mr *out) {
+    if (cuda_device >= 0 && !(d->info->caps & FI_HMEM))
         return -FI_EOPNOTSUPP;
     uint64_t requested = __atomic_fetch_add(&d->next_key, 1, __ATOMIC_RELAXED);
     struct iovec iov = {.iov_base = buf, .iov_len = len};
@@ -205,15 +197,17 @@ int weft_ofi_mr_reg_hmem(struct weft_ofi_domain *d, void *buf, size_t len, int c
     attr.iov_count = 1;
     attr.access = FI_WRITE | FI_REMOTE_WRITE;
     attr.requested_key = requested;
-    attr.iface = FI_HMEM_CUDA;
-    attr.device.cuda = cuda_device;
-    int rc = fi_mr_regattr(d->domain, &attr, 0, mr);
+    if (cuda_device >= 0) {
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = cuda_device;
+    }
+    int rc = fi_mr_regattr(d->domain, &attr, 0, &out->mr);
     if (rc)
         return rc;
     uint64_t mode = d->info->domain_attr->mr_mode;
-    *desc = (uint64_t)(uintptr_t)fi_mr_desc(*mr);
-    *key = (mode & FI_MR_PROV_KEY) ? fi_mr_key(*mr) : requested;
-    *base = (mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
+    out->desc = (uint64_t)(uintptr_t)fi_mr_desc(out->mr);
+    out->key = (mode & FI_MR_PROV_KEY) ? fi_mr_key(out->mr) : requested;
+    out->base = (mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
     return 0;
 }
 

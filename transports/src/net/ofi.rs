@@ -152,6 +152,15 @@ mod sys {
         _private: [u8; 0],
     }
 
+    /// A registration as `weft_ofi_mr_reg` fills it in (`struct weft_ofi_mr`).
+    #[repr(C)]
+    struct RawRegistration {
+        mr: *mut RawMr,
+        desc: u64,
+        key: u64,
+        base: u64,
+    }
+
     extern "C" {
         fn weft_ofi_is_software(prov: *const c_char) -> c_int;
         fn weft_ofi_strerror(code: c_int) -> *const c_char;
@@ -169,20 +178,8 @@ mod sys {
             d: *mut RawDomain,
             buf: *mut c_void,
             len: usize,
-            mr: *mut *mut RawMr,
-            desc: *mut u64,
-            key: *mut u64,
-            base: *mut u64,
-        ) -> c_int;
-        fn weft_ofi_mr_reg_hmem(
-            d: *mut RawDomain,
-            buf: *mut c_void,
-            len: usize,
             cuda_device: c_int,
-            mr: *mut *mut RawMr,
-            desc: *mut u64,
-            key: *mut u64,
-            base: *mut u64,
+            out: *mut RawRegistration,
         ) -> c_int;
         fn weft_ofi_mr_close(mr: *mut RawMr);
         fn weft_ofi_ep_open(
@@ -329,6 +326,11 @@ mod sys {
         }
     }
 
+    /// Registers host memory for remote writes.
+    pub fn register(domain: &Arc<Domain>, memory: Arc<Memory>) -> NetResult<Region> {
+        register_on(domain, memory, -1).map_err(|rc| call_error("fi_mr_reg", rc.into()))
+    }
+
     /// Registers CUDA device memory (`memory` names it by its device address) through
     /// `FI_HMEM`; a domain without that capability refuses.
     pub fn register_hmem(
@@ -337,73 +339,58 @@ mod sys {
         memory: Arc<Memory>,
         device: i32,
     ) -> NetResult<Region> {
-        let (mut mr, mut desc, mut key, mut base) = (std::ptr::null_mut(), 0, 0, 0);
-        // SAFETY: the driver names the device range by its address (never dereferenced by the
-        // host here); the returned `Region` keeps `memory` (the owner's record of the range)
-        // at least as long as the registration; the out-pointers are valid.
-        let rc = unsafe {
-            weft_ofi_mr_reg_hmem(
-                domain.0,
-                memory.as_ptr().cast(),
-                memory.len(),
-                device,
-                &mut mr,
-                &mut desc,
-                &mut key,
-                &mut base,
-            )
-        };
-        if rc == -libc::EOPNOTSUPP {
-            return Err(NetError::Unavailable {
+        register_on(domain, memory, device).map_err(|rc| match rc {
+            rc if rc == -libc::EOPNOTSUPP => NetError::Unavailable {
                 provider: PROVIDER,
                 detail: format!("{name} has no FI_HMEM (device memory registration)"),
-            });
-        }
-        if rc != 0 {
-            return Err(call_error("fi_mr_regattr", rc.into()));
-        }
-        Ok(region(domain, memory, mr, desc, key, base))
+            },
+            rc => call_error("fi_mr_regattr", rc.into()),
+        })
     }
 
-    fn region(
+    /// Registers `memory`: host memory (`cuda_device` < 0) or that device's; the shim's code
+    /// when it fails.
+    fn register_on(
         domain: &Arc<Domain>,
         memory: Arc<Memory>,
-        mr: *mut RawMr,
-        desc: u64,
-        key: u64,
-        base: u64,
-    ) -> Region {
-        let len = memory.len() as u64;
-        Region {
-            memory,
-            registration: Box::new(OfiRegistration {
-                mr,
-                desc,
-                remote: RemoteRegion { base, key, len },
-                _domain: Arc::clone(domain),
-            }),
-        }
-    }
-
-    pub fn register(domain: &Arc<Domain>, memory: Arc<Memory>) -> NetResult<Region> {
-        let (mut mr, mut desc, mut key, mut base) = (std::ptr::null_mut(), 0, 0, 0);
-        // SAFETY: `memory` is a live allocation of `len` bytes that the returned `Region`
-        // keeps alive at least as long as the registration; the out-pointers are valid.
+        cuda_device: i32,
+    ) -> Result<Region, c_int> {
+        let mut raw = RawRegistration {
+            mr: std::ptr::null_mut(),
+            desc: 0,
+            key: 0,
+            base: 0,
+        };
+        // SAFETY: host memory is a live allocation of `len` bytes; device memory is named by
+        // its address (never dereferenced by the host here); the returned `Region` keeps
+        // `memory` (the owner's record of the range) at least as long as the registration;
+        // `raw` is a valid out-pointer.
         let rc = unsafe {
             weft_ofi_mr_reg(
                 domain.0,
                 memory.as_ptr().cast(),
                 memory.len(),
-                &mut mr,
-                &mut desc,
-                &mut key,
-                &mut base,
+                cuda_device,
+                &mut raw,
             )
         };
         if rc != 0 {
-            return Err(call_error("fi_mr_reg", rc.into()));
+            return Err(rc);
         }
-        Ok(region(domain, memory, mr, desc, key, base))
+        let len = memory.len() as u64;
+        Ok(Region {
+            memory,
+            registration: Box::new(OfiRegistration {
+                mr: raw.mr,
+                desc: raw.desc,
+                remote: RemoteRegion {
+                    base: raw.base,
+                    key: raw.key,
+                    len,
+                },
+                _domain: Arc::clone(domain),
+            }),
+        })
     }
 
     pub struct OfiEndpoint {
