@@ -29,7 +29,7 @@
 //! for device memory (the memfd is the dmabuf), and the reduction on the CPU.
 
 use crate::driver::{check, has_symbol};
-use crate::error::CudaError;
+use crate::error::{CudaError, Result as CudaResult};
 use crate::memory::{Context, PinnedBuffer, Stream};
 use cudarc::driver::sys;
 use std::ptr::NonNull;
@@ -51,21 +51,14 @@ use weftcc_transports::net::{
 /// NIC wrote.
 pub trait DeviceSide: Send {
     /// `len` bytes of device memory (the scratch the previous rank writes into).
-    fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>, CudaError>;
+    fn alloc(&self, len: usize) -> CudaResult<Box<dyn DeviceMemory>>;
     /// `len` bytes of host memory the NIC writes control words into and the device reads
     /// them from (GPU: pinned, device-mapped).
-    fn control(&self, len: usize) -> Result<Control, CudaError>;
-    /// The ordering step and the consumer: waits until the control word at `flag_offset` of
-    /// `control` (which the previous rank's NIC writes after the data's writes completed)
-    /// reaches `value`, then, if `reduce` is given, runs `dst = dst ⊕ src` on the device and
-    /// returns once it is done.
-    fn consume(
-        &self,
-        control: &Control,
-        flag_offset: usize,
-        value: u64,
-        reduce: Option<Reduce>,
-    ) -> Result<(), CudaError>;
+    fn control(&self, len: usize) -> CudaResult<Control>;
+    /// The ordering step and the consumer: waits until the data flag of `control` (the word the
+    /// previous rank's NIC writes after the data's writes completed) reaches `value`, then, if
+    /// `reduce` is given, runs `dst = dst ⊕ src` on the device and returns once it is done.
+    fn consume(&self, control: &Control, value: u64, reduce: Option<Reduce>) -> CudaResult<()>;
 }
 
 /// Control words: host memory the NIC writes and the device reads.
@@ -102,13 +95,13 @@ pub struct HostDevice {
 }
 
 impl DeviceSide for HostDevice {
-    fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>, CudaError> {
+    fn alloc(&self, len: usize) -> CudaResult<Box<dyn DeviceMemory>> {
         MemfdDevice::new(len, self.peer_memory)
             .map(|d| Box::new(d) as Box<dyn DeviceMemory>)
             .map_err(|e| CudaError::Other(format!("memfd device memory: {e}")))
     }
 
-    fn control(&self, len: usize) -> Result<Control, CudaError> {
+    fn control(&self, len: usize) -> CudaResult<Control> {
         let memory = Memory::new(len).ok_or_else(|| CudaError::Other("host memory".into()))?;
         Ok(Control {
             device_address: memory.as_ptr() as u64,
@@ -117,15 +110,9 @@ impl DeviceSide for HostDevice {
         })
     }
 
-    fn consume(
-        &self,
-        control: &Control,
-        flag_offset: usize,
-        value: u64,
-        reduce: Option<Reduce>,
-    ) -> Result<(), CudaError> {
+    fn consume(&self, control: &Control, value: u64, reduce: Option<Reduce>) -> CudaResult<()> {
         // The device's wait: an acquire load, which orders the reads below after it.
-        let seen = control.memory.word(flag_offset).load(Ordering::Acquire);
+        let seen = control.memory.word(DATA_FLAG).load(Ordering::Acquire);
         if seen < value {
             return Err(CudaError::Other(format!(
                 "flag {seen} below {value} when consumed"
@@ -164,7 +151,7 @@ pub struct CudaDevice {
 impl CudaDevice {
     /// The device of `ctx`, consuming on a stream of its own; each consumption waits at most
     /// `timeout`.
-    pub fn new(ctx: &Context, timeout: Duration) -> Result<CudaDevice, CudaError> {
+    pub fn new(ctx: &Context, timeout: Duration) -> CudaResult<CudaDevice> {
         Ok(CudaDevice {
             ctx: ctx.clone(),
             stream: ctx.stream()?,
@@ -174,7 +161,7 @@ impl CudaDevice {
 }
 
 impl DeviceSide for CudaDevice {
-    fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>, CudaError> {
+    fn alloc(&self, len: usize) -> CudaResult<Box<dyn DeviceMemory>> {
         // Whole pages: a dmabuf export covers page-aligned ranges (cuMemAlloc aligns the start).
         let b = self
             .ctx
@@ -182,7 +169,7 @@ impl DeviceSide for CudaDevice {
         Ok(Box::new(b))
     }
 
-    fn control(&self, len: usize) -> Result<Control, CudaError> {
+    fn control(&self, len: usize) -> CudaResult<Control> {
         let pinned = PinnedBuffer::new(&self.ctx, len.max(1).next_multiple_of(PAGE))?;
         let device_address = pinned.device_ptr()?;
         let ptr = NonNull::new(pinned.host_ptr())
@@ -197,20 +184,14 @@ impl DeviceSide for CudaDevice {
         })
     }
 
-    fn consume(
-        &self,
-        control: &Control,
-        flag_offset: usize,
-        value: u64,
-        reduce: Option<Reduce>,
-    ) -> Result<(), CudaError> {
+    fn consume(&self, control: &Control, value: u64, reduce: Option<Reduce>) -> CudaResult<()> {
         self.ctx.bind()?;
         // SAFETY: the address maps the pinned control words (`control`, alive for the call and
         // until the synchronization below ends the stream's use of it).
         check("cuStreamWaitValue64", unsafe {
             sys::cuStreamWaitValue64_v2(
                 self.stream.as_raw(),
-                control.device_address + flag_offset as u64,
+                control.device_address + DATA_FLAG as u64,
                 value,
                 sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
             )
@@ -992,7 +973,7 @@ impl GdrRing {
                 count: rlen / size,
             });
             self.device
-                .consume(&self.control, DATA_FLAG, self.received, reduce)
+                .consume(&self.control, self.received, reduce)
                 .map_err(|source| GdrError::Device {
                     rank,
                     op,
@@ -1316,19 +1297,13 @@ mod tests {
     struct NoMemory;
 
     impl DeviceSide for NoMemory {
-        fn alloc(&self, _: usize) -> Result<Box<dyn DeviceMemory>, CudaError> {
+        fn alloc(&self, _: usize) -> CudaResult<Box<dyn DeviceMemory>> {
             Err(CudaError::Other("out of device memory".into()))
         }
-        fn control(&self, len: usize) -> Result<Control, CudaError> {
+        fn control(&self, len: usize) -> CudaResult<Control> {
             HostDevice { peer_memory: false }.control(len)
         }
-        fn consume(
-            &self,
-            _: &Control,
-            _: usize,
-            _: u64,
-            _: Option<Reduce>,
-        ) -> Result<(), CudaError> {
+        fn consume(&self, _: &Control, _: u64, _: Option<Reduce>) -> CudaResult<()> {
             Ok(())
         }
     }
