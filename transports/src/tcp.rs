@@ -123,37 +123,20 @@ pub struct IfnameSpec {
 impl IfnameSpec {
     /// Parses `eth,ib`, `^docker,lo`, `=eth0` or `^=eth0`.
     pub fn parse(text: &str) -> IfnameSpec {
-        let mut t = text.trim();
-        let exclude = t.starts_with('^');
-        if exclude {
-            t = &t[1..];
-        }
-        let exact = t.starts_with('=');
-        if exact {
-            t = &t[1..];
-        }
-        let names = t
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
-            .collect();
+        let list = crate::util::NcclList::parse(text);
         IfnameSpec {
-            exclude,
-            exact,
-            names,
+            exclude: list.exclude,
+            exact: list.exact,
+            names: list.items.into_iter().map(str::to_string).collect(),
         }
     }
 
     /// Whether an interface called `name` is allowed by this spec.
     pub fn matches(&self, name: &str) -> bool {
-        let hit = self.names.iter().any(|n| {
-            if self.exact {
-                name == n
-            } else {
-                name.starts_with(n.as_str())
-            }
-        });
+        let hit = self
+            .names
+            .iter()
+            .any(|n| crate::util::NcclList::name_matches(self.exact, n, name));
         hit != self.exclude
     }
 }

@@ -8,6 +8,44 @@ use std::time::Duration;
 pub use weftcc_base::lock;
 pub(crate) use weftcc_base::Deadline;
 
+/// A value in NCCL's device-list grammar (`NCCL_SOCKET_IFNAME`, `NCCL_IB_HCA`, and their
+/// `WEFT_*` twins): `[^][=]item,item,…`.
+pub(crate) struct NcclList<'a> {
+    /// `^`: the items are excluded rather than selected.
+    pub(crate) exclude: bool,
+    /// `=`: names match exactly rather than as prefixes ([`NcclList::name_matches`]).
+    pub(crate) exact: bool,
+    /// The comma-separated items, trimmed, empty ones dropped.
+    pub(crate) items: Vec<&'a str>,
+}
+
+impl<'a> NcclList<'a> {
+    pub(crate) fn parse(text: &'a str) -> NcclList<'a> {
+        let rest = text.trim();
+        let (exclude, rest) = rest.strip_prefix('^').map_or((false, rest), |r| (true, r));
+        let (exact, rest) = rest.strip_prefix('=').map_or((false, rest), |r| (true, r));
+        let items = rest
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        NcclList {
+            exclude,
+            exact,
+            items,
+        }
+    }
+
+    /// Whether `name` is named by `pattern`: equal to it with `=`, else starting with it.
+    pub(crate) fn name_matches(exact: bool, pattern: &str, name: &str) -> bool {
+        if exact {
+            name == pattern
+        } else {
+            name.starts_with(pattern)
+        }
+    }
+}
+
 /// 64-bit FNV-1a hash; stable across processes and builds (used for namespace hashes).
 pub fn fnv1a64(data: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

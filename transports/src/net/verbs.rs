@@ -51,17 +51,9 @@ pub struct HcaSpec {
 impl HcaSpec {
     /// Parses `[^][=]name[:port][,name[:port]...]`.
     pub fn parse(text: &str) -> Result<HcaSpec> {
-        let mut rest = text.trim();
-        let exclude = rest.starts_with('^');
-        if exclude {
-            rest = &rest[1..];
-        }
-        let exact = rest.starts_with('=');
-        if exact {
-            rest = &rest[1..];
-        }
+        let list = crate::util::NcclList::parse(text);
         let mut entries = Vec::new();
-        for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in list.items {
             let (name, port) = match item.split_once(':') {
                 Some((n, p)) => {
                     let port = p.parse::<u32>().ok().filter(|&p| p > 0).ok_or_else(|| {
@@ -85,18 +77,14 @@ impl HcaSpec {
         }
         Ok(HcaSpec {
             entries,
-            exclude,
-            exact,
+            exclude: list.exclude,
+            exact: list.exact,
         })
     }
 
     fn entry_matches(&self, e: &HcaEntry, device: &str, port: u32) -> bool {
-        let name = if self.exact {
-            device == e.name
-        } else {
-            device.starts_with(&e.name)
-        };
-        name && e.port.is_none_or(|p| p == port)
+        crate::util::NcclList::name_matches(self.exact, &e.name, device)
+            && e.port.is_none_or(|p| p == port)
     }
 
     /// Whether port `port` of `device` may be used.
