@@ -343,28 +343,26 @@ static void complete_send(struct emu_qp *q, struct swqe *w, enum ibv_wc_status s
     cq_push(q->qp.send_cq, &wc);
 }
 
+/* Frees the singly linked list at `head` (linked through `next`), leaving `head` NULL. */
+#define FREE_LIST(head)                           \
+    do {                                          \
+        while (head) {                            \
+            __typeof__(head) next_ = (head)->next; \
+            free(head);                           \
+            (head) = next_;                       \
+        }                                         \
+    } while (0)
+
 static void free_packets(struct emu_qp *q) {
-    while (q->un) {
-        struct pkt *p = q->un;
-        q->un = p->next;
-        free(p);
-    }
+    FREE_LIST(q->un);
     q->un_tail = NULL;
     q->deadline = 0;
 }
 
 static void free_held(struct emu_qp *q) {
-    while (q->held) {
-        struct held *h = q->held;
-        q->held = h->next;
-        free(h);
-    }
+    FREE_LIST(q->held);
     q->held_tail = NULL;
-    while (q->precv) {
-        struct pending_recv *r = q->precv;
-        q->precv = r->next;
-        free(r);
-    }
+    FREE_LIST(q->precv);
     q->precv_tail = NULL;
 }
 

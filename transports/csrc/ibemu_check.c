@@ -166,6 +166,17 @@ static void post_recv(struct ibv_qp *qp, void *buf, uint32_t len, uint32_t lkey,
     CHECK(ibv_post_recv(qp, &wr, &bad) == 0, "post_recv");
 }
 
+/* Releases what a check of two connected ends made: their registrations, buffers and ends. */
+static void release(struct end *a, struct end *b, struct ibv_mr *ms, struct ibv_mr *md, void *src,
+                    void *dst) {
+    dereg_mr(ms);
+    dereg_mr(md);
+    free(src);
+    free(dst);
+    free_end(a);
+    free_end(b);
+}
+
 static void check_state_machine_and_inline(void) {
     struct end a = make_end(16, 64);
     char buf[128] = {0};
@@ -217,12 +228,7 @@ static void check_send_and_rnr(void) {
     CHECK(post_write(a.qp, IBV_WR_SEND, src, 100, ms->lkey, 0, 0, 8, 0) == 0, "post SEND");
     wc = wait_wc(a.cq);
     CHECK(wc.status == IBV_WC_REM_INV_REQ_ERR, "status %d", wc.status);
-    dereg_mr(ms);
-    dereg_mr(md);
-    free(src);
-    free(dst);
-    free_end(&a);
-    free_end(&b);
+    release(&a, &b, ms, md, src, dst);
     printf("ok: SEND waits for a receive (RNR), lands with its length; too long: "
            "IBV_WC_REM_INV_REQ_ERR\n");
 }
@@ -262,12 +268,7 @@ static void check_relaxed_placement_and_imm(void) {
         wc = wait_wc(a.cq);
         CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == (uint64_t)k, "write %d completed", k);
     }
-    dereg_mr(ms);
-    dereg_mr(md);
-    free(src);
-    free((void *)dst);
-    free_end(&a);
-    free_end(&b);
+    release(&a, &b, ms, md, src, (void *)dst);
     printf("ok: relaxed placement (a flag seen before its data), write-with-immediate completes "
            "after every earlier write is placed\n");
 }
