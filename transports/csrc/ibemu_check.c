@@ -166,15 +166,17 @@ static void post_recv(struct ibv_qp *qp, void *buf, uint32_t len, uint32_t lkey,
     CHECK(ibv_post_recv(qp, &wr, &bad) == 0, "post_recv");
 }
 
-/* Releases what a check of two connected ends made: their registrations, buffers and ends. */
-static void release(struct end *a, struct end *b, struct ibv_mr *ms, struct ibv_mr *md, void *src,
-                    void *dst) {
+/* Ends a check of two connected ends: releases their registrations, buffers and ends, and says
+ * what held ("ok: ..."). */
+static void finish(struct end *a, struct end *b, struct ibv_mr *ms, struct ibv_mr *md, void *src,
+                   void *dst, const char *held) {
     dereg_mr(ms);
     dereg_mr(md);
     free(src);
     free(dst);
     free_end(a);
     free_end(b);
+    printf("ok: %s\n", held);
 }
 
 static void check_state_machine_and_inline(void) {
@@ -228,9 +230,9 @@ static void check_send_and_rnr(void) {
     CHECK(post_write(a.qp, IBV_WR_SEND, src, 100, ms->lkey, 0, 0, 8, 0) == 0, "post SEND");
     wc = wait_wc(a.cq);
     CHECK(wc.status == IBV_WC_REM_INV_REQ_ERR, "status %d", wc.status);
-    release(&a, &b, ms, md, src, dst);
-    printf("ok: SEND waits for a receive (RNR), lands with its length; too long: "
-           "IBV_WC_REM_INV_REQ_ERR\n");
+    finish(&a, &b, ms, md, src, dst,
+           "SEND waits for a receive (RNR), lands with its length; too long: "
+           "IBV_WC_REM_INV_REQ_ERR");
 }
 
 static void check_relaxed_placement_and_imm(void) {
@@ -268,9 +270,9 @@ static void check_relaxed_placement_and_imm(void) {
         wc = wait_wc(a.cq);
         CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == (uint64_t)k, "write %d completed", k);
     }
-    release(&a, &b, ms, md, src, (void *)dst);
-    printf("ok: relaxed placement (a flag seen before its data), write-with-immediate completes "
-           "after every earlier write is placed\n");
+    finish(&a, &b, ms, md, src, (void *)dst,
+           "relaxed placement (a flag seen before its data), write-with-immediate completes "
+           "after every earlier write is placed");
 }
 
 static void check_cq_overflow(void) {
