@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::UnknownName;
+
 /// An algorithm: which family of schedules a call runs ([`crate::schedule::select`] maps it to
 /// the schedule of each collective).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -46,14 +48,9 @@ impl Algorithm {
     }
 }
 
-/// A name that is not an algorithm.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown algorithm {0:?} (ring, tree, rd, hier)")]
-pub struct UnknownAlgorithm(pub String);
-
 impl FromStr for Algorithm {
-    type Err = UnknownAlgorithm;
-    fn from_str(s: &str) -> Result<Self, UnknownAlgorithm> {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, UnknownName> {
         let k = s.trim().to_ascii_lowercase().replace('-', "_");
         let k = match k.as_str() {
             "recursive_doubling" => "rd",
@@ -63,7 +60,7 @@ impl FromStr for Algorithm {
         Algorithm::ALL
             .into_iter()
             .find(|a| a.name() == k)
-            .ok_or_else(|| UnknownAlgorithm(s.to_string()))
+            .ok_or_else(|| UnknownName::new("algorithm", s, "ring, tree, rd, hier"))
     }
 }
 

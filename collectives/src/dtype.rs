@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::UnknownName;
+
 wire_enum! {
     /// The data types of NCCL (`ncclDataType_t`), with nccl-tests' names.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -44,13 +46,8 @@ impl DataType {
     }
 }
 
-/// Error for a data type name that is not known.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown data type {0:?} (expected int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16)")]
-pub struct UnknownDataType(pub String);
-
 impl FromStr for DataType {
-    type Err = UnknownDataType;
+    type Err = UnknownName;
 
     /// Accepts nccl-tests' names and the usual aliases (`f32`, `float32`, `fp16`, `bf16`, ...).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -65,7 +62,11 @@ impl FromStr for DataType {
             "float" | "float32" | "f32" | "fp32" => DataType::Float32,
             "double" | "float64" | "f64" | "fp64" => DataType::Float64,
             "bfloat16" | "bf16" => DataType::Bfloat16,
-            _ => return Err(UnknownDataType(s.to_string())),
+            _ => {
+                let expected =
+                    "int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16";
+                return Err(UnknownName::new("data type", s, expected));
+            }
         };
         Ok(t)
     }

@@ -15,6 +15,7 @@ pub mod call;
 pub mod dtype;
 mod half_simd;
 pub mod header;
+pub mod name;
 pub mod op;
 pub mod reduce;
 pub mod schedule;
@@ -22,10 +23,11 @@ pub mod schedule;
 pub mod testing;
 pub mod tiers;
 
-pub use algorithm::{Algorithm, UnknownAlgorithm};
+pub use algorithm::Algorithm;
 pub use call::{CallError, RawOp};
 pub use dtype::{DataType, Element};
 /// The half-precision types [`half::f16`] and [`half::bf16`] (for [`with_element!`]).
 pub use half;
 pub use header::{OpDesc, HEADER_LEN};
+pub use name::UnknownName;
 pub use op::{Combiner, OpKind, ReduceOp};

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::UnknownName;
+
 /// A reduction, as NCCL's `ncclRedOp_t` (plus the pre-multiplied sum created by
 /// `ncclRedOpCreatePreMulSum`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,13 +72,8 @@ impl fmt::Display for ReduceOp {
     }
 }
 
-/// Error for a reduction name that is not known.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown reduction {0:?} (expected sum, prod, min, max, avg)")]
-pub struct UnknownReduceOp(pub String);
-
 impl FromStr for ReduceOp {
-    type Err = UnknownReduceOp;
+    type Err = UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
@@ -85,7 +82,7 @@ impl FromStr for ReduceOp {
             "min" => Ok(ReduceOp::Min),
             "max" => Ok(ReduceOp::Max),
             "avg" => Ok(ReduceOp::Avg),
-            _ => Err(UnknownReduceOp(s.to_string())),
+            _ => Err(UnknownName::new("reduction", s, "sum, prod, min, max, avg")),
         }
     }
 }

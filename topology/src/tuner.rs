@@ -9,6 +9,7 @@ use crate::search::RingPlan;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
+use weftcc_collectives::UnknownName;
 
 /// A collective operation the model predicts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -108,19 +109,14 @@ impl Protocol {
     }
 }
 
-/// A name that is not a protocol.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown protocol {0:?} (LL, LL128, Simple)")]
-pub struct UnknownProtocol(pub String);
-
 impl FromStr for Protocol {
-    type Err = UnknownProtocol;
-    fn from_str(s: &str) -> std::result::Result<Self, UnknownProtocol> {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> std::result::Result<Self, UnknownName> {
         let name = s.trim();
         let known = Protocol::ALL
             .into_iter()
             .find(|p| p.name().eq_ignore_ascii_case(name));
-        known.ok_or_else(|| UnknownProtocol(s.to_string()))
+        known.ok_or_else(|| UnknownName::new("protocol", s, "LL, LL128, Simple"))
     }
 }
 
