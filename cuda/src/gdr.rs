@@ -440,6 +440,16 @@ pub fn exchange_over(
     }
 }
 
+/// One all-reduce as [`GdrRing::all_reduce_in_place`] was called.
+#[derive(Clone, Copy)]
+struct RingCall<'a> {
+    buf: &'a dyn DeviceMemory,
+    offset: usize,
+    count: usize,
+    dtype: DataType,
+    comb: Combiner,
+}
+
 /// Control words a rank's neighbours write (offsets in its control region).
 const DATA_FLAG: usize = 0; // data steps landed from the previous rank
 const ABORT: usize = 8; // a failure somewhere in the ring
@@ -844,7 +854,14 @@ impl GdrRing {
         if self.broken {
             return Err(GdrError::Broken { rank: self.rank });
         }
-        let r = self.all_reduce(seq, buf, offset, count, dtype, comb);
+        let call = RingCall {
+            buf,
+            offset,
+            count,
+            dtype,
+            comb,
+        };
+        let r = self.all_reduce(seq, call);
         if let Err(e) = &r {
             self.broken = true;
             let origin = match e {
@@ -856,15 +873,14 @@ impl GdrRing {
         r
     }
 
-    fn all_reduce(
-        &mut self,
-        seq: u64,
-        buf: &dyn DeviceMemory,
-        offset: usize,
-        count: usize,
-        dtype: DataType,
-        comb: Combiner,
-    ) -> Result<(), GdrError> {
+    fn all_reduce(&mut self, seq: u64, call: RingCall<'_>) -> Result<(), GdrError> {
+        let RingCall {
+            buf,
+            offset,
+            count,
+            dtype,
+            comb,
+        } = call;
         let (rank, n) = (self.rank, self.nranks);
         let op = OpKind::AllReduce;
         let size = dtype.size();
