@@ -196,6 +196,8 @@ impl DeviceSide for CudaDevice {
                 sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
             )
         })?;
+        // The flush is not ordered with the stream: it is right here only because the ring
+        // waited for the data flag on the host before calling `consume`.
         if has_symbol("cuFlushGPUDirectRDMAWrites") {
             // SAFETY: a context is current (bound above); the call takes no pointers.
             check("cuFlushGPUDirectRDMAWrites", unsafe {

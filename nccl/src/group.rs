@@ -98,7 +98,7 @@ pub(crate) fn submit_init(comm: Arc<ncclComm>, make: Make) -> Outcome {
         spawn_init(comm, make);
         return Ok(IN_PROGRESS);
     }
-    match make() {
+    match run_make(make) {
         Ok(raw) => {
             comm.settle(Ok(raw));
             DONE
@@ -111,12 +111,23 @@ pub(crate) fn submit_init(comm: Arc<ncclComm>, make: Make) -> Outcome {
     }
 }
 
+/// Runs an init's `make`; a panic in it is a failure, so that its handle is settled whatever
+/// happens (a handle left pending would hold `ncclCommDestroy` forever).
+pub(crate) fn run_make(make: Make) -> Result<Raw, Failure> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(make)).unwrap_or_else(|_| {
+        Err(Failure {
+            code: weftInternalError,
+            msg: "internal error: a communicator's init panicked".into(),
+        })
+    })
+}
+
 /// A non-blocking init, on a thread that settles the handle when done.
 fn spawn_init(comm: Arc<ncclComm>, make: Make) {
     let mine = comm.clone();
     let started = std::thread::Builder::new()
         .name("weft-nccl-init".into())
-        .spawn(move || mine.settle(make()));
+        .spawn(move || mine.settle(run_make(make)));
     if let Err(e) = started {
         comm.settle(Err(Failure {
             code: weft::weftSystemError,
@@ -191,7 +202,7 @@ pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
         for (comm, make) in inits {
             if comm.blocking {
                 blocking.push(Box::new(move || {
-                    let made = make();
+                    let made = run_make(make);
                     let failed = made.as_ref().err().cloned();
                     comm.settle(made);
                     failed

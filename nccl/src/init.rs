@@ -295,7 +295,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
                 let h = h.clone();
                 let make = make_rank(ndev, id, rank, None, call);
                 Box::new(move || {
-                    let made = make();
+                    let made = crate::group::run_make(make);
                     let failed = made.as_ref().err().cloned();
                     h.settle(made);
                     failed

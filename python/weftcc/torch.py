@@ -281,8 +281,9 @@ class WeftWork(dist.Work):
 
 
 class _CudaWork(WeftWork):
-    """An operation on CUDA tensors, with ProcessGroupNCCL's semantics: enqueued on the
-    caller's current stream (so after what that stream already holds), in call order with the
+    """An operation on CUDA tensors, with ProcessGroupNCCL's ordering semantics: enqueued on the
+    caller's current stream itself (ProcessGroupNCCL uses an internal stream that waits for it,
+    so there later compute may overlap the collective; here it follows it), in call order with the
     group's other operations (on the calling thread when nothing is queued, else by the
     group's worker, on the same stream). `wait()` and `synchronize()` make the caller's current
     stream wait for the operation (the host waits only until it is enqueued); `is_completed()`
