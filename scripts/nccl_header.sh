@@ -11,7 +11,7 @@ dest=${1:-/tmp/weft-nccl-header}
 if [ ! -f "$dest/include/nccl.h" ]; then
   wheels=$(mktemp -d)
   trap 'rm -rf "$wheels"' EXIT
-  python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --dest "$wheels" "nvidia-nccl-cu13==$version" >&2
   mkdir -p "$dest/include"
   python3 - "$wheels" "$dest/include" <<'PY'
