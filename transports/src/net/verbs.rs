@@ -641,23 +641,12 @@ mod sys {
         }
 
         pub fn register(&self, memory: Arc<Memory>) -> NetResult<Region> {
-            let (mut mr, mut lkey, mut rkey) = (std::ptr::null_mut(), 0u32, 0u32);
-            // SAFETY: `memory` is a live allocation that the returned `Region` keeps alive
-            // until after the registration is dropped; out-pointers are valid.
-            let rc = unsafe {
-                weft_ibv_reg(
-                    self.ctx.0,
-                    memory.as_ptr().cast(),
-                    memory.len(),
-                    &mut mr,
-                    &mut lkey,
-                    &mut rkey,
-                )
-            };
-            if rc != 0 {
-                return Err(errno_error("ibv_reg_mr", rc));
-            }
-            Ok(self.region(memory, mr, lkey, rkey))
+            let (ptr, len) = (memory.as_ptr(), memory.len());
+            self.registered(memory, "ibv_reg_mr", |mr, lkey, rkey| {
+                // SAFETY: `memory` is a live allocation that the returned `Region` keeps alive
+                // until after the registration is dropped; out-pointers are valid.
+                unsafe { weft_ibv_reg(self.ctx.0, ptr.cast(), len, mr, lkey, rkey) }
+            })
         }
 
         /// Registers the dmabuf range `dmabuf` whose device address (iova) is `memory`'s.
@@ -666,25 +655,31 @@ mod sys {
             memory: Arc<Memory>,
             dmabuf: Dmabuf<'_>,
         ) -> NetResult<Region> {
+            let (iova, len) = (memory.as_ptr() as u64, memory.len());
+            self.registered(memory, "ibv_reg_dmabuf_mr", |mr, lkey, rkey| {
+                // SAFETY: the descriptor is open for the call (borrowed); the driver maps the
+                // dmabuf itself and names it by `iova`, which is never dereferenced here; the
+                // returned `Region` keeps `memory` (the owner's record of the range) until after
+                // the registration is dropped; out-pointers are valid.
+                unsafe {
+                    let fd = dmabuf.fd.as_raw_fd();
+                    weft_ibv_reg_dmabuf(self.ctx.0, dmabuf.offset, len, iova, fd, mr, lkey, rkey)
+                }
+            })
+        }
+
+        /// `memory` registered by `reg` (a shim call filling the region and its keys; `call`
+        /// names it in errors).
+        fn registered(
+            &self,
+            memory: Arc<Memory>,
+            call: &'static str,
+            reg: impl FnOnce(&mut *mut RawMr, &mut u32, &mut u32) -> c_int,
+        ) -> NetResult<Region> {
             let (mut mr, mut lkey, mut rkey) = (std::ptr::null_mut(), 0u32, 0u32);
-            // SAFETY: the descriptor is open for the call (borrowed); the driver maps the
-            // dmabuf itself and names it by `iova`, which is never dereferenced here; the
-            // returned `Region` keeps `memory` (the owner's record of the range) until after
-            // the registration is dropped; out-pointers are valid.
-            let rc = unsafe {
-                weft_ibv_reg_dmabuf(
-                    self.ctx.0,
-                    dmabuf.offset,
-                    memory.len(),
-                    memory.as_ptr() as u64,
-                    dmabuf.fd.as_raw_fd(),
-                    &mut mr,
-                    &mut lkey,
-                    &mut rkey,
-                )
-            };
+            let rc = reg(&mut mr, &mut lkey, &mut rkey);
             if rc != 0 {
-                return Err(errno_error("ibv_reg_dmabuf_mr", rc));
+                return Err(errno_error(call, rc));
             }
             Ok(self.region(memory, mr, lkey, rkey))
         }
