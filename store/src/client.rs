@@ -208,6 +208,10 @@ impl StoreClient {
                 what: "waiting in the bootstrap store".into(),
                 after: wait,
             }),
+            ST_INTERRUPTED => Err(StoreError::Interrupted {
+                key: String::new(),
+                value: resp[1..].to_vec(),
+            }),
             ST_ERROR => Err(StoreError::Rejected(
                 String::from_utf8_lossy(&resp[1..]).into_owned(),
             )),
@@ -280,28 +284,58 @@ impl StoreClient {
     pub fn get_all(&mut self, keys: &[String], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let deadline = Deadline::after(timeout);
         let mut values = Vec::with_capacity(keys.len());
-        self.get_all_into(keys, &deadline, timeout, &mut values)?;
+        self.get_all_into(keys, None, &deadline, timeout, &mut values)?;
+        Ok(values)
+    }
+
+    /// [`StoreClient::get_all`], unless `unless` is set first (or meanwhile): then
+    /// [`StoreError::Interrupted`] with its value. The store answers as soon as either happens
+    /// (a set-up's wait ends the moment a rank's death is published, not at its timeout).
+    pub fn get_all_unless(
+        &mut self,
+        keys: &[String],
+        unless: &str,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let deadline = Deadline::after(timeout);
+        let mut values = Vec::with_capacity(keys.len());
+        self.get_all_into(keys, Some(unless), &deadline, timeout, &mut values)
+            .map_err(|e| match e {
+                StoreError::Interrupted { value, .. } => StoreError::Interrupted {
+                    key: unless.to_string(),
+                    value,
+                },
+                e => e,
+            })?;
         Ok(values)
     }
 
     fn get_all_into(
         &mut self,
         keys: &[String],
+        unless: Option<&str>,
         deadline: &Deadline,
         timeout: Duration,
         values: &mut Vec<Vec<u8>>,
     ) -> Result<()> {
-        let mut v = vec![OP_GET_ALL];
+        let mut v = vec![if unless.is_some() {
+            OP_GET_ALL_UNLESS
+        } else {
+            OP_GET_ALL
+        }];
         let wait = deadline.remaining();
         v.extend_from_slice(&(wait.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        if let Some(key) = unless {
+            put_key(&mut v, key.as_bytes());
+        }
         v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
         for k in keys {
             put_key(&mut v, k.as_bytes());
         }
         let halve = |this: &mut Self, values: &mut Vec<Vec<u8>>| {
             let (a, b) = keys.split_at(keys.len() / 2);
-            this.get_all_into(a, deadline, timeout, values)?;
-            this.get_all_into(b, deadline, timeout, values)
+            this.get_all_into(a, unless, deadline, timeout, values)?;
+            this.get_all_into(b, unless, deadline, timeout, values)
         };
         if v.len() > MAX_FRAME && keys.len() > 1 {
             return halve(self, values);
