@@ -34,7 +34,7 @@ impl UniqueId {
         .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
         let token = weftcc_transports::random_token()
             .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
-        let server = StoreServer::start(std::net::SocketAddr::new(ip, 0), &token).map_err(|e| {
+        let server = start_store(std::net::SocketAddr::new(ip, 0), &token).map_err(|e| {
             Error::Bootstrap {
                 rank: 0,
                 source: e.into(),
@@ -91,9 +91,26 @@ pub(crate) struct StoreHost {
     pub(crate) unsettled: Mutex<Vec<String>>,
 }
 
+/// Starts a job's bootstrap store on `addr`'s port (every address of its family), serving
+/// clients that present `token`, with the failure protocol's part that runs in the store (a rank
+/// whose connection closes unannounced is published as lost): what rank 0, `weft run`'s
+/// launcher and `weft store serve` run.
+pub fn serve_store(addr: &str, token: &str) -> std::result::Result<StoreServer, TransportError> {
+    Ok(start_store(bind_address(addr)?, token)?)
+}
+
+/// [`serve_store`] bound to `bind` as it is.
+fn start_store(
+    bind: std::net::SocketAddr,
+    token: &str,
+) -> std::result::Result<StoreServer, weftcc_store::StoreError> {
+    let server = StoreServer::start(bind, token)?;
+    server.on_session_closed(Arc::new(crate::failure::lost_by_the_store));
+    Ok(server)
+}
+
 impl StoreHost {
     pub(crate) fn new(server: StoreServer, id: &UniqueId) -> StoreHost {
-        server.on_session_closed(Arc::new(crate::failure::lost_by_the_store));
         StoreHost {
             _server: server,
             id: id.clone(),

@@ -3,7 +3,7 @@
 //! schedule's logical buffers onto the caller's memory and hands both to the engine, in issue
 //! order (`ordering`); the first fatal error poisons it (`failure`).
 
-use crate::bootstrap::{bind_address, join_host_port, servers, StoreHost, UniqueId};
+use crate::bootstrap::{join_host_port, serve_store, servers, StoreHost, UniqueId};
 use crate::config::{shm_low_latency_max, warn_unimplemented_protocols, CommConfig};
 use crate::env::LaunchInfo;
 use crate::error::{Error, Result};
@@ -25,7 +25,7 @@ use std::time::Duration;
 use weftcc_collectives::call::RawOp;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_collectives::{reduce, DataType, Element, OpKind, ReduceOp};
-use weftcc_store::{StoreClient, StoreServer};
+use weftcc_store::StoreClient;
 use weftcc_transports::lock;
 use weftcc_transports::mesh::{count_out, Mesh, MeshConfig};
 use weftcc_transports::TransportError;
@@ -78,11 +78,16 @@ impl Communicator {
     /// [`CommConfig::deterministic`] set).
     pub fn from_env_with(config: CommConfig) -> Result<Communicator> {
         let info = LaunchInfo::from_env()?;
+        // A store the launcher (or the user) runs: nobody here serves one.
+        let (addr, serve) = match &info.store {
+            Some(store) => (store.clone(), false),
+            None => (join_host_port(&info.master_addr, info.master_port), true),
+        };
         let id = UniqueId {
-            addr: join_host_port(&info.master_addr, info.master_port),
+            addr,
             token: info.token.clone(),
         };
-        Communicator::init_with(info.rank, info.world_size, &id, config)
+        Communicator::join(info.rank, info.world_size, &id, config, serve)
     }
 
     /// Joins the job identified by `id` as `rank` of `nranks`. Rank 0 serves the bootstrap
@@ -98,6 +103,18 @@ impl Communicator {
         id: &UniqueId,
         config: CommConfig,
     ) -> Result<Communicator> {
+        Communicator::join(rank, nranks, id, config, true)
+    }
+
+    /// Joins the job at `id`'s store; rank 0 serves it there if `serve` (else it runs
+    /// elsewhere: in the launcher, or started by `weft store serve`).
+    fn join(
+        rank: usize,
+        nranks: usize,
+        id: &UniqueId,
+        config: CommConfig,
+        serve: bool,
+    ) -> Result<Communicator> {
         crate::logging::init();
         // The pure core reads no environment: the process-wide kernel choice is made here.
         reduce::set_wide_kernels(!weftcc_settings::NO_AVX512.flag()?);
@@ -107,13 +124,12 @@ impl Communicator {
             )));
         }
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
-        let server = if rank == 0 {
+        let server = if rank == 0 && serve {
             let existing = lock(servers()).remove(id);
             match existing {
                 Some(s) => Some(s),
                 None => {
-                    let bind = bind_address(&id.addr).map_err(boot)?;
-                    let server = StoreServer::start(bind, &id.token).map_err(|e| boot(e.into()))?;
+                    let server = serve_store(&id.addr, &id.token).map_err(boot)?;
                     Some(Arc::new(StoreHost::new(server, id)))
                 }
             }

@@ -36,6 +36,9 @@ pub struct LaunchInfo {
     pub master_port: u16,
     /// Job token all ranks share (rejects connections from other jobs).
     pub token: String,
+    /// A running store the ranks meet at (`WEFT_STORE`), instead of rank 0 serving one at the
+    /// rendezvous address.
+    pub store: Option<String>,
 }
 
 /// Whether a launcher (weft run, torchrun, srun, mpirun) started this process as one rank of a
@@ -198,6 +201,7 @@ impl LaunchInfo {
             master_addr,
             master_port,
             token,
+            store: get("WEFT_STORE").map(str::to_string),
         })
     }
 }

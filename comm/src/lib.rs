@@ -39,7 +39,7 @@ pub mod tuning;
 mod watcher;
 mod worker;
 
-pub use bootstrap::{join_host_port, UniqueId};
+pub use bootstrap::{join_host_port, serve_store, UniqueId};
 pub use communicator::Communicator;
 pub use config::{Backoff, CommConfig};
 pub use env::LaunchInfo;

@@ -167,6 +167,8 @@ settings! {
         "Port of the job's bootstrap store.";
     JOB_TOKEN = "WEFT_JOB_TOKEN", Launcher, "",
         "The job's token (authenticates to its store).";
+    STORE = "WEFT_STORE", Launcher, "",
+        "A running bootstrap store (`host:port`) where the ranks meet instead of rank 0 serving one: `weft run` sets its own (node 0's launcher serves it); `weft store serve` starts one.";
 
     // The `weft` tool.
     UNIQUE_ID = "WEFT_UNIQUE_ID", Text, "unset",

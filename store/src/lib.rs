@@ -59,7 +59,7 @@ mod wire;
 
 pub use client::{SessionInfo, StoreClient};
 pub use error::{Result, StoreError};
-pub use server::{LocalStore, SessionHook, StoreServer};
+pub use server::{LocalStore, SessionHook, StoreServer, Traffic};
 
 use std::time::Duration;
 

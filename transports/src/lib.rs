@@ -28,6 +28,7 @@
 pub mod conn;
 pub mod dial;
 pub mod error;
+pub mod host_table;
 pub mod limits;
 pub mod mem;
 pub mod mesh;
@@ -44,6 +45,7 @@ pub use conn::{Connection, IdleWaiter, Interest, FAREWELL_MAX};
 pub use error::TransportError;
 pub use mesh::{ConnectError, ConnectMode, Mesh, MeshConfig};
 pub use util::{fnv1a64, lock};
+pub use weftcc_base::Deadline;
 pub use weftcc_settings::{parse_size, InvalidSize};
 
 /// A fresh random job token (32 hex characters) for launchers that start all ranks themselves.

@@ -8,11 +8,9 @@
 //!    rank's abstract Unix socket ([`crate::dial::listen_unix`]); publish the TCP address (`<namespace>/addr/<rank>`,
 //!    read only by the peers that connect to this rank over TCP).
 //! 2. Gather the host table, every rank's [`PeerHost`] (host id, network namespace, shared memory
-//!    allowed), as a two-level all-gather over the store: each rank publishes its entry, the first
-//!    rank of every block of [`HOST_BLOCK`] ranks folds its block into one record of distinct
-//!    entries and indices, and every rank reads the `n / HOST_BLOCK` block records in one request.
-//!    Rank 0's store serves about `2n + n / 32` requests and `O(n²/16)` bytes instead of `n²`
-//!    records.
+//!    allowed, network provider): at rank 0 through the store, then down a binary tree of direct
+//!    connections among the ranks ([`crate::host_table`]), so that the store serves `O(n)`
+//!    requests and bytes.
 //! 3. Where this rank shares memory with others: check that the host can hold their rings
 //!    ([`shm::check_host_shm`], every rank of the host fails alike) and create this rank's
 //!    doorbell.
@@ -37,6 +35,7 @@
 use crate::conn::{Connection, IdleWaiter, Interest};
 use crate::dial::{Connector, Kind, Made, PeerHost};
 use crate::error::{Result, TransportError};
+use crate::host_table;
 use crate::mem::{self, Doorbell, MemWaiter};
 use crate::mux::{self, ChannelId, Mux, Signal};
 use crate::net::{self, NetChoice, NetConnection, Provider};
@@ -54,8 +53,6 @@ use weftcc_store::{StoreClient, StoreError};
 /// Longest slice the mesh waiter sleeps on the futex before looking at TCP sockets again when it
 /// waits for both kinds of peers.
 pub const MIXED_WAIT_SLICE: Duration = Duration::from_micros(200);
-/// Ranks per block of the host-table all-gather.
-pub const HOST_BLOCK: usize = 64;
 
 /// When a rank connects to its peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -131,6 +128,11 @@ pub struct ConnectError {
     pub source: TransportError,
 }
 
+/// Store key of rank `rank`'s TCP address (step 1), read by the peers that connect to it.
+pub fn addr_key(ns: &str, rank: usize) -> String {
+    format!("{ns}/addr/{rank}")
+}
+
 /// Store key under which a rank's death during the set-up of namespace `ns` is published (its
 /// rank, in decimal): the store's host sets it when the rank's session closes before the rank
 /// has joined, and every set-up wait of the namespace ends on it.
@@ -139,7 +141,7 @@ pub fn setup_lost_key(ns: &str) -> String {
 }
 
 /// A set-up wait's failure: the death it was interrupted by as [`TransportError::DiedInSetup`].
-fn setup_error(e: StoreError) -> TransportError {
+pub(crate) fn setup_error(e: StoreError) -> TransportError {
     match e {
         StoreError::Interrupted { value, .. } => {
             match std::str::from_utf8(&value)
@@ -158,7 +160,7 @@ fn setup_error(e: StoreError) -> TransportError {
 
 /// [`StoreClient::get_all`] for a set-up step of namespace `ns`: ends as soon as a rank's death
 /// during set-up is published ([`setup_lost_key`]).
-fn setup_get_all(
+pub(crate) fn setup_get_all(
     store: &mut StoreClient,
     ns: &str,
     keys: &[String],
@@ -185,79 +187,6 @@ fn leave_together(
         }
     }
     Ok(())
-}
-
-fn encode_host(h: &PeerHost) -> String {
-    format!("{:x}/{}/{}/{}", h.netns, u8::from(h.shm), h.net, h.host_id)
-}
-
-fn decode_host(text: &str) -> Option<PeerHost> {
-    let mut it = text.splitn(4, '/');
-    let netns = u64::from_str_radix(it.next()?, 16).ok()?;
-    let shm = match it.next()? {
-        "0" => false,
-        "1" => true,
-        _ => return None,
-    };
-    let net = it.next()?.to_string();
-    Some(PeerHost {
-        host_id: it.next()?.to_string(),
-        netns,
-        shm,
-        net,
-    })
-}
-
-/// One block of the host table: its distinct entries, then each rank's index among them.
-fn encode_block(entries: &[Vec<u8>]) -> Vec<u8> {
-    let mut distinct: Vec<&[u8]> = Vec::new();
-    let mut index = Vec::with_capacity(entries.len());
-    for e in entries {
-        let i = match distinct.iter().position(|d| *d == e.as_slice()) {
-            Some(i) => i,
-            None => {
-                distinct.push(e);
-                distinct.len() - 1
-            }
-        };
-        index.push(i as u32);
-    }
-    let mut v = Vec::new();
-    v.extend_from_slice(&(distinct.len() as u32).to_le_bytes());
-    for d in &distinct {
-        v.extend_from_slice(&(d.len() as u32).to_le_bytes());
-        v.extend_from_slice(d);
-    }
-    v.extend_from_slice(&(index.len() as u32).to_le_bytes());
-    for i in index {
-        v.extend_from_slice(&i.to_le_bytes());
-    }
-    v
-}
-
-fn decode_block(b: &[u8]) -> Option<Vec<String>> {
-    let mut rest = b;
-    let u32_ = |rest: &mut &[u8]| -> Option<usize> {
-        let (h, t) = rest.split_first_chunk::<4>()?;
-        *rest = t;
-        Some(u32::from_le_bytes(*h) as usize)
-    };
-    let nd = u32_(&mut rest)?;
-    let mut distinct = Vec::with_capacity(nd.min(1024));
-    for _ in 0..nd {
-        let len = u32_(&mut rest)?;
-        if rest.len() < len {
-            return None;
-        }
-        distinct.push(String::from_utf8(rest[..len].to_vec()).ok()?);
-        rest = &rest[len..];
-    }
-    let count = u32_(&mut rest)?;
-    let mut out = Vec::with_capacity(count.min(HOST_BLOCK));
-    for _ in 0..count {
-        out.push(distinct.get(u32_(&mut rest)?)?.clone());
-    }
-    rest.is_empty().then_some(out)
 }
 
 /// Peers a rank of `n` connects to for ring, tree and recursive-doubling collectives: at most
@@ -301,20 +230,22 @@ pub const MAX_NAMED_MISSING: usize = 16;
 /// or a store that cannot tell, is returned as it is. Rank 0, which serves the store, leaves
 /// only once every rank that joined has found the same (at most [`NOT_JOINED_LINGER`] more), so
 /// that none of them finds the store closed instead.
-fn name_the_missing(
+pub(crate) fn name_the_missing(
     store: &mut StoreClient,
     ns: &str,
     rank: usize,
     n: usize,
     e: TransportError,
 ) -> TransportError {
-    let TransportError::Store(StoreError::Timeout { after, .. }) = &e else {
-        return e;
+    let after = match &e {
+        TransportError::Store(StoreError::Timeout { after, .. })
+        | TransportError::Timeout { after, .. } => *after,
+        _ => return e,
     };
     let mut missing = Vec::new();
     let mut more = 0;
     for r in 0..n {
-        match store.get(&format!("{ns}/host/{r}"), Duration::ZERO) {
+        match store.get(&host_table::entry_key(ns, r), Duration::ZERO) {
             Ok(_) => {}
             Err(StoreError::Timeout { .. }) if missing.len() < MAX_NAMED_MISSING => missing.push(r),
             Err(StoreError::Timeout { .. }) => more += 1,
@@ -337,7 +268,7 @@ fn name_the_missing(
         missing,
         more,
         nranks: n,
-        after: *after,
+        after,
     }
 }
 
@@ -354,46 +285,6 @@ fn all_see_the_death(store: &mut StoreClient, ns: &str, rank: usize, n: usize) {
         std::thread::sleep(Duration::from_millis(10));
         count = store.add(&seen, 0).unwrap_or(n as i64);
     }
-}
-
-/// The host table (see the module docs, step 2): every rank's entry, indexed by rank.
-fn gather_hosts(
-    store: &mut StoreClient,
-    ns: &str,
-    rank: usize,
-    n: usize,
-    me: &PeerHost,
-    deadline: &Deadline,
-) -> Result<Vec<PeerHost>> {
-    store.set(&format!("{ns}/host/{rank}"), encode_host(me).as_bytes())?;
-    let block = rank / HOST_BLOCK;
-    if rank.is_multiple_of(HOST_BLOCK) {
-        let keys: Vec<String> = (rank..n.min(rank + HOST_BLOCK))
-            .map(|r| format!("{ns}/host/{r}"))
-            .collect();
-        let entries = setup_get_all(store, ns, &keys, deadline.remaining())?;
-        store.set(&format!("{ns}/hosts/{block}"), &encode_block(&entries))?;
-    }
-    let keys: Vec<String> = (0..n.div_ceil(HOST_BLOCK))
-        .map(|b| format!("{ns}/hosts/{b}"))
-        .collect();
-    let mut hosts = Vec::with_capacity(n);
-    for (b, raw) in setup_get_all(store, ns, &keys, deadline.remaining())?
-        .iter()
-        .enumerate()
-    {
-        let bad = || TransportError::Protocol(format!("malformed host table block {b}"));
-        for text in decode_block(raw).ok_or_else(bad)? {
-            hosts.push(decode_host(&text).ok_or_else(bad)?);
-        }
-    }
-    if hosts.len() != n {
-        return Err(TransportError::Protocol(format!(
-            "host table has {} entries for {n} ranks",
-            hosts.len()
-        )));
-    }
-    Ok(hosts)
 }
 
 /// The [`IdleWaiter`] of a [`Mesh`]: the futex doorbell for shared-memory peers, `poll()` for TCP
@@ -634,7 +525,7 @@ impl Mesh {
             Some(crate::dial::listen_unix(&cfg.token, ns, rank)?)
         };
         store.set(
-            &format!("{ns}/addr/{rank}"),
+            &addr_key(ns, rank),
             endpoint.local_addr().to_string().as_bytes(),
         )?;
 
@@ -645,7 +536,7 @@ impl Mesh {
             me.net = p.id();
             tracing::info!(target: "weftcc::net", rank, "NET/{} opened", p.name());
         }
-        let hosts = gather_hosts(store, ns, rank, n, &me, &deadline)
+        let hosts = host_table::gather(store, ns, &cfg.token, (rank, n), &me, ip, &deadline)
             .map_err(|e| name_the_missing(store, ns, rank, n, e))?;
         store.add(&format!("{ns}/hosts-read"), 1)?;
 
@@ -856,7 +747,7 @@ impl Mesh {
             let ns = &family.namespace;
             let keys: Vec<String> = need_addr
                 .iter()
-                .map(|&p| format!("{ns}/addr/{}", self.members[p]))
+                .map(|&p| addr_key(ns, self.members[p]))
                 .collect();
             let fail = |source: StoreError| ConnectError {
                 peer: need_addr[0],
@@ -1093,38 +984,4 @@ impl Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn host_entries_and_blocks_round_trip() {
-        let h = PeerHost {
-            host_id: "node/7:boot".into(),
-            netns: 0xf00d,
-            shm: true,
-            net: "ofi:tcp;ofi_rxm".into(),
-        };
-        assert_eq!(decode_host(&encode_host(&h)), Some(h));
-        let entries: Vec<Vec<u8>> = ["a", "b", "a", "a", "c"]
-            .iter()
-            .map(|s| s.as_bytes().to_vec())
-            .collect();
-        let enc = encode_block(&entries);
-        assert_eq!(
-            decode_block(&enc),
-            Some(
-                vec!["a", "b", "a", "a", "c"]
-                    .into_iter()
-                    .map(String::from)
-                    .collect()
-            )
-        );
-        // Three distinct entries stored once each.
-        assert_eq!(enc.len(), 4 + 3 * 5 + 4 + 5 * 4);
-        for cut in 0..enc.len() {
-            assert!(decode_block(&enc[..cut]).is_none());
-        }
-        let mut bad_index = enc.clone();
-        let last = bad_index.len() - 4;
-        bad_index[last] = 9;
-        assert!(decode_block(&bad_index).is_none());
-    }
 }

@@ -9,6 +9,8 @@
 //!   read from its bootstrap store.
 //! * `weft trace`: ask a running job's ranks to write their flight recorders (`dump`), and line
 //!   the files up (`merge`).
+//! * `weft store`: a job's bootstrap store as a process of its own (`serve`), and a load test of
+//!   it with simulated ranks (`load`).
 
 // `deny` rather than `forbid`: `weft run`'s process control (run/process.rs) opts in for its
 // signal handler and pre-exec hook.
@@ -19,6 +21,7 @@ mod job_status;
 mod perf;
 mod run;
 mod status;
+mod store;
 mod topo;
 mod trace;
 mod trace_merge;
@@ -54,6 +57,8 @@ enum Command {
     Trace(trace::TraceArgs),
     /// Train the reference MLP data-parallel (DDP reducer, checkpoints, resume).
     Train(train::TrainArgs),
+    /// A bootstrap store as a process of its own (`serve`), and its load test (`load`).
+    Store(store::StoreArgs),
 }
 
 fn main() {
@@ -66,6 +71,7 @@ fn main() {
         Command::Train(args) => train::main(args),
         Command::Status(args) => status::main(args),
         Command::Trace(args) => trace::main(args),
+        Command::Store(args) => store::main(args),
     };
     std::process::exit(code);
 }

@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
-use process::{catch_termination_signals, launch_as_worker, take_pending_signal};
+pub use process::take_pending_signal;
+use process::{catch_termination_signals, launch_as_worker};
 use weftcc_transports::shm::remove_orphan_segments;
 
 /// How long stopped workers get between SIGTERM and SIGKILL.
@@ -34,6 +35,9 @@ const GRACE: Duration = Duration::from_secs(3);
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long to wait for output readers to drain after every worker has exited.
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// Longest node 0's launcher keeps the job's store up after its own workers ended, while
+/// ranks of other nodes still hold connections to it.
+const STORE_LINGER: Duration = Duration::from_secs(5);
 /// Interval of the exit-polling loop.
 const POLL: Duration = Duration::from_millis(5);
 /// The rendezvous port of multi-node jobs that name none (torchrun's).
@@ -43,8 +47,14 @@ const AFTER_HELP: &str = "\
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_RANK, ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT,
 TORCHELASTIC_MAX_RESTARTS, OMP_NUM_THREADS=1 (if unset) and weftcc's WEFT_RANK, WEFT_WORLD_SIZE,
-WEFT_LOCAL_RANK, WEFT_LOCAL_WORLD_SIZE, WEFT_MASTER_ADDR, WEFT_MASTER_PORT and WEFT_JOB_TOKEN.
-Workers run in their own process groups with stdin from /dev/null, and die with the launcher.
+WEFT_LOCAL_RANK, WEFT_LOCAL_WORLD_SIZE, WEFT_MASTER_ADDR, WEFT_MASTER_PORT, WEFT_JOB_TOKEN and
+WEFT_STORE. Workers run in their own process groups with stdin from /dev/null, and die with the
+launcher.
+
+The job's bootstrap store (where ranks meet, publish failures and progress) is served by the
+launcher of node 0 on --master-port, not by rank 0, so that any rank's death leaves it up; the
+workers find it through WEFT_STORE. With WEFT_STORE set in the launcher's environment (a store
+started by `weft store serve`), that one is used and no launcher serves one.
 
 WEFT_JOB_TOKEN: taken from the launcher's environment when set there; otherwise a fresh random
 token per attempt on a single node. Multi-node jobs (--nnodes > 1) should set WEFT_JOB_TOKEN to
@@ -68,10 +78,10 @@ pub struct RunArgs {
     /// Rank of this node, 0 <= K < nnodes.
     #[arg(long, visible_alias = "node_rank", default_value_t = 0)]
     pub node_rank: u32,
-    /// Address of the node running rank 0.
+    /// Address of node 0 (its launcher serves the job's bootstrap store).
     #[arg(long, visible_alias = "master_addr", default_value = "127.0.0.1")]
     pub master_addr: String,
-    /// Port of rank 0's rendezvous (its bootstrap store). Default: a free port on a single
+    /// Port of the job's bootstrap store on node 0. Default: a free port on a single
     /// node, 29500 with --nnodes > 1 (every node must give the same); 0 picks a free port
     /// (single-node jobs only).
     #[arg(long, visible_alias = "master_port")]
@@ -202,9 +212,11 @@ enum Outcome {
     Fatal(i32),
 }
 
-fn install_signal_handlers() {
+/// Catches SIGINT, SIGTERM and SIGHUP for [`take_pending_signal`]; `label` names the command in
+/// what it says when it cannot.
+pub fn install_signal_handlers(label: &str) {
     for (sig, e) in catch_termination_signals() {
-        eprintln!("weft run: cannot install a handler for {sig}: {e}");
+        eprintln!("{label}: cannot install a handler for {sig}: {e}");
     }
 }
 
@@ -395,6 +407,7 @@ impl Launch {
         attempt: u32,
         port: u16,
         token: &str,
+        store: &str,
     ) -> Vec<(String, String)> {
         let n = self.nproc_per_node;
         let rank = self.node_rank * n + local;
@@ -420,6 +433,7 @@ impl Launch {
             ("WEFT_MASTER_ADDR", self.master_addr.clone()),
             ("WEFT_MASTER_PORT", port.to_string()),
             ("WEFT_JOB_TOKEN", token.to_string()),
+            ("WEFT_STORE", store.to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -452,7 +466,7 @@ impl Launch {
             eprintln!("{}: no rank started", self.label);
             return 2;
         }
-        install_signal_handlers();
+        install_signal_handlers(self.label);
         let mut attempt = 0u32;
         loop {
             match self.run_attempt(attempt) {
@@ -482,19 +496,21 @@ impl Launch {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn spawn(
         &self,
         local: usize,
         attempt: u32,
         port: u16,
         token: &str,
+        store: &str,
         cpu: Option<usize>,
         done: &mpsc::Sender<()>,
     ) -> io::Result<Worker> {
         let rank = self.node_rank * self.nproc_per_node + local;
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
-            .envs(self.worker_env(local, attempt, port, token))
+            .envs(self.worker_env(local, attempt, port, token, store))
             .stdin(Stdio::null())
             // Own process group: stopping a worker also stops what it started, and a terminal's
             // Ctrl-C reaches only the launcher, which forwards it once.
@@ -549,6 +565,25 @@ impl Launch {
             self.master_port
         };
         let token = self.job_token(port, attempt);
+        // The job's bootstrap store lives in node 0's launcher (as torchrun's agent hosts its
+        // store), not in rank 0: a rank's death leaves the job's meeting point up. A store the
+        // user runs (WEFT_STORE) is used as it is.
+        let rendezvous = weftcc::comm::join_host_port(&self.master_addr, port);
+        let users_store = weftcc::settings::STORE.value();
+        let store = match (&users_store, self.node_rank) {
+            (None, 0) => match weftcc::comm::serve_store(&rendezvous, &token) {
+                Ok(server) => Some(server),
+                Err(e) => {
+                    eprintln!(
+                        "{}: cannot serve the job's bootstrap store on port {port}: {e}",
+                        self.label
+                    );
+                    return Outcome::Fatal(1);
+                }
+            },
+            _ => None,
+        };
+        let store_addr = users_store.unwrap_or(rendezvous);
         let (done_tx, done_rx) = mpsc::channel();
         let mut workers: Vec<Worker> = Vec::with_capacity(self.nproc_per_node);
         let allowed = allowed_cpus();
@@ -568,7 +603,7 @@ impl Launch {
         }
         for local in 0..self.nproc_per_node {
             let cpu = cpus.as_ref().and_then(|c| c.get(local).copied());
-            match self.spawn(local, attempt, port, &token, cpu, &done_tx) {
+            match self.spawn(local, attempt, port, &token, &store_addr, cpu, &done_tx) {
                 Ok(w) => workers.push(w),
                 Err(e) => {
                     let rank = self.node_rank * self.nproc_per_node + local;
@@ -590,6 +625,14 @@ impl Launch {
         drop(done_tx);
         let readers = if self.prefix { 2 * workers.len() } else { 0 };
         let outcome = self.watch(&mut workers);
+        if let Some(server) = &store {
+            // Ranks of other nodes may still be reading the job's end (a failure's cause).
+            let linger = Instant::now() + STORE_LINGER;
+            while server.connections() > 0 && Instant::now() < linger {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        drop(store);
         // Every worker has exited: shared memory a killed rank could not unlink goes now. On a
         // single node nobody else uses this job's segments, so even one a worker was killed
         // while making (no header yet) goes at once; with several nodes, one may share this
@@ -763,7 +806,7 @@ mod tests {
     #[test]
     fn env_of_a_multi_node_worker() {
         let l = launch(4, 3, 2);
-        let env = l.worker_env(1, 1, 1234, "abc");
+        let env = l.worker_env(1, 1, 1234, "abc", "10.0.0.1:1234");
         assert_eq!(get(&env, "RANK"), "9");
         assert_eq!(get(&env, "WEFT_RANK"), "9");
         assert_eq!(get(&env, "ROLE_RANK"), "9");
@@ -775,6 +818,7 @@ mod tests {
         assert_eq!(get(&env, "TORCHELASTIC_RESTART_COUNT"), "1");
         assert_eq!(get(&env, "TORCHELASTIC_MAX_RESTARTS"), "2");
         assert_eq!(get(&env, "WEFT_JOB_TOKEN"), "abc");
+        assert_eq!(get(&env, "WEFT_STORE"), "10.0.0.1:1234");
     }
 
     #[test]
