@@ -93,7 +93,7 @@ pub(crate) struct StoreHost {
 
 impl StoreHost {
     pub(crate) fn new(server: StoreServer, id: &UniqueId) -> StoreHost {
-        server.on_session_closed(Arc::new(crate::failure::lost_by_the_store));
+        server.on_session_closed(crate::failure::store_hook());
         StoreHost {
             _server: server,
             id: id.clone(),

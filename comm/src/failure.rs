@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 use weftcc_collectives::OpKind;
-use weftcc_store::{LocalStore, StoreClient};
+use weftcc_store::{LocalStore, SessionStore, StoreClient};
 use weftcc_transports::lock;
 
 /// How often the watcher thread re-polls the store for a job-wide abort.
@@ -462,13 +462,23 @@ impl Failures {
     }
 }
 
-/// The store's host runs this when a rank's session closes ([`StoreServer::on_session_closed`]):
-/// a rank that had joined (its progress is published) and did not leave has died, and that is
-/// the job's failure unless another was published first. Every rank learns it from its watcher,
-/// even ranks that never exchange data with the dead one directly.
+/// [`lost_by_the_store`] as the built-in store's session-closed hook.
+pub(crate) fn store_hook() -> std::sync::Arc<weftcc_store::SessionHook> {
+    std::sync::Arc::new(|key: &str, value: &[u8], store: &mut LocalStore<'_>| {
+        lost_by_the_store(key, value, store)
+    })
+}
+
+/// Run when a rank's session closes: by the built-in store's host
+/// ([`StoreServer::on_session_closed`], on its data under its lock), or by every rank's watcher
+/// over its client where the store runs no hooks (etcd, [`StoreClient::runs_session_hooks`]).
+/// A rank that had joined (its progress is published) and did not leave has died, and that is
+/// the job's failure unless another was published first (the abort count makes the first
+/// publisher the only one, however many ranks run the rule). Every rank learns it from its
+/// watcher, even ranks that never exchange data with the dead one directly.
 ///
 /// [`StoreServer::on_session_closed`]: weftcc_store::StoreServer::on_session_closed
-pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut LocalStore<'_>) {
+pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut dyn SessionStore) {
     let Some((namespace, rank)) = split_session_key(key) else {
         return;
     };
@@ -493,14 +503,13 @@ pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut LocalStore<
 mod tests {
     use super::*;
     use crate::config::CommConfig;
-    use std::sync::Arc;
     use std::time::Instant;
 
     #[test]
     fn the_store_publishes_the_death_of_a_joined_rank_that_did_not_leave() {
         use weftcc_store::StoreServer;
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").expect("store");
-        server.on_session_closed(Arc::new(lost_by_the_store));
+        server.on_session_closed(store_hook());
         let addr = server.local_addr().to_string();
         let t = Duration::from_secs(10);
         let mut reader = StoreClient::connect(&addr, "t", t).expect("client");
