@@ -394,6 +394,15 @@ fn sigkill_during_set_up_is_an_error_naming_the_rank_everywhere() {
                 *after < Duration::from_secs(8),
                 "rank {rank} (kill at {delay_ms:?}) after {after:?}: {line}"
             );
+            // Once its session is in the store, its death is seen when its connection closes,
+            // not at the set-up's 3 s timeout.
+            if delay_ms.is_none() {
+                assert!(
+                    *after < Duration::from_millis(1500),
+                    "rank {rank}: the death of rank {victim}, whose session the store held, \
+                     took {after:?}: {line}"
+                );
+            }
         }
         assert_survivors_clean(&job, &others, &format!("process-failures-{port}"));
     }

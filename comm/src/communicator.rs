@@ -183,7 +183,11 @@ impl Communicator {
         alarm.set_default_timeout(ALARM_TIMEOUT);
         let mesh = match split_mesh {
             Some(m) => m,
-            None => Mesh::establish(&mut client, &mesh_config).map_err(boot)?,
+            None => Mesh::establish(&mut client, &mesh_config).map_err(|e| {
+                // This rank's own failure, reported here: its exit is no death in set-up.
+                crate::watcher::leave_session(&namespace, rank, nranks, &mut watch_client);
+                boot(e)
+            })?,
         };
         let mut config = config;
         let local_ranks = mesh
@@ -526,7 +530,8 @@ impl Communicator {
         // drop everything next).
         let counted = count_out(
             &mut lock(&inner.store),
-            &format!("{prefix}/joined"),
+            &inner.namespace,
+            &format!("split{index}/joined"),
             inner.size,
             inner.store_host.is_some(),
             inner.timeout(),

@@ -16,6 +16,7 @@ use std::time::Duration;
 use weftcc_collectives::OpKind;
 use weftcc_store::{LocalStore, SessionStore, StoreClient};
 use weftcc_transports::lock;
+use weftcc_transports::mesh::setup_lost_key;
 
 /// How often the watcher thread re-polls the store for a job-wide abort.
 pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(100);
@@ -475,7 +476,8 @@ pub(crate) fn store_hook() -> std::sync::Arc<weftcc_store::SessionHook> {
 /// A rank that had joined (its progress is published) and did not leave has died, and that is
 /// the job's failure unless another was published first (the abort count makes the first
 /// publisher the only one, however many ranks run the rule). Every rank learns it from its
-/// watcher, even ranks that never exchange data with the dead one directly.
+/// watcher, even ranks that never exchange data with the dead one directly. A rank that dies
+/// before it has joined ends the others' set-up waits instead ([`setup_lost_key`]).
 ///
 /// [`StoreServer::on_session_closed`]: weftcc_store::StoreServer::on_session_closed
 pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut dyn SessionStore) {
@@ -484,7 +486,16 @@ pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut dyn Session
     };
     let left = RankIdentity::decode(value).is_none_or(|i| i.left);
     let abort = store_key(namespace, ABORT_KEY);
-    if left || !store.contains(&progress_key(namespace, rank)) || store.contains(&abort) {
+    if left || store.contains(&abort) {
+        return;
+    }
+    if !store.contains(&progress_key(namespace, rank)) {
+        // Gone before its watcher's first report: during set-up. The first such death ends
+        // every set-up wait of the namespace, naming it.
+        let lost = setup_lost_key(namespace);
+        if !store.contains(&lost) {
+            store.set(&lost, rank.to_string().as_bytes());
+        }
         return;
     }
     if store.add(&abort_count_key(&abort), 1) == Some(1) {

@@ -176,8 +176,14 @@ impl ClosedSessions {
 /// Marks this rank's session as left (its communicator was destroyed), so that its closing
 /// connection does not read as a death.
 fn leave(inner: &Inner, client: &mut StoreClient) {
-    let mut me = RankIdentity::this_process(inner.size);
+    leave_session(&inner.namespace, inner.rank, inner.size, client);
+}
+
+/// Marks the session of `rank` (of `size`) under `namespace` as left: its connection closing
+/// next is no death (a communicator destroyed, or a set-up that failed on this rank and
+/// reported why).
+pub(crate) fn leave_session(namespace: &str, rank: usize, size: usize, client: &mut StoreClient) {
+    let mut me = RankIdentity::this_process(size);
     me.left = true;
-    let key = session_key(&inner.namespace, inner.rank);
-    let _ = client.name_session(&key, me.encode().as_bytes());
+    let _ = client.name_session(&session_key(namespace, rank), me.encode().as_bytes());
 }

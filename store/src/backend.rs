@@ -35,7 +35,15 @@ pub trait StoreBackend: Send {
     /// Waits up to `wait` until every key of `keys` is set and returns their values in order, in
     /// one request. A request or answer too large for the store is
     /// [`StoreError::TooLarge`](crate::StoreError::TooLarge) (the front end asks again in halves).
-    fn get_all(&mut self, keys: &[String], wait: Duration) -> Result<Vec<Vec<u8>>>;
+    /// With `unless`, the wait ends as soon as that key is set (or is already):
+    /// [`StoreError::Interrupted`](crate::StoreError::Interrupted) with its value (its `key` is
+    /// filled in by the front end).
+    fn get_all(
+        &mut self,
+        keys: &[String],
+        unless: Option<&str>,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>>;
     /// Most keys one [`StoreBackend::get_all`] may carry (the front end splits longer lists).
     fn max_keys_per_request(&self) -> usize {
         usize::MAX

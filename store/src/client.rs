@@ -94,11 +94,39 @@ impl StoreClient {
     /// A request or answer too large for one request is asked for in halves (more round trips,
     /// same result); so is a list longer than the store takes at once.
     pub fn get_all(&mut self, keys: &[String], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.get_all_parts(keys, None, timeout)
+    }
+
+    /// [`StoreClient::get_all`], unless `unless` is set first (or meanwhile): then
+    /// [`StoreError::Interrupted`] with its value. The store answers as soon as either happens
+    /// (a set-up's wait ends the moment a rank's death is published, not at its timeout).
+    pub fn get_all_unless(
+        &mut self,
+        keys: &[String],
+        unless: &str,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        self.get_all_parts(keys, Some(unless), timeout)
+            .map_err(|e| match e {
+                StoreError::Interrupted { value, .. } => StoreError::Interrupted {
+                    key: unless.to_string(),
+                    value,
+                },
+                e => e,
+            })
+    }
+
+    fn get_all_parts(
+        &mut self,
+        keys: &[String],
+        unless: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
         let deadline = Deadline::after(timeout);
         let mut values = Vec::with_capacity(keys.len());
         let chunk = self.backend.max_keys_per_request().max(1);
         for part in keys.chunks(chunk) {
-            self.get_all_into(part, &deadline, &mut values)
+            self.get_all_into(part, unless, &deadline, &mut values)
                 .map_err(|e| {
                     timed_out(
                         e,
@@ -113,15 +141,16 @@ impl StoreClient {
     fn get_all_into(
         &mut self,
         keys: &[String],
+        unless: Option<&str>,
         deadline: &Deadline,
         values: &mut Vec<Vec<u8>>,
     ) -> Result<()> {
         let halve = |this: &mut Self, values: &mut Vec<Vec<u8>>| {
             let (a, b) = keys.split_at(keys.len() / 2);
-            this.get_all_into(a, deadline, values)?;
-            this.get_all_into(b, deadline, values)
+            this.get_all_into(a, unless, deadline, values)?;
+            this.get_all_into(b, unless, deadline, values)
         };
-        match self.backend.get_all(keys, deadline.remaining()) {
+        match self.backend.get_all(keys, unless, deadline.remaining()) {
             Ok(v) => {
                 values.extend(v);
                 Ok(())

@@ -15,6 +15,17 @@ pub enum StoreError {
         /// The limit that expired.
         after: Duration,
     },
+    /// A wait ended because its interrupting key was set ([`StoreClient::get_all_unless`]):
+    /// something (a rank's death during set-up) makes waiting on pointless.
+    ///
+    /// [`StoreClient::get_all_unless`]: crate::StoreClient::get_all_unless
+    #[error("waiting in the bootstrap store ended by {key:?}")]
+    Interrupted {
+        /// The interrupting key.
+        key: String,
+        /// Its value.
+        value: Vec<u8>,
+    },
     /// The store was shut down cleanly by its owner (not a failure): every pending and later
     /// request of the client gets this.
     #[error("bootstrap store closed")]

@@ -506,16 +506,34 @@ impl StoreBackend for EtcdBackend {
         })
     }
 
-    fn get_all(&mut self, keys: &[String], wait: Duration) -> Result<Vec<Vec<u8>>> {
-        let keys: Vec<Vec<u8>> = keys.iter().map(|k| self.data_key(k)).collect();
+    fn get_all(
+        &mut self,
+        keys: &[String],
+        unless: Option<&str>,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut keys: Vec<Vec<u8>> = keys.iter().map(|k| self.data_key(k)).collect();
+        // The interrupting key is read in the same transaction, last.
+        if let Some(u) = unless {
+            keys.push(self.data_key(u));
+        }
         self.poll(wait, |this| {
-            let values = this.range_many(&keys)?;
+            let mut values = this.range_many(&keys)?;
+            if unless.is_some() {
+                if let Some(value) = values.pop().flatten() {
+                    return Err(StoreError::Interrupted {
+                        key: String::new(),
+                        value,
+                    });
+                }
+            }
             Ok(values.into_iter().collect::<Option<Vec<_>>>())
         })
     }
 
     fn max_keys_per_request(&self) -> usize {
-        MAX_TXN_OPS
+        // One operation stays free for GET_ALL_UNLESS's interrupting key.
+        MAX_TXN_OPS - 1
     }
 
     fn add(&mut self, key: &str, delta: i64, wait: Duration) -> Result<i64> {

@@ -27,17 +27,22 @@
 //!   8 NAME   key | value (rest of frame)          OK
 //!   9 SESSIONS prefix key                         OK count u32 | per session: key | value |
 //!                                                    open u8 | idle_ms u64  (by key)
+//!  10 GET_ALL_UNLESS timeout_ms u64 | unless key | count u32 | keys
+//!                                                 as GET_ALL | INTERRUPTED value of `unless`
 //!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message),
-//!   5 TOO_LARGE (body = bytes u64: a GET_ALL answer would exceed MAX_FRAME)
+//!   5 TOO_LARGE (body = bytes u64: a GET_ALL answer would exceed MAX_FRAME), 6 INTERRUPTED
 //! ```
 //!
 //! [`StoreClient::get_all`] answers any number of keys: a request or an answer that would not
 //! fit one frame is split in halves and asked again, so only a single value larger than a frame
 //! (which SET cannot store) could fail, with [`StoreError::TooLarge`].
 //!
-//! Waits block in the server on a condition variable. An oversized length, a truncated frame, an
-//! unknown opcode or garbage closes that one connection (logged with `tracing::warn!`) without
-//! allocating the claimed length; other clients are unaffected. On shutdown every pending wait is
+//! The server is one thread running an event loop (epoll) over every connection, whatever their
+//! number: a wait is a pending answer, indexed by the first key it misses and by its deadline,
+//! given when that key is set or the time is up; nobody polls. An oversized length, a frame or
+//! handshake that does not arrive in full within [`STORE_IO_TIMEOUT`], an unknown opcode or
+//! garbage closes that one connection (logged with `tracing::warn!`) without allocating the
+//! claimed length; other clients are unaffected. On shutdown every pending wait is
 //! answered with CLOSED (the client reports [`StoreError::Closed`]) and every connection
 //! gets a final CLOSED frame.
 //!
@@ -73,8 +78,9 @@ pub const STORE_MAGIC: [u8; 4] = *b"WFST";
 pub const STORE_VERSION: u16 = 1;
 /// Largest frame accepted in either direction (16 MiB).
 pub const MAX_FRAME: usize = 16 << 20;
-/// Most simultaneous connections one server keeps.
-pub const MAX_CONNECTIONS: usize = 4096;
+/// Most simultaneous connections one server keeps (each rank holds three; the process's
+/// open-files limit must allow them too).
+pub const MAX_CONNECTIONS: usize = 1 << 17;
 /// Longest token accepted.
 pub const MAX_STORE_TOKEN: usize = 1024;
 /// Most sessions ([`StoreClient::name_session`]) one server keeps, closed ones included.

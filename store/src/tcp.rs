@@ -181,6 +181,10 @@ impl TcpBackend {
                 what: "waiting in the bootstrap store".into(),
                 after: wait,
             }),
+            ST_INTERRUPTED => Err(StoreError::Interrupted {
+                key: String::new(),
+                value: resp[1..].to_vec(),
+            }),
             ST_ERROR => Err(StoreError::Rejected(
                 String::from_utf8_lossy(&resp[1..]).into_owned(),
             )),
@@ -201,21 +205,6 @@ impl TcpBackend {
         put_key(&mut v, key.as_bytes());
         v
     }
-
-    /// A request of `op` with a server-side wait of `wait` and `keys`.
-    fn keys_request(
-        op: u8,
-        wait: Duration,
-        keys: impl ExactSizeIterator<Item = impl AsRef<str>>,
-    ) -> Vec<u8> {
-        let mut v = vec![op];
-        v.extend_from_slice(&(wait.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
-        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
-        for k in keys {
-            put_key(&mut v, k.as_ref().as_bytes());
-        }
-        v
-    }
 }
 
 impl StoreBackend for TcpBackend {
@@ -233,12 +222,34 @@ impl StoreBackend for TcpBackend {
     }
 
     fn wait(&mut self, keys: &[&str], wait: Duration) -> Result<()> {
-        let v = Self::keys_request(OP_WAIT, wait, keys.iter());
+        let mut v = vec![OP_WAIT];
+        v.extend_from_slice(&(wait.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+        for k in keys {
+            put_key(&mut v, k.as_bytes());
+        }
         self.call(&v, wait).map(|_| ())
     }
 
-    fn get_all(&mut self, keys: &[String], wait: Duration) -> Result<Vec<Vec<u8>>> {
-        let v = Self::keys_request(OP_GET_ALL, wait, keys.iter());
+    fn get_all(
+        &mut self,
+        keys: &[String],
+        unless: Option<&str>,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut v = vec![if unless.is_some() {
+            OP_GET_ALL_UNLESS
+        } else {
+            OP_GET_ALL
+        }];
+        v.extend_from_slice(&(wait.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
+        if let Some(key) = unless {
+            put_key(&mut v, key.as_bytes());
+        }
+        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+        for k in keys {
+            put_key(&mut v, k.as_bytes());
+        }
         if v.len() > MAX_FRAME {
             return Err(StoreError::TooLarge {
                 keys: keys.len(),

@@ -14,6 +14,7 @@ pub(crate) const OP_DELETE: u8 = 6;
 pub(crate) const OP_GET_ALL: u8 = 7;
 pub(crate) const OP_NAME: u8 = 8;
 pub(crate) const OP_SESSIONS: u8 = 9;
+pub(crate) const OP_GET_ALL_UNLESS: u8 = 10;
 
 // Answer statuses.
 pub(crate) const ST_OK: u8 = 0;
@@ -22,6 +23,7 @@ pub(crate) const ST_CLOSED: u8 = 2;
 pub(crate) const ST_ERROR: u8 = 3;
 pub(crate) const ST_TOO_LARGE: u8 = 5;
 pub(crate) const ST_REFUSED: u8 = 4;
+pub(crate) const ST_INTERRUPTED: u8 = 6;
 
 /// Whether a socket error is its read or write timeout running out.
 pub(crate) fn is_timeout(e: &std::io::Error) -> bool {

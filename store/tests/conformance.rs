@@ -133,6 +133,31 @@ fn get_all_answers_in_order_and_waits(make: Maker) {
     assert!(c.get_all(&[], T).unwrap().is_empty());
 }
 
+fn get_all_unless_ends_when_its_key_is_set(make: Maker) {
+    let mut c = make("job");
+    let keys = vec!["a".to_string(), "b".to_string()];
+    c.set("a", b"1").unwrap();
+    c.set("b", b"2").unwrap();
+    assert_eq!(c.get_all_unless(&keys, "lost", T).unwrap(), [b"1", b"2"]);
+    let missing = vec!["a".to_string(), "never".to_string()];
+    let start = Instant::now();
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            make("job").set("lost", b"3").unwrap();
+        });
+        let e = c.get_all_unless(&missing, "lost", T).unwrap_err();
+        let StoreError::Interrupted { key, value } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!((key.as_str(), value.as_slice()), ("lost", &b"3"[..]));
+    });
+    assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+    // Already set: at once, even when the keys are there too.
+    let e = c.get_all_unless(&keys, "lost", T).unwrap_err();
+    assert!(matches!(e, StoreError::Interrupted { .. }), "{e:?}");
+}
+
 fn barrier_releases_everyone(make: Maker) {
     let start = Instant::now();
     std::thread::scope(|sc| {
@@ -215,6 +240,10 @@ const SUITE: &[(&str, Case)] = &[
     (
         "get_all_answers_in_order_and_waits",
         get_all_answers_in_order_and_waits,
+    ),
+    (
+        "get_all_unless_ends_when_its_key_is_set",
+        get_all_unless_ends_when_its_key_is_set,
     ),
     ("barrier_releases_everyone", barrier_releases_everyone),
     (

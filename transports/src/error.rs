@@ -46,6 +46,16 @@ pub enum TransportError {
         /// The limit that expired.
         after: Duration,
     },
+    /// A rank's process ended during the communicator's set-up: the store's host saw its
+    /// connection close before it had joined, and ended every set-up wait with it.
+    #[error(
+        "rank {peer} died during set-up (its connection to the bootstrap store closed before it \
+         joined)"
+    )]
+    DiedInSetup {
+        /// The rank that died.
+        peer: usize,
+    },
     /// A peer sent something that breaks the protocol (bad magic, version, token, frame).
     #[error("protocol violation: {0}")]
     Protocol(String),

@@ -131,6 +131,44 @@ pub struct ConnectError {
     pub source: TransportError,
 }
 
+/// Store key under which a rank's death during the set-up of namespace `ns` is published (its
+/// rank, in decimal): the store's host sets it when the rank's session closes before the rank
+/// has joined, and every set-up wait of the namespace ends on it.
+pub fn setup_lost_key(ns: &str) -> String {
+    format!("{ns}/mesh/lost")
+}
+
+/// A set-up wait's failure: the death it was interrupted by as [`TransportError::DiedInSetup`].
+fn setup_error(e: StoreError) -> TransportError {
+    match e {
+        StoreError::Interrupted { value, .. } => {
+            match std::str::from_utf8(&value)
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                Some(peer) => TransportError::DiedInSetup { peer },
+                None => TransportError::Protocol(format!(
+                    "the store's note of a rank lost during set-up is not a rank: {value:?}"
+                )),
+            }
+        }
+        e => e.into(),
+    }
+}
+
+/// [`StoreClient::get_all`] for a set-up step of namespace `ns`: ends as soon as a rank's death
+/// during set-up is published ([`setup_lost_key`]).
+fn setup_get_all(
+    store: &mut StoreClient,
+    ns: &str,
+    keys: &[String],
+    timeout: Duration,
+) -> Result<Vec<Vec<u8>>> {
+    store
+        .get_all_unless(keys, &setup_lost_key(ns), timeout)
+        .map_err(setup_error)
+}
+
 /// Before returning an error that every rank meets alike (a check on the host table or the
 /// limits): rank 0 serves the store, so it leaves only once every rank has read the host table;
 /// none of them then reports the store closing instead of that reason.
@@ -229,22 +267,24 @@ pub fn typical_peers(n: usize) -> usize {
     2 * n.max(1).next_power_of_two().trailing_zeros() as usize + 4
 }
 
-/// Counts this rank out of a set-up step under store prefix `prefix` (`<prefix>/left`) and, if
-/// `wait`, returns only once all `n` ranks have (waiting at most `timeout`): the process serving
-/// the store must not close it while another rank's last request of the step is on its way.
+/// Counts this rank out of set-up step `step` of namespace `ns` (`<ns>/<step>/left`) and, if
+/// `wait`, returns only once all `n` ranks have (waiting at most `timeout`, or until a rank's
+/// death during set-up is published): the process serving the store must not close it while
+/// another rank's last request of the step is on its way.
 pub fn count_out(
     store: &mut StoreClient,
-    prefix: &str,
+    ns: &str,
+    step: &str,
     n: usize,
     wait: bool,
     timeout: Duration,
 ) -> Result<()> {
-    let all_left = format!("{prefix}/all-left");
-    if store.add(&format!("{prefix}/left"), 1)? >= n as i64 {
+    let all_left = format!("{ns}/{step}/all-left");
+    if store.add(&format!("{ns}/{step}/left"), 1)? >= n as i64 {
         store.set(&all_left, b"1")?;
     }
     if wait {
-        store.wait(&[&all_left], timeout)?;
+        setup_get_all(store, ns, &[all_left], timeout)?;
     }
     Ok(())
 }
@@ -301,6 +341,21 @@ fn name_the_missing(
     }
 }
 
+/// After a set-up ended by a rank's death: rank 0, which serves the store, leaves only once
+/// every other survivor has found the same (at most [`NOT_JOINED_LINGER`] more, as ranks that
+/// were past their last set-up wait never look), so that none finds the store closed instead.
+fn all_see_the_death(store: &mut StoreClient, ns: &str, rank: usize, n: usize) {
+    let seen = format!("{ns}/mesh/lost-seen");
+    let Ok(mut count) = store.add(&seen, 1) else {
+        return;
+    };
+    let linger = Deadline::after(NOT_JOINED_LINGER);
+    while rank == 0 && count < n as i64 - 1 && !linger.expired() {
+        std::thread::sleep(Duration::from_millis(10));
+        count = store.add(&seen, 0).unwrap_or(n as i64);
+    }
+}
+
 /// The host table (see the module docs, step 2): every rank's entry, indexed by rank.
 fn gather_hosts(
     store: &mut StoreClient,
@@ -316,15 +371,14 @@ fn gather_hosts(
         let keys: Vec<String> = (rank..n.min(rank + HOST_BLOCK))
             .map(|r| format!("{ns}/host/{r}"))
             .collect();
-        let entries = store.get_all(&keys, deadline.remaining())?;
+        let entries = setup_get_all(store, ns, &keys, deadline.remaining())?;
         store.set(&format!("{ns}/hosts/{block}"), &encode_block(&entries))?;
     }
     let keys: Vec<String> = (0..n.div_ceil(HOST_BLOCK))
         .map(|b| format!("{ns}/hosts/{b}"))
         .collect();
     let mut hosts = Vec::with_capacity(n);
-    for (b, raw) in store
-        .get_all(&keys, deadline.remaining())?
+    for (b, raw) in setup_get_all(store, ns, &keys, deadline.remaining())?
         .iter()
         .enumerate()
     {
@@ -552,6 +606,14 @@ impl Drop for Mesh {
 impl Mesh {
     /// Prepares this rank to connect to the others (see the module docs for the steps).
     pub fn establish(store: &mut StoreClient, cfg: &MeshConfig) -> Result<Mesh> {
+        let made = Self::establish_steps(store, cfg);
+        if let Err(TransportError::DiedInSetup { .. }) = &made {
+            all_see_the_death(store, &cfg.namespace, cfg.rank, cfg.nranks);
+        }
+        made
+    }
+
+    fn establish_steps(store: &mut StoreClient, cfg: &MeshConfig) -> Result<Mesh> {
         if cfg.nranks == 0 || cfg.rank >= cfg.nranks || cfg.nranks > u32::MAX as usize {
             return Err(TransportError::Config(format!(
                 "rank {} out of range for {} ranks",
@@ -681,13 +743,7 @@ impl Mesh {
 
         // 5. No store request of this communicator's set-up may be in flight when rank 0
         // returns.
-        count_out(
-            store,
-            &format!("{ns}/mesh"),
-            n,
-            rank == 0,
-            deadline.remaining(),
-        )?;
+        count_out(store, ns, "mesh", n, rank == 0, deadline.remaining())?;
         Ok(mesh)
     }
 
