@@ -107,7 +107,8 @@ impl Communicator {
             )));
         }
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
-        let server = if rank == 0 {
+        // An etcd cluster (`etcd://…`) is a store no rank serves.
+        let server = if rank == 0 && !weftcc_store::is_etcd_address(&id.addr) {
             let existing = lock(servers()).remove(id);
             match existing {
                 Some(s) => Some(s),

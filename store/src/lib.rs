@@ -89,5 +89,12 @@ pub const MAX_SESSIONS: usize = 1 << 16;
 pub const STORE_IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Lifetime of an etcd store client's lease: a client that dies reads as closed within it.
 pub const ETCD_LEASE_TTL: Duration = Duration::from_secs(3);
-/// How often an etcd store client renews its lease.
-pub const ETCD_KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+/// How often an etcd store client renews its lease and stamps its session's record: well under
+/// a second, so that a live client's session never reads as a second silent (what `weft status`
+/// and timeouts call a rank that gives no sign of life).
+pub const ETCD_KEEPALIVE_EVERY: Duration = Duration::from_millis(400);
+
+/// Whether `addr` names an etcd cluster (`etcd://…`), a store that no rank serves.
+pub fn is_etcd_address(addr: &str) -> bool {
+    addr.starts_with(etcd::ETCD_SCHEME)
+}

@@ -152,7 +152,11 @@ fn get_all_unless_ends_when_its_key_is_set(make: Maker) {
         };
         assert_eq!((key.as_str(), value.as_slice()), ("lost", &b"3"[..]));
     });
-    assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
     // Already set: at once, even when the keys are there too.
     let e = c.get_all_unless(&keys, "lost", T).unwrap_err();
     assert!(matches!(e, StoreError::Interrupted { .. }), "{e:?}");
