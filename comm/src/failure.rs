@@ -559,6 +559,42 @@ mod tests {
         assert_eq!(reader.add("j/abort-count", 0).expect("count"), 1);
     }
 
+    /// Where the store runs no hook (etcd), every rank's watcher runs the same rule over its
+    /// client: the death is published once however many ranks run it, and a rank that left is no
+    /// death.
+    #[test]
+    fn the_rule_over_a_client_publishes_a_death_once() {
+        use weftcc_store::StoreServer;
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").expect("store");
+        let addr = server.local_addr().to_string();
+        let t = Duration::from_secs(10);
+        let mut clients: Vec<StoreClient> = (0..3)
+            .map(|_| StoreClient::connect(&addr, "t", t).expect("client"))
+            .collect();
+        let me = |left| {
+            let mut i = RankIdentity::this_process(3);
+            i.left = left;
+            i.encode()
+        };
+        clients[0].set("j/progress/1", b"x").expect("set");
+        clients[0].set("j/progress/2", b"x").expect("set");
+        lost_by_the_store("j/rank/2", me(true).as_bytes(), &mut clients[0]);
+        assert!(!clients[0].check("j/abort").expect("check"));
+        for c in &mut clients {
+            lost_by_the_store("j/rank/1", me(false).as_bytes(), c);
+        }
+        let note = clients[2].get("j/abort", t).expect("published");
+        assert!(matches!(
+            FailureNote::decode(&note),
+            Some(FailureNote::Lost {
+                peer: 1,
+                reporter: None,
+                ..
+            })
+        ));
+        assert_eq!(clients[1].add("j/abort-count", 0).expect("count"), 1);
+    }
+
     #[test]
     fn a_failed_communicator_dropped_before_its_split_child_leaves_its_settle_to_the_child() {
         let config = |_| CommConfig::from_env().expect("config");
