@@ -55,6 +55,32 @@ fn etcd_child_role() {
 
 struct Ranks(Vec<std::process::Child>);
 
+type Lines = mpsc::Sender<(usize, Instant, String)>;
+
+/// Starts rank `rank` of the job `id` in [`etcd_child_role`]; its READY and ERROR lines go to
+/// `lines`.
+fn spawn_rank(id: &str, rank: usize, lines: &Lines) -> std::process::Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["etcd_child_role", "--exact", "--nocapture", "-q"])
+        .env(ROLE, id)
+        .env("WEFT_TEST_RANK", rank.to_string())
+        .env("WEFT_TIMEOUT", "30")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let tx = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.starts_with("READY") || line.starts_with("ERROR") {
+                let _ = tx.send((rank, Instant::now(), line));
+            }
+        }
+    });
+    child
+}
+
 impl Drop for Ranks {
     fn drop(&mut self) {
         for c in &mut self.0 {
@@ -71,29 +97,10 @@ fn a_killed_rank_is_peer_lost_everywhere_over_etcd_and_weft_status_reads_the_job
     };
     let token = format!("etcd-job-{}", std::process::id());
     let id = format!("weft1@{}#{token}", etcd.store_addr());
-    let exe = std::env::current_exe().unwrap();
     let (tx, rx) = mpsc::channel();
     let mut ranks = Ranks(Vec::new());
     for rank in 0..4 {
-        let mut child = Command::new(&exe)
-            .args(["etcd_child_role", "--exact", "--nocapture", "-q"])
-            .env(ROLE, &id)
-            .env("WEFT_TEST_RANK", rank.to_string())
-            .env("WEFT_TIMEOUT", "60")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.starts_with("READY") || line.starts_with("ERROR") {
-                    let _ = tx.send((rank, Instant::now(), line));
-                }
-            }
-        });
-        ranks.0.push(child);
+        ranks.0.push(spawn_rank(&id, rank, &tx));
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut ready = 0;
@@ -158,4 +165,62 @@ fn a_killed_rank_is_peer_lost_everywhere_over_etcd_and_weft_status_reads_the_job
     let (code, out) = status(&[]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("DEAD") || out.contains("dead"), "{out}");
+}
+
+/// SIGKILL of rank 3 once its session is in etcd, while the others wait for it in set-up: the
+/// others' set-up scans publish its death when its lease expires, and every other rank fails
+/// naming it, within the lease's lifetime and a bound, not at the 30 s set-up timeout.
+#[test]
+fn a_rank_killed_during_set_up_is_named_everywhere_over_etcd() {
+    let Some(etcd) = Etcd::start("a_rank_killed_during_set_up_is_named_everywhere_over_etcd")
+    else {
+        return;
+    };
+    let token = format!("etcd-setup-{}", std::process::id());
+    let id = format!("weft1@{}#{token}", etcd.store_addr());
+    let (tx, rx) = mpsc::channel();
+    let mut ranks = Ranks(Vec::new());
+    for rank in 0..3 {
+        ranks.0.push(spawn_rank(&id, rank, &tx));
+    }
+    let mut store =
+        weftcc::store::StoreClient::connect(&etcd.store_addr(), &token, Duration::from_secs(10))
+            .expect("store");
+    let named = |store: &mut weftcc::store::StoreClient, n: usize| {
+        let start = Instant::now();
+        while store.sessions("c/rank/").unwrap().len() < n {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "sessions never named"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    named(&mut store, 3);
+    ranks.0.push(spawn_rank(&id, 3, &tx));
+    named(&mut store, 4);
+    ranks.0[3].kill().unwrap(); // SIGKILL
+    let _ = ranks.0[3].wait();
+    let killed = Instant::now();
+    let limit = weftcc::store::ETCD_LEASE_TTL + Duration::from_secs(4);
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let left =
+            (killed + limit + Duration::from_secs(5)).saturating_duration_since(Instant::now());
+        let (rank, at, line) = rx
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("only {seen:?} reported the death"));
+        if line == "READY" {
+            // Through set-up before the kill: its error follows.
+            continue;
+        }
+        let after = at.saturating_duration_since(killed);
+        eprintln!("kill -9 rank 3 in set-up: rank {rank} after {after:?}: {line}");
+        assert!(
+            line.contains("rank 3 died during set-up") || line.starts_with("ERROR PeerLost 3 "),
+            "rank {rank}: {line}"
+        );
+        assert!(after <= limit, "rank {rank} noticed after {after:?}");
+        seen.push(rank);
+    }
 }
