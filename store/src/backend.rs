@@ -74,8 +74,9 @@ pub trait StoreBackend: Send {
 
 /// The store as a rule about a closed session sees it: the built-in server's data under its lock
 /// ([`LocalStore`](crate::LocalStore)), or a client of any store
-/// ([`StoreClient`](crate::StoreClient)) where the store runs no hooks of its own. A failure to
-/// reach the store reads as "not set" and "not added" (the rule then does nothing).
+/// ([`StoreClient`](crate::StoreClient)) where the store runs no hooks of its own. Over a client,
+/// a failure to reach the store reads as "set" and "not added", so that a rule that publishes
+/// only what is not set yet publishes nothing from a failed read.
 pub trait SessionStore {
     /// Whether `key` is set.
     fn contains(&mut self, key: &str) -> bool;
@@ -99,7 +100,7 @@ impl SessionStore for crate::LocalStore<'_> {
 
 impl SessionStore for crate::StoreClient {
     fn contains(&mut self, key: &str) -> bool {
-        self.check(key).unwrap_or(false)
+        self.check(key).unwrap_or(true)
     }
     fn set(&mut self, key: &str, value: &[u8]) {
         let _ = crate::StoreClient::set(self, key, value);
