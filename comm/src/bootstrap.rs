@@ -105,7 +105,7 @@ fn start_store(
     token: &str,
 ) -> std::result::Result<StoreServer, weftcc_store::StoreError> {
     let server = StoreServer::start(bind, token)?;
-    server.on_session_closed(Arc::new(crate::failure::lost_by_the_store));
+    server.on_session_closed(crate::failure::store_hook());
     Ok(server)
 }
 

@@ -15,7 +15,7 @@ use crate::records::note::AbortCause;
 use crate::records::session_key;
 use crate::trace::TraceEntry;
 use crate::tuning::Tuner;
-use crate::watcher::watch;
+use crate::watcher::{watch, SetupScan};
 use crate::worker::{join_unless_current, Worker};
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -124,7 +124,8 @@ impl Communicator {
             )));
         }
         let boot = |source: TransportError| Error::Bootstrap { rank, source };
-        let server = if rank == 0 && serve {
+        // An etcd cluster (`etcd://…`) is a store no rank serves.
+        let server = if rank == 0 && serve && !weftcc_store::is_etcd_address(&id.addr) {
             let existing = lock(servers()).remove(id);
             match existing {
                 Some(s) => Some(s),
@@ -199,11 +200,14 @@ impl Communicator {
         alarm.set_default_timeout(ALARM_TIMEOUT);
         let mesh = match split_mesh {
             Some(m) => m,
-            None => Mesh::establish(&mut client, &mesh_config).map_err(|e| {
-                // This rank's own failure, reported here: its exit is no death in set-up.
-                crate::watcher::leave_session(&namespace, rank, nranks, &mut watch_client);
-                boot(e)
-            })?,
+            None => {
+                let _scan = SetupScan::start(&watch_client, id, &namespace, config.timeout);
+                Mesh::establish(&mut client, &mesh_config).map_err(|e| {
+                    // This rank's own failure, reported here: its exit is no death in set-up.
+                    crate::watcher::leave_session(&namespace, rank, nranks, &mut watch_client);
+                    boot(e)
+                })?
+            }
         };
         let mut config = config;
         let local_ranks = mesh

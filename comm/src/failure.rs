@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 use weftcc_collectives::OpKind;
-use weftcc_store::{LocalStore, StoreClient};
+use weftcc_store::{LocalStore, SessionStore, StoreClient};
 use weftcc_transports::lock;
 use weftcc_transports::mesh::setup_lost_key;
 
@@ -463,14 +463,24 @@ impl Failures {
     }
 }
 
-/// The store's host runs this when a rank's session closes ([`StoreServer::on_session_closed`]):
-/// a rank that had joined (its progress is published) and did not leave has died, and that is
-/// the job's failure unless another was published first. Every rank learns it from its watcher,
-/// even ranks that never exchange data with the dead one directly. A rank that dies before it
-/// has joined ends the others' set-up waits instead ([`setup_lost_key`]).
+/// [`lost_by_the_store`] as the built-in store's session-closed hook.
+pub(crate) fn store_hook() -> std::sync::Arc<weftcc_store::SessionHook> {
+    std::sync::Arc::new(|key: &str, value: &[u8], store: &mut LocalStore<'_>| {
+        lost_by_the_store(key, value, store)
+    })
+}
+
+/// Run when a rank's session closes: by the built-in store's host
+/// ([`StoreServer::on_session_closed`], on its data under its lock), or by every rank's watcher
+/// over its client where the store runs no hooks (etcd, [`StoreClient::runs_session_hooks`]).
+/// A rank that had joined (its progress is published) and did not leave has died, and that is
+/// the job's failure unless another was published first (the abort count makes the first
+/// publisher the only one, however many ranks run the rule). Every rank learns it from its
+/// watcher, even ranks that never exchange data with the dead one directly. A rank that dies
+/// before it has joined ends the others' set-up waits instead ([`setup_lost_key`]).
 ///
 /// [`StoreServer::on_session_closed`]: weftcc_store::StoreServer::on_session_closed
-pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut LocalStore<'_>) {
+pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut dyn SessionStore) {
     let Some((namespace, rank)) = split_session_key(key) else {
         return;
     };
@@ -504,14 +514,13 @@ pub(crate) fn lost_by_the_store(key: &str, value: &[u8], store: &mut LocalStore<
 mod tests {
     use super::*;
     use crate::config::CommConfig;
-    use std::sync::Arc;
     use std::time::Instant;
 
     #[test]
     fn the_store_publishes_the_death_of_a_joined_rank_that_did_not_leave() {
         use weftcc_store::StoreServer;
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").expect("store");
-        server.on_session_closed(Arc::new(lost_by_the_store));
+        server.on_session_closed(store_hook());
         let addr = server.local_addr().to_string();
         let t = Duration::from_secs(10);
         let mut reader = StoreClient::connect(&addr, "t", t).expect("client");
@@ -548,6 +557,42 @@ mod tests {
         };
         assert!(detail.contains("connection to the bootstrap store closed"));
         assert_eq!(reader.add("j/abort-count", 0).expect("count"), 1);
+    }
+
+    /// Where the store runs no hook (etcd), every rank's watcher runs the same rule over its
+    /// client: the death is published once however many ranks run it, and a rank that left is no
+    /// death.
+    #[test]
+    fn the_rule_over_a_client_publishes_a_death_once() {
+        use weftcc_store::StoreServer;
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").expect("store");
+        let addr = server.local_addr().to_string();
+        let t = Duration::from_secs(10);
+        let mut clients: Vec<StoreClient> = (0..3)
+            .map(|_| StoreClient::connect(&addr, "t", t).expect("client"))
+            .collect();
+        let me = |left| {
+            let mut i = RankIdentity::this_process(3);
+            i.left = left;
+            i.encode()
+        };
+        clients[0].set("j/progress/1", b"x").expect("set");
+        clients[0].set("j/progress/2", b"x").expect("set");
+        lost_by_the_store("j/rank/2", me(true).as_bytes(), &mut clients[0]);
+        assert!(!clients[0].check("j/abort").expect("check"));
+        for c in &mut clients {
+            lost_by_the_store("j/rank/1", me(false).as_bytes(), c);
+        }
+        let note = clients[2].get("j/abort", t).expect("published");
+        assert!(matches!(
+            FailureNote::decode(&note),
+            Some(FailureNote::Lost {
+                peer: 1,
+                reporter: None,
+                ..
+            })
+        ));
+        assert_eq!(clients[1].add("j/abort-count", 0).expect("count"), 1);
     }
 
     #[test]

@@ -1,15 +1,19 @@
 //! The failure watcher: a thread per communicator that publishes this rank's progress, reads
 //! the job's failure note from the bootstrap store (a failure anywhere becomes an error here
 //! within [`WATCH_PERIOD`]), notices the store's host (rank 0) going, and answers job-wide
-//! flight-recorder dump requests. Its store session is the rank's sign of life.
+//! flight-recorder dump requests. Its store session is the rank's sign of life; where the store
+//! runs no session-closed hook (etcd), it also publishes the death of a peer whose session
+//! closed.
 
+use crate::bootstrap::UniqueId;
 use crate::error::{Error, SeenBy};
 use crate::failure::WATCH_PERIOD;
 use crate::inner::Inner;
 use crate::records::identity::RankIdentity;
-use crate::records::{progress_key, session_key, ABORT_KEY, SETTLED_ALL_KEY};
+use crate::records::{progress_key, session_key, session_prefix, ABORT_KEY, SETTLED_ALL_KEY};
 use crate::trace::{read_request, requests_made};
-use std::sync::atomic::Ordering;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use weftcc_store::{StoreClient, StoreError};
@@ -21,8 +25,10 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
     let mut published = None;
     // Dump requests made before this communicator existed are not for it.
     let mut requests = DumpRequests::new(&mut client);
+    let mut closed = ClosedSessions::new(&client, &inner.namespace);
     while !inner.watcher_stop.load(Ordering::SeqCst) {
         requests.poll(&inner, &mut client);
+        closed.poll(&mut client);
         // This rank's progress, when it moved (a store that fails here fails the get below; no
         // server-side wait, so a lost store costs the client's margin, not its timeout).
         let version = inner.progress.version();
@@ -120,6 +126,99 @@ impl DumpRequests {
             };
             self.last += 1;
             inner.answer_dump_request(&request);
+        }
+    }
+}
+
+/// Where the store runs no session-closed hook of its own (etcd: a session closes when its
+/// client's lease expires), the watcher runs the store's rule ([`lost_by_the_store`]) on every
+/// closed session of its communicator, every [`ClosedSessions::EVERY`] polls; the rule publishes
+/// a death once however many ranks see it.
+///
+/// [`lost_by_the_store`]: crate::failure::lost_by_the_store
+struct ClosedSessions {
+    /// `None`: the store runs the hook itself.
+    prefix: Option<String>,
+    polls: u32,
+    /// Sessions already acted on.
+    seen: HashSet<String>,
+}
+
+impl ClosedSessions {
+    const EVERY: u32 = 5;
+
+    fn new(client: &StoreClient, namespace: &str) -> ClosedSessions {
+        ClosedSessions {
+            prefix: (!client.runs_session_hooks()).then(|| session_prefix(namespace)),
+            polls: 0,
+            seen: HashSet::new(),
+        }
+    }
+
+    fn poll(&mut self, client: &mut StoreClient) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        self.polls = self.polls.wrapping_add(1);
+        if !self.polls.is_multiple_of(Self::EVERY) {
+            return;
+        }
+        let Ok(sessions) = client.sessions(prefix) else {
+            return;
+        };
+        for s in sessions.into_iter().filter(|s| !s.open) {
+            if self.seen.insert(s.key.clone()) {
+                crate::failure::lost_by_the_store(&s.key, &s.value, client);
+            }
+        }
+    }
+}
+
+/// Where the store runs no session hook (etcd), [`ClosedSessions`] on a thread of its own while
+/// this rank sets up (its watcher starts only after): a rank that dies during set-up then ends
+/// the others' set-up waits, naming it, as the built-in store's hook makes it. Stops when dropped.
+pub(crate) struct SetupScan {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SetupScan {
+    /// `None` where the store runs the hook itself (or no client or thread could be had: set-up
+    /// then ends at its timeout instead).
+    pub(crate) fn start(
+        store: &StoreClient,
+        id: &UniqueId,
+        namespace: &str,
+        timeout: Duration,
+    ) -> Option<SetupScan> {
+        if store.runs_session_hooks() {
+            return None;
+        }
+        let mut client = StoreClient::connect(&id.addr, &id.token, timeout).ok()?;
+        let mut closed = ClosedSessions::new(&client, namespace);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("weft-setup-scan".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::SeqCst) {
+                    std::thread::sleep(WATCH_PERIOD);
+                    closed.poll(&mut client);
+                }
+            })
+            .ok()?;
+        Some(SetupScan {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for SetupScan {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }

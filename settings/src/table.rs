@@ -131,6 +131,8 @@ settings! {
         "Directory of NVIDIA's nccl.h for the NCCL drop-in's tests (`scripts/nccl_header.sh` fetches it; CI sets it, so the tests fail without it).";
     REQUIRE_NET_TESTS = "WEFT_REQUIRE_NET_TESTS", Flag, "off",
         "Tests of the network providers (libfabric's tcp provider, the emulated RDMA device) fail instead of skipping when their prerequisite is missing (CI sets it).";
+    REQUIRE_ETCD = "WEFT_REQUIRE_ETCD", Flag, "off",
+        "Tests of the etcd store fail instead of skipping when no `etcd` binary is on PATH (CI sets it).";
 
     // GPUs.
     CUDA_DISABLE = "WEFT_CUDA_DISABLE", Flag, "off",

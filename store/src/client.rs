@@ -1,138 +1,55 @@
-//! The client: one connection, every call with a timeout.
+//! The front end every user of a store holds: [`StoreClient`], over the store its address names
+//! (the built-in store for `host:port`, etcd for `etcd://host:port[,host:port…]`).
 
+use crate::backend::{SessionInfo, StoreBackend};
 use crate::error::{Result, StoreError};
-use crate::wire::*;
-use crate::{
-    MAX_FRAME, MAX_SESSIONS, MAX_STORE_TOKEN, STORE_IO_TIMEOUT, STORE_MAGIC, STORE_VERSION,
-};
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, ToSocketAddrs};
+use crate::etcd::{EtcdBackend, ETCD_SCHEME};
+use crate::tcp::TcpBackend;
+use std::net::SocketAddr;
 use std::time::Duration;
 use weftcc_base::Deadline;
 
-/// Extra time a client waits beyond a server-side timeout before it gives up on the server.
-const CLIENT_MARGIN: Duration = Duration::from_secs(10);
-
-/// A session as [`StoreClient::sessions`] reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SessionInfo {
-    /// Its name.
-    pub key: String,
-    /// What its client said about itself when it named the session.
-    pub value: Vec<u8>,
-    /// Whether its connection is still open.
-    pub open: bool,
-    /// Open: time since its last request. Closed: time since it closed.
-    pub idle: Duration,
-}
-
-/// A connection to the bootstrap store. Every call has a timeout.
+/// A client of the bootstrap store. Every call has a timeout.
 pub struct StoreClient {
-    sock: Socket,
-    addr: SocketAddr,
+    backend: Box<dyn StoreBackend>,
     timeout: Duration,
-    closed: bool,
-    broken: Option<String>,
 }
 
 impl StoreClient {
-    /// Connects to `addr` (`"host:port"` or `"[v6]:port"`; host names are resolved) and presents
-    /// `token`, retrying until `timeout` while the server is not up yet. `timeout` is also the
-    /// default timeout of later calls that take none.
+    /// Connects to the store at `addr` and presents `token`, retrying until `timeout` while the
+    /// store is not up yet. `addr` is `"host:port"` or `"[v6]:port"` (host names are resolved)
+    /// for the built-in store, `"etcd://host:port[,host:port…]"` for an etcd cluster (the job's
+    /// keys then live under a prefix made of `token`). `timeout` is also the default timeout of
+    /// later calls that take none.
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<StoreClient> {
-        if token.len() > MAX_STORE_TOKEN {
-            return Err(StoreError::Config(format!(
-                "store token is {} bytes; at most {MAX_STORE_TOKEN} are supported",
-                token.len()
-            )));
-        }
-        let deadline = Deadline::after(timeout);
-        let mut last_err = String::from("no address");
-        loop {
-            match addr.to_socket_addrs() {
-                Ok(addrs) => {
-                    for a in addrs {
-                        match Self::try_connect(a, token, &deadline) {
-                            Ok(sock) => {
-                                return Ok(StoreClient {
-                                    sock,
-                                    addr: a,
-                                    timeout,
-                                    closed: false,
-                                    broken: None,
-                                })
-                            }
-                            Err(e @ (StoreError::Refused { .. } | StoreError::Protocol(_))) => {
-                                return Err(e)
-                            }
-                            Err(e) => last_err = e.to_string(),
-                        }
-                    }
-                }
-                Err(e) => {
-                    if !addr.contains(':') {
-                        return Err(StoreError::Config(format!(
-                            "store address {addr:?} must be host:port or [v6]:port"
-                        )));
-                    }
-                    last_err = format!("resolving {addr}: {e}");
-                }
-            }
-            if deadline.expired() {
-                return Err(StoreError::Timeout {
-                    what: format!(
-                        "connecting to the bootstrap store at {addr} (last error: {last_err})"
-                    ),
-                    after: timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
-        }
+        let backend: Box<dyn StoreBackend> = match addr.strip_prefix(ETCD_SCHEME) {
+            Some(endpoints) => Box::new(EtcdBackend::connect(endpoints, token, timeout)?),
+            None => Box::new(TcpBackend::connect(addr, token, timeout)?),
+        };
+        Ok(StoreClient::with_backend(backend, timeout))
     }
 
-    fn try_connect(a: SocketAddr, token: &str, deadline: &Deadline) -> Result<Socket> {
-        let sock = Socket::new(Domain::for_address(a), Type::STREAM, Some(Protocol::TCP))
-            .map_err(|e| StoreError::io("creating store client socket", e))?;
-        let slice = deadline
-            .remaining()
-            .min(Duration::from_secs(2))
-            .max(Duration::from_millis(1));
-        sock.connect_timeout(&SockAddr::from(a), slice)
-            .map_err(|e| StoreError::io(format!("connecting to store {a}"), e))?;
-        let _ = sock.set_nodelay(true);
-        let io = deadline
-            .remaining()
-            .max(Duration::from_millis(100))
-            .min(STORE_IO_TIMEOUT);
-        sock.set_write_timeout(Some(io))
-            .map_err(|e| StoreError::io("set_write_timeout", e))?;
-        sock.set_read_timeout(Some(io))
-            .map_err(|e| StoreError::io("set_read_timeout", e))?;
-        let mut hello = Vec::with_capacity(8 + token.len());
-        hello.extend_from_slice(&STORE_MAGIC);
-        hello.extend_from_slice(&STORE_VERSION.to_le_bytes());
-        hello.extend_from_slice(&(token.len() as u16).to_le_bytes());
-        hello.extend_from_slice(token.as_bytes());
-        (&sock)
-            .write_all(&hello)
-            .map_err(|e| StoreError::io("sending store handshake", e))?;
-        let mut st = [0u8; 1];
-        (&sock)
-            .read_exact(&mut st)
-            .map_err(|e| StoreError::io("reading store handshake reply", e))?;
-        match st[0] {
-            ST_OK => Ok(sock),
-            ST_REFUSED => Err(StoreError::Refused { addr: a }),
-            other => Err(StoreError::Protocol(format!(
-                "unexpected store handshake reply {other}"
-            ))),
-        }
+    /// A client over any [`StoreBackend`], with `timeout` as its default timeout.
+    pub fn with_backend(mut backend: Box<dyn StoreBackend>, timeout: Duration) -> StoreClient {
+        backend.set_timeout(timeout);
+        StoreClient { backend, timeout }
     }
 
-    /// The server address this client is connected to.
-    pub fn server_addr(&self) -> SocketAddr {
-        self.addr
+    /// The built-in store's address this client is connected to (`None` for etcd).
+    pub fn server_addr(&self) -> Option<SocketAddr> {
+        self.backend.socket_addr()
+    }
+
+    /// The store this client talks to, in words (for errors and logs).
+    pub fn describe(&self) -> String {
+        self.backend.describe()
+    }
+
+    /// Whether the store runs the session-closed hook itself (the built-in server does:
+    /// [`StoreServer::on_session_closed`](crate::StoreServer::on_session_closed)); where it does
+    /// not (etcd), the clients act on closed sessions ([`StoreClient::sessions`]) themselves.
+    pub fn runs_session_hooks(&self) -> bool {
+        self.backend.runs_session_hooks()
     }
 
     /// The default timeout of calls that take none.
@@ -144,93 +61,7 @@ impl StoreClient {
     /// own wait), e.g. shorter than the connection's once it is made.
     pub fn set_default_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
-    }
-
-    fn fail(&mut self, what: String) -> StoreError {
-        self.broken = Some(what.clone());
-        StoreError::Lost { detail: what }
-    }
-
-    /// Sends one request and reads its response, waiting at most `wait` (plus a margin for the
-    /// network) for it.
-    fn call(&mut self, payload: &[u8], wait: Duration) -> Result<Vec<u8>> {
-        if self.closed {
-            return Err(StoreError::Closed);
-        }
-        if let Some(b) = &self.broken {
-            return Err(StoreError::Lost {
-                detail: format!("unusable after an earlier error: {b}"),
-            });
-        }
-        if payload.len() > MAX_FRAME {
-            return Err(StoreError::Config(format!(
-                "store request of {} bytes exceeds the {MAX_FRAME}-byte frame limit",
-                payload.len()
-            )));
-        }
-        let _ = self
-            .sock
-            .set_write_timeout(Some(self.timeout.max(Duration::from_millis(100))));
-        if let Err(e) = write_frame(&self.sock, payload) {
-            return Err(self.fail(format!("sending request: {e}")));
-        }
-        // The margin covers the network and a busy server; it scales with the client's timeout
-        // (not this call's wait) so that a short poll (the failure watcher asks every 100 ms)
-        // tolerates a server slowed by hundreds of ranks on a few cores, while a client made
-        // for quick calls (a short default timeout) still gives up quickly.
-        let margin = CLIENT_MARGIN
-            .min(self.timeout)
-            .saturating_add(Duration::from_millis(500));
-        let deadline = Deadline::after(wait.saturating_add(margin));
-        let _ = self.sock.set_read_timeout(Some(Duration::from_millis(200)));
-        let mut len = [0u8; 4];
-        if let Err(e) = read_full(&self.sock, &mut len, &deadline) {
-            return Err(self.fail(format!("reading response: {e}")));
-        }
-        let n = u32::from_le_bytes(len) as usize;
-        if n == 0 || n > MAX_FRAME {
-            return Err(self.fail(format!("response frame length {n} out of range")));
-        }
-        let mut resp = vec![0u8; n];
-        if let Err(e) = read_full(&self.sock, &mut resp, &deadline) {
-            return Err(self.fail(format!("reading response: {e}")));
-        }
-        match resp[0] {
-            ST_OK => {
-                resp.remove(0);
-                Ok(resp)
-            }
-            ST_CLOSED => {
-                self.closed = true;
-                Err(StoreError::Closed)
-            }
-            ST_TIMEOUT => Err(StoreError::Timeout {
-                what: "waiting in the bootstrap store".into(),
-                after: wait,
-            }),
-            ST_INTERRUPTED => Err(StoreError::Interrupted {
-                key: String::new(),
-                value: resp[1..].to_vec(),
-            }),
-            ST_ERROR => Err(StoreError::Rejected(
-                String::from_utf8_lossy(&resp[1..]).into_owned(),
-            )),
-            ST_TOO_LARGE => match resp[1..].first_chunk::<8>() {
-                Some(b) => Err(StoreError::TooLarge {
-                    keys: 0,
-                    bytes: u64::from_le_bytes(*b),
-                    limit: MAX_FRAME,
-                }),
-                None => Err(self.fail("truncated TOO_LARGE answer".into())),
-            },
-            other => Err(self.fail(format!("unknown response status {other}"))),
-        }
-    }
-
-    fn key_request(op: u8, key: &str) -> Vec<u8> {
-        let mut v = vec![op];
-        put_key(&mut v, key.as_bytes());
-        v
+        self.backend.set_timeout(timeout);
     }
 
     /// Stores `value` under `key` (replacing any previous value).
@@ -241,51 +72,29 @@ impl StoreClient {
     /// [`StoreClient::set`], giving up on the answer after about `wait` plus the client's
     /// margin instead of its timeout (a failure report must not wait long on a lost store).
     pub fn set_within(&mut self, key: &str, value: &[u8], wait: Duration) -> Result<()> {
-        let mut v = Self::key_request(OP_SET, key);
-        v.extend_from_slice(value);
-        self.call(&v, wait).map(|_| ())
+        self.backend.set(key, value, wait)
     }
 
     /// The value of `key`, waiting up to `timeout` for it to be set.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        let mut v = vec![OP_GET];
-        v.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
-        put_key(&mut v, key.as_bytes());
-        self.call(&v, timeout).map_err(|e| match e {
-            StoreError::Timeout { after, .. } => StoreError::Timeout {
-                what: format!("waiting for store key {key:?}"),
-                after,
-            },
-            e => e,
-        })
+        self.backend
+            .get(key, timeout)
+            .map_err(|e| timed_out(e, || format!("waiting for store key {key:?}"), timeout))
     }
 
     /// Waits up to `timeout` until every key in `keys` is set.
     pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let mut v = vec![OP_WAIT];
-        v.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
-        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
-        for k in keys {
-            put_key(&mut v, k.as_bytes());
-        }
-        self.call(&v, timeout).map(|_| ()).map_err(|e| match e {
-            StoreError::Timeout { after, .. } => StoreError::Timeout {
-                what: format!("waiting for store keys {keys:?}"),
-                after,
-            },
-            e => e,
-        })
+        self.backend
+            .wait(keys, timeout)
+            .map_err(|e| timed_out(e, || format!("waiting for store keys {keys:?}"), timeout))
     }
 
     /// Waits up to `timeout` until every key in `keys` is set and returns their values, in
     /// order, in one round trip (a rank's peer records: one request instead of one per peer).
-    /// A request or answer too large for one frame is asked for in halves (more round trips,
-    /// same result).
+    /// A request or answer too large for one request is asked for in halves (more round trips,
+    /// same result); so is a list longer than the store takes at once.
     pub fn get_all(&mut self, keys: &[String], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        let deadline = Deadline::after(timeout);
-        let mut values = Vec::with_capacity(keys.len());
-        self.get_all_into(keys, None, &deadline, timeout, &mut values)?;
-        Ok(values)
+        self.get_all_parts(keys, None, timeout)
     }
 
     /// [`StoreClient::get_all`], unless `unless` is set first (or meanwhile): then
@@ -297,16 +106,35 @@ impl StoreClient {
         unless: &str,
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>> {
-        let deadline = Deadline::after(timeout);
-        let mut values = Vec::with_capacity(keys.len());
-        self.get_all_into(keys, Some(unless), &deadline, timeout, &mut values)
+        self.get_all_parts(keys, Some(unless), timeout)
             .map_err(|e| match e {
                 StoreError::Interrupted { value, .. } => StoreError::Interrupted {
                     key: unless.to_string(),
                     value,
                 },
                 e => e,
-            })?;
+            })
+    }
+
+    fn get_all_parts(
+        &mut self,
+        keys: &[String],
+        unless: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let deadline = Deadline::after(timeout);
+        let mut values = Vec::with_capacity(keys.len());
+        let chunk = self.backend.max_keys_per_request().max(1);
+        for part in keys.chunks(chunk) {
+            self.get_all_into(part, unless, &deadline, &mut values)
+                .map_err(|e| {
+                    timed_out(
+                        e,
+                        || format!("waiting for {} store keys", keys.len()),
+                        timeout,
+                    )
+                })?;
+        }
         Ok(values)
     }
 
@@ -315,61 +143,26 @@ impl StoreClient {
         keys: &[String],
         unless: Option<&str>,
         deadline: &Deadline,
-        timeout: Duration,
         values: &mut Vec<Vec<u8>>,
     ) -> Result<()> {
-        let mut v = vec![if unless.is_some() {
-            OP_GET_ALL_UNLESS
-        } else {
-            OP_GET_ALL
-        }];
-        let wait = deadline.remaining();
-        v.extend_from_slice(&(wait.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
-        if let Some(key) = unless {
-            put_key(&mut v, key.as_bytes());
-        }
-        v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
-        for k in keys {
-            put_key(&mut v, k.as_bytes());
-        }
         let halve = |this: &mut Self, values: &mut Vec<Vec<u8>>| {
             let (a, b) = keys.split_at(keys.len() / 2);
-            this.get_all_into(a, unless, deadline, timeout, values)?;
-            this.get_all_into(b, unless, deadline, timeout, values)
+            this.get_all_into(a, unless, deadline, values)?;
+            this.get_all_into(b, unless, deadline, values)
         };
-        if v.len() > MAX_FRAME && keys.len() > 1 {
-            return halve(self, values);
-        }
-        let body = match self.call(&v, wait) {
-            Ok(body) => body,
-            Err(StoreError::TooLarge { .. }) if keys.len() > 1 => return halve(self, values),
-            Err(StoreError::TooLarge { bytes, limit, .. }) => {
-                return Err(StoreError::TooLarge {
-                    keys: keys.len(),
-                    bytes,
-                    limit,
-                })
+        match self.backend.get_all(keys, unless, deadline.remaining()) {
+            Ok(v) => {
+                values.extend(v);
+                Ok(())
             }
-            Err(StoreError::Timeout { .. }) => {
-                return Err(StoreError::Timeout {
-                    what: format!("waiting for {} store keys", keys.len()),
-                    after: timeout,
-                })
-            }
-            Err(e) => return Err(e),
-        };
-        let mut c = Cursor { buf: &body };
-        let start = values.len();
-        for _ in keys {
-            match c.key() {
-                Some(k) => values.push(k.to_vec()),
-                None => break,
-            }
+            Err(StoreError::TooLarge { .. }) if keys.len() > 1 => halve(self, values),
+            Err(StoreError::TooLarge { bytes, limit, .. }) => Err(StoreError::TooLarge {
+                keys: keys.len(),
+                bytes,
+                limit,
+            }),
+            Err(e) => Err(e),
         }
-        if values.len() - start != keys.len() || c.end().is_none() {
-            return Err(StoreError::Protocol("bad GET_ALL response".into()));
-        }
-        Ok(())
     }
 
     /// Atomically adds `delta` to the counter `key` (missing counts as 0); returns the new value.
@@ -380,58 +173,29 @@ impl StoreClient {
     /// [`StoreClient::add`], giving up on the answer after about `wait` instead of the client's
     /// timeout (for a last report that must not hold up a shutdown).
     pub fn add_within(&mut self, key: &str, delta: i64, wait: Duration) -> Result<i64> {
-        let mut v = vec![OP_ADD];
-        v.extend_from_slice(&delta.to_le_bytes());
-        put_key(&mut v, key.as_bytes());
-        let r = self.call(&v, wait)?;
-        let b: [u8; 8] = r
-            .as_slice()
-            .try_into()
-            .map_err(|_| StoreError::Protocol("bad ADD response".into()))?;
-        Ok(i64::from_le_bytes(b))
+        self.backend.add(key, delta, wait)
     }
 
     /// Whether `key` is set (does not wait).
     pub fn check(&mut self, key: &str) -> Result<bool> {
-        let r = self.call(&Self::key_request(OP_CHECK, key), self.timeout)?;
-        Ok(r.first().copied() == Some(1))
+        self.backend.check(key)
     }
 
     /// Removes `key`; returns whether it existed.
     pub fn delete(&mut self, key: &str) -> Result<bool> {
-        let r = self.call(&Self::key_request(OP_DELETE, key), self.timeout)?;
-        Ok(r.first().copied() == Some(1))
+        self.backend.delete(key)
     }
 
-    /// Names this connection `key`, a session the server watches from now on (see the module
-    /// docs); `value` says who the client is. Requests on this connection keep it alive.
+    /// Names this client `key`, a session the store watches from now on (see the crate docs);
+    /// `value` says who the client is. The built-in store: requests on this connection keep it
+    /// alive. etcd: a lease this client keeps alive.
     pub fn name_session(&mut self, key: &str, value: &[u8]) -> Result<()> {
-        let mut v = Self::key_request(OP_NAME, key);
-        v.extend_from_slice(value);
-        self.call(&v, self.timeout).map(|_| ())
+        self.backend.name_session(key, value)
     }
 
     /// Every session whose name starts with `prefix`, by name.
     pub fn sessions(&mut self, prefix: &str) -> Result<Vec<SessionInfo>> {
-        let body = self.call(&Self::key_request(OP_SESSIONS, prefix), self.timeout)?;
-        let bad = || StoreError::Protocol("bad SESSIONS response".into());
-        let mut c = Cursor { buf: &body };
-        let n = c.u32().ok_or_else(bad)? as usize;
-        let mut out = Vec::with_capacity(n.min(MAX_SESSIONS));
-        for _ in 0..n {
-            let key = c.key().ok_or_else(bad)?;
-            let value = c.key().ok_or_else(bad)?;
-            let open = c.u8().ok_or_else(bad)? == 1;
-            let idle = Duration::from_millis(c.u64().ok_or_else(bad)?);
-            out.push(SessionInfo {
-                key: String::from_utf8_lossy(key).into_owned(),
-                value: value.to_vec(),
-                open,
-                idle,
-            });
-        }
-        c.end().ok_or_else(bad)?;
-        Ok(out)
+        self.backend.sessions(prefix)
     }
 
     /// A barrier over the store: every one of `n` participants calls it with the same `name`;
@@ -445,5 +209,16 @@ impl StoreClient {
             return self.set(&done, b"1");
         }
         self.wait(&[&done], timeout)
+    }
+}
+
+/// A backend's timeout, said in the words of the request that timed out.
+fn timed_out(e: StoreError, what: impl FnOnce() -> String, after: Duration) -> StoreError {
+    match e {
+        StoreError::Timeout { .. } => StoreError::Timeout {
+            what: what(),
+            after,
+        },
+        e => e,
     }
 }

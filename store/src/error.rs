@@ -59,6 +59,15 @@ pub enum StoreError {
         /// What was observed.
         detail: String,
     },
+    /// The etcd cluster serving as the store could not be reached at any of its endpoints in
+    /// time, or refused a request.
+    #[error("etcd at {endpoint}: {detail}")]
+    Etcd {
+        /// The endpoint (`host:port`) last tried, or every endpoint when none answered.
+        endpoint: String,
+        /// What was observed.
+        detail: String,
+    },
     /// The store's handshake or answer breaks the protocol.
     #[error("protocol violation: {0}")]
     Protocol(String),

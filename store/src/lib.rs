@@ -2,6 +2,11 @@
 //! with a [`StoreClient`]; ranks exchange their addresses, failure notes and progress through it,
 //! and its sessions say which ranks live. Every failure is a [`StoreError`].
 //!
+//! A [`StoreClient`] is one front end over a [`StoreBackend`]: the built-in store's TCP protocol
+//! (below) for a `host:port` address, or an etcd v3 cluster for `etcd://host:port[,host:port…]`
+//! (see the `etcd` module: leases for sessions, polling waits, failover across endpoints). Both
+//! pass the same conformance tests (`store/tests/conformance.rs`).
+//!
 //! The crate sits below the transports (their mesh exchanges addresses through a client) and
 //! needs only `weftcc-base` (lock, deadlines, listening sockets).
 //!
@@ -52,12 +57,16 @@
 
 #![forbid(unsafe_code)]
 
+mod backend;
 mod client;
 mod error;
+mod etcd;
 mod server;
+mod tcp;
 mod wire;
 
-pub use client::{SessionInfo, StoreClient};
+pub use backend::{SessionInfo, SessionStore, StoreBackend};
+pub use client::StoreClient;
 pub use error::{Result, StoreError};
 pub use server::{LocalStore, SessionHook, StoreServer, Traffic};
 
@@ -78,3 +87,14 @@ pub const MAX_STORE_TOKEN: usize = 1024;
 pub const MAX_SESSIONS: usize = 1 << 16;
 /// Time a new connection has to present its handshake, and a started frame to arrive in full.
 pub const STORE_IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Lifetime of an etcd store client's lease: a client that dies reads as closed within it.
+pub const ETCD_LEASE_TTL: Duration = Duration::from_secs(3);
+/// How often an etcd store client renews its lease and stamps its session's record: well under
+/// a second, so that a live client's session never reads as a second silent (what `weft status`
+/// and timeouts call a rank that gives no sign of life).
+pub const ETCD_KEEPALIVE_EVERY: Duration = Duration::from_millis(400);
+
+/// Whether `addr` names an etcd cluster (`etcd://…`), a store that no rank serves.
+pub fn is_etcd_address(addr: &str) -> bool {
+    addr.starts_with(etcd::ETCD_SCHEME)
+}

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod docs;
+pub mod etcd;
 pub mod fuzz;
 pub mod model;
 pub mod ranks;

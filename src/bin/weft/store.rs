@@ -9,9 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use weftcc::comm::records::identity::{RankIdentity, WORLD_NAMESPACE};
 use weftcc::comm::records::{progress_key, session_key, store_key, ABORT_KEY};
+use weftcc_store::{StoreClient, StoreError};
 use weftcc_transports::host_table;
 use weftcc_transports::mesh::{addr_key, count_out};
-use weftcc_store::{StoreClient, StoreError};
 
 #[derive(Args, Debug)]
 pub struct StoreArgs {
@@ -209,7 +209,14 @@ impl StoreChild {
     fn start(token: &str) -> Result<StoreChild, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
-            .args(["store", "serve", "--listen", "127.0.0.1:0", "--token", token])
+            .args([
+                "store",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--token",
+                token,
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -322,7 +329,10 @@ fn load_run(
     }
     let usage = store.finish();
     let [requests, sent_bytes, received_bytes, peak_connections] = usage.served[..] else {
-        return Err(format!("the store did not say what it served: {:?}", usage.served));
+        return Err(format!(
+            "the store did not say what it served: {:?}",
+            usage.served
+        ));
     };
     Ok(Figures {
         ranks: n,
@@ -355,8 +365,16 @@ fn simulate(
     let connect = || StoreClient::connect(addr, token, timeout);
     for &rank in ranks {
         let client = connect()?;
-        let watch = if connections > 1 { Some(connect()?) } else { None };
-        let alarm = if connections > 2 { Some(connect()?) } else { None };
+        let watch = if connections > 1 {
+            Some(connect()?)
+        } else {
+            None
+        };
+        let alarm = if connections > 2 {
+            Some(connect()?)
+        } else {
+            None
+        };
         let mut sim = SimRank {
             rank,
             client,
@@ -376,7 +394,8 @@ fn simulate(
         if s.rank == 0 {
             host_table::root_table(&mut s.client, ns, n, &deadline).map_err(store_error)?;
         } else {
-            host_table::parent_address(&mut s.client, ns, s.rank, &deadline).map_err(store_error)?;
+            host_table::parent_address(&mut s.client, ns, s.rank, &deadline)
+                .map_err(store_error)?;
         }
         s.client.add(&format!("{ns}/hosts-read"), 1)?;
     }
