@@ -25,6 +25,12 @@ fn child_role() {
     let before = held_by_process();
     let comm = match weftcc::Communicator::from_env() {
         Ok(c) => c,
+        Err(weftcc::Error::Inconsistent { disagreements, .. }) => {
+            let found = serde_json::to_string(&disagreements).expect("JSON");
+            println!("ERROR Inconsistent {found}");
+            common::report_clean(before, "");
+            return;
+        }
         Err(e) => {
             println!("ERROR init - {e}");
             common::report_clean(before, "");
@@ -396,6 +402,52 @@ fn sigkill_during_set_up_is_an_error_naming_the_rank_everywhere() {
             );
         }
         assert_survivors_clean(&job, &others, &format!("process-failures-{port}"));
+    }
+}
+
+/// Ranks started with a setting (or library version) that must agree and does not: `init`
+/// fails on every rank, before any rank can hang, naming the setting and the odd rank, and
+/// leaves nothing behind; a difference that is harmless (`WEFT_TIMEOUT`) does not fail.
+#[test]
+fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming_it() {
+    let n = 4;
+    let all: Vec<usize> = (0..n).collect();
+    for (odd, var, value) in [
+        (2, "WEFT_ALGO", "ring"),
+        (1, "WEFT_DETERMINISTIC", "1"),
+        (3, "WEFT_TEST_VERSION", "0.0.9"),
+        (0, "WEFT_TIMEOUT", "31"),
+    ] {
+        let port = free_port().to_string();
+        let job = start_ranks(n, "allreduce-loop", &port, |rank| {
+            let mut env = vec![("WEFT_TIMEOUT".to_string(), "30".to_string())];
+            if rank == odd {
+                env.push((var.to_string(), value.to_string()));
+            }
+            env
+        });
+        if var == "WEFT_TIMEOUT" {
+            wait_ready(&job, n);
+            continue;
+        }
+        let errors = collect_errors(&job, &all, Instant::now(), Duration::from_secs(20));
+        for (rank, _, line) in errors {
+            let json = line
+                .strip_prefix("ERROR Inconsistent ")
+                .unwrap_or_else(|| panic!("{var}: rank {rank}: {line}"));
+            let found: Vec<weftcc::comm::Disagreement> =
+                serde_json::from_str(json).expect("disagreements");
+            assert_eq!(found.len(), 1, "{var}: rank {rank}: {found:?}");
+            let what = if var == "WEFT_TEST_VERSION" {
+                "library version"
+            } else {
+                var
+            };
+            assert_eq!(found[0].what, what, "rank {rank}");
+            assert_eq!(found[0].odd_ranks(), [odd], "{var}: rank {rank}");
+            assert_eq!(found[0].agreement, weftcc::settings::Agreement::Must);
+        }
+        assert_survivors_clean(&job, &all, &format!("process-failures-{port}"));
     }
 }
 

@@ -108,6 +108,7 @@ pub(crate) fn code_of(e: &Error) -> weftResult_t {
         | Error::Mismatch { .. } => weftRemoteError,
         Error::Transport { .. } | Error::Bootstrap { .. } => weftSystemError,
         Error::Internal { .. } => weftInternalError,
+        Error::Inconsistent { .. } => weftInvalidUsage,
     }
 }
 

@@ -183,7 +183,18 @@ impl Communicator {
         alarm.set_default_timeout(ALARM_TIMEOUT);
         let mesh = match split_mesh {
             Some(m) => m,
-            None => Mesh::establish(&mut client, &mesh_config).map_err(boot)?,
+            None => {
+                // Ranks that must agree and do not fail here, before they can hang together.
+                let mine = crate::agreement::this_rank(&config)?;
+                crate::agreement::agree(
+                    &mut client,
+                    &namespace,
+                    (rank, nranks),
+                    &mine,
+                    config.timeout,
+                )?;
+                Mesh::establish(&mut client, &mesh_config).map_err(boot)?
+            }
         };
         let mut config = config;
         let local_ranks = mesh

@@ -1,6 +1,7 @@
 //! Errors of the communicator. Every message names this rank, the operation and its sequence
 //! number, so a log line from any rank of a large job says where it came from.
 
+use crate::records::agreement::Disagreement;
 use crate::records::note::AbortCause;
 use std::time::Duration;
 use weftcc_collectives::{CallError, OpDesc, OpKind};
@@ -89,6 +90,17 @@ pub enum Error {
     /// Setting the communicator up failed (rendezvous, connections).
     #[error("rank {rank}: bootstrap failed: {source}")]
     Bootstrap { rank: usize, source: TransportError },
+    /// The ranks were started with settings, or library versions, that must agree and do not
+    /// (found when the communicator is made; every rank fails with the same list).
+    #[error(
+        "rank {rank}: the ranks must agree on these and do not: {}",
+        disagreements.iter().map(ToString::to_string).collect::<Vec<_>>().join(" | ")
+    )]
+    Inconsistent {
+        rank: usize,
+        /// Each setting or property that differs, with every value and its ranks.
+        disagreements: Vec<Disagreement>,
+    },
     /// The environment or configuration is incomplete or invalid.
     #[error("configuration: {0}")]
     Config(String),
@@ -155,6 +167,7 @@ impl Error {
             Error::Mismatch { .. } => "mismatch",
             Error::Transport { .. } => "transport",
             Error::Bootstrap { .. } => "bootstrap",
+            Error::Inconsistent { .. } => "inconsistent",
             Error::Config(_) | Error::Setting(_) => "config",
             Error::Internal { .. } => "internal",
         }
@@ -214,6 +227,17 @@ impl Error {
             },
             Error::Bootstrap { rank, .. } => ErrorFacts {
                 rank: Some(*rank),
+                ..ErrorFacts::default()
+            },
+            // The first rank that differs from most.
+            Error::Inconsistent {
+                rank,
+                disagreements,
+            } => ErrorFacts {
+                rank: Some(*rank),
+                peer: disagreements
+                    .first()
+                    .and_then(|d| d.odd_ranks().first().copied()),
                 ..ErrorFacts::default()
             },
             Error::Config(_) | Error::Setting(_) => ErrorFacts::default(),

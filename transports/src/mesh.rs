@@ -256,16 +256,17 @@ const NOT_JOINED_LINGER: Duration = Duration::from_secs(2);
 /// Most missing ranks a [`TransportError::NotJoined`] lists.
 pub const MAX_NAMED_MISSING: usize = 16;
 
-/// A set-up that timed out waiting for the host table, as the ranks whose host records are
-/// missing (asked one by one, without waiting: only on this failure path); any other error,
-/// or a store that cannot tell, is returned as it is. Rank 0, which serves the store, leaves
-/// only once every rank that joined has found the same (at most [`NOT_JOINED_LINGER`] more), so
-/// that none of them finds the store closed instead.
-fn name_the_missing(
+/// A set-up that timed out waiting for every rank's record (`record(r)` is rank r's key: the
+/// host table's, or the communicator's announcements), as the ranks whose records are missing
+/// (asked one by one, without waiting: only on this failure path); any other error, or a store
+/// that cannot tell, is returned as it is. Rank 0, which serves the store, leaves only once
+/// every rank that joined has found the same (at most [`NOT_JOINED_LINGER`] more), so that none
+/// of them finds the store closed instead.
+pub fn name_the_missing(
     store: &mut StoreClient,
     ns: &str,
-    rank: usize,
-    n: usize,
+    record: &dyn Fn(usize) -> String,
+    (rank, n): (usize, usize),
     e: TransportError,
 ) -> TransportError {
     let TransportError::Store(StoreError::Timeout { after, .. }) = &e else {
@@ -274,7 +275,7 @@ fn name_the_missing(
     let mut missing = Vec::new();
     let mut more = 0;
     for r in 0..n {
-        match store.get(&format!("{ns}/host/{r}"), Duration::ZERO) {
+        match store.get(&record(r), Duration::ZERO) {
             Ok(_) => {}
             Err(StoreError::Timeout { .. }) if missing.len() < MAX_NAMED_MISSING => missing.push(r),
             Err(StoreError::Timeout { .. }) => more += 1,
@@ -583,8 +584,10 @@ impl Mesh {
             me.net = p.id();
             tracing::info!(target: "weftcc::net", rank, "NET/{} opened", p.name());
         }
-        let hosts = gather_hosts(store, ns, rank, n, &me, &deadline)
-            .map_err(|e| name_the_missing(store, ns, rank, n, e))?;
+        let hosts = gather_hosts(store, ns, rank, n, &me, &deadline).map_err(|e| {
+            let host = |r| format!("{ns}/host/{r}");
+            name_the_missing(store, ns, &host, (rank, n), e)
+        })?;
         store.add(&format!("{ns}/hosts-read"), 1)?;
 
         // 3. Shared memory with the ranks of this host.
