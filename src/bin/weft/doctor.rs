@@ -458,6 +458,13 @@ fn tcp_loopback_gbps() -> Option<f64> {
     Some(LIMIT_BYTES as f64 / secs / 1e9)
 }
 
+/// The link between ranks over TCP: loopback on one host; across hosts the interface's rate
+/// from sysfs, else loopback (GB/s; NaN when neither is known).
+pub fn link_gbps(one_host: bool) -> f64 {
+    let nic = if one_host { None } else { nic_gbps() };
+    nic.or_else(tcp_loopback_gbps).unwrap_or(f64::NAN)
+}
+
 /// The rate of the interface TCP uses (`WEFT_SOCKET_IFNAME`'s choice), from sysfs, GB/s.
 fn nic_gbps() -> Option<f64> {
     let ifname = weftcc::settings::SOCKET_IFNAME.value();
