@@ -533,6 +533,29 @@ impl Cluster {
         ok.then_some(c)
             .ok_or_else(|| "cannot set up the namespaces and their bridge".into())
     }
+
+    /// `weft run` on host `k` of the cluster as node `k` of a job of `per_host` ranks per host
+    /// (store on host 0 at `port`), the host known as `{label}-host-{k}`, TCP on its veth; the
+    /// worker is `weft` with the arguments the caller adds.
+    fn weft_run(&self, k: usize, per_host: usize, port: &str, token: &str, label: &str) -> Command {
+        let weft = env!("CARGO_BIN_EXE_weft");
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.ns[k], weft, "run"])
+            .args([
+                "--nnodes",
+                &self.ns.len().to_string(),
+                "--node-rank",
+                &k.to_string(),
+            ])
+            .args(["--master-addr", &self.ip[0], "--master-port", port])
+            .args(["-n", &per_host.to_string(), "--no-prefix", "--", weft])
+            .env("WEFT_JOB_TOKEN", token)
+            .env("WEFT_HOST_ID", format!("{label}-host-{k}"))
+            .env("WEFT_SOCKET_IFNAME", format!("={}", self.dev[k]))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
 }
 
 /// Issue 18's CI case: 64 ranks as 8 "hosts" of 8, each host a network namespace started by its
@@ -561,20 +584,11 @@ fn eight_hosts_of_eight_ranks_through_weft_run() {
             return;
         }
     };
-    let weft = env!("CARGO_BIN_EXE_weft");
     let token = format!("eight{}", std::process::id());
     let nodes: Vec<Child> = (0..HOSTS)
         .map(|k| {
-            Command::new("ip")
-                .args(["netns", "exec", &cluster.ns[k], weft, "run"])
-                .args([
-                    "--nnodes",
-                    &HOSTS.to_string(),
-                    "--node-rank",
-                    &k.to_string(),
-                ])
-                .args(["--master-addr", &cluster.ip[0], "--master-port", "29477"])
-                .args(["-n", &PER_HOST.to_string(), "--no-prefix", "--", weft])
+            cluster
+                .weft_run(k, PER_HOST, "29477", &token, "eight")
                 .args([
                     "perf",
                     "all-reduce",
@@ -587,14 +601,9 @@ fn eight_hosts_of_eight_ranks_through_weft_run() {
                     "-n",
                     "5",
                 ])
-                .env("WEFT_JOB_TOKEN", &token)
-                .env("WEFT_HOST_ID", format!("eight-host-{k}"))
-                .env("WEFT_SOCKET_IFNAME", format!("={}", cluster.dev[k]))
                 .env("WEFT_TIMEOUT", "120")
                 .env("WEFT_DEBUG", "INFO")
                 .env("WEFT_DEBUG_SUBSYS", "INIT")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .expect("spawn weft run")
         })
@@ -805,27 +814,13 @@ fn doctor_names_the_shaped_link_as_the_bottleneck_of_every_pair_crossing_it() {
             "50ms",
         ]));
     }
-    let weft = env!("CARGO_BIN_EXE_weft");
     let token = format!("doctor{}", std::process::id());
     let nodes: Vec<Child> = (0..HOSTS)
         .map(|k| {
-            Command::new("ip")
-                .args(["netns", "exec", &cluster.ns[k], weft, "run"])
-                .args([
-                    "--nnodes",
-                    &HOSTS.to_string(),
-                    "--node-rank",
-                    &k.to_string(),
-                ])
-                .args(["--master-addr", &cluster.ip[0], "--master-port", "29478"])
-                .args(["-n", "1", "--no-prefix", "--", weft])
+            cluster
+                .weft_run(k, 1, "29478", &token, "doctor")
                 .args(["doctor", "--json", "--fail-below", "50", "--bytes", "1M"])
-                .env("WEFT_JOB_TOKEN", &token)
-                .env("WEFT_HOST_ID", format!("doctor-host-{k}"))
-                .env("WEFT_SOCKET_IFNAME", format!("={}", cluster.dev[k]))
                 .env("WEFT_TIMEOUT", "60")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .expect("spawn weft run")
         })
