@@ -470,6 +470,46 @@ fn perf_launches_its_own_ranks_and_checks_results() {
     assert_eq!(a[7]["oop"]["wrong"], 0);
 }
 
+/// `weft perf --explain` on 2 ranks: the 128 MiB row names memory as its bound, with the limit
+/// a memcpy measured in the same run and the ratio computed from it; the 8-byte row is bound by
+/// synchronisation. Presence and sanity of the figures, not a speed.
+#[test]
+fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
+    let json = std::env::temp_dir().join(format!("weft-explain-{}.json", std::process::id()));
+    let out = perf(
+        "all-reduce -b 8 -e 128M -f 16777216 -n 1 -w 1 -c 0 --np 2 --explain --json",
+        &[json.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(out
+        .stdout
+        .contains("# explain (out-of-place; limits measured in this run: memory"));
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{text}");
+    let (small, big) = (&rows[0]["explain"], &rows[1]["explain"]);
+    assert_eq!(rows[1]["size"], 128 << 20);
+    assert_eq!(big["bound"], "memory", "{text}");
+    assert_eq!(small["bound"], "synchronisation", "{text}");
+    let f = |v: &serde_json::Value| v.as_f64().expect("a number");
+    let memcpy = f(&big["limit_gbps"]);
+    assert!(memcpy.is_finite() && memcpy > 0.0, "{text}");
+    assert_eq!(f(&small["limit_gbps"]), memcpy, "one memcpy per run");
+    // All-reduce on 2 ranks: bus factor 1; the limit is the bytes at the memcpy's rate.
+    let limit_us = f(&big["limit_us"]);
+    assert!((limit_us - (128u64 << 20) as f64 / (memcpy * 1e3)).abs() < 1e-6 * limit_us);
+    let achieved = f(&big["achieved"]);
+    assert!(
+        (achieved - limit_us / f(&rows[1]["oop"]["time_us"])).abs() < 1e-9,
+        "{text}"
+    );
+    assert!(achieved > 0.0 && achieved.is_finite());
+    assert!(f(&small["floor_us"]) > 0.0 && f(&small["limit_us"]) == f(&small["floor_us"]));
+}
+
 #[test]
 fn perf_under_weft_run_prints_on_rank_0_only() {
     let out = perf(

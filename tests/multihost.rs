@@ -497,9 +497,10 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn create(n: usize) -> Result<Cluster, String> {
+    /// `n` hosts; `which` (a letter) tells apart the clusters of tests running at once.
+    fn create(which: char, n: usize) -> Result<Cluster, String> {
         let id = std::process::id();
-        let tag = format!("{:x}", id % 0xfffff);
+        let tag = format!("{which}{:x}", id % 0xfffff);
         let subnet = 16 + id % 200;
         let mut c = Cluster {
             switch: format!("weftcl-{tag}-sw"),
@@ -532,6 +533,29 @@ impl Cluster {
         ok.then_some(c)
             .ok_or_else(|| "cannot set up the namespaces and their bridge".into())
     }
+
+    /// `weft run` on host `k` of the cluster as node `k` of a job of `per_host` ranks per host
+    /// (store on host 0 at `port`), the host known as `{label}-host-{k}`, TCP on its veth; the
+    /// worker is `weft` with the arguments the caller adds.
+    fn weft_run(&self, k: usize, per_host: usize, port: &str, token: &str, label: &str) -> Command {
+        let weft = env!("CARGO_BIN_EXE_weft");
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.ns[k], weft, "run"])
+            .args([
+                "--nnodes",
+                &self.ns.len().to_string(),
+                "--node-rank",
+                &k.to_string(),
+            ])
+            .args(["--master-addr", &self.ip[0], "--master-port", port])
+            .args(["-n", &per_host.to_string(), "--no-prefix", "--", weft])
+            .env("WEFT_JOB_TOKEN", token)
+            .env("WEFT_HOST_ID", format!("{label}-host-{k}"))
+            .env("WEFT_SOCKET_IFNAME", format!("={}", self.dev[k]))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
 }
 
 /// Issue 18's CI case: 64 ranks as 8 "hosts" of 8, each host a network namespace started by its
@@ -553,27 +577,18 @@ fn eight_hosts_of_eight_ranks_through_weft_run() {
     }
     const HOSTS: usize = 8;
     const PER_HOST: usize = 8;
-    let cluster = match Cluster::create(HOSTS) {
+    let cluster = match Cluster::create('e', HOSTS) {
         Ok(c) => c,
         Err(e) => {
             println!("eight hosts: SKIPPED ({e})");
             return;
         }
     };
-    let weft = env!("CARGO_BIN_EXE_weft");
     let token = format!("eight{}", std::process::id());
     let nodes: Vec<Child> = (0..HOSTS)
         .map(|k| {
-            Command::new("ip")
-                .args(["netns", "exec", &cluster.ns[k], weft, "run"])
-                .args([
-                    "--nnodes",
-                    &HOSTS.to_string(),
-                    "--node-rank",
-                    &k.to_string(),
-                ])
-                .args(["--master-addr", &cluster.ip[0], "--master-port", "29477"])
-                .args(["-n", &PER_HOST.to_string(), "--no-prefix", "--", weft])
+            cluster
+                .weft_run(k, PER_HOST, "29477", &token, "eight")
                 .args([
                     "perf",
                     "all-reduce",
@@ -586,14 +601,9 @@ fn eight_hosts_of_eight_ranks_through_weft_run() {
                     "-n",
                     "5",
                 ])
-                .env("WEFT_JOB_TOKEN", &token)
-                .env("WEFT_HOST_ID", format!("eight-host-{k}"))
-                .env("WEFT_SOCKET_IFNAME", format!("={}", cluster.dev[k]))
                 .env("WEFT_TIMEOUT", "120")
                 .env("WEFT_DEBUG", "INFO")
                 .env("WEFT_DEBUG_SUBSYS", "INIT")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .expect("spawn weft run")
         })
@@ -750,5 +760,99 @@ fn a_link_cut_mid_operation_fails_every_rank_in_bounded_time() {
     for (rank, c) in children.iter_mut().enumerate() {
         let status = c.wait().expect("wait");
         assert!(status.success(), "rank {rank} exited with {status}");
+    }
+}
+
+/// `weft doctor` on four "hosts" of one rank each on a bridge, each host's link shaped with
+/// `tc tbf`, host 2's to a tenth of the others' rate (100 Mbit/s against 1 Gbit/s): run through
+/// `weft run`, the doctor names host 2's link as the bottleneck of every pair that crosses it,
+/// flags no other pair, and every rank exits non-zero with `--fail-below 50`. Figures are not
+/// asserted, only which pairs are slow.
+#[test]
+fn doctor_names_the_shaped_link_as_the_bottleneck_of_every_pair_crossing_it() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    if !is_root() {
+        println!("doctor: SKIPPED (needs root to create network namespaces)");
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err()
+        || Command::new("tc").arg("-V").output().is_err()
+    {
+        println!("doctor: SKIPPED (`ip` or `tc` missing: install iproute2)");
+        return;
+    }
+    const HOSTS: usize = 4;
+    const SLOW: usize = 2;
+    let cluster = match Cluster::create('d', HOSTS) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("doctor: SKIPPED ({e})");
+            return;
+        }
+    };
+    for k in 0..HOSTS {
+        let rate = if k == SLOW { "100mbit" } else { "1gbit" };
+        assert!(sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &cluster.ns[k],
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            &cluster.dev[k],
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "64kb",
+            "latency",
+            "50ms",
+        ]));
+    }
+    let token = format!("doctor{}", std::process::id());
+    let nodes: Vec<Child> = (0..HOSTS)
+        .map(|k| {
+            cluster
+                .weft_run(k, 1, "29478", &token, "doctor")
+                .args(["doctor", "--json", "--fail-below", "50", "--bytes", "1M"])
+                .env("WEFT_TIMEOUT", "60")
+                .spawn()
+                .expect("spawn weft run")
+        })
+        .collect();
+    let outputs = outputs_within(nodes, Duration::from_secs(120));
+    drop(cluster);
+    for (k, o) in outputs.iter().enumerate() {
+        assert!(
+            !o.status.success(),
+            "host {k}: --fail-below 50 passed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let out = String::from_utf8_lossy(&outputs[0].stdout);
+    println!("{out}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("rank 0's JSON report");
+    let slow_host = format!("doctor-host-{SLOW}");
+    assert_eq!(
+        report["bottleneck_hosts"],
+        serde_json::json!([slow_host]),
+        "{out}"
+    );
+    let pairs = report["pairs"].as_array().expect("pairs");
+    assert_eq!(pairs.len(), HOSTS * (HOSTS - 1) / 2);
+    for p in pairs {
+        let (a, b) = (p["a"].as_u64().unwrap(), p["b"].as_u64().unwrap());
+        let crosses = a == SLOW as u64 || b == SLOW as u64;
+        assert_eq!(p["outlier"].as_bool(), Some(crosses), "pair {a}-{b}: {p}");
+        assert_eq!(p["transport"], "tcp", "{p}");
+        if crosses {
+            assert_eq!(p["bottleneck"].as_str(), Some(slow_host.as_str()), "{p}");
+        }
+        assert!(p["gbps"].as_f64().unwrap() > 0.0 && p["latency_us"].as_f64().unwrap() > 0.0);
     }
 }

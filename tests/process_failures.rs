@@ -25,6 +25,12 @@ fn child_role() {
     let before = held_by_process();
     let comm = match weftcc::Communicator::from_env() {
         Ok(c) => c,
+        Err(weftcc::Error::Inconsistent { disagreements, .. }) => {
+            let found = serde_json::to_string(&disagreements).expect("JSON");
+            println!("ERROR Inconsistent {found}");
+            common::report_clean(before, "");
+            return;
+        }
         Err(e) => {
             println!("ERROR init - {e}");
             common::report_clean(before, "");
@@ -55,6 +61,7 @@ fn child_role() {
                     weftcc::Error::PeerLost { peer, .. } => ("PeerLost", peer.to_string()),
                     weftcc::Error::Timeout { .. } => ("Timeout", "-".into()),
                     weftcc::Error::Aborted { by, .. } => ("Aborted", format!("{by:?}")),
+                    weftcc::Error::StoreLost { store, .. } => ("StoreLost", store.clone()),
                     _ => ("Other", "-".into()),
                 };
                 println!("ERROR {variant} {peer} {e}");
@@ -302,8 +309,12 @@ fn assert_survivors_clean(job: &Job, ranks: &[usize], token: &str) {
 /// SIGKILL of rank `victim` in an all-reduce loop of `n` ranks: every survivor reports it within
 /// 2 s, and each gives back every descriptor and thread when it drops its communicator.
 fn kill_one(n: usize, victim: usize, env: &[(&str, &str)]) {
-    let port = free_port().to_string();
-    let mut job = start_role(n, "allreduce-loop", &port, env);
+    kill_one_at(&free_port().to_string(), n, victim, env);
+}
+
+/// [`kill_one`] of the job at `port` (its token is `process-failures-<port>`).
+fn kill_one_at(port: &str, n: usize, victim: usize, env: &[(&str, &str)]) {
+    let mut job = start_role(n, "allreduce-loop", port, env);
     wait_ready(&job, n);
     let killed = Instant::now();
     job.children[victim].kill().unwrap(); // SIGKILL
@@ -358,6 +369,87 @@ fn sigkill_of_rank_0_which_serves_the_store_is_peer_lost_everywhere() {
     kill_one(3, 0, &[]);
 }
 
+/// A `weft store serve` process serving the job at `port`'s token; killed when dropped.
+struct StoreProcess {
+    child: Child,
+    addr: String,
+}
+
+impl StoreProcess {
+    fn start(port: &str) -> StoreProcess {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_weft"))
+            .args(["store", "serve", "--listen", "127.0.0.1:0", "--token"])
+            .arg(format!("process-failures-{port}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("weft store serve");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .expect("its first line");
+        let addr = line
+            .trim()
+            .strip_prefix("WEFT_STORE=")
+            .expect(&line)
+            .to_string();
+        StoreProcess { child, addr }
+    }
+}
+
+impl Drop for StoreProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// With the store in a process of its own (`WEFT_STORE`), rank 0 is a rank like the others:
+/// its death is PeerLost on every survivor, published by the store, which stays up.
+#[test]
+fn sigkill_of_rank_0_with_the_store_elsewhere_is_peer_lost_everywhere() {
+    let port = free_port().to_string();
+    let mut store = StoreProcess::start(&port);
+    kill_one_at(&port, 3, 0, &[("WEFT_STORE", store.addr.as_str())]);
+    assert!(
+        store.child.try_wait().expect("store status").is_none(),
+        "the store outlives rank 0"
+    );
+}
+
+/// The store's process killed under a running job: every rank fails, naming the store's
+/// address, within moments (its watcher sees the connection close).
+#[test]
+fn the_store_process_killed_is_an_error_naming_its_address_on_every_rank() {
+    let n = 3;
+    let port = free_port().to_string();
+    let mut store = StoreProcess::start(&port);
+    let job = start_role(
+        n,
+        "allreduce-loop",
+        &port,
+        &[("WEFT_STORE", store.addr.as_str())],
+    );
+    wait_ready(&job, n);
+    let killed = Instant::now();
+    store.child.kill().unwrap();
+    let _ = store.child.wait();
+    let all: Vec<usize> = (0..n).collect();
+    for (rank, after, line) in collect_errors(&job, &all, killed, Duration::from_secs(3)) {
+        eprintln!("store killed: rank {rank} after {after:?}: {line}");
+        assert!(
+            line.starts_with(&format!("ERROR StoreLost {} ", store.addr)),
+            "rank {rank}: {line}"
+        );
+        assert!(
+            after < Duration::from_secs(3),
+            "rank {rank} after {after:?}"
+        );
+    }
+}
+
 /// SIGKILL of the last rank while the job is being set up (at several moments: before it
 /// reached the store, while joining, just after): every other rank fails within the set-up
 /// timeout and a bound, naming it (as a rank that never joined, or as a lost peer), and gives
@@ -405,6 +497,52 @@ fn sigkill_during_set_up_is_an_error_naming_the_rank_everywhere() {
             }
         }
         assert_survivors_clean(&job, &others, &format!("process-failures-{port}"));
+    }
+}
+
+/// Ranks started with a setting (or library version) that must agree and does not: `init`
+/// fails on every rank, before any rank can hang, naming the setting and the odd rank, and
+/// leaves nothing behind; a difference that is harmless (`WEFT_TIMEOUT`) does not fail.
+#[test]
+fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming_it() {
+    let n = 4;
+    let all: Vec<usize> = (0..n).collect();
+    for (odd, var, value) in [
+        (2, "WEFT_ALGO", "ring"),
+        (1, "WEFT_DETERMINISTIC", "1"),
+        (3, "WEFT_TEST_VERSION", "0.0.9"),
+        (0, "WEFT_TIMEOUT", "31"),
+    ] {
+        let port = free_port().to_string();
+        let job = start_ranks(n, "allreduce-loop", &port, |rank| {
+            let mut env = vec![("WEFT_TIMEOUT".to_string(), "30".to_string())];
+            if rank == odd {
+                env.push((var.to_string(), value.to_string()));
+            }
+            env
+        });
+        if var == "WEFT_TIMEOUT" {
+            wait_ready(&job, n);
+            continue;
+        }
+        let errors = collect_errors(&job, &all, Instant::now(), Duration::from_secs(20));
+        for (rank, _, line) in errors {
+            let json = line
+                .strip_prefix("ERROR Inconsistent ")
+                .unwrap_or_else(|| panic!("{var}: rank {rank}: {line}"));
+            let found: Vec<weftcc::comm::Disagreement> =
+                serde_json::from_str(json).expect("disagreements");
+            assert_eq!(found.len(), 1, "{var}: rank {rank}: {found:?}");
+            let what = if var == "WEFT_TEST_VERSION" {
+                "library version"
+            } else {
+                var
+            };
+            assert_eq!(found[0].what, what, "rank {rank}");
+            assert_eq!(found[0].odd_ranks(), [odd], "{var}: rank {rank}");
+            assert_eq!(found[0].agreement, weftcc::settings::Agreement::Must);
+        }
+        assert_survivors_clean(&job, &all, &format!("process-failures-{port}"));
     }
 }
 

@@ -106,8 +106,11 @@ pub(crate) fn code_of(e: &Error) -> weftResult_t {
         | Error::Aborted { .. }
         | Error::PeerLost { .. }
         | Error::Mismatch { .. } => weftRemoteError,
-        Error::Transport { .. } | Error::Bootstrap { .. } => weftSystemError,
+        Error::Transport { .. } | Error::Bootstrap { .. } | Error::StoreLost { .. } => {
+            weftSystemError
+        }
         Error::Internal { .. } => weftInternalError,
+        Error::Inconsistent { .. } => weftInvalidUsage,
     }
 }
 

@@ -27,7 +27,7 @@ use weftcc_collectives::schedule::hierarchical::HostLayout;
 use weftcc_collectives::{reduce, DataType, Element, OpKind, ReduceOp};
 use weftcc_store::StoreClient;
 use weftcc_transports::lock;
-use weftcc_transports::mesh::{count_out, Mesh, MeshConfig};
+use weftcc_transports::mesh::{all_see_the_death, count_out, Mesh, MeshConfig};
 use weftcc_transports::TransportError;
 /// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in
 /// an `Arc`) to call [`Communicator::abort`] from another thread.
@@ -139,13 +139,14 @@ impl Communicator {
         };
         let client = StoreClient::connect(&id.addr, &id.token, config.timeout)
             .map_err(|e| boot(e.into()))?;
+        let on_rank0 = serve && !weftcc_store::is_etcd_address(&id.addr);
         Communicator::build(
             rank,
             nranks,
             "c".to_string(),
             config,
             client,
-            id,
+            (id, on_rank0),
             server,
             None,
         )
@@ -160,7 +161,7 @@ impl Communicator {
         namespace: String,
         config: CommConfig,
         mut client: StoreClient,
-        id: &UniqueId,
+        (id, on_rank0): (&UniqueId, bool),
         store_host: Option<Arc<StoreHost>>,
         split_mesh: Option<Mesh>,
     ) -> Result<Communicator> {
@@ -202,10 +203,28 @@ impl Communicator {
             Some(m) => m,
             None => {
                 let _scan = SetupScan::start(&watch_client, id, &namespace, config.timeout);
-                Mesh::establish(&mut client, &mesh_config).map_err(|e| {
+                // Ranks that must agree and do not fail here, before they can hang together.
+                let agreed = crate::agreement::this_rank(&config).and_then(|mine| {
+                    crate::agreement::agree(
+                        &mut client,
+                        &namespace,
+                        (rank, nranks),
+                        &mine,
+                        config.timeout,
+                    )
+                });
+                let made =
+                    agreed.and_then(|()| Mesh::establish(&mut client, &mesh_config).map_err(boot));
+                made.inspect_err(|e| {
                     // This rank's own failure, reported here: its exit is no death in set-up.
                     crate::watcher::leave_session(&namespace, rank, nranks, &mut watch_client);
-                    boot(e)
+                    if let Error::Bootstrap {
+                        source: TransportError::DiedInSetup { .. },
+                        ..
+                    } = e
+                    {
+                        all_see_the_death(&mut client, &namespace, rank, nranks);
+                    }
                 })?
             }
         };
@@ -235,6 +254,7 @@ impl Communicator {
             client,
             alarm,
             host: store_host,
+            on_rank0,
         };
         let inner = Arc::new(Inner::new(
             (rank, nranks, namespace),
@@ -598,7 +618,7 @@ impl Communicator {
             ns,
             config,
             client,
-            &id,
+            (&id, inner.store_on_rank0),
             inner.store_host.clone(),
             mesh,
         )

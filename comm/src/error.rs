@@ -1,6 +1,7 @@
 //! Errors of the communicator. Every message names this rank, the operation and its sequence
 //! number, so a log line from any rank of a large job says where it came from.
 
+use crate::records::agreement::Disagreement;
 use crate::records::note::AbortCause;
 use std::time::Duration;
 use weftcc_collectives::{CallError, OpDesc, OpKind};
@@ -52,6 +53,20 @@ pub enum Error {
         seen_by: SeenBy,
         detail: String,
     },
+    /// The job's bootstrap store, served apart from the ranks (by the launcher, `weft store
+    /// serve` or an etcd cluster), could not be reached: the job's meeting point is gone. (Where
+    /// rank 0 serves it, its loss is rank 0's: [`Error::PeerLost`] of rank 0.)
+    #[error(
+        "rank {rank}: the job's bootstrap store at {store} was lost during {op} #{seq}: {detail}"
+    )]
+    StoreLost {
+        rank: usize,
+        /// The store's address.
+        store: String,
+        op: OpKind,
+        seq: u64,
+        detail: String,
+    },
     /// `abort()` was called on this communicator, or another rank failed and aborted the job.
     #[error("rank {rank}: communicator aborted: {}{reason}", by.map(|b| format!("rank {b} failed: ")).unwrap_or_default())]
     Aborted {
@@ -89,6 +104,17 @@ pub enum Error {
     /// Setting the communicator up failed (rendezvous, connections).
     #[error("rank {rank}: bootstrap failed: {source}")]
     Bootstrap { rank: usize, source: TransportError },
+    /// The ranks were started with settings, or library versions, that must agree and do not
+    /// (found when the communicator is made; every rank fails with the same list).
+    #[error(
+        "rank {rank}: the ranks must agree on these and do not: {}",
+        disagreements.iter().map(ToString::to_string).collect::<Vec<_>>().join(" | ")
+    )]
+    Inconsistent {
+        rank: usize,
+        /// Each setting or property that differs, with every value and its ranks.
+        disagreements: Vec<Disagreement>,
+    },
     /// The environment or configuration is incomplete or invalid.
     #[error("configuration: {0}")]
     Config(String),
@@ -151,10 +177,12 @@ impl Error {
             Error::InvalidArgument { .. } => "invalid-argument",
             Error::Timeout { .. } => "timeout",
             Error::PeerLost { .. } => "peer-lost",
+            Error::StoreLost { .. } => "store-lost",
             Error::Aborted { .. } => "aborted",
             Error::Mismatch { .. } => "mismatch",
             Error::Transport { .. } => "transport",
             Error::Bootstrap { .. } => "bootstrap",
+            Error::Inconsistent { .. } => "inconsistent",
             Error::Config(_) | Error::Setting(_) => "config",
             Error::Internal { .. } => "internal",
         }
@@ -203,7 +231,9 @@ impl Error {
             Error::Mismatch {
                 rank, peer, ours, ..
             } => facts(*rank, Some(*peer), ours.kind, Some(ours.seq)),
-            Error::Internal { rank, op, seq, .. } => facts(*rank, None, *op, Some(*seq)),
+            Error::Internal { rank, op, seq, .. } | Error::StoreLost { rank, op, seq, .. } => {
+                facts(*rank, None, *op, Some(*seq))
+            }
             Error::Aborted {
                 rank, by, during, ..
             } => ErrorFacts {
@@ -214,6 +244,17 @@ impl Error {
             },
             Error::Bootstrap { rank, .. } => ErrorFacts {
                 rank: Some(*rank),
+                ..ErrorFacts::default()
+            },
+            // The first rank that differs from most.
+            Error::Inconsistent {
+                rank,
+                disagreements,
+            } => ErrorFacts {
+                rank: Some(*rank),
+                peer: disagreements
+                    .first()
+                    .and_then(|d| d.odd_ranks().first().copied()),
                 ..ErrorFacts::default()
             },
             Error::Config(_) | Error::Setting(_) => ErrorFacts::default(),

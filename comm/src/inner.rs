@@ -58,6 +58,8 @@ pub(crate) struct Inner {
     pub(crate) id: UniqueId,
     /// Keeps rank 0's store alive while any communicator using it lives.
     pub(crate) store_host: Option<Arc<StoreHost>>,
+    /// Rank 0 serves the store ([`StoreLinks::on_rank0`]).
+    pub(crate) store_on_rank0: bool,
     pub(crate) splits: AtomicU64,
     pub(crate) watcher_stop: AtomicBool,
 }
@@ -125,6 +127,9 @@ pub(crate) struct StoreLinks {
     /// With a short timeout: reporting an error must never wait long on a stuck store.
     pub(crate) alarm: StoreClient,
     pub(crate) host: Option<Arc<StoreHost>>,
+    /// Whether rank 0 serves the store (its loss is rank 0's), rather than a launcher, `weft
+    /// store serve` or etcd.
+    pub(crate) on_rank0: bool,
 }
 
 impl Inner {
@@ -154,6 +159,7 @@ impl Inner {
             store: Mutex::new(links.client),
             id: links.id,
             store_host: links.host,
+            store_on_rank0: links.on_rank0,
             splits: AtomicU64::new(0),
             watcher_stop: AtomicBool::new(false),
         }

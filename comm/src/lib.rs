@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | records | [`records`] | store key names and record formats (progress, failure notes, identities, trace dumps): pure, shared with the readers in `weft status` / `weft trace` |
 //! | settings | [`config`], [`env`], `logging` | settings from `WEFT_*` variables; rank, size and rendezvous from the launcher; `WEFT_DEBUG` |
-//! | base | [`error`], [`tuning`], [`bootstrap`] | the error type; per-call algorithm choice; unique ids and rank 0's store |
+//! | base | [`error`], [`tuning`], [`bootstrap`], `agreement` | the error type; per-call algorithm choice; unique ids and rank 0's store; the ranks' consistency check at set-up |
 //! | executor | `executor` | runs one prepared schedule over the connections (poll loop, no threads; knows no communicator) |
 //! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread |
 //! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
@@ -18,6 +18,7 @@
 // network peer may write it directly), which `Inner::execute` ends before the buffer goes back.
 #![deny(unsafe_code)]
 
+mod agreement;
 pub mod bootstrap;
 mod cache;
 mod communicator;
@@ -50,6 +51,7 @@ pub use local::run_ranks;
 /// Installs the `WEFT_DEBUG` logger (a communicator does when it is created; code that logs
 /// before one exists, or without one, calls it itself).
 pub use logging::init as init_logging;
+pub use records::agreement::Disagreement;
 pub use records::note::AbortCause;
 pub use records::progress::Behind;
 pub use tuning::Tuner;

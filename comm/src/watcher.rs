@@ -61,13 +61,26 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     return;
                 }
                 let (op, seq) = inner.current.get();
-                inner.fail(Error::PeerLost {
-                    rank: inner.rank,
-                    peer: 0,
-                    op,
-                    seq,
-                    seen_by: SeenBy::Watcher,
-                    detail: format!("the bootstrap store on rank 0 is unreachable ({e})"),
+                let store = inner.id.addr.clone();
+                inner.fail(if inner.store_on_rank0 {
+                    Error::PeerLost {
+                        rank: inner.rank,
+                        peer: 0,
+                        op,
+                        seq,
+                        seen_by: SeenBy::Watcher,
+                        detail: format!(
+                            "the bootstrap store on rank 0 ({store}) is unreachable ({e})"
+                        ),
+                    }
+                } else {
+                    Error::StoreLost {
+                        rank: inner.rank,
+                        store,
+                        op,
+                        seq,
+                        detail: e.to_string(),
+                    }
                 });
                 inner.dump_trace_if_due();
                 return;

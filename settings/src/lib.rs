@@ -44,11 +44,29 @@ pub enum Kind {
     Launcher,
 }
 
+/// Whether the ranks of a job must give a setting the same value. Every rank's values of the
+/// settings that are not [`Agreement::Own`] are compared when a communicator is made.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Agreement {
+    /// Each rank's own (a path, a host's interface, a log level): not compared.
+    Own,
+    /// Ranks that differ still work together (a timeout, the connection time): a warning.
+    Should,
+    /// Ranks that differ would hang or compute different results (algorithms, protocols,
+    /// deterministic mode, buffer and message sizes, socket striping, the network): the
+    /// communicator is not made, on every rank.
+    Must,
+}
+
 /// One environment variable: its name, kind, default (as the docs state it) and meaning.
 #[derive(Debug)]
 pub struct Setting {
     pub name: &'static str,
     pub kind: Kind,
+    pub agreement: Agreement,
     pub default: &'static str,
     pub doc: &'static str,
 }
@@ -213,6 +231,34 @@ impl Setting {
         })
     }
 
+    /// The value as ranks compare it ([`Agreement`]): a flag as `on`/`off`, a number or size in
+    /// its unit, a duration, a choice as declared, other text trimmed; `unset` when unset. A
+    /// value that does not parse is the error its reader gives.
+    pub fn compared_value(&self) -> Result<String, SettingError> {
+        let Some(text) = self.value() else {
+            return Ok("unset".to_string());
+        };
+        let given = Some(text.as_str());
+        let shown = |d: Option<Duration>| d.map(|d| format!("{d:?}"));
+        Ok(match self.kind {
+            Kind::Flag => Some(
+                if self.flag_in(given, false)? {
+                    "on"
+                } else {
+                    "off"
+                }
+                .to_string(),
+            ),
+            Kind::Number { .. } => self.number_in(given)?.map(|n| n.to_string()),
+            Kind::Size { .. } => self.size_in(given)?.map(|n| n.to_string()),
+            Kind::Seconds => shown(self.seconds()?),
+            Kind::Micros => shown(self.micros()?),
+            Kind::Choice(_) => self.choice_in(given)?.map(str::to_string),
+            Kind::Text | Kind::Path | Kind::Launcher => None,
+        }
+        .unwrap_or(text))
+    }
+
     /// Checks the value against its kind (flags, numbers, sizes, seconds, microseconds,
     /// choices); text in a grammar of its own is its reader's to check, paths and the
     /// launcher's variables are taken as they are.
@@ -316,27 +362,59 @@ mod tests {
     static T_FLAG: Setting = Setting {
         name: "WEFT_SETTINGS_TEST_FLAG",
         kind: Kind::Flag,
+        agreement: Agreement::Own,
         default: "off",
         doc: "",
     };
     static T_NUM: Setting = Setting {
         name: "WEFT_SETTINGS_TEST_NUM",
         kind: Kind::Number { min: 1, max: 16 },
+        agreement: Agreement::Own,
         default: "1",
         doc: "",
     };
     static T_SIZE: Setting = Setting {
         name: "WEFT_SETTINGS_TEST_SIZE",
         kind: Kind::Size { min: 1 },
+        agreement: Agreement::Own,
         default: "1M",
         doc: "",
     };
     static T_SECS: Setting = Setting {
         name: "WEFT_SETTINGS_TEST_SECS",
         kind: Kind::Seconds,
+        agreement: Agreement::Own,
         default: "600",
         doc: "",
     };
+
+    #[test]
+    fn compared_values_are_one_spelling_per_meaning() {
+        assert_eq!(T_FLAG.compared_value().as_deref(), Ok("unset"));
+        for on in ["1", "yes", " ON "] {
+            assert_eq!(
+                with_var(T_FLAG.name, on, || T_FLAG.compared_value()).as_deref(),
+                Ok("on")
+            );
+        }
+        assert_eq!(
+            with_var(T_SIZE.name, "1M", || T_SIZE.compared_value()),
+            with_var(T_SIZE.name, "1048576", || T_SIZE.compared_value())
+        );
+        assert_eq!(
+            with_var(T_SECS.name, "1.5", || T_SECS.compared_value()).as_deref(),
+            Ok("1.5s")
+        );
+        assert!(with_var(T_NUM.name, "99", || T_NUM.compared_value()).is_err());
+        // The table: what must agree includes the examples, and no launcher variable.
+        for must in [&ALGO, &DETERMINISTIC, &BUFFSIZE, &NET, &SOCKET_NTHREADS] {
+            assert_eq!(must.agreement, Agreement::Must, "{}", must.name);
+        }
+        assert!(ALL
+            .iter()
+            .filter(|s| s.kind == Kind::Launcher || s.kind == Kind::Path)
+            .all(|s| s.agreement != Agreement::Must || s.name == CALIBRATION.name));
+    }
 
     #[test]
     fn values_parse_by_kind_and_bad_ones_name_the_variable() {
@@ -382,6 +460,7 @@ mod tests {
     static T_CHOICE: Setting = Setting {
         name: "WEFT_SETTINGS_TEST_CHOICE",
         kind: Kind::Choice(&["WARN", "INFO"]),
+        agreement: Agreement::Own,
         default: "off",
         doc: "",
     };

@@ -322,6 +322,49 @@ pub fn host_id() -> String {
     format!("{host}:{boot}")
 }
 
+/// The CPU's model name (`/proc/cpuinfo`'s first `model name`), when the kernel says.
+pub fn cpu_model() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    first_field(&text, "model name")
+}
+
+/// The NVIDIA driver's version and its GPUs' models, from `/proc/driver/nvidia` (no driver
+/// library is loaded): `None` where the driver is not loaded.
+pub fn nvidia_driver_and_gpus() -> Option<(String, Vec<String>)> {
+    let root = Path::new("/proc/driver/nvidia");
+    let version = std::fs::read_to_string(root.join("version")).ok()?;
+    // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+    let driver = version
+        .lines()
+        .next()?
+        .split_whitespace()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.'))?
+        .to_string();
+    let mut gpus: Vec<(String, String)> = std::fs::read_dir(root.join("gpus"))
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| {
+                    let info = std::fs::read_to_string(e.path().join("information")).ok()?;
+                    Some((
+                        e.file_name().to_string_lossy().into_owned(),
+                        first_field(&info, "Model")?,
+                    ))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    gpus.sort();
+    Some((driver, gpus.into_iter().map(|(_, model)| model).collect()))
+}
+
+/// The value of the first `key: value` line whose key is `key`.
+fn first_field(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        let (k, v) = line.split_once(':')?;
+        (k.trim() == key).then(|| v.trim().to_string())
+    })
+}
+
 /// This host's name, as the kernel has it.
 pub fn hostname() -> Option<String> {
     nix::unistd::gethostname()

@@ -578,8 +578,8 @@ pub fn render_text(r: &Report) -> String {
     let m = &r.model;
     let _ = writeln!(
         o,
-        "\npredicted ({} ranks on {} host(s); intra-host {:.1} GB/s, {:.1} us/hop; network \
-         {:.1} GB/s, {:.1} us/hop):",
+        "\npredicted by the model, not measured ({} ranks on {} host(s); intra-host {:.1} GB/s, \
+         {:.1} us/hop; network {:.1} GB/s, {:.1} us/hop):",
         m.nranks, m.nhosts, m.intra_gbps, m.intra_lat_us, m.net_gbps, m.net_lat_us
     );
     let _ = writeln!(

@@ -242,12 +242,14 @@ fn setting_errors_name_the_variable() {
     static ALGO: weftcc_settings::Setting = weftcc_settings::Setting {
         name: "WEFT_TOPO_TEST_ALGO",
         kind: weftcc_settings::Kind::Text,
+        agreement: weftcc_settings::Agreement::Own,
         default: "all",
         doc: "test",
     };
     static UNSET: weftcc_settings::Setting = weftcc_settings::Setting {
         name: "WEFT_TOPO_TEST_UNSET",
         kind: weftcc_settings::Kind::Text,
+        agreement: weftcc_settings::Agreement::Own,
         default: "all",
         doc: "test",
     };

@@ -115,7 +115,10 @@ pub fn gather(
         weftcc_base::socket::listen(SocketAddr::new(ip, 0), None, "host-table tree")?;
     publish(store, ns, rank, me, addr)?;
     let table = if rank == 0 {
-        root_table(store, ns, n, deadline).map_err(|e| name_the_missing(store, ns, rank, n, e))
+        root_table(store, ns, n, deadline).map_err(|e| {
+            let entry = |r| entry_key(ns, r);
+            name_the_missing(store, ns, &entry, (rank, n), e)
+        })
     } else {
         parent_address(store, ns, rank, deadline)
             .and_then(|from| receive(store, ns, token, rank, from, n, deadline))

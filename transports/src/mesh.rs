@@ -141,7 +141,7 @@ pub fn setup_lost_key(ns: &str) -> String {
 }
 
 /// A set-up wait's failure: the death it was interrupted by as [`TransportError::DiedInSetup`].
-pub(crate) fn setup_error(e: StoreError) -> TransportError {
+pub fn setup_error(e: StoreError) -> TransportError {
     match e {
         StoreError::Interrupted { value, .. } => {
             match std::str::from_utf8(&value)
@@ -160,7 +160,7 @@ pub(crate) fn setup_error(e: StoreError) -> TransportError {
 
 /// [`StoreClient::get_all`] for a set-up step of namespace `ns`: ends as soon as a rank's death
 /// during set-up is published ([`setup_lost_key`]).
-pub(crate) fn setup_get_all(
+pub fn setup_get_all(
     store: &mut StoreClient,
     ns: &str,
     keys: &[String],
@@ -225,16 +225,17 @@ const NOT_JOINED_LINGER: Duration = Duration::from_secs(2);
 /// Most missing ranks a [`TransportError::NotJoined`] lists.
 pub const MAX_NAMED_MISSING: usize = 16;
 
-/// A set-up that timed out waiting for the host table, as the ranks whose host records are
-/// missing (asked one by one, without waiting: only on this failure path); any other error,
-/// or a store that cannot tell, is returned as it is. Rank 0, which serves the store, leaves
-/// only once every rank that joined has found the same (at most [`NOT_JOINED_LINGER`] more), so
-/// that none of them finds the store closed instead.
-pub(crate) fn name_the_missing(
+/// A set-up that timed out waiting for every rank's record (`record(r)` is rank r's key: the
+/// host table's, or the communicator's announcements), as the ranks whose records are missing
+/// (asked one by one, without waiting: only on this failure path); any other error, or a store
+/// that cannot tell, is returned as it is. Rank 0, which serves the store, leaves only once
+/// every rank that joined has found the same (at most [`NOT_JOINED_LINGER`] more), so that none
+/// of them finds the store closed instead.
+pub fn name_the_missing(
     store: &mut StoreClient,
     ns: &str,
-    rank: usize,
-    n: usize,
+    record: &dyn Fn(usize) -> String,
+    (rank, n): (usize, usize),
     e: TransportError,
 ) -> TransportError {
     let after = match &e {
@@ -245,7 +246,7 @@ pub(crate) fn name_the_missing(
     let mut missing = Vec::new();
     let mut more = 0;
     for r in 0..n {
-        match store.get(&host_table::entry_key(ns, r), Duration::ZERO) {
+        match store.get(&record(r), Duration::ZERO) {
             Ok(_) => {}
             Err(StoreError::Timeout { .. }) if missing.len() < MAX_NAMED_MISSING => missing.push(r),
             Err(StoreError::Timeout { .. }) => more += 1,
@@ -272,10 +273,12 @@ pub(crate) fn name_the_missing(
     }
 }
 
-/// After a set-up ended by a rank's death: rank 0, which serves the store, leaves only once
-/// every other survivor has found the same (at most [`NOT_JOINED_LINGER`] more, as ranks that
-/// were past their last set-up wait never look), so that none finds the store closed instead.
-fn all_see_the_death(store: &mut StoreClient, ns: &str, rank: usize, n: usize) {
+/// After a set-up ended by a rank's death ([`TransportError::DiedInSetup`], from any of its
+/// waits): rank 0, which may serve the store, leaves only once every other survivor has found the
+/// same (at most [`NOT_JOINED_LINGER`] more, as ranks that were past their last set-up wait never
+/// look), so that none finds the store closed instead; a rank that had not reached the store yet
+/// gets the time to.
+pub fn all_see_the_death(store: &mut StoreClient, ns: &str, rank: usize, n: usize) {
     let seen = format!("{ns}/mesh/lost-seen");
     let Ok(mut count) = store.add(&seen, 1) else {
         return;
@@ -497,14 +500,6 @@ impl Drop for Mesh {
 impl Mesh {
     /// Prepares this rank to connect to the others (see the module docs for the steps).
     pub fn establish(store: &mut StoreClient, cfg: &MeshConfig) -> Result<Mesh> {
-        let made = Self::establish_steps(store, cfg);
-        if let Err(TransportError::DiedInSetup { .. }) = &made {
-            all_see_the_death(store, &cfg.namespace, cfg.rank, cfg.nranks);
-        }
-        made
-    }
-
-    fn establish_steps(store: &mut StoreClient, cfg: &MeshConfig) -> Result<Mesh> {
         if cfg.nranks == 0 || cfg.rank >= cfg.nranks || cfg.nranks > u32::MAX as usize {
             return Err(TransportError::Config(format!(
                 "rank {} out of range for {} ranks",
@@ -537,7 +532,10 @@ impl Mesh {
             tracing::info!(target: "weftcc::net", rank, "NET/{} opened", p.name());
         }
         let hosts = host_table::gather(store, ns, &cfg.token, (rank, n), &me, ip, &deadline)
-            .map_err(|e| name_the_missing(store, ns, rank, n, e))?;
+            .map_err(|e| {
+                let host = |r| host_table::entry_key(ns, r);
+                name_the_missing(store, ns, &host, (rank, n), e)
+            })?;
         store.add(&format!("{ns}/hosts-read"), 1)?;
 
         // 3. Shared memory with the ranks of this host.

@@ -9,7 +9,9 @@
 //! | [`note`] | why a communicator failed ([`note::FailureNote`]), as the store and farewells carry it |
 //! | [`identity`] | who a rank is ([`identity::RankIdentity`]), its store session's value |
 //! | [`trace`] | flight-recorder dumps and job-wide dump requests |
+//! | [`agreement`] | what a rank announces at set-up ([`agreement::Announcement`]) and where ranks disagree |
 
+pub mod agreement;
 pub mod identity;
 pub mod note;
 pub mod progress;

@@ -5,6 +5,9 @@
 //!   fails.
 //! * `weft perf`: nccl-tests-compatible microbenchmarks of the collectives (`--plot` draws them,
 //!   `--baseline` overlays a peer's curve converted by `weft baseline-json`).
+//! * `weft doctor`: run as every rank of a job, measures each pair of ranks over the job's
+//!   transport against the model's prediction and the limits measured on the spot, and names
+//!   the slow links.
 //! * `weft status`: a running job's ranks (host, pid, state, progress, liveness) and a verdict,
 //!   read from its bootstrap store.
 //! * `weft trace`: ask a running job's ranks to write their flight recorders (`dump`), and line
@@ -16,6 +19,7 @@
 // signal handler and pre-exec hook.
 #![deny(unsafe_code)]
 
+mod doctor;
 mod job;
 mod job_status;
 mod perf;
@@ -51,6 +55,8 @@ enum Command {
     BaselineJson(perf::baseline::BaselineArgs),
     /// Show the machine's topology, the rings and trees chosen, predictions and warnings.
     Topo(topo::TopoArgs),
+    /// Measure every pair of the job's ranks against its prediction and limits; name the slow links.
+    Doctor(doctor::DoctorArgs),
     /// Show a running job's ranks and what is wrong (TIMEOUT, MISMATCH, DEAD, BEHIND, ...).
     Status(status::StatusArgs),
     /// Flight recorder: dump a running job's last operations, merge dumps to find who is behind.
@@ -70,6 +76,7 @@ fn main() {
         Command::Topo(args) => topo::main(args),
         Command::Train(args) => train::main(args),
         Command::Status(args) => status::main(args),
+        Command::Doctor(args) => doctor::main(args),
         Command::Trace(args) => trace::main(args),
         Command::Store(args) => store::main(args),
     };

@@ -92,6 +92,11 @@ pub struct PerfArgs {
     /// Where the buffers live: `host` memory, or `cuda` device memory (one GPU per local rank).
     #[arg(long = "device", value_enum, default_value = "host")]
     pub device: DeviceKind,
+    /// Per row, the limit measured in this run for that size (the latency floor, or the
+    /// bandwidth of the path: memcpy on one host, the link across hosts), achieved/limit and
+    /// the bounding resource; also in `--json` (host buffers only).
+    #[arg(long)]
+    pub explain: bool,
 }
 
 /// Memory the benchmark's buffers live in.
@@ -118,6 +123,7 @@ struct Options {
     warmup: u64,
     check: bool,
     average: u8,
+    explain: bool,
 }
 
 fn options(args: &PerfArgs) -> Result<Options, String> {
@@ -163,6 +169,7 @@ fn options(args: &PerfArgs) -> Result<Options, String> {
         warmup: args.warmup,
         check: args.check == 1,
         average: args.average,
+        explain: args.explain,
     })
 }
 
@@ -190,6 +197,7 @@ pub fn main(args: PerfArgs) -> i32 {
             json: args.json.as_deref(),
             plot: args.plot.as_deref(),
             baselines: &baselines,
+            limits: None,
         };
         return cuda::main(&args, &opts, &outputs);
     }
@@ -218,6 +226,7 @@ pub fn main(args: PerfArgs) -> i32 {
         json: args.json.as_deref(),
         plot: args.plot.as_deref(),
         baselines: &baselines,
+        limits: None,
     };
     match bench(&comm, &opts, &outputs) {
         Ok(true) => 0,
@@ -317,6 +326,82 @@ struct JsonRow<'a> {
     nranks: usize,
     oop: JsonHalf,
     ip: JsonHalf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    explain: Option<Explained>,
+}
+
+/// What bounds a row (`--explain`): the limits measured in the same run, and which one the
+/// row's size meets first.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// The slowest rank's memcpy (shared memory) or the path's link rate, GB/s.
+    path_gbps: f64,
+    /// `memory` (ranks on one host, shared memory) or `link` (TCP or a network between them).
+    path: &'static str,
+    /// Median barrier time: the synchronisation floor of any collective, µs.
+    floor_us: f64,
+}
+
+/// One row explained (out-of-place time).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Explained {
+    /// The bandwidth limit of the path, GB/s of bus bandwidth.
+    limit_gbps: f64,
+    /// The latency floor, µs.
+    floor_us: f64,
+    /// The time the limits allow for this size: the floor or bytes × bus factor / limit, µs.
+    limit_us: f64,
+    /// limit_us / measured time (1: at the limit).
+    achieved: f64,
+    /// `memory`, `link` or `synchronisation`.
+    bound: &'static str,
+}
+
+impl Limits {
+    /// Measured on every rank at once (as the collective runs): the slowest rank's figures.
+    fn measure(comm: &Communicator, hosts: &[&str]) -> Result<Limits, Error> {
+        let one_host = hosts.windows(2).all(|w| w[0] == w[1]);
+        let shm = !weftcc::settings::SHM_DISABLE.flag().unwrap_or(false);
+        let (path, mine) = if one_host && shm {
+            ("memory", crate::doctor::memcpy_gbps())
+        } else {
+            ("link", crate::doctor::link_gbps(one_host))
+        };
+        let mut gbps = [mine];
+        comm.all_reduce_in_place(&mut gbps, ReduceOp::Min)?;
+        let mut barriers: Vec<f64> = (0..21)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                comm.barrier().map(|()| t.elapsed().as_secs_f64() * 1e6)
+            })
+            .collect::<Result<_, _>>()?;
+        barriers.sort_by(f64::total_cmp);
+        // Every rank takes rank 0's floor (the explanation is rank 0's).
+        let mut floor = [barriers[barriers.len() / 2]];
+        comm.broadcast_in_place(&mut floor, 0)?;
+        Ok(Limits {
+            path_gbps: gbps[0],
+            path,
+            floor_us: floor[0],
+        })
+    }
+
+    fn explain(&self, row: &Row, coll: Collective) -> Explained {
+        let bus = row.size as f64 * coll.bus_factor(row.nranks as u64);
+        let transfer_us = bus / (self.path_gbps * 1e3);
+        let (limit_us, bound) = if transfer_us >= self.floor_us {
+            (transfer_us, self.path)
+        } else {
+            (self.floor_us, "synchronisation")
+        };
+        Explained {
+            limit_gbps: self.path_gbps,
+            floor_us: self.floor_us,
+            limit_us,
+            achieved: limit_us / row.oop.time_us,
+            bound,
+        }
+    }
 }
 
 /// Out-of-place or in-place results of a `--json` row (`wrong` is null without checking).
@@ -367,7 +452,7 @@ impl Row {
         }
     }
 
-    fn json(&self, collective: Collective) -> JsonRow<'static> {
+    fn json(&self, collective: Collective, limits: Option<&Limits>) -> JsonRow<'static> {
         JsonRow {
             collective: collective.name(),
             size: self.size,
@@ -378,6 +463,7 @@ impl Row {
             nranks: self.nranks,
             oop: (&self.oop).into(),
             ip: (&self.ip).into(),
+            explain: limits.map(|l| l.explain(self, collective)),
         }
     }
 }
@@ -414,10 +500,13 @@ fn gather_ranks(comm: &Communicator) -> Result<Vec<(u64, u64, String)>, Error> {
 }
 
 /// Files rank 0 writes after the sweep.
+#[derive(Clone, Copy)]
 struct Outputs<'a> {
     json: Option<&'a std::path::Path>,
     plot: Option<&'a std::path::Path>,
     baselines: &'a [baseline::Baseline],
+    /// `--explain`'s limits, measured at the start of the run (host buffers only).
+    limits: Option<Limits>,
 }
 
 /// The plot of a finished sweep: one curve per (type, op) and placement, then the baselines.
@@ -551,13 +640,35 @@ fn finish(
     };
     let wrong = opts.check.then(|| wrong_values(rows));
     let _ = write!(out, "{}", spec::footer(wrong, avg));
+    if let Some(limits) = &outputs.limits {
+        let _ = writeln!(
+            out,
+            "# explain (out-of-place; limits measured in this run: {} {:.2} GB/s, barrier {:.1} us)\n#{:>11} {:>11} {:>11} {:>9}  bound",
+            limits.path, limits.path_gbps, limits.floor_us, "size", "time(us)", "limit(us)", "achieved"
+        );
+        for r in rows {
+            let e = limits.explain(r, opts.collective);
+            let _ = writeln!(
+                out,
+                "#{:>11} {:>11.1} {:>11.1} {:>8.0}%  {}",
+                r.size,
+                r.oop.time_us,
+                e.limit_us,
+                100.0 * e.achieved,
+                e.bound
+            );
+        }
+    }
     let _ = out.flush();
     if let Some(path) = outputs.plot {
         std::fs::write(path, plot_svg(opts, nranks, rows, outputs.baselines))
             .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
     }
     if let Some(path) = outputs.json {
-        let value: Vec<JsonRow> = rows.iter().map(|r| r.json(opts.collective)).collect();
+        let value: Vec<JsonRow> = rows
+            .iter()
+            .map(|r| r.json(opts.collective, outputs.limits.as_ref()))
+            .collect();
         let text = serde_json::to_string_pretty(&value).expect("JSON of plain values");
         std::fs::write(path, text + "\n")
             .map_err(|e| PerfError::Other(format!("cannot write {}: {e}", path.display())))?;
@@ -583,6 +694,15 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
             .map(|(r, (pid, local, host))| spec::rank_line(r, *pid, host, *local));
         print_header(&mut out, opts, title, lines);
     }
+    let hosts: Vec<&str> = ranks.iter().map(|(_, _, h)| h.as_str()).collect();
+    let outputs = &Outputs {
+        limits: if opts.explain {
+            Some(Limits::measure(comm, &hosts)?)
+        } else {
+            None
+        },
+        ..*outputs
+    };
     let rows = sweep(opts, me, &mut out, |dtype, op, size| {
         with_element!(dtype, |T| bench_size::<_, T>(comm, opts, op, size))
     })?;

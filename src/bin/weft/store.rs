@@ -3,7 +3,7 @@
 
 use crate::run::{signal_name, take_pending_signal};
 use clap::{Args, Subcommand};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -115,18 +115,23 @@ fn serve(args: ServeArgs) -> i32 {
         args.listen.ip()
     };
     let addr = weftcc::comm::join_host_port(&ip.to_string(), server.local_addr().port());
-    println!("WEFT_STORE={addr}");
-    println!("WEFT_JOB_TOKEN={token}");
+    // Whoever started it may stop reading: the store goes on serving.
+    let say = |line: String| {
+        let mut out = std::io::stdout();
+        let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+    };
+    say(format!("WEFT_STORE={addr}"));
+    say(format!("WEFT_JOB_TOKEN={token}"));
     eprintln!("weft store serve: serving at {addr} (open-files limit {files}); SIGINT or SIGTERM stops it");
     loop {
         if let Some(sig) = take_pending_signal() {
             let t = server.traffic();
             eprintln!("weft store serve: {}: stopping", signal_name(sig));
             // For `weft store load`, which reads it from the last line.
-            println!(
+            say(format!(
                 "served {} requests, sent {} B, received {} B, at most {} connections",
                 t.requests, t.sent, t.received, t.peak_connections
-            );
+            ));
             server.shutdown();
             return 0;
         }

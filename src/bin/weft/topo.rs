@@ -179,7 +179,7 @@ fn job_report(args: &TopoArgs) -> Result<String, String> {
     );
     let _ = writeln!(
         out,
-        "tuner (intra-host {} GB/s, {} us/hop; network {} GB/s, {} us/hop; reduce {} GB/s):",
+        "predicted by the tuner's model, not measured (intra-host {} GB/s, {} us/hop; network {} GB/s, {} us/hop; reduce {} GB/s):",
         tuner.model().input.intra_gbps,
         tuner.model().input.intra_lat_us,
         tuner.model().input.net_gbps,
@@ -280,7 +280,10 @@ fn run(args: TopoArgs) -> Result<(), String> {
             .ok_or("--save-calibration needs --calibrate or --calibration")?;
         std::fs::write(p, cal.to_json() + "\n").map_err(|e| format!("{}: {e}", p.display()))?;
     }
-    let report = build(&topo, &opts);
+    let mut report = build(&topo, &opts);
+    if topo.gpus.is_empty() {
+        tuners_predictions(&mut report, &opts)?;
+    }
     let out = match args.format {
         Format::Text => {
             let mut s = render_text(&report);
@@ -299,6 +302,46 @@ fn run(args: TopoArgs) -> Result<(), String> {
     if let Some(p) = &args.dump_xml {
         std::fs::write(p, xml::write(&topo)).map_err(|e| format!("{}: {e}", p.display()))?;
     }
+    Ok(())
+}
+
+/// CPU ranks: the predictions are the communicator's own (`Tuner`: its model figures, the
+/// algorithms it implements for each collective and size, `WEFT_ALGO`, `WEFT_CALIBRATION`), with
+/// the one bulk protocol of the CPU transports (`Simple`), for the hosts and ranks modelled.
+fn tuners_predictions(
+    report: &mut weftcc_topology::report::Report,
+    opts: &ReportOptions,
+) -> Result<(), String> {
+    use weftcc::collectives::schedule::hierarchical::HostLayout;
+    use weftcc_topology::report::PredictionRow;
+    use weftcc_topology::tuner::Collective;
+    let rph = report.ranks_per_host;
+    let labels: Vec<usize> = (0..report.nhosts * rph).map(|r| r / rph).collect();
+    let shm = !weftcc::settings::SHM_DISABLE
+        .flag()
+        .map_err(|e| e.to_string())?;
+    let tuner = weftcc::Tuner::new(
+        HostLayout::from_labels(&labels),
+        shm,
+        opts.algos.clone(),
+        opts.calibration.as_ref(),
+    );
+    report.model = tuner.model().input.clone();
+    report.predictions = Collective::ALL
+        .into_iter()
+        .flat_map(|c| opts.sizes.iter().map(move |&bytes| (c, bytes)))
+        .filter_map(|(collective, bytes)| {
+            let p = tuner.predict(collective, bytes).1?;
+            Some(PredictionRow {
+                collective,
+                bytes,
+                algo: p.algo,
+                proto: p.proto,
+                time_us: p.time_us,
+                busbw_gbps: p.busbw_gbps,
+            })
+        })
+        .collect();
     Ok(())
 }
 
@@ -392,6 +435,40 @@ mod tests {
         let e = run(args(None, Some(bad.clone()), Format::Json)).unwrap_err();
         assert!(e.contains("NCCL topology XML"), "{e}");
         let _ = std::fs::remove_file(&bad);
+    }
+
+    /// Issue 42: for CPU ranks `weft topo` showed its own model (8 GB/s for 1 MiB all-reduce)
+    /// and an LL128 column; it now shows the tuner's choices and figures, protocol Simple.
+    #[test]
+    fn cpu_predictions_are_the_tuners_own_with_the_protocol_the_transports_use() {
+        use weftcc::collectives::schedule::hierarchical::HostLayout;
+        use weftcc_topology::report::render_text;
+        use weftcc_topology::tuner::Protocol;
+        let opts = ReportOptions {
+            nhosts: 2,
+            ranks_per_host: Some(4),
+            ..ReportOptions::default()
+        };
+        let mut report = build(&Topology::default(), &opts);
+        tuners_predictions(&mut report, &opts).unwrap();
+        let tuner = weftcc::Tuner::new(
+            HostLayout::from_labels(&[0, 0, 0, 0, 1, 1, 1, 1]),
+            true,
+            Selection::default(),
+            None,
+        );
+        assert_eq!(report.model, tuner.model().input);
+        assert_eq!(report.predictions.len(), 5 * opts.sizes.len());
+        for row in &report.predictions {
+            let (algo, p) = tuner.predict(row.collective, row.bytes);
+            assert_eq!((row.algo, row.proto), (algo, Protocol::Simple), "{row:?}");
+            assert_eq!(Some(row.time_us), p.map(|p| p.time_us), "{row:?}");
+        }
+        let text = render_text(&report);
+        assert!(
+            !text.contains("LL") && text.contains("not measured"),
+            "{text}"
+        );
     }
 
     #[test]
