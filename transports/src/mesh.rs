@@ -978,8 +978,3 @@ impl Mesh {
         (&mut self.conns, &mut self.waiter)
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-}
