@@ -143,24 +143,13 @@ fn a_killed_rank_is_peer_lost_everywhere_over_etcd_and_weft_status_reads_the_job
     let victim = 2;
     ranks.0[victim].kill().unwrap(); // SIGKILL
     let _ = ranks.0[victim].wait();
-    let killed = Instant::now();
     let limit = weftcc::store::ETCD_LEASE_TTL + Duration::from_secs(3);
-    let mut seen = Vec::new();
-    while seen.len() < 3 {
-        let left =
-            (killed + limit + Duration::from_secs(5)).saturating_duration_since(Instant::now());
-        let (rank, at, line) = rx
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("only {seen:?} reported the death"));
-        let after = at.saturating_duration_since(killed);
-        eprintln!("kill -9 rank {victim}: rank {rank} after {after:?}: {line}");
+    for (rank, line) in deaths(&rx, Instant::now(), limit, "kill -9 rank 2") {
         assert!(
             line.starts_with(&format!("ERROR PeerLost {victim} "))
                 && line.contains("bootstrap store"),
             "rank {rank}: {line}"
         );
-        assert!(after <= limit, "rank {rank} noticed after {after:?}");
-        seen.push(rank);
     }
     let (code, out) = status(&[]);
     assert_eq!(code, Some(1), "{out}");
@@ -201,8 +190,23 @@ fn a_rank_killed_during_set_up_is_named_everywhere_over_etcd() {
     named(&mut store, 4);
     ranks.0[3].kill().unwrap(); // SIGKILL
     let _ = ranks.0[3].wait();
-    let killed = Instant::now();
     let limit = weftcc::store::ETCD_LEASE_TTL + Duration::from_secs(4);
+    for (rank, line) in deaths(&rx, Instant::now(), limit, "kill -9 rank 3 in set-up") {
+        assert!(
+            line.contains("rank 3 died during set-up") || line.starts_with("ERROR PeerLost 3 "),
+            "rank {rank}: {line}"
+        );
+    }
+}
+
+/// The first line other than READY of each of three ranks, every one within `limit` of
+/// `killed` (READY: a rank through set-up before the kill, its error follows).
+fn deaths(
+    rx: &mpsc::Receiver<(usize, Instant, String)>,
+    killed: Instant,
+    limit: Duration,
+    what: &str,
+) -> Vec<(usize, String)> {
     let mut seen = Vec::new();
     while seen.len() < 3 {
         let left =
@@ -211,16 +215,12 @@ fn a_rank_killed_during_set_up_is_named_everywhere_over_etcd() {
             .recv_timeout(left)
             .unwrap_or_else(|_| panic!("only {seen:?} reported the death"));
         if line == "READY" {
-            // Through set-up before the kill: its error follows.
             continue;
         }
         let after = at.saturating_duration_since(killed);
-        eprintln!("kill -9 rank 3 in set-up: rank {rank} after {after:?}: {line}");
-        assert!(
-            line.contains("rank 3 died during set-up") || line.starts_with("ERROR PeerLost 3 "),
-            "rank {rank}: {line}"
-        );
+        eprintln!("{what}: rank {rank} after {after:?}: {line}");
         assert!(after <= limit, "rank {rank} noticed after {after:?}");
-        seen.push(rank);
+        seen.push((rank, line));
     }
+    seen
 }

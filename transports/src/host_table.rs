@@ -321,11 +321,7 @@ fn read_waiting(
                 }))
             }
             Ok(k) => got += k,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                ) => {}
+            Err(e) if passing(&e) => {}
             Err(e) => {
                 return Err(death(store, ns, Duration::from_secs(1)).unwrap_or_else(|| {
                     TransportError::io(format!("host-table tree: reading from rank {p}"), e)
@@ -345,6 +341,14 @@ fn read_waiting(
     Ok(())
 }
 
+/// Whether a read failed only for now: its timeout ran out, or a signal came.
+fn passing(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+    )
+}
+
 /// Reads what `sock` sends until it closes or `buf` is full (at most a second); the count.
 fn read_some(sock: &Socket, buf: &mut [u8]) -> usize {
     let until = Deadline::after(Duration::from_secs(1));
@@ -353,11 +357,7 @@ fn read_some(sock: &Socket, buf: &mut [u8]) -> usize {
         match (&*sock).read(&mut buf[got..]) {
             Ok(0) => break,
             Ok(k) => got += k,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                ) => {}
+            Err(e) if passing(&e) => {}
             Err(_) => break,
         }
     }
