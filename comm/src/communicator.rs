@@ -518,36 +518,22 @@ impl Communicator {
         let index = inner.splits.fetch_add(1, Ordering::SeqCst);
         let prefix = format!("{}/split{}", inner.namespace, index);
         let child_ns = color.map(|c| format!("{prefix}/c{c}"));
+        // Every rank's (color, key) travels among the ranks, an all-gather over this
+        // communicator: through the store it would be n² bytes.
+        let mine = [i64::from(color.is_some()), i64::from(color.unwrap_or(0)), key];
+        let mut choices = vec![0i64; 3 * inner.size];
+        self.all_gather(&mine, &mut choices)?;
         let chosen = inner.run_blocking(OpKind::Barrier, |inner, st| {
-            let mut store = lock(&inner.store);
             let boot = |source: TransportError| Error::Bootstrap {
                 rank: inner.rank,
                 source,
             };
-            let mine = match color {
-                Some(c) => format!("{c} {key}"),
-                None => "none".to_string(),
-            };
-            store
-                .set(&format!("{prefix}/{}", inner.rank), mine.as_bytes())
-                .map_err(|e| boot(e.into()))?;
-            let mut members = Vec::new();
-            // Every rank's choice in one request (n requests to rank 0 in all, not n²).
-            let keys: Vec<String> = (0..inner.size).map(|r| format!("{prefix}/{r}")).collect();
-            let choices = store
-                .get_all(&keys, inner.timeout())
-                .map_err(|e| boot(e.into()))?;
-            for (r, v) in choices.iter().enumerate() {
-                let v = String::from_utf8_lossy(v).to_string();
-                let mut it = v.split_whitespace();
-                if let (Some(c), Some(k)) = (it.next(), it.next()) {
-                    if let (Ok(c), Ok(k)) = (c.parse::<u32>(), k.parse::<i64>()) {
-                        if Some(c) == color {
-                            members.push((k, r));
-                        }
-                    }
-                }
-            }
+            let mut members: Vec<(i64, usize)> = choices
+                .chunks_exact(3)
+                .enumerate()
+                .filter(|(_, c)| c[0] == 1 && color.is_some_and(|mine| i64::from(mine) == c[1]))
+                .map(|(r, c)| (c[2], r))
+                .collect();
             members.sort_unstable();
             // With split_share, the split's mesh shares this communicator's connections (no
             // set-up of its own); otherwise it is set up through the store like any other.
