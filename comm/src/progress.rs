@@ -32,20 +32,21 @@ impl Default for Progress {
 }
 
 impl Progress {
-    /// The rank entered collective `kind` #`seq`.
-    pub(crate) fn entered(&self, kind: OpKind, seq: u64) {
+    /// The rank entered collective `kind` #`seq` at `at_ms` (the caller's clock reading, which
+    /// its flight recorder entry shares: one reading per event on the small-message path).
+    pub(crate) fn entered(&self, kind: OpKind, seq: u64, at_ms: u64) {
         self.entered.store(op_word(kind, seq), Ordering::Relaxed);
-        self.touch();
+        self.touch(at_ms);
     }
 
-    /// The rank completed `kind` #`seq`.
-    pub(crate) fn completed(&self, kind: OpKind, seq: u64) {
+    /// The rank completed `kind` #`seq` at `at_ms`.
+    pub(crate) fn completed(&self, kind: OpKind, seq: u64, at_ms: u64) {
         self.completed.store(op_word(kind, seq), Ordering::Relaxed);
-        self.touch();
+        self.touch(at_ms);
     }
 
-    fn touch(&self) {
-        self.at_ms.store(now_ms(), Ordering::Relaxed);
+    fn touch(&self, at_ms: u64) {
+        self.at_ms.store(at_ms, Ordering::Relaxed);
         self.version.fetch_add(1, Ordering::Release);
     }
 
@@ -71,8 +72,8 @@ mod tests {
         let p = Progress::default();
         let v = p.version();
         assert_eq!(p.record().entered, None);
-        p.entered(OpKind::Broadcast, 1);
-        p.completed(OpKind::Broadcast, 1);
+        p.entered(OpKind::Broadcast, 1, now_ms());
+        p.completed(OpKind::Broadcast, 1, now_ms());
         assert!(p.version() > v);
         let r = p.record();
         assert_eq!(r.entered, Some((OpKind::Broadcast, 1)));
