@@ -32,7 +32,9 @@ mkdir -p "$out"
 cc -O3 -march=native -o "$out/memcpy_bw" benches/baseline/memcpy_bw.c
 mpicc -O3 -o "$out/mpi_collectives" benches/mpi_collectives.c
 cargo build --release --bin weft -q
-weft=target/release/weft
+# A copy, so that a rebuild while this runs cannot change the binary between rounds.
+cp target/release/weft "$out/weft"
+weft=$out/weft
 
 to_bytes() {
   local v=${1%[KkMmGg]}
