@@ -681,6 +681,30 @@ fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_a_multiple_round_robi
 }
 
 #[test]
+fn by_default_each_worker_gets_its_own_share_of_the_cpus() {
+    let allowed = own_cpus();
+    // Default (no --cpu-bind, no WEFT_CPU_BIND): disjoint blocks that together cover every CPU.
+    let n = allowed.len().min(2);
+    let out = weft(&["-n", &n.to_string(), "--", "sh", "-c", SHOW_CPUS]);
+    let mut seen: Vec<usize> = Vec::new();
+    for (rank, lines) in by_rank(&out.stdout) {
+        let cpus = cpu_list(&lines[0]);
+        assert!(!cpus.is_empty(), "rank {rank}");
+        assert!(
+            cpus.iter().all(|c| !seen.contains(c)),
+            "rank {rank} shares a CPU: {cpus:?}"
+        );
+        seen.extend(cpus);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, allowed);
+    // More workers than CPUs: unbound.
+    for (rank, cpus) in cpus_under("share", allowed.len() + 1).1 {
+        assert_eq!(cpus, allowed, "rank {rank}");
+    }
+}
+
+#[test]
 fn too_low_an_open_files_limit_is_a_clear_error() {
     // `ulimit -n 40` lowers soft and hard limits: a rank cannot raise its way out.
     let out = Command::new("sh")

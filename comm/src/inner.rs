@@ -266,16 +266,16 @@ impl Inner {
             // that of a call another thread starts once the lock is free.
             let end_us = now_us();
             self.trace.end(result.as_ref().err(), end_us);
-            result.map(|r| (r, end_us))
+            if result.is_ok() {
+                // Under the state lock too: progress has one writer at a time.
+                let (kind, seq) = self.current.get();
+                self.progress.completed(kind, seq, end_us / 1000);
+            }
+            result
         })();
         if let Some(t) = own_ticket {
             self.turns.end_turn(t);
         }
-        let result = result.map(|(r, end_us)| {
-            let (kind, seq) = self.current.get();
-            self.progress.completed(kind, seq, end_us / 1000);
-            r
-        });
         if let Err(e) = &result {
             if e.is_fatal() {
                 self.fail(e.clone());

@@ -299,7 +299,10 @@ mod tests {
         // A call that recorded no entry (a split's barrier) ends too: entry 1 keeps its time.
         r.end(None, 20);
         let (kept, _) = r.snapshot();
-        assert_eq!((kept[0].state, kept[0].end_us), (TraceState::Completed, Some(10)));
+        assert_eq!(
+            (kept[0].state, kept[0].end_us),
+            (TraceState::Completed, Some(10))
+        );
         r.end(None, 30);
         r.start(entry(2));
         let (kept, _) = r.snapshot();
@@ -307,7 +310,10 @@ mod tests {
         assert_eq!((kept[1].state, kept[1].end_us), (TraceState::Running, None));
         r.end(None, 40);
         let (kept, _) = r.snapshot();
-        assert_eq!((kept[1].state, kept[1].end_us), (TraceState::Completed, Some(40)));
+        assert_eq!(
+            (kept[1].state, kept[1].end_us),
+            (TraceState::Completed, Some(40))
+        );
     }
 
     #[test]
