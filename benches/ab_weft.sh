@@ -10,7 +10,7 @@
 # Prints per build and column (out of place, in place) the minimum, lower quartile and median of
 # the per-run times (`weft perf -a 3`: the maximum over ranks of the mean per iteration, µs) and
 # every value. Environment: N (iterations per run, default 50000), BIND (prefix such as
-# `WEFT_CPU_BIND=core`, default none).
+# `WEFT_CPU_BIND=none`, default none: the launcher's own default binding).
 set -euo pipefail
 if [ $# -lt 5 ]; then
   sed -n 2,13p "$0"

@@ -19,7 +19,8 @@
 #   COLLECTIVES="..."         a subset of the collectives
 #   WIRE=shm|tcp              tcp: weft with WEFT_SHM_DISABLE=1, OpenMPI with its TCP BTL
 #   MPIRUN_ARGS="..."         extra mpirun options (e.g. --bind-to none; OpenMPI binds ranks
-#                             to cores by default; weft perf only with WEFT_CPU_BIND=core)
+#                             to cores by default, weft perf gives each rank its own share of
+#                             the CPUs; both leave ranks that outnumber the CPUs unbound)
 #   WEFT_PERF_OUT=dir         output folder (default target/perf/collectives)
 #   REPEAT=1                  rounds per collective, each an OpenMPI sweep then a weft sweep;
 #                             with more than one the table gives each side's median per size
