@@ -158,6 +158,9 @@ pub struct Launch {
     pub label: &'static str,
 }
 
+/// `WEFT_SPIN_US` given to workers that have CPUs of their own (unless the user set it).
+const BOUND_SPIN_US: &str = "20";
+
 /// Where workers may run.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuBind {
@@ -520,6 +523,16 @@ impl Launch {
             .process_group(0);
         if self.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        // A worker with CPUs of its own (no other local worker shares them) spins longer before
+        // it yields: no peer can be waiting for its CPU, and under other programs' load a rank
+        // that yields after 2 µs hands its CPU over for a whole time slice (8-byte all-reduce,
+        // bound, load 4-16: 0.89 / 1.30 µs with 20 µs against 1.37 / 1.86 with 2 µs; 1 MiB no
+        // slower; docs/performance.md). Unbound ranks keep the library's 2 µs: placed on one
+        // CPU they would spin out the whole 20 µs per exchange.
+        let spin = &weftcc::settings::SPIN_US;
+        if cpus.is_some() && self.nproc_per_node <= allowed_cpus().len() && !spin.is_set() {
+            cmd.env(spin.name, BOUND_SPIN_US);
         }
         launch_as_worker(&mut cmd, cpus)?;
         let mut child = cmd.spawn()?;
