@@ -7,7 +7,9 @@
 #    per size: the steadiness goal, and the medians: the small-message goal for all-reduce);
 # 2. every collective, 2 ranks, 8 B to 4 KiB, 7 rounds (the small-message goal);
 # 3. every collective, 4 ranks on this host, 8 B to 4 KiB, 7 rounds, both sides unbound;
-# 4. benches/episodes.sh: OpenMPI and weft side by side per round with the machine's state.
+# 4. benches/episodes.sh: OpenMPI and weft side by side per round with the machine's state;
+# 5. with OLD=path/to/an/older/weft: that build against this one, alternating, at 8 B, 64 KiB,
+#    1 MiB, 16 MiB and 128 MiB all-reduce (benches/ab_weft.sh; no large-message median slower).
 # Each part's full output goes to OUTDIR/<part>.txt. Takes about 15 minutes on the 2-core VM;
 # run it on a quiet machine (`uptime`), nothing else building. REPEAT (default 7) changes the
 # number of rounds of every part.
@@ -45,3 +47,16 @@ rounds=${REPEAT:-7}
   echo "# REPEAT=$rounds benches/episodes.sh 64K 1M 16M"
   REPEAT=$rounds OUT=target/perf/issue44-d benches/episodes.sh 64K 1M 16M
 } | tee "$dir/episodes.txt"
+
+if [ -n "${OLD:-}" ]; then
+  cp target/release/weft target/perf/issue44-new-weft
+  {
+    stamp
+    echo "# OLD=$OLD: benches/ab_weft.sh ROUNDS all-reduce SIZE OLD NEW, alternating runs"
+    N=50000 benches/ab_weft.sh "$rounds" all-reduce 8 "$OLD" target/perf/issue44-new-weft
+    N=2000 benches/ab_weft.sh "$rounds" all-reduce 65536 "$OLD" target/perf/issue44-new-weft
+    N=200 benches/ab_weft.sh "$rounds" all-reduce 1048576 "$OLD" target/perf/issue44-new-weft
+    N=20 benches/ab_weft.sh "$rounds" all-reduce 16777216 "$OLD" target/perf/issue44-new-weft
+    N=5 benches/ab_weft.sh "$rounds" all-reduce 134217728 "$OLD" target/perf/issue44-new-weft
+  } | tee "$dir/ab-old-new.txt"
+fi
