@@ -12,14 +12,16 @@
 # hypervisor stole during the command (/proc/stat). The summary gives each side's min/median/max
 # over the rounds and max/median. A slow round of weft with OpenMPI steady in the same round, the
 # probe steady and the same user CPU points at weft; both slow with the probe or steal moved
-# points at the machine. Environment: REPEAT (default 7), ITERS (per size, default 40), NP
+# points at the machine. Environment: REPEAT (default 7), ITERS (iterations below 1 MiB, below
+# 16 MiB and from 16 MiB on, default "400 100 40"), NP
 # (default 2), WEFT_ENV (e.g. "WEFT_CPU_BIND=core") and MPIRUN_ARGS (e.g. "--bind-to none")
 # for the two sides, OUT (default target/perf/episodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 read -r -a sizes <<<"${*:-64K 1M 16M}"
 repeat=${REPEAT:-7}
-iters=${ITERS:-40}
+read -r -a iters <<<"${ITERS:-400 100 40}"
+((${#iters[@]} == 3)) || { echo "ITERS needs three counts (<1M <16M >=16M)" >&2; exit 2; }
 np=${NP:-2}
 out=${OUT:-target/perf/episodes}
 read -r -a weft_env <<<"${WEFT_ENV:-}"
@@ -72,17 +74,18 @@ run() {
 
 raw=$out/episodes-$np.txt
 : >"$raw"
-echo "== $np ranks, $iters iterations per size, $repeat rounds; weft env: ${weft_env[*]:-none}; mpirun: ${mpirun_extra[*]:-default binding}"
+echo "== $np ranks, ${iters[*]} iterations (<1M <16M >=16M), $repeat rounds; weft env: ${weft_env[*]:-none}; mpirun: ${mpirun_extra[*]:-default binding}"
 printf "%5s %-5s %10s %10s %6s %6s %7s %6s %7s %6s %6s  %s\n" round side size us user-s sys-s ctxsw migr faults load steal% \
   "probe (memcpy_bw 64 MiB just before)"
 for ((round = 1; round <= repeat; round++)); do
   for s in "${sizes[@]}"; do
     b=$(to_bytes "$s")
+    if ((b < 1 << 20)); then n=${iters[0]}; elif ((b < 16 << 20)); then n=${iters[1]}; else n=${iters[2]}; fi
     probe=$("$out/memcpy_bw" 64 | sed 's/memcpy 64 MiB: //; s/ copied; reduce a+=b://; s/ of a//')
     run mpi "$b" mpirun --allow-run-as-root --oversubscribe -n "$np" "${mpirun_extra[@]}" \
-      "$out/mpi_collectives" all-reduce float "$b" "$b" "$iters" "$iters" "$iters" 3
+      "$out/mpi_collectives" all-reduce float "$b" "$b" "$n" "$n" "$n" 10
     run weft "$b" env "${weft_env[@]}" "$weft" perf all-reduce --np "$np" -b "$b" -e "$b" \
-      -n "$iters" -w 3 -a 3
+      -n "$n" -w 10 -a 3
   done
 done
 echo "== min/median/max of the rounds' times (us) and max/median"
