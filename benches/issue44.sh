@@ -54,9 +54,9 @@ if [ -n "${OLD:-}" ]; then
     stamp
     echo "# OLD=$OLD: benches/ab_weft.sh ROUNDS all-reduce SIZE OLD NEW, alternating runs"
     N=50000 benches/ab_weft.sh "$rounds" all-reduce 8 "$OLD" target/perf/issue44-new-weft
-    N=2000 benches/ab_weft.sh "$rounds" all-reduce 65536 "$OLD" target/perf/issue44-new-weft
-    N=200 benches/ab_weft.sh "$rounds" all-reduce 1048576 "$OLD" target/perf/issue44-new-weft
-    N=20 benches/ab_weft.sh "$rounds" all-reduce 16777216 "$OLD" target/perf/issue44-new-weft
-    N=5 benches/ab_weft.sh "$rounds" all-reduce 134217728 "$OLD" target/perf/issue44-new-weft
+    N=2000 W=200 benches/ab_weft.sh "$rounds" all-reduce 65536 "$OLD" target/perf/issue44-new-weft
+    N=200 W=20 benches/ab_weft.sh "$rounds" all-reduce 1048576 "$OLD" target/perf/issue44-new-weft
+    N=20 W=3 benches/ab_weft.sh "$rounds" all-reduce 16777216 "$OLD" target/perf/issue44-new-weft
+    N=5 W=2 benches/ab_weft.sh "$rounds" all-reduce 134217728 "$OLD" target/perf/issue44-new-weft
   } | tee "$dir/ab-old-new.txt"
 fi
