@@ -9,8 +9,8 @@
 #   benches/ab_weft.sh 8 all-reduce 8 /tmp/weft-old target/release/weft
 # Prints per build and column (out of place, in place) the minimum, lower quartile and median of
 # the per-run times (`weft perf -a 3`: the maximum over ranks of the mean per iteration, µs) and
-# every value. Environment: N (iterations per run, default 50000), BIND (prefix such as
-# `WEFT_CPU_BIND=core`, default none).
+# every value. Environment: N (iterations per run, default 50000), W (warm-up, default 2000),
+# BIND (prefix such as `WEFT_CPU_BIND=none`, default none: the launcher's own default binding).
 set -euo pipefail
 if [ $# -lt 5 ]; then
   sed -n 2,13p "$0"
@@ -22,7 +22,7 @@ raw=$(mktemp)
 trap 'rm -f "$raw"' EXIT
 for _ in $(seq "$rounds"); do
   for bin in "$a" "$b"; do
-    env ${BIND:-} "$bin" perf "$coll" --np "$np" -b "$bytes" -e "$bytes" -n "$iters" -w 2000 -a 3 2>&1 |
+    env ${BIND:-} "$bin" perf "$coll" --np "$np" -b "$bytes" -e "$bytes" -n "$iters" -w "${W:-2000}" -a 3 2>&1 |
       awk -v who="$bin" -v size="$bytes" '$1 == size { print who, $6, $10 }'
   done
 done >"$raw"

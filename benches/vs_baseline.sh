@@ -7,7 +7,7 @@
 # rows as JSON and an SVG plot of both in target/perf/ (WEFT_PERF_OUT overrides).
 # Extra environment for the weft runs (e.g. WEFT_SHM_CMA=0) passes through. weft's time is the
 # maximum over ranks (-a 3), as the OpenMPI baseline reports it. mpirun binds OpenMPI's ranks to
-# cores, weft perf leaves its own unbound (WEFT_CPU_BIND=core binds them too).
+# cores, weft perf gives each of its own a share of the CPUs (WEFT_CPU_BIND=none: unbound).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-2}

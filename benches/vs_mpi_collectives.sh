@@ -19,13 +19,16 @@
 #   COLLECTIVES="..."         a subset of the collectives
 #   WIRE=shm|tcp              tcp: weft with WEFT_SHM_DISABLE=1, OpenMPI with its TCP BTL
 #   MPIRUN_ARGS="..."         extra mpirun options (e.g. --bind-to none; OpenMPI binds ranks
-#                             to cores by default; weft perf only with WEFT_CPU_BIND=core)
+#                             to cores by default, weft perf gives each rank its own share of
+#                             the CPUs; both leave ranks that outnumber the CPUs unbound)
 #   WEFT_PERF_OUT=dir         output folder (default target/perf/collectives)
 #   REPEAT=1                  rounds per collective, each an OpenMPI sweep then a weft sweep;
 #                             with more than one the table gives each side's median per size
 #                             (per column; #wrong: the maximum) and the range of each round's
 #                             ratios, [min-max]: on a shared machine single runs of sub-µs rows
-#                             swing by ±20 %, and alternating rounds see the same noise
+#                             swing by ±20 %, and alternating rounds see the same noise; a
+#                             second table gives each side's min/median/max over the rounds per
+#                             size and max/median (EPISODE: weft's > 1.5 where OpenMPI's is not)
 # Other environment (e.g. WEFT_SHM_CMA=0) reaches the weft runs. Leaves, per collective, the raw
 # outputs (mpi-*.txt, weft-*.txt), JSON (mpi-*.json from `weft baseline-json`, weft-*-<run>.json
 # from weft perf --json) and an SVG plot (*.svg) in the output folder. Sizes are measured in runs:
@@ -146,8 +149,45 @@ join_rows() { # collective mpi-file weft-file
     }' "$2" "$3"
 }
 
+# Each side's spread over the rounds, per size: minimum, median and maximum of the rounds' times
+# (OpenMPI; weft out of place and in place), and max/median. A side whose slowest round is more
+# than 1.5x its median is flagged EPISODE(side), so slow rounds show here, not only in the raw
+# files.
+spread_rows() { # collective round-files (mpi-*-r*.txt, weft-*-r*.txt)
+  local c=$1
+  shift
+  awk -v c="$c" '
+    function isnum(x) { return x ~ /^-?[0-9]+(\.[0-9]+)?$/ }
+    function add(key, s, x) { if (!isnum(x)) return; k = key SUBSEP s; n[k]++; v[k, n[k]] = x + 0 }
+    function stats(key, s,   k, i, j, t, m) {
+      k = key SUBSEP s
+      if (!(k in n)) return "-"
+      m = n[k]
+      for (i = 1; i <= m; i++) a[i] = v[k, i]
+      for (i = 2; i <= m; i++) { t = a[i]; j = i - 1; while (j >= 1 && a[j] > t) { a[j + 1] = a[j]; j-- }; a[j + 1] = t }
+      med = a[int((m + 1) / 2)]; lo = a[1]; hi = a[m]
+      return sprintf("%s/%s/%s %.2f", lo, med, hi, med > 0 ? hi / med : 0)
+    }
+    FNR == 1 { side = (FILENAME ~ /(^|\/)weft-[^\/]*$/) ? "w" : "m" }
+    side == "m" && NF == 6 && $1 ~ /^[0-9]+$/ { if (!($1 in seen)) { seen[$1] = 1; order[++rows] = $1 }; add("m", $1, $3) }
+    side == "w" && NF >= 13 && $1 ~ /^[0-9]+$/ { add("o", $1, $6); add("i", $1, $10) }
+    END {
+      for (r = 1; r <= rows; r++) {
+        s = order[r]; flag = ""
+        ms = stats("m", s); split(ms, mm, " ")
+        os = stats("o", s); split(os, oo, " ")
+        is = stats("i", s); split(is, ii, " ")
+        if (oo[2] > 1.5 && mm[2] <= 1.5) flag = flag " EPISODE(oop)"
+        if (ii[2] > 1.5 && mm[2] <= 1.5) flag = flag " EPISODE(ip)"
+        printf "%-14s %10s %24s %5s %24s %5s %24s %5s%s\n", c, s, mm[1], mm[2], oo[1], oo[2], ii[1], ii[2], flag
+      }
+    }' "$@"
+}
+
 table=$out/table-$dtype-$wire-$n.txt
+spread=$out/spread-$dtype-$wire-$n.txt
 : >"$table"
+: >"$spread"
 for c in "${colls[@]}"; do
   tag=$c-$dtype-$wire-$n
   rm -f "$out/mpi-$tag"-r*.txt "$out/weft-$tag"-r*.txt "$out/weft-$tag"-*.json
@@ -205,6 +245,7 @@ for c in "${colls[@]}"; do
     for ((rep = 1; rep <= repeat; rep++)); do
       join_rows "$c" "$out/mpi-$tag-r$rep.txt" "$out/weft-$tag-r$rep.txt"
     done >"$out/rounds-$tag.txt"
+    spread_rows "$c" "$out/mpi-$tag"-r*.txt "$out/weft-$tag"-r*.txt >>"$spread"
     join_rows "$c" "$out/mpi-$tag.txt" "$out/weft-$tag.txt" |
       awk 'FNR == 1 { file++ }
         file == 1 && NF >= 11 { s = $2; if (!(s in lo)) { lo[s] = hi[s] = $10; li[s] = hi2[s] = $11 }
@@ -220,4 +261,10 @@ echo "== weft vs OpenMPI, $dtype, $n ranks, $wire (time: max over ranks of the m
 printf "%-14s %10s %10s %10s %8s %10s %8s %10s %8s %7s %7s\n" collective size count \
   "mpi-us" "mpi-bus" "oop-us" "oop-bus" "ip-us" "ip-bus" "r-oop" "r-ip"
 cat "$table"
+if ((repeat > 1)); then
+  echo "== spread over $repeat rounds: min/median/max of the rounds' times (us) and max/median, OpenMPI, weft out of place, weft in place (EPISODE: weft's slowest round > 1.5x its median where OpenMPI's is not)"
+  printf "%-14s %10s %24s %5s %24s %5s %24s %5s\n" collective size "mpi min/med/max" "x" \
+    "oop min/med/max" "x" "ip min/med/max" "x"
+  cat "$spread"
+fi
 echo "== files in $out: mpi-<collective>-$dtype-$wire-$n.{txt,json} (OpenMPI), weft-<collective>-$dtype-$wire-$n.txt (all weft rows; both medians of the rounds, each round in -r<round>.txt), weft-<collective>-$dtype-$wire-$n-<run>.{txt,json} (one per weft perf run), <collective>-$dtype-$wire-$n.svg, $(basename "$table")"

@@ -721,6 +721,35 @@ fn cpu_bind_core_pins_each_worker_to_its_own_cpu_and_deals_a_multiple_round_robi
 }
 
 #[test]
+fn by_default_each_worker_gets_its_own_share_of_the_cpus() {
+    let allowed = own_cpus();
+    // Default (no --cpu-bind, no WEFT_CPU_BIND): disjoint blocks that together cover every CPU.
+    let n = allowed.len().min(2);
+    let show = format!("{SHOW_CPUS}; echo \"spin=$WEFT_SPIN_US\"");
+    let out = weft(&["-n", &n.to_string(), "--", "sh", "-c", &show]);
+    let mut seen: Vec<usize> = Vec::new();
+    for (rank, lines) in by_rank(&out.stdout) {
+        let cpus = cpu_list(&lines[0]);
+        assert!(!cpus.is_empty(), "rank {rank}");
+        // CPUs of its own: the launcher lets it spin longer before yielding.
+        assert_eq!(lines[1], "spin=20", "rank {rank}");
+        assert!(
+            cpus.iter().all(|c| !seen.contains(c)),
+            "rank {rank} shares a CPU: {cpus:?}"
+        );
+        seen.extend(cpus);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, allowed);
+    // More workers than CPUs: unbound, and the library's own idle policy.
+    for (rank, cpus) in cpus_under("share", allowed.len() + 1).1 {
+        assert_eq!(cpus, allowed, "rank {rank}");
+    }
+    let out = weft(&["--cpu-bind", "none", "-n", "1", "--", "sh", "-c", &show]);
+    assert_eq!(by_rank(&out.stdout)[&0][1], "spin=", "{}", out.stdout);
+}
+
+#[test]
 fn too_low_an_open_files_limit_is_a_clear_error() {
     // `ulimit -n 40` lowers soft and hard limits: a rank cannot raise its way out.
     let out = Command::new("sh")

@@ -520,7 +520,11 @@ impl Communicator {
         let child_ns = color.map(|c| format!("{prefix}/c{c}"));
         // Every rank's (color, key) travels among the ranks, an all-gather over this
         // communicator: through the store it would be n² bytes.
-        let mine = [i64::from(color.is_some()), i64::from(color.unwrap_or(0)), key];
+        let mine = [
+            i64::from(color.is_some()),
+            i64::from(color.unwrap_or(0)),
+            key,
+        ];
         let mut choices = vec![0i64; 3 * inner.size];
         self.all_gather(&mine, &mut choices)?;
         let chosen = inner.run_blocking(OpKind::Barrier, |inner, st| {

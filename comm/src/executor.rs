@@ -780,9 +780,11 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
             let total = padded(len);
             let mut failure: Option<Error> = None;
             let mut moved = 0usize;
+            let mut offered = false;
             let header = &mut cur.header;
             let expect = cur.expect;
             let mut take = |src: &[u8]| -> usize {
+                offered = true;
                 if src.len() < HEADER_LEN {
                     return 0; // the plain path below takes a partial header
                 }
@@ -818,6 +820,10 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
                 cur.header_moved = HEADER_LEN;
                 cur.moved = moved;
                 progressed = true;
+            } else if !offered {
+                // Nothing has arrived ([`Connection::try_recv`] lends whatever is there): the
+                // plain path below would only ask again, which costs as much as this poll.
+                return Ok(progressed);
             }
         }
     }

@@ -270,15 +270,17 @@ impl Inner {
             let result = f(self, &mut st);
             // Under the state lock: the running entry is this call's (one started by `f`), not
             // that of a call another thread starts once the lock is free.
-            self.trace.end(result.as_ref().err());
+            let end_us = now_us();
+            self.trace.end(result.as_ref().err(), end_us);
+            if result.is_ok() {
+                // Under the state lock too: progress has one writer at a time.
+                let (kind, seq) = self.current.get();
+                self.progress.completed(kind, seq, end_us / 1000);
+            }
             result
         })();
         if let Some(t) = own_ticket {
             self.turns.end_turn(t);
-        }
-        if result.is_ok() {
-            let (kind, seq) = self.current.get();
-            self.progress.completed(kind, seq);
         }
         if let Err(e) = &result {
             if e.is_fatal() {
@@ -331,8 +333,9 @@ impl Inner {
         st.coll_seq += 1;
         let seq = st.coll_seq;
         self.current.set(call.kind, seq);
-        self.progress.entered(call.kind, seq);
-        let mut entry = TraceEntry::start(call.kind, seq, call.dtype, count as u64);
+        let start_us = now_us();
+        self.progress.entered(call.kind, seq, start_us / 1000);
+        let mut entry = TraceEntry::started_at(call.kind, seq, call.dtype, count as u64, start_us);
         entry.redop = call.has_reduction().then_some(call.op);
         entry.root = call.has_root().then_some(call.root);
         let shape = CallShape::of(call, plan.in_place, self.settings.deterministic);

@@ -32,21 +32,26 @@ impl Default for Progress {
 }
 
 impl Progress {
-    /// The rank entered collective `kind` #`seq`.
-    pub(crate) fn entered(&self, kind: OpKind, seq: u64) {
+    /// The rank entered collective `kind` #`seq` at `at_ms` (the caller's clock reading, which
+    /// its flight recorder entry shares: one reading per event on the small-message path).
+    /// Called, as [`Progress::completed`], under the communicator's state lock.
+    pub(crate) fn entered(&self, kind: OpKind, seq: u64, at_ms: u64) {
         self.entered.store(op_word(kind, seq), Ordering::Relaxed);
-        self.touch();
+        self.touch(at_ms);
     }
 
-    /// The rank completed `kind` #`seq`.
-    pub(crate) fn completed(&self, kind: OpKind, seq: u64) {
+    /// The rank completed `kind` #`seq` at `at_ms`.
+    pub(crate) fn completed(&self, kind: OpKind, seq: u64, at_ms: u64) {
         self.completed.store(op_word(kind, seq), Ordering::Relaxed);
-        self.touch();
+        self.touch(at_ms);
     }
 
-    fn touch(&self) {
-        self.at_ms.store(now_ms(), Ordering::Relaxed);
-        self.version.fetch_add(1, Ordering::Release);
+    /// Callers hold the communicator's state lock, so there is one writer at a time and the
+    /// version is bumped without a locked instruction (two fewer per operation).
+    fn touch(&self, at_ms: u64) {
+        self.at_ms.store(at_ms, Ordering::Relaxed);
+        let v = self.version.load(Ordering::Relaxed);
+        self.version.store(v.wrapping_add(1), Ordering::Release);
     }
 
     pub(crate) fn version(&self) -> u64 {
@@ -71,8 +76,8 @@ mod tests {
         let p = Progress::default();
         let v = p.version();
         assert_eq!(p.record().entered, None);
-        p.entered(OpKind::Broadcast, 1);
-        p.completed(OpKind::Broadcast, 1);
+        p.entered(OpKind::Broadcast, 1, now_ms());
+        p.completed(OpKind::Broadcast, 1, now_ms());
         assert!(p.version() > v);
         let r = p.record();
         assert_eq!(r.entered, Some((OpKind::Broadcast, 1)));

@@ -58,8 +58,8 @@ settings! {
         "Subsystems to log: INIT, NET, SHM, BOOTSTRAP, OP, TUNING, ERROR, CUDA, TRACE (or ALL).";
     HOST_ID = "WEFT_HOST_ID", Text, Own, "hostname + boot id",
         "This host's identity: ranks with equal ids use shared memory.";
-    CPU_BIND = "WEFT_CPU_BIND", Text, Own, "none",
-        "`core` pins local rank k to the k-th allowed CPU; `none` leaves placement to the kernel.";
+    CPU_BIND = "WEFT_CPU_BIND", Text, Own, "share",
+        "`share`: each local rank its own equal block of the allowed CPUs (unbound when ranks outnumber them); `core` pins local rank k to the k-th allowed CPU; `none` leaves placement to the kernel.";
 
     // Shared memory.
     SHM_DISABLE = "WEFT_SHM_DISABLE", Flag, Must, "off",

@@ -263,13 +263,13 @@ fn self_launch(np: usize) -> i32 {
             return 1;
         }
     };
-    // Unbound by default: measured here (2 ranks, 8 B and 128 B all-reduce, alternating runs),
-    // ranks pinned to cores were 5-10 % slower than ranks the kernel places; WEFT_CPU_BIND=core
-    // pins them as mpirun pins OpenMPI's.
-    let cpu_bind = weftcc::settings::CPU_BIND
-        .parse(|v| <CpuBind as clap::ValueEnum>::from_str(v, true).map_err(|_| "none or core"));
+    // Each rank its own share of the CPUs by default, as `weft run` ([`CpuBind::Share`]):
+    // unbound ranks were put on one CPU whenever another program kept the other busy (issue 44).
+    let cpu_bind = weftcc::settings::CPU_BIND.parse(|v| {
+        <CpuBind as clap::ValueEnum>::from_str(v, true).map_err(|_| "none, core or share")
+    });
     let cpu_bind = match cpu_bind {
-        Ok(b) => b.unwrap_or(CpuBind::None),
+        Ok(b) => b.unwrap_or(CpuBind::Share),
         Err(e) => {
             eprintln!("weft perf: {e}");
             return 2;

@@ -92,11 +92,12 @@ pub struct RunArgs {
     /// Restart all workers up to R times when one fails.
     #[arg(long, visible_alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: u32,
-    /// Pin each worker to one CPU (`core`: local rank k gets the k-th CPU this launcher may use,
-    /// like `mpirun --bind-to core` or `srun --cpu-bind=cores`) or leave placement to the
-    /// kernel (`none`, torchrun's behaviour). With a multiple of the CPUs' count, `core` deals
-    /// workers round-robin; other counts above it stay unbound.
-    #[arg(long, value_enum, env = "WEFT_CPU_BIND", default_value = "none")]
+    /// Where workers run. `share` (the default): each worker gets its own equal block of the
+    /// CPUs this launcher may use (one CPU each when there are as many workers as CPUs), so two
+    /// ranks never share a CPU while another is idle; more workers than CPUs stay unbound.
+    /// `core`: local rank k on the k-th CPU (like `mpirun --bind-to core`; with a multiple of
+    /// the CPUs' count, dealt round-robin). `none`: placement left to the kernel (torchrun's).
+    #[arg(long, value_enum, env = "WEFT_CPU_BIND", default_value = "share")]
     pub cpu_bind: CpuBind,
     /// The worker program and its arguments (after `--`).
     #[arg(
@@ -167,6 +168,9 @@ pub struct Launch {
     pub label: &'static str,
 }
 
+/// `WEFT_SPIN_US` given to workers that have CPUs of their own (unless the user set it).
+const BOUND_SPIN_US: &str = "20";
+
 /// Where workers may run.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuBind {
@@ -174,19 +178,37 @@ pub enum CpuBind {
     None,
     /// One CPU per worker, in the order of the CPUs the launcher may use.
     Core,
+    /// Each worker its own equal block of the CPUs the launcher may use.
+    Share,
 }
 
-/// The CPU for each local worker under `bind`, or `None` where workers stay unbound. With more
-/// workers than `allowed` CPUs they are dealt round-robin (worker k on CPU k mod n) when that
-/// loads every CPU equally, and left to the kernel otherwise. Measured (docs/performance.md):
-/// 4 ranks dealt over 2 CPUs ran small collectives as fast as or faster than unbound, and
-/// steadier; 3 ranks on 2 CPUs ran slower bound (one CPU carried two of them). mpirun refuses
-/// to bind oversubscribed ranks at all.
-pub fn cpu_plan(bind: CpuBind, workers: usize, allowed: &[usize]) -> Option<Vec<usize>> {
+/// The CPUs of each local worker under `bind`, or `None` where workers stay unbound.
+///
+/// `Core`: one CPU each; with more workers than `allowed` CPUs they are dealt round-robin
+/// (worker k on CPU k mod n) when that loads every CPU equally, and left to the kernel
+/// otherwise. Measured (docs/performance.md): 4 ranks dealt over 2 CPUs ran small collectives as
+/// fast as or faster than unbound, and steadier; 3 ranks on 2 CPUs ran slower bound (one CPU
+/// carried two of them). mpirun refuses to bind oversubscribed ranks at all.
+///
+/// `Share`: with at most as many workers as CPUs, worker k gets the k-th of `workers` disjoint
+/// blocks of consecutive allowed CPUs (the first `n mod workers` one CPU larger); more workers
+/// stay unbound. Unbound ranks that sleep and wake each other were put on one CPU by the
+/// kernel's wake-up placement whenever another program kept the other CPU busy: an 8-byte
+/// all-reduce then took 5 µs instead of 0.5, one context switch per exchange (issue 44).
+pub fn cpu_plan(bind: CpuBind, workers: usize, allowed: &[usize]) -> Option<Vec<Vec<usize>>> {
     let n = allowed.len();
     match bind {
         CpuBind::Core if n > 0 && (workers <= n || workers.is_multiple_of(n)) => {
-            Some((0..workers).map(|k| allowed[k % n]).collect())
+            Some((0..workers).map(|k| vec![allowed[k % n]]).collect())
+        }
+        CpuBind::Share if workers > 0 && workers <= n => {
+            let (each, extra) = (n / workers, n % workers);
+            let start = |k: usize| k * each + k.min(extra);
+            Some(
+                (0..workers)
+                    .map(|k| allowed[start(k)..start(k + 1)].to_vec())
+                    .collect(),
+            )
         }
         _ => None,
     }
@@ -504,7 +526,7 @@ impl Launch {
         port: u16,
         token: &str,
         store: &str,
-        cpu: Option<usize>,
+        cpus: Option<&[usize]>,
         done: &mpsc::Sender<()>,
     ) -> io::Result<Worker> {
         let rank = self.node_rank * self.nproc_per_node + local;
@@ -518,7 +540,17 @@ impl Launch {
         if self.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        launch_as_worker(&mut cmd, cpu)?;
+        // A worker with CPUs of its own (no other local worker shares them) spins longer before
+        // it yields: no peer can be waiting for its CPU, and under other programs' load a rank
+        // that yields after 2 µs hands its CPU over for a whole time slice (8-byte all-reduce,
+        // bound, load 4-16: 0.89 / 1.30 µs with 20 µs against 1.37 / 1.86 with 2 µs; 1 MiB no
+        // slower; docs/performance.md). Unbound ranks keep the library's 2 µs: placed on one
+        // CPU they would spin out the whole 20 µs per exchange.
+        let spin = &weftcc::settings::SPIN_US;
+        if cpus.is_some() && self.nproc_per_node <= allowed_cpus().len() && !spin.is_set() {
+            cmd.env(spin.name, BOUND_SPIN_US);
+        }
+        launch_as_worker(&mut cmd, cpus)?;
         let mut child = cmd.spawn()?;
         if self.prefix {
             let prefix = format!("[{rank}]: ");
@@ -602,7 +634,7 @@ impl Launch {
             );
         }
         for local in 0..self.nproc_per_node {
-            let cpu = cpus.as_ref().and_then(|c| c.get(local).copied());
+            let cpu = cpus.as_ref().and_then(|c| c.get(local)).map(Vec::as_slice);
             match self.spawn(local, attempt, port, &token, &store_addr, cpu, &done_tx) {
                 Ok(w) => workers.push(w),
                 Err(e) => {
@@ -787,16 +819,37 @@ mod tests {
     #[test]
     fn cores_are_given_in_order_and_shared_evenly_or_not_at_all() {
         let allowed = [2, 3, 6, 7];
-        assert_eq!(cpu_plan(CpuBind::Core, 3, &allowed), Some(vec![2, 3, 6]));
-        assert_eq!(cpu_plan(CpuBind::Core, 4, &allowed), Some(vec![2, 3, 6, 7]));
+        let one = |v: &[usize]| Some(v.iter().map(|&c| vec![c]).collect::<Vec<_>>());
+        assert_eq!(cpu_plan(CpuBind::Core, 3, &allowed), one(&[2, 3, 6]));
+        assert_eq!(cpu_plan(CpuBind::Core, 4, &allowed), one(&[2, 3, 6, 7]));
         // More workers than CPUs: dealt round-robin when every CPU gets as many, else unbound.
         assert_eq!(
             cpu_plan(CpuBind::Core, 8, &allowed),
-            Some(vec![2, 3, 6, 7, 2, 3, 6, 7])
+            one(&[2, 3, 6, 7, 2, 3, 6, 7])
         );
         assert_eq!(cpu_plan(CpuBind::Core, 6, &allowed), None);
         assert_eq!(cpu_plan(CpuBind::None, 2, &allowed), None);
         assert_eq!(cpu_plan(CpuBind::Core, 1, &[]), None);
+    }
+
+    #[test]
+    fn shares_are_disjoint_blocks_covering_every_cpu_or_nothing() {
+        let allowed = [2, 3, 6, 7, 9];
+        assert_eq!(
+            cpu_plan(CpuBind::Share, 2, &allowed),
+            Some(vec![vec![2, 3, 6], vec![7, 9]])
+        );
+        assert_eq!(
+            cpu_plan(CpuBind::Share, 5, &allowed),
+            Some(vec![vec![2], vec![3], vec![6], vec![7], vec![9]])
+        );
+        assert_eq!(
+            cpu_plan(CpuBind::Share, 1, &allowed),
+            Some(vec![allowed.to_vec()])
+        );
+        // Oversubscribed, or nothing known: unbound.
+        assert_eq!(cpu_plan(CpuBind::Share, 6, &allowed), None);
+        assert_eq!(cpu_plan(CpuBind::Share, 1, &[]), None);
     }
 
     fn get<'a>(env: &'a [(String, String)], k: &str) -> &'a str {

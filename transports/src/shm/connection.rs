@@ -3,8 +3,8 @@
 
 use super::cma::{cma_min_bytes, cma_read, InRef, OutRef, CMA_COOKIE, CMA_STAGE_BYTES};
 use super::layout::{
-    H_CMA_PROBE, LL_FIRST_DATA, LL_FLAG, LL_LINE, LL_MAX, LL_SLOTS, LL_SLOT_BYTES, LL_SLOT_LINES,
-    REF_SLOTS, REF_SLOT_BYTES, R_CMA_OK, R_FAREWELL, R_FAREWELL_LEN, R_HEAD, R_LL, R_LL_DONE,
+    H_CMA_PROBE, LL_FIRST_DATA, LL_FLAG, LL_LINE, LL_MAX, LL_SLOTS, LL_SLOT_BYTES, REF_SLOTS,
+    REF_SLOT_BYTES, R_CMA_OK, R_FAREWELL, R_FAREWELL_LEN, R_HEAD, R_LL, R_LL_DONE,
     R_RECEIVER_CLOSED, R_REFS, R_REF_COPIED, R_REF_HEAD, R_REF_TAIL, R_SENDER_CLOSED, R_TAIL,
 };
 use super::low_latency::{ll_line_span, ll_lines, ll_max_bytes, LlFront, LL_STAGE_WORDS};
@@ -209,19 +209,17 @@ impl ShmConnection {
     }
 
     /// The next low-latency message, if its first line has arrived.
+    ///
+    /// Only the first line's flag is polled. The sender stores it last (with Release), so once it
+    /// shows, the other lines are written too; their flags, checked as a guard, are then loaded
+    /// together (one more transfer, in parallel). Polling every line's flag while the sender was
+    /// still writing the lines pulled each of them back to this core between the sender's data
+    /// and flag stores, and a 6-line message (256 bytes) took longer than through the ring.
     fn ll_front(&self) -> Result<Option<LlFront>> {
         let m = &*self.own;
         let slot = Self::ll_slot(self.rx, self.rx_ll);
         let want = self.rx_ll.wrapping_add(1);
-        // Every line's flag is loaded before any is looked at: independent loads, so the lines
-        // of a longer message travel in parallel rather than one after the other.
-        let mut flags = [0u64; LL_SLOT_LINES];
-        for (line, flag) in flags.iter_mut().enumerate() {
-            *flag = m
-                .u64_at(slot + line * LL_LINE + LL_FLAG)
-                .load(Ordering::Acquire);
-        }
-        if flags[0] != want {
+        if m.u64_at(slot + LL_FLAG).load(Ordering::Acquire) != want {
             return Ok(None);
         }
         let meta = m.u64_at(slot + LL_FIRST_DATA).load(Ordering::Relaxed);
@@ -230,10 +228,15 @@ impl ShmConnection {
         if len == 0 || len > LL_MAX || ahead > m.layout.capacity as u64 {
             return Err(self.corrupt("low-latency message with a bad length or position"));
         }
+        let complete = (1..ll_lines(len)).all(|line| {
+            m.u64_at(slot + line * LL_LINE + LL_FLAG)
+                .load(Ordering::Acquire)
+                == want
+        });
         Ok(Some(LlFront {
             ring_pos: self.recv.tail.wrapping_add(ahead),
             len,
-            complete: flags[..ll_lines(len)].iter().all(|&f| f == want),
+            complete,
         }))
     }
 

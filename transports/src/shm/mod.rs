@@ -63,9 +63,10 @@
 //! Low-latency messages for small writes (up to [`LL_MAX`] bytes, the idea of NCCL's LL protocol
 //! and OpenMPI's fast boxes): the data goes into a slot of cache lines that each end with an
 //! 8-byte flag, the message's sequence number, stored with Release after the line's data. The
-//! receiver polls the next slot's flags; when a line's flag turns up, the same cache-line transfer
-//! brought its data, where a ring write costs two dependent transfers (the head, then the data).
-//! A header of 40 bytes and 8 bytes of data fill the first line exactly.
+//! receiver polls the first line's flag of the next slot, which the sender stores last: when it
+//! turns up, the same cache-line transfer brought that line's data (where a ring write costs two
+//! dependent transfers, the head, then the data), and the Release store ordered every other line
+//! of the message before it. A header of 40 bytes and 8 bytes of data fill the first line exactly.
 //!
 //! ```text
 //! slot (LL_SLOT_LINES × 64 bytes): line 0: data[48] | ring position u32 | length u32 | flag u64

@@ -49,14 +49,16 @@ pub fn take_pending_signal() -> Option<i32> {
 }
 
 /// Sets `cmd` up as a launched worker: it dies with the launcher (even a SIGKILLed one; a
-/// worker whose launcher is already gone exits at once) and, with `cpu`, runs bound to that CPU
-/// from its first instruction, so every thread it starts inherits the binding.
-pub fn launch_as_worker(cmd: &mut Command, cpu: Option<usize>) -> io::Result<()> {
+/// worker whose launcher is already gone exits at once) and, with `cpus`, runs bound to those
+/// CPUs from its first instruction, so every thread it starts inherits the binding.
+pub fn launch_as_worker(cmd: &mut Command, cpus: Option<&[usize]>) -> io::Result<()> {
     // Built before the fork: the child only makes the system call.
-    let cpu_set = match cpu {
-        Some(c) => {
+    let cpu_set = match cpus {
+        Some(cs) => {
             let mut set = CpuSet::new();
-            set.set(c).map_err(io::Error::from)?;
+            for &c in cs {
+                set.set(c).map_err(io::Error::from)?;
+            }
             Some(set)
         }
         None => None,
@@ -96,7 +98,7 @@ mod tests {
     fn a_worker_runs_on_the_cpu_it_was_given() {
         let mut cmd = Command::new("sh");
         cmd.args(["-c", "grep Cpus_allowed_list /proc/self/status"]);
-        launch_as_worker(&mut cmd, Some(0)).unwrap();
+        launch_as_worker(&mut cmd, Some(&[0])).unwrap();
         let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.trim_end().ends_with("\t0"), "{text}");
