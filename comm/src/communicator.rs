@@ -272,6 +272,9 @@ impl Communicator {
                     .map_err(|e| boot(TransportError::io("spawning the watcher thread", e)))?,
             )
         } else {
+            // No watcher, no peers to tell: the session ends here, as having left (its closing
+            // is no death, which would end the set-up of splits made from this communicator).
+            crate::watcher::leave_session(&inner.namespace, rank, nranks, &mut watch_client);
             None
         };
         tracing::info!(
