@@ -438,7 +438,9 @@ fn run_two_hosts(hosts: &Hosts, across: Across) {
                     "WEFT_IB_LIBRARY",
                     weftcc::transports::net::verbs::EMULATOR.unwrap_or_default(),
                 )
-                .env("WEFT_IB_TIMEOUT", "14"),
+                // 0.5 s per retry (4.096 us x 2^17): the emulated device is a process's software,
+                // which a loaded CI machine can deschedule for longer than 14's 67 ms.
+                .env("WEFT_IB_TIMEOUT", "17"),
         };
         let child = cmd.spawn().expect("spawn a rank");
         children.push(child);
