@@ -600,7 +600,13 @@ impl Launch {
         // The job's bootstrap store lives in node 0's launcher (as torchrun's agent hosts its
         // store), not in rank 0: a rank's death leaves the job's meeting point up. A store the
         // user runs (WEFT_STORE) is used as it is.
-        let rendezvous = weftcc::comm::join_host_port(&self.master_addr, port);
+        // Not on MASTER_PORT itself: that is torch's TCPStore's (rank 0 of a torch job binds it).
+        let store_port = if self.nnodes == 1 {
+            0
+        } else {
+            port.wrapping_add(1)
+        };
+        let rendezvous = weftcc::comm::join_host_port(&self.master_addr, store_port);
         let users_store = weftcc::settings::STORE.value();
         let store = match (&users_store, self.node_rank) {
             (None, 0) => match weftcc::comm::serve_store(&rendezvous, &token) {
@@ -615,7 +621,12 @@ impl Launch {
             },
             _ => None,
         };
-        let store_addr = users_store.unwrap_or(rendezvous);
+        let store_addr = users_store.unwrap_or_else(|| match &store {
+            Some(server) => {
+                weftcc::comm::join_host_port(&self.master_addr, server.local_addr().port())
+            }
+            None => rendezvous,
+        });
         let (done_tx, done_rx) = mpsc::channel();
         let mut workers: Vec<Worker> = Vec::with_capacity(self.nproc_per_node);
         let allowed = allowed_cpus();
