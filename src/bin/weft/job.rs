@@ -57,8 +57,13 @@ impl JobArgs {
             ),
             None => format!("which job? give its unique id, --addr and --token, or --pid ({e})"),
         })?;
+        // The store the ranks meet at (WEFT_STORE, e.g. `weft run`'s launcher's), else rank 0's.
+        let addr = info
+            .store
+            .clone()
+            .unwrap_or_else(|| weftcc::comm::join_host_port(&info.master_addr, info.master_port));
         Ok(UniqueId {
-            addr: weftcc::comm::join_host_port(&info.master_addr, info.master_port),
+            addr,
             token: info.token,
         })
     }
