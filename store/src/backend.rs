@@ -50,6 +50,9 @@ pub trait StoreBackend: Send {
     }
     /// Adds `delta` to the decimal counter `key` (missing counts as 0) atomically; the new value.
     fn add(&mut self, key: &str, delta: i64, wait: Duration) -> Result<i64>;
+    /// Stores `value` under `key` unless `key` is set already, atomically; the value `key` holds
+    /// afterwards (this one, or the first writer's): the first writer wins, whoever asks.
+    fn set_if_absent(&mut self, key: &str, value: &[u8], wait: Duration) -> Result<Vec<u8>>;
     /// Whether `key` is set (no wait).
     fn check(&mut self, key: &str) -> Result<bool>;
     /// Removes `key`; whether it existed.

@@ -75,6 +75,13 @@ impl StoreClient {
         self.backend.set(key, value, wait)
     }
 
+    /// Stores `value` under `key` unless another value is there already; returns the value the
+    /// key holds afterwards (the first writer's, this one or another's): a decision every
+    /// client reads the same, even when the writer that won has gone since.
+    pub fn set_if_absent(&mut self, key: &str, value: &[u8]) -> Result<Vec<u8>> {
+        self.backend.set_if_absent(key, value, self.timeout)
+    }
+
     /// The value of `key`, waiting up to `timeout` for it to be set.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.backend

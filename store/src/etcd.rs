@@ -577,6 +577,30 @@ impl StoreBackend for EtcdBackend {
         }
     }
 
+    fn set_if_absent(&mut self, key: &str, value: &[u8], wait: Duration) -> Result<Vec<u8>> {
+        let k = self.data_key(key);
+        // One transaction: put only where the key has no version yet, then read what it holds.
+        let txn = json!({
+            "compare": [{"key": b64(&k), "target": "VERSION", "result": "EQUAL", "version": "0"}],
+            "success": [
+                {"request_put": {"key": b64(&k), "value": b64(value)}},
+                {"request_range": {"key": b64(&k)}},
+            ],
+            "failure": [{"request_range": {"key": b64(&k)}}],
+        });
+        let answer = self.http.post("/v3/kv/txn", &txn, &self.margin(wait))?;
+        let kv = answer
+            .get("responses")
+            .and_then(Value::as_array)
+            .and_then(|r| r.last())
+            .and_then(|r| r.get("response_range"))
+            .and_then(|r| r.get("kvs"))
+            .and_then(Value::as_array)
+            .and_then(|k| k.first())
+            .ok_or_else(|| StoreError::Protocol(format!("etcd's answer to a set-if-absent of {key:?} holds no value")))?;
+        unb64(kv.get("value"))
+    }
+
     fn check(&mut self, key: &str) -> Result<bool> {
         let v = self.post(
             "/v3/kv/range",

@@ -29,6 +29,7 @@
 //!                                                    open u8 | idle_ms u64  (by key)
 //!  10 GET_ALL_UNLESS timeout_ms u64 | unless key | count u32 | keys
 //!                                                 as GET_ALL | INTERRUPTED value of `unless`
+//!  11 SET_IF_ABSENT key | value (rest of frame)   OK value the key holds (the first writer's)
 //!   key = length u32 | bytes;  status: 0 OK, 1 TIMEOUT, 2 CLOSED, 3 ERROR (body = message),
 //!   5 TOO_LARGE (body = bytes u64: a GET_ALL answer would exceed MAX_FRAME), 6 INTERRUPTED
 //! ```

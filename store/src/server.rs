@@ -810,6 +810,17 @@ impl Loop {
                 self.touched.push(key.to_vec());
                 return Ok(Answer::Now(vec![ST_OK]));
             }
+            OP_SET_IF_ABSENT => {
+                let key = c.key().ok_or_else(bad)?;
+                let value = c.rest();
+                if !self.map.contains_key(key) {
+                    self.map.insert(key.to_vec(), value.to_vec());
+                    self.touched.push(key.to_vec());
+                }
+                let mut out = vec![ST_OK];
+                out.extend_from_slice(self.map.get(key).map_or(&[][..], Vec::as_slice));
+                return Ok(Answer::Now(out));
+            }
             OP_GET => {
                 let ms = c.u64().ok_or_else(bad)?;
                 let key = c.key().ok_or_else(bad)?;

@@ -284,6 +284,12 @@ impl StoreBackend for TcpBackend {
         Ok(i64::from_le_bytes(b))
     }
 
+    fn set_if_absent(&mut self, key: &str, value: &[u8], wait: Duration) -> Result<Vec<u8>> {
+        let mut v = Self::key_request(OP_SET_IF_ABSENT, key);
+        v.extend_from_slice(value);
+        self.call(&v, wait)
+    }
+
     fn check(&mut self, key: &str) -> Result<bool> {
         let r = self.call(&Self::key_request(OP_CHECK, key), self.timeout)?;
         Ok(r.first().copied() == Some(1))

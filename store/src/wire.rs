@@ -15,6 +15,7 @@ pub(crate) const OP_GET_ALL: u8 = 7;
 pub(crate) const OP_NAME: u8 = 8;
 pub(crate) const OP_SESSIONS: u8 = 9;
 pub(crate) const OP_GET_ALL_UNLESS: u8 = 10;
+pub(crate) const OP_SET_IF_ABSENT: u8 = 11;
 
 // Answer statuses.
 pub(crate) const ST_OK: u8 = 0;

@@ -55,6 +55,30 @@ fn counters_are_atomic_across_clients(make: Maker) {
     assert_eq!(c.get("text", T).unwrap(), b"abc");
 }
 
+fn the_first_set_if_absent_wins_for_everyone(make: Maker) {
+    let answers: Vec<Vec<u8>> = std::thread::scope(|sc| {
+        let racers: Vec<_> = (0..4u8)
+            .map(|i| {
+                sc.spawn(move || {
+                    let mut c = make("job");
+                    c.set_if_absent("decision", &[b'a' + i]).expect("set_if_absent")
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    // Every racer reads the same winner, which is one of the values offered.
+    assert!(answers.iter().all(|a| a == &answers[0]), "{answers:?}");
+    assert!((b'a'..b'e').contains(&answers[0][0]) && answers[0].len() == 1);
+    let mut c = make("job");
+    assert_eq!(c.get("decision", T).unwrap(), answers[0]);
+    assert_eq!(c.set_if_absent("decision", b"late").unwrap(), answers[0]);
+    // Deleted, the key takes a new first value; an empty value is a value.
+    assert!(c.delete("decision").unwrap());
+    assert_eq!(c.set_if_absent("decision", b"").unwrap(), b"");
+    assert_eq!(c.set_if_absent("decision", b"x").unwrap(), b"");
+}
+
 fn get_waits_for_a_later_set(make: Maker) {
     let mut waiter = make("job");
     let start = Instant::now();
@@ -255,6 +279,10 @@ const SUITE: &[(&str, Case)] = &[
         sessions_are_listed_open_then_closed,
     ),
     ("jobs_do_not_meet", jobs_do_not_meet),
+    (
+        "the_first_set_if_absent_wins_for_everyone",
+        the_first_set_if_absent_wins_for_everyone,
+    ),
 ];
 
 /// Every behaviour against a fresh built-in store (one server per job token).
