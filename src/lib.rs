@@ -26,8 +26,8 @@ pub use weftcc_collectives::{
 };
 pub use weftcc_comm as comm;
 pub use weftcc_comm::{
-    AbortCause, Behind, CommConfig, Communicator, Error, Group, Handle, LaunchInfo, Result, SeenBy,
-    Tuner, UniqueId,
+    AbortCause, Agreement, Behind, CommConfig, Communicator, Error, Group, Handle, LaunchInfo,
+    Result, SeenBy, Tuner, UniqueId,
 };
 pub use weftcc_cuda as cuda;
 pub use weftcc_settings as settings;

@@ -111,6 +111,9 @@ pub(crate) fn code_of(e: &Error) -> weftResult_t {
         }
         Error::Internal { .. } => weftInternalError,
         Error::Inconsistent { .. } => weftInvalidUsage,
+        // An operation on a communicator this rank revoked, or a shrink that excludes the caller.
+        Error::Revoked { by: None, .. } | Error::Excluded { .. } => weftInvalidUsage,
+        Error::Revoked { .. } => weftRemoteError,
     }
 }
 

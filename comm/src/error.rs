@@ -82,6 +82,22 @@ pub enum Error {
         /// failed, when there was one.
         during: Option<(OpKind, u64)>,
     },
+    /// The communicator was revoked ([`Communicator::revoke`](crate::Communicator::revoke)) on
+    /// this rank or on rank `by`: every pending and later operation fails with this, and the
+    /// communicator stays for [`Communicator::agree_on_failures`](crate::Communicator::agree_on_failures)
+    /// and [`Communicator::shrink`](crate::Communicator::shrink).
+    #[error("rank {rank}: communicator revoked{}{}", by.map(|b| format!(" by rank {b}")).unwrap_or_default(), during.map(|(k, s)| format!(" during {k} #{s}")).unwrap_or_default())]
+    Revoked {
+        rank: usize,
+        /// The rank that revoked it, when another rank did.
+        by: Option<usize>,
+        /// The operation running where it was revoked, if any.
+        during: Option<(OpKind, u64)>,
+    },
+    /// This rank is among the ranks the survivors agreed had failed (or that the caller
+    /// excluded), so it has no place in the communicator being made.
+    #[error("rank {rank}: excluded from the communicator made at epoch {epoch} (agreed failed or excluded by the caller)")]
+    Excluded { rank: usize, epoch: u64 },
     /// Ranks called different collectives (kind, type, count, reduction or root differ).
     #[error(
         "rank {rank}: mismatched collectives: this rank called {ours}, rank {peer} called {theirs}"
@@ -179,6 +195,8 @@ impl Error {
             Error::PeerLost { .. } => "peer-lost",
             Error::StoreLost { .. } => "store-lost",
             Error::Aborted { .. } => "aborted",
+            Error::Revoked { .. } => "revoked",
+            Error::Excluded { .. } => "excluded",
             Error::Mismatch { .. } => "mismatch",
             Error::Transport { .. } => "transport",
             Error::Bootstrap { .. } => "bootstrap",
@@ -242,7 +260,13 @@ impl Error {
                 op: during.map(|(k, _)| k),
                 seq: during.map(|(_, s)| s),
             },
-            Error::Bootstrap { rank, .. } => ErrorFacts {
+            Error::Revoked { rank, by, during } => ErrorFacts {
+                rank: Some(*rank),
+                peer: *by,
+                op: during.map(|(k, _)| k),
+                seq: during.map(|(_, s)| s),
+            },
+            Error::Bootstrap { rank, .. } | Error::Excluded { rank, .. } => ErrorFacts {
                 rank: Some(*rank),
                 ..ErrorFacts::default()
             },
@@ -268,6 +292,7 @@ impl Error {
         match self {
             Error::Mismatch { .. } => AbortCause::Mismatch,
             Error::Aborted { cause, .. } => *cause,
+            Error::Revoked { .. } => AbortCause::Revoked,
             _ => AbortCause::Failed,
         }
     }

@@ -129,20 +129,25 @@ impl Failures {
         }
         let e = self.adopt_farewell(e, s);
         // Errors adopted from another rank (or seen only by the watcher) are not published again.
-        let local = !matches!(&e, Error::Aborted { by: Some(_), .. })
-            && !matches!(
-                &e,
-                Error::PeerLost {
-                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher | SeenBy::Store,
-                    ..
-                } | Error::Timeout {
-                    seen_by: SeenBy::Rank(_) | SeenBy::Watcher | SeenBy::Store,
-                    ..
-                }
-            );
+        let local = !matches!(
+            &e,
+            Error::Aborted { by: Some(_), .. } | Error::Revoked { by: Some(_), .. }
+        ) && !matches!(
+            &e,
+            Error::PeerLost {
+                seen_by: SeenBy::Rank(_) | SeenBy::Watcher | SeenBy::Store,
+                ..
+            } | Error::Timeout {
+                seen_by: SeenBy::Rank(_) | SeenBy::Watcher | SeenBy::Store,
+                ..
+            }
+        );
         // A local abort() is its own root cause: poison at once, so neither the caller of
         // abort() nor anyone waiting depends on how fast the store answers.
-        if matches!(&e, Error::Aborted { by: None, .. }) {
+        if matches!(
+            &e,
+            Error::Aborted { by: None, .. } | Error::Revoked { by: None, .. }
+        ) {
             if self.poison_with(e.clone(), s) && self.size > 1 {
                 let _ = self.publish_or_adopt(e, s);
             }
@@ -358,6 +363,12 @@ impl Failures {
                 },
                 detail: detail.clone(),
             },
+            Error::Revoked { by, during, .. } => FailureNote::Abort {
+                origin: by.unwrap_or(self.rank),
+                reason: "revoke() called".into(),
+                cause: AbortCause::Revoked,
+                during: *during,
+            },
             other => FailureNote::Abort {
                 origin: self.rank,
                 reason: other.to_string(),
@@ -429,6 +440,16 @@ impl Failures {
                 seq,
                 seen_by: reporter.map_or(SeenBy::Store, SeenBy::Rank),
                 detail,
+            }),
+            FailureNote::Abort {
+                origin,
+                cause: AbortCause::Revoked,
+                during,
+                ..
+            } if origin != self.rank => Some(Error::Revoked {
+                rank: self.rank,
+                by: Some(origin),
+                during,
             }),
             FailureNote::Abort {
                 origin,

@@ -61,6 +61,8 @@ pub(crate) struct Inner {
     /// Rank 0 serves the store ([`StoreLinks::on_rank0`]).
     pub(crate) store_on_rank0: bool,
     pub(crate) splits: AtomicU64,
+    /// Its epoch, and the agreements, shrinks and grows made from it ([`crate::recovery`]).
+    pub(crate) lineage: crate::recovery::Lineage,
     pub(crate) watcher_stop: AtomicBool,
 }
 
@@ -161,6 +163,7 @@ impl Inner {
             store_host: links.host,
             store_on_rank0: links.on_rank0,
             splits: AtomicU64::new(0),
+            lineage: Default::default(),
             watcher_stop: AtomicBool::new(false),
         }
     }

@@ -12,7 +12,7 @@
 //! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread |
 //! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
 //! | threads | `watcher` | the failure watcher: publishes progress, reads the job's failures, answers dump requests |
-//! | API | `communicator`, `group`, `handle`, `local` | construction, the blocking API and split; grouped sends and receives; the asynchronous API; [`run_ranks`] (ranks as threads) |
+//! | API | `communicator`, `group`, `handle`, `local`, `recovery` | construction, the blocking API and split; grouped sends and receives; the asynchronous API; [`run_ranks`] (ranks as threads); revoke, agreement, shrink and grow |
 
 // One exception, in `executor`: a pinned receive lends the caller's buffer to the transport (a
 // network peer may write it directly), which `Inner::execute` ends before the buffer goes back.
@@ -35,6 +35,7 @@ mod logging;
 mod ordering;
 mod progress;
 pub mod records;
+mod recovery;
 pub mod trace;
 pub mod tuning;
 mod watcher;
@@ -54,4 +55,5 @@ pub use logging::init as init_logging;
 pub use records::agreement::Disagreement;
 pub use records::note::AbortCause;
 pub use records::progress::Behind;
+pub use recovery::Agreement;
 pub use tuning::Tuner;

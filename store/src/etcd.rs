@@ -597,7 +597,11 @@ impl StoreBackend for EtcdBackend {
             .and_then(|r| r.get("kvs"))
             .and_then(Value::as_array)
             .and_then(|k| k.first())
-            .ok_or_else(|| StoreError::Protocol(format!("etcd's answer to a set-if-absent of {key:?} holds no value")))?;
+            .ok_or_else(|| {
+                StoreError::Protocol(format!(
+                    "etcd's answer to a set-if-absent of {key:?} holds no value"
+                ))
+            })?;
         unb64(kv.get("value"))
     }
 

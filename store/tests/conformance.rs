@@ -61,7 +61,8 @@ fn the_first_set_if_absent_wins_for_everyone(make: Maker) {
             .map(|i| {
                 sc.spawn(move || {
                     let mut c = make("job");
-                    c.set_if_absent("decision", &[b'a' + i]).expect("set_if_absent")
+                    c.set_if_absent("decision", &[b'a' + i])
+                        .expect("set_if_absent")
                 })
             })
             .collect();

@@ -10,11 +10,13 @@
 //! | [`identity`] | who a rank is ([`identity::RankIdentity`]), its store session's value |
 //! | [`trace`] | flight-recorder dumps and job-wide dump requests |
 //! | [`agreement`] | what a rank announces at set-up ([`agreement::Announcement`]) and where ranks disagree |
+//! | [`recovery`] | the survivors' agreed failed sets, newcomers' tickets and places ([`recovery::Place`]) |
 
 pub mod agreement;
 pub mod identity;
 pub mod note;
 pub mod progress;
+pub mod recovery;
 pub mod trace;
 
 /// `name` under a communicator's `namespace` in the bootstrap store.

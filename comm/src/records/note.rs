@@ -14,6 +14,9 @@ pub enum AbortCause {
     Mismatch,
     /// Rank `by` failed in another way (its error is the `reason`).
     Failed,
+    /// `revoke()` was called (on this rank, or on rank `by`): the communicator stays, for
+    /// agreement and shrink ([`Error::Revoked`](crate::Error::Revoked)).
+    Revoked,
 }
 
 /// What a failing rank tells the others (through the store's abort key, and the farewell it
@@ -127,6 +130,7 @@ impl FailureNote {
                     AbortCause::AbortCalled => "abort",
                     AbortCause::Mismatch => "mismatch",
                     AbortCause::Failed => "failed",
+                    AbortCause::Revoked => "revoked",
                 };
                 format!("{m}{s}{kind}{s}{origin}{s}{during}{s}{reason}")
             }
@@ -183,6 +187,7 @@ impl FailureNote {
             "abort" => Some(AbortCause::AbortCalled),
             "mismatch" => Some(AbortCause::Mismatch),
             "failed" => Some(AbortCause::Failed),
+            "revoked" => Some(AbortCause::Revoked),
             _ => None,
         };
         if let Some(cause) = cause {
@@ -227,11 +232,16 @@ mod tests {
             peer in any::<usize>(),
             text in ".*",
             lost in any::<bool>(),
-            cause in 0usize..3,
+            cause in 0usize..4,
             during in proptest::option::of((0usize..OpKind::ALL.len(), any::<u64>())),
         ) {
             let during = during.map(|(k, s)| (OpKind::ALL[k], s));
-            let cause = [AbortCause::AbortCalled, AbortCause::Mismatch, AbortCause::Failed][cause];
+            let cause = [
+                AbortCause::AbortCalled,
+                AbortCause::Mismatch,
+                AbortCause::Failed,
+                AbortCause::Revoked,
+            ][cause];
             let note = if lost {
                 FailureNote::Lost { peer, reporter: (origin % 2 == 0).then_some(origin), detail: text.clone() }
             } else {

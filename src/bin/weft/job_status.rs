@@ -109,6 +109,8 @@ pub enum Verdict {
     Aborted { origin: usize, reason: String },
     /// Rank `origin` failed otherwise.
     Failed { origin: usize, reason: String },
+    /// Rank `origin` revoked the communicator (its survivors may be recovering).
+    Revoked { origin: usize, reason: String },
     /// No failure published yet, but these ranks' processes died.
     Dead { ranks: Vec<usize> },
     /// No failure published yet, but these ranks give no sign of life.
@@ -129,7 +131,7 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    /// The verdict in one word, for scripts: TIMEOUT, MISMATCH, DEAD, ABORTED, FAILED,
+    /// The verdict in one word, for scripts: TIMEOUT, MISMATCH, DEAD, ABORTED, FAILED, REVOKED,
     /// NOT-RESPONDING, BEHIND, JOINING, FINISHED or OK.
     pub fn word(&self) -> &'static str {
         match self {
@@ -138,6 +140,7 @@ impl Verdict {
             Verdict::Lost { .. } | Verdict::Dead { .. } => "DEAD",
             Verdict::Aborted { .. } => "ABORTED",
             Verdict::Failed { .. } => "FAILED",
+            Verdict::Revoked { .. } => "REVOKED",
             Verdict::Unresponsive { .. } => "NOT-RESPONDING",
             Verdict::Behind { .. } => "BEHIND",
             Verdict::Joining { .. } => "JOINING",
@@ -170,7 +173,8 @@ impl fmt::Display for Verdict {
             ),
             Verdict::Mismatch { origin, reason }
             | Verdict::Aborted { origin, reason }
-            | Verdict::Failed { origin, reason } => write!(f, "{word}: rank {origin}: {reason}"),
+            | Verdict::Failed { origin, reason }
+            | Verdict::Revoked { origin, reason } => write!(f, "{word}: rank {origin}: {reason}"),
             Verdict::Lost {
                 peer,
                 reporter,
@@ -360,6 +364,7 @@ pub fn judge(
                 AbortCause::Mismatch => Verdict::Mismatch { origin, reason },
                 AbortCause::AbortCalled => Verdict::Aborted { origin, reason },
                 AbortCause::Failed => Verdict::Failed { origin, reason },
+                AbortCause::Revoked => Verdict::Revoked { origin, reason },
             },
         };
     }
@@ -534,11 +539,12 @@ mod tests {
             AbortCause::Mismatch,
             AbortCause::AbortCalled,
             AbortCause::Failed,
+            AbortCause::Revoked,
         ]
         .into_iter()
         .map(|c| judge(&ranks, &records, Some(note(c)), 20_000).word())
         .collect();
-        assert_eq!(words, ["MISMATCH", "ABORTED", "FAILED"]);
+        assert_eq!(words, ["MISMATCH", "ABORTED", "FAILED", "REVOKED"]);
         let timeout = FailureNote::Timeout {
             origin: 0,
             op: OpKind::AllReduce,

@@ -1,0 +1,420 @@
+//! Surviving a lost rank without restarting the job: revoke a communicator, agree on the failed
+//! set, shrink to the survivors, grow by newcomers.
+//!
+//! The job's bootstrap store is the meeting point that outlives any rank (served by the
+//! launcher, `weft store serve` or etcd; not where rank 0 serves it, whose loss ends the job):
+//! - **Revoke** poisons the communicator with [`Error::Revoked`] and publishes it like any
+//!   failure, so every rank's pending and later operations fail within the watcher's period.
+//! - **Agreement**: each survivor proposes the ranks it knows failed (its own lost peer, and every
+//!   rank whose store session closed without leaving); the first proposal stored under the
+//!   epoch's key is the decision every survivor reads ([`StoreClient::set_if_absent`]), also when
+//!   its writer dies right after. A rank that dies later is caught by the next agreement.
+//! - **Shrink** makes the survivors' communicator, ranks renumbered in order. A healthy
+//!   communicator whose family shares connections (`WEFT_SPLIT_SHARE`) reuses them, as a split
+//!   does; after a failure the survivors connect anew (an aborted operation may have left a
+//!   connection in the middle of a message), under the same store, without a new unique id.
+//!   While it sets up, each survivor watches the others' sessions of the parent communicator, so
+//!   a survivor that dies before it joined ends every survivor's set-up, naming it.
+//! - **Grow**: a newcomer takes a ticket in the store ([`Communicator::join_grown`]); the
+//!   growing communicator's rank 0 writes each admitted ticket's place (namespace, size, rank,
+//!   epoch); existing ranks keep their numbers, newcomers follow in ticket order.
+
+use crate::bootstrap::UniqueId;
+use crate::communicator::Communicator;
+use crate::config::CommConfig;
+use crate::error::{Error, Result, SeenBy};
+use crate::records::identity::RankIdentity;
+use crate::records::recovery::{
+    agreement_key, decode_ranks, encode_ranks, ticket_key, Place, ADMITTED_KEY, JOINERS_KEY,
+};
+use crate::records::{session_prefix, session_rank};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use weftcc_collectives::OpKind;
+use weftcc_store::{StoreClient, StoreError};
+use weftcc_transports::lock;
+use weftcc_transports::mesh::setup_lost_key;
+use weftcc_transports::TransportError;
+
+/// How often a survivor setting up a shrunk or grown communicator looks for the death of
+/// another member.
+const MEMBER_WATCH_PERIOD: Duration = Duration::from_millis(20);
+
+/// What the survivors of a failure agreed on ([`Communicator::agree_on_failures`]): the same on
+/// every survivor that reads epoch `epoch`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Agreement {
+    /// The failed ranks, ascending (ranks of the communicator agreed on).
+    pub failed: Vec<usize>,
+    /// The agreement's epoch: how many agreements the communicator's lineage has made, this
+    /// one included (communicators made by shrink or grow start at their parent's).
+    pub epoch: u64,
+}
+
+/// A communicator's place in its lineage: the epoch it started at, and the agreements, shrinks
+/// and grows made from it so far (every member counts the same, as they call them together).
+#[derive(Debug, Default)]
+pub(crate) struct Lineage {
+    /// The latest epoch: the one it started at, or its latest agreement's.
+    epoch: AtomicU64,
+    shrinks: AtomicU64,
+    grows: AtomicU64,
+}
+
+impl Lineage {
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    fn start_at(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::SeqCst);
+    }
+
+    fn next_epoch(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+impl Communicator {
+    /// Revokes the communicator on every rank: each pending and later operation returns
+    /// [`Error::Revoked`] (here at once, on the other ranks as soon as their watchers read it,
+    /// within about a tenth of a second). The communicator is not destroyed: agree on the failed
+    /// set and [`Communicator::shrink`] it. Callable from any thread; a communicator that has
+    /// already failed keeps its first error.
+    pub fn revoke(&self) {
+        let inner = &self.inner;
+        inner.fail(Error::Revoked {
+            rank: inner.rank,
+            by: None,
+            during: None,
+        });
+        inner.turns.wake_all();
+        tracing::warn!(target: "weftcc::recovery", rank = inner.rank, namespace = %inner.namespace, "communicator revoked");
+    }
+
+    /// The epoch this communicator is at: 0 for a communicator made from scratch, then one more
+    /// with each agreement in its lineage.
+    pub fn epoch(&self) -> u64 {
+        self.inner.lineage.epoch()
+    }
+
+    /// Agrees with the other survivors on the failed ranks: every survivor that calls it (the
+    /// same number of times on this communicator) gets the same [`Agreement`], also when two
+    /// ranks died at once or one dies during the agreement (which a later agreement then
+    /// includes). Works on a failed or revoked communicator, and on a healthy one (no failed
+    /// ranks). Needs a store that outlives the ranks (not one that rank 0 serves, if rank 0 is
+    /// among the lost).
+    pub fn agree_on_failures(&self) -> Result<Agreement> {
+        let inner = &self.inner;
+        let epoch = inner.lineage.next_epoch();
+        let key = agreement_key(&inner.namespace, epoch);
+        let mut store = lock(&inner.store);
+        let proposal = self.suspects(&mut store)?;
+        let decided = store
+            .set_if_absent(&key, encode_ranks(&proposal).as_bytes())
+            .map_err(|e| self.store_lost(OpKind::Barrier, epoch, e))?;
+        let failed = decode_ranks(&decided).ok_or_else(|| Error::Internal {
+            rank: inner.rank,
+            op: OpKind::Barrier,
+            seq: epoch,
+            reason: format!("agreement {key} holds no rank set: {decided:?}"),
+        })?;
+        tracing::warn!(target: "weftcc::recovery", rank = inner.rank, epoch, ?failed, proposed = ?proposal, "survivors agreed on the failed ranks");
+        Ok(Agreement {
+            failed: failed.into_iter().collect(),
+            epoch,
+        })
+    }
+
+    /// The ranks this one knows failed: the peer it lost, and every rank whose session in the
+    /// store closed without leaving.
+    fn suspects(&self, store: &mut StoreClient) -> Result<BTreeSet<usize>> {
+        let inner = &self.inner;
+        let mut suspects = BTreeSet::new();
+        if let Some(Error::PeerLost { peer, .. }) = inner.poisoned() {
+            suspects.insert(peer);
+        }
+        let sessions = store
+            .sessions(&session_prefix(&inner.namespace))
+            .map_err(|e| self.store_lost(OpKind::Barrier, inner.lineage.epoch(), e))?;
+        for s in sessions.iter().filter(|s| !s.open) {
+            let left = RankIdentity::decode(&s.value).is_some_and(|i| i.left);
+            if let (false, Some(rank)) = (left, session_rank(&s.key, &inner.namespace)) {
+                if rank < inner.size {
+                    suspects.insert(rank);
+                }
+            }
+        }
+        Ok(suspects)
+    }
+
+    /// The communicator of every rank but `excluding` (ranks of this one), numbered in order:
+    /// called by each of them, not by the excluded (a caller among them gets
+    /// [`Error::Excluded`]). Typically after [`Communicator::agree_on_failures`], with its failed
+    /// set; it also shrinks a healthy communicator. If a survivor dies meanwhile, every survivor's
+    /// shrink fails naming it ([`TransportError::DiedInSetup`]): agree again and shrink again.
+    pub fn shrink(&self, excluding: &[usize]) -> Result<Communicator> {
+        let inner = &self.inner;
+        let excluded: BTreeSet<usize> = excluding.iter().copied().collect();
+        if let Some(bad) = excluded.iter().find(|&&r| r >= inner.size) {
+            return Err(Error::Config(format!(
+                "shrink: rank {bad} to exclude is not a rank of this communicator of {}",
+                inner.size
+            )));
+        }
+        let epoch = inner.lineage.epoch();
+        if excluded.contains(&inner.rank) {
+            return Err(Error::Excluded {
+                rank: inner.rank,
+                epoch,
+            });
+        }
+        let members: Vec<usize> = (0..inner.size).filter(|r| !excluded.contains(r)).collect();
+        let k = inner.lineage.shrinks.fetch_add(1, Ordering::SeqCst);
+        // Survivors that disagree on the excluded set meet in different namespaces: their
+        // set-up times out instead of mixing two communicators.
+        let namespace = format!(
+            "{}/shrink{k}-{:016x}",
+            inner.namespace,
+            weftcc_transports::fnv1a64(encode_ranks(&excluded).as_bytes())
+        );
+        let new_rank = members.iter().position(|&m| m == inner.rank).unwrap_or(0);
+        // A healthy family that shares its connections keeps them (a split without a choosing
+        // round: every member knows the members).
+        let shared = if inner.poisoned().is_none() && inner.split_share() {
+            let ns = namespace.clone();
+            let mesh = inner.run_blocking(OpKind::Barrier, |inner, st| {
+                st.mesh
+                    .split(&members, &ns)
+                    .map_err(|source| Error::Bootstrap {
+                        rank: inner.rank,
+                        source,
+                    })
+            })?;
+            Some(mesh)
+        } else {
+            None
+        };
+        let watch = match shared {
+            Some(_) => None,
+            None => Some(MemberWatch::start(self, members.clone(), &namespace)?),
+        };
+        let made = self.make_relative(new_rank, members.len(), namespace, shared, epoch);
+        drop(watch);
+        let comm = made?;
+        tracing::warn!(target: "weftcc::recovery", rank = inner.rank, new_rank, size = members.len(), epoch, ?excluded, "shrunk");
+        Ok(comm)
+    }
+
+    /// Grows this communicator by `joining` newcomers, which call [`Communicator::join_grown`]:
+    /// every rank of this communicator calls it, keeps its rank, and the newcomers follow in the
+    /// order they asked for a place. Rank 0 hands out the places; a newcomer that does not come
+    /// makes the grow time out (see [`Communicator::joiners_waiting`] for how many wait).
+    pub fn grow(&self, joining: usize) -> Result<Communicator> {
+        let inner = &self.inner;
+        inner.check()?;
+        let epoch = inner.lineage.epoch();
+        let g = inner.lineage.grows.fetch_add(1, Ordering::SeqCst);
+        let namespace = format!("{}/grow{g}", inner.namespace);
+        let nranks = inner.size + joining;
+        if inner.rank == 0 && joining > 0 {
+            let mut store = lock(&inner.store);
+            let lost = |e| self.store_lost(OpKind::Barrier, epoch, e);
+            let admitted = store.add(ADMITTED_KEY, 0).map_err(lost)?;
+            for i in 0..joining {
+                let place = Place {
+                    namespace: namespace.clone(),
+                    nranks,
+                    rank: inner.size + i,
+                    epoch,
+                };
+                store
+                    .set(
+                        &ticket_key(admitted + 1 + i as i64),
+                        place.encode().as_bytes(),
+                    )
+                    .map_err(lost)?;
+            }
+            store.add(ADMITTED_KEY, joining as i64).map_err(lost)?;
+        }
+        let members: Vec<usize> = (0..inner.size).collect();
+        let watch = MemberWatch::start(self, members, &namespace)?;
+        let made = self.make_relative(inner.rank, nranks, namespace, None, epoch);
+        drop(watch);
+        let comm = made?;
+        tracing::warn!(target: "weftcc::recovery", rank = inner.rank, size = nranks, joining, epoch, "grown");
+        Ok(comm)
+    }
+
+    /// How many newcomers wait for a place ([`Communicator::join_grown`]) and have none yet, as
+    /// rank 0 reads it from the store, the same on every rank (collective: a broadcast).
+    pub fn joiners_waiting(&self) -> Result<usize> {
+        let inner = &self.inner;
+        let mut waiting = [0u64];
+        if inner.rank == 0 {
+            let mut store = lock(&inner.store);
+            let lost = |e| self.store_lost(OpKind::Broadcast, 0, e);
+            let asked = store.add(JOINERS_KEY, 0).map_err(lost)?;
+            let admitted = store.add(ADMITTED_KEY, 0).map_err(lost)?;
+            waiting[0] = asked.saturating_sub(admitted).max(0) as u64;
+        }
+        self.broadcast_in_place(&mut waiting, 0)?;
+        Ok(waiting[0] as usize)
+    }
+
+    /// Joins a communicator of the job at `id` as a newcomer: asks the store for a place and
+    /// waits (up to `config`'s timeout) until a growing communicator gives it one
+    /// ([`Communicator::grow`]). `weft run --elastic` starts replacements that call it.
+    pub fn join_grown(id: &UniqueId, config: CommConfig) -> Result<Communicator> {
+        crate::logging::init();
+        let boot = |source: TransportError| Error::Bootstrap { rank: 0, source };
+        let mut client = StoreClient::connect(&id.addr, &id.token, config.timeout)
+            .map_err(|e| boot(e.into()))?;
+        let ticket = client.add(JOINERS_KEY, 1).map_err(|e| boot(e.into()))?;
+        tracing::info!(target: "weftcc::recovery", ticket, "newcomer waits for a place");
+        let value = client
+            .get(&ticket_key(ticket), config.timeout)
+            .map_err(|e| boot(e.into()))?;
+        let place = Place::decode(&value).ok_or_else(|| {
+            Error::Config(format!(
+                "ticket {ticket}'s place in the store is unreadable"
+            ))
+        })?;
+        let comm = Communicator::build(
+            place.rank,
+            place.nranks,
+            place.namespace,
+            config,
+            client,
+            (id, false),
+            None,
+            None,
+        )?;
+        comm.inner.lineage.start_at(place.epoch);
+        tracing::warn!(target: "weftcc::recovery", rank = place.rank, size = place.nranks, epoch = place.epoch, "newcomer joined");
+        Ok(comm)
+    }
+
+    /// A communicator made from this one (shrunk or grown) under the same store, starting at
+    /// `epoch`: over `shared` (this family's connections) or a mesh of its own.
+    fn make_relative(
+        &self,
+        rank: usize,
+        nranks: usize,
+        namespace: String,
+        shared: Option<weftcc_transports::Mesh>,
+        epoch: u64,
+    ) -> Result<Communicator> {
+        let inner = &self.inner;
+        let id = inner.id.clone();
+        let client =
+            StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
+                Error::Bootstrap {
+                    rank: inner.rank,
+                    source: source.into(),
+                }
+            })?;
+        let comm = Communicator::build(
+            rank,
+            nranks,
+            namespace,
+            inner.config(),
+            client,
+            (&id, inner.store_on_rank0),
+            inner.store_host.clone(),
+            shared,
+        )?;
+        comm.inner.lineage.start_at(epoch);
+        Ok(comm)
+    }
+
+    /// The store could not be reached during recovery step `op` #`seq`.
+    fn store_lost(&self, op: OpKind, seq: u64, e: StoreError) -> Error {
+        let inner = &self.inner;
+        if inner.store_on_rank0 {
+            Error::PeerLost {
+                rank: inner.rank,
+                peer: 0,
+                op,
+                seq,
+                seen_by: SeenBy::Watcher,
+                detail: format!(
+                    "the bootstrap store on rank 0 ({}) is unreachable ({e})",
+                    inner.id.addr
+                ),
+            }
+        } else {
+            Error::StoreLost {
+                rank: inner.rank,
+                store: inner.id.addr.clone(),
+                op,
+                seq,
+                detail: e.to_string(),
+            }
+        }
+    }
+}
+
+/// While a communicator made from another one sets up, watches the parent's sessions of its
+/// members: a member that died before joining (its parent session closed without leaving) is
+/// published as the new namespace's set-up death, which ends every member's set-up waits
+/// naming it (the store's own hook sees only sessions of the new namespace). Stops when dropped.
+struct MemberWatch {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MemberWatch {
+    /// Watches `members` (ranks of `parent`, in the new communicator's order) for the set-up of
+    /// `namespace`.
+    fn start(parent: &Communicator, members: Vec<usize>, namespace: &str) -> Result<MemberWatch> {
+        let inner = &parent.inner;
+        let boot = |source: TransportError| Error::Bootstrap {
+            rank: inner.rank,
+            source,
+        };
+        let mut client = StoreClient::connect(&inner.id.addr, &inner.id.token, inner.timeout())
+            .map_err(|e| boot(e.into()))?;
+        let prefix = session_prefix(&inner.namespace);
+        let parent_ns = inner.namespace.clone();
+        let lost_key = setup_lost_key(namespace);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name(format!("weft-members-{}", inner.rank))
+            .spawn(move || {
+                while !stopped.load(Ordering::SeqCst) {
+                    let Ok(sessions) = client.sessions(&prefix) else {
+                        return;
+                    };
+                    let dead = sessions.iter().find_map(|s| {
+                        let left = RankIdentity::decode(&s.value).is_some_and(|i| i.left);
+                        let rank = session_rank(&s.key, &parent_ns)?;
+                        let at = members.iter().position(|&m| m == rank)?;
+                        (!s.open && !left).then_some(at)
+                    });
+                    if let Some(at) = dead {
+                        let _ = client.set_if_absent(&lost_key, at.to_string().as_bytes());
+                        return;
+                    }
+                    std::thread::sleep(MEMBER_WATCH_PERIOD);
+                }
+            })
+            .map_err(|e| boot(TransportError::io("spawning the member watch", e)))?;
+        Ok(MemberWatch {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for MemberWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
