@@ -169,6 +169,16 @@ impl LaunchInfo {
         let master_addr = match addr {
             Some(a) => a,
             None if world == 1 => "127.0.0.1".to_string(),
+            // A store the ranks meet at needs no other rendezvous address: its host stands in.
+            None if get("WEFT_STORE").is_some_and(|s| !weftcc_store::is_etcd_address(s)) => {
+                let store = get("WEFT_STORE").unwrap_or_default();
+                store
+                    .rsplit_once(':')
+                    .map_or(store, |(host, _)| host)
+                    .trim_matches(['[', ']'])
+                    .to_string()
+            }
+            None if get("WEFT_STORE").is_some() => "127.0.0.1".to_string(),
             None => {
                 return Err(Error::Config(format!(
                     "{launcher:?} launch without a rendezvous address: set MASTER_ADDR (and MASTER_PORT)"
