@@ -120,6 +120,9 @@ fn child_role() {
     let mut buf = vec![1.0f64; COUNT];
     loop {
         if changes >= want_changes && comm.size() >= final_size && since_change >= STEPS_AFTER {
+            if let Ok(dir) = std::env::var("WEFT_TRACE_DUMP_DIR") {
+                comm.dump_trace(std::path::Path::new(&dir)).expect("dump");
+            }
             println!(
                 "DONE size={} epoch={} rank={}",
                 comm.size(),
@@ -424,10 +427,60 @@ fn kill_and_survive(n: usize, victims: &[usize]) -> Vec<u64> {
     ms
 }
 
+/// Kills rank 2 of 4: the survivors finish at size 3; their error and the shrink are in their
+/// flight recorders, and `weft status` follows the job to the survivors' communicator.
 #[test]
 fn a_killed_rank_leaves_the_others_running() {
-    let ms = kill_and_survive(4, &[2]);
-    assert!(ms.iter().all(|&m| m < 10_000), "{ms:?}");
+    let dir = std::env::temp_dir().join(format!("weft-recovery-trace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut job = Job::start(4, |_| {
+        vec![("WEFT_TRACE_DUMP_DIR", dir.display().to_string())]
+    });
+    job.wait_ready(&[0, 1, 2, 3]);
+    job.kill(2);
+    let lines = job.until_done(&[0, 1, 3], Duration::from_secs(60));
+    for s in [0, 1, 3] {
+        assert_eq!(field(done_line(&lines[s]), "size"), "3", "{:?}", lines[s]);
+    }
+    // Each survivor: the failure dump of the first communicator names the lost peer; the dump
+    // of the shrunk one carries the shrink.
+    let dumps: Vec<weftcc::comm::records::trace::TraceDump> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path()).ok())
+        .filter_map(|b| serde_json::from_slice(&b).ok())
+        .collect();
+    let failures: Vec<_> = dumps.iter().filter(|d| d.namespace == "c").collect();
+    assert_eq!(failures.len(), 3, "{dumps:?}");
+    for d in &failures {
+        assert!(
+            d.error.as_ref().unwrap().contains("peer rank 2 lost"),
+            "{d:?}"
+        );
+        assert!(!d.entries.is_empty(), "{d:?}");
+    }
+    let shrunk: Vec<_> = dumps.iter().filter(|d| d.namespace != "c").collect();
+    assert_eq!(shrunk.len(), 3, "{dumps:?}");
+    for d in &shrunk {
+        assert_eq!(d.nranks, 3);
+        assert_eq!(d.lineage.len(), 1, "{d:?}");
+        assert_eq!(d.lineage[0].failed, [2]);
+        assert_eq!(d.lineage[0].epoch, 1);
+        assert!(d.lineage[0].error.as_ref().unwrap().contains("lost"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // `weft status` from outside: the survivors' communicator, reached through the shrink.
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(["status", "--addr"])
+        .arg(job.store.local_addr().to_string())
+        .args(["--token", &job.token])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("· 3 ranks"), "{text}");
+    assert!(
+        text.contains("recovered: epoch 1: 4 -> 3 ranks, shrunk without ranks [2]"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -523,6 +523,7 @@ impl Inner {
             recorded,
             capacity: self.trace.capacity(),
             entries: entries.iter().map(TraceEntry::record).collect(),
+            lineage: self.lineage.events(),
         }
     }
 

@@ -55,5 +55,6 @@ pub use logging::init as init_logging;
 pub use records::agreement::Disagreement;
 pub use records::note::AbortCause;
 pub use records::progress::Behind;
+pub use records::recovery::{RecoveryEvent, RecoveryKind};
 pub use recovery::Agreement;
 pub use tuning::Tuner;

@@ -25,13 +25,14 @@ use crate::config::CommConfig;
 use crate::error::{Error, Result, SeenBy};
 use crate::records::identity::RankIdentity;
 use crate::records::recovery::{
-    agreement_key, decode_ranks, encode_ranks, ticket_key, Place, ADMITTED_KEY, JOINERS_KEY,
+    agreement_key, decode_ranks, encode_ranks, event_key, ticket_key, Place, RecoveryEvent,
+    RecoveryKind, ADMITTED_KEY, EVENTS_KEY, JOINERS_KEY,
 };
 use crate::records::{session_prefix, session_rank};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use weftcc_collectives::OpKind;
 use weftcc_store::{StoreClient, StoreError};
 use weftcc_transports::lock;
@@ -61,9 +62,15 @@ pub(crate) struct Lineage {
     epoch: AtomicU64,
     shrinks: AtomicU64,
     grows: AtomicU64,
+    /// How this communicator came from the job's first ones, oldest first.
+    events: Mutex<Vec<RecoveryEvent>>,
 }
 
 impl Lineage {
+    pub(crate) fn events(&self) -> Vec<RecoveryEvent> {
+        lock(&self.events).clone()
+    }
+
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::SeqCst)
     }
@@ -98,6 +105,12 @@ impl Communicator {
     /// with each agreement in its lineage.
     pub fn epoch(&self) -> u64 {
         self.inner.lineage.epoch()
+    }
+
+    /// How this communicator came from the job's first ones: each shrink and grow, oldest first
+    /// (also in its flight-recorder dumps).
+    pub fn lineage(&self) -> Vec<RecoveryEvent> {
+        self.inner.lineage.events()
     }
 
     /// Agrees with the other survivors on the failed ranks: every survivor that calls it (the
@@ -171,6 +184,7 @@ impl Communicator {
                 epoch,
             });
         }
+        let started = Instant::now();
         let members: Vec<usize> = (0..inner.size).filter(|r| !excluded.contains(r)).collect();
         let k = inner.lineage.shrinks.fetch_add(1, Ordering::SeqCst);
         // Survivors that disagree on the excluded set meet in different namespaces: their
@@ -201,7 +215,15 @@ impl Communicator {
             Some(_) => None,
             None => Some(MemberWatch::start(self, members.clone(), &namespace)?),
         };
-        let made = self.make_relative(new_rank, members.len(), namespace, shared, epoch);
+        let made = self.make_relative(
+            (new_rank, members.len(), namespace),
+            shared,
+            (
+                RecoveryKind::Shrink,
+                excluded.iter().copied().collect(),
+                started,
+            ),
+        );
         drop(watch);
         let comm = made?;
         tracing::warn!(target: "weftcc::recovery", rank = inner.rank, new_rank, size = members.len(), epoch, ?excluded, "shrunk");
@@ -215,6 +237,7 @@ impl Communicator {
     pub fn grow(&self, joining: usize) -> Result<Communicator> {
         let inner = &self.inner;
         inner.check()?;
+        let started = Instant::now();
         let epoch = inner.lineage.epoch();
         let g = inner.lineage.grows.fetch_add(1, Ordering::SeqCst);
         let namespace = format!("{}/grow{g}", inner.namespace);
@@ -241,7 +264,11 @@ impl Communicator {
         }
         let members: Vec<usize> = (0..inner.size).collect();
         let watch = MemberWatch::start(self, members, &namespace)?;
-        let made = self.make_relative(inner.rank, nranks, namespace, None, epoch);
+        let made = self.make_relative(
+            (inner.rank, nranks, namespace),
+            None,
+            (RecoveryKind::Grow, Vec::new(), started),
+        );
         drop(watch);
         let comm = made?;
         tracing::warn!(target: "weftcc::recovery", rank = inner.rank, size = nranks, joining, epoch, "grown");
@@ -282,30 +309,38 @@ impl Communicator {
                 "ticket {ticket}'s place in the store is unreadable"
             ))
         })?;
-        let comm = Communicator::build(
+        let timeout = config.timeout;
+        let made = Communicator::build(
             place.rank,
             place.nranks,
-            place.namespace,
+            place.namespace.clone(),
             config,
             client,
             (id, false),
             None,
             None,
+        );
+        let comm = commit(
+            made,
+            id,
+            &place.namespace,
+            (place.rank, place.nranks),
+            timeout,
         )?;
         comm.inner.lineage.start_at(place.epoch);
         tracing::warn!(target: "weftcc::recovery", rank = place.rank, size = place.nranks, epoch = place.epoch, "newcomer joined");
         Ok(comm)
     }
 
-    /// A communicator made from this one (shrunk or grown) under the same store, starting at
-    /// `epoch`: over `shared` (this family's connections) or a mesh of its own.
+    /// A communicator made from this one (shrunk or grown) under the same store, `(rank,
+    /// nranks, namespace)`, over `shared` (this family's connections) or a mesh of its own; it
+    /// starts at this one's epoch, with this one's lineage and the event `(kind, failed,
+    /// started)`, which its rank 0 also leaves in the store for `weft status`.
     fn make_relative(
         &self,
-        rank: usize,
-        nranks: usize,
-        namespace: String,
+        (rank, nranks, namespace): (usize, usize, String),
         shared: Option<weftcc_transports::Mesh>,
-        epoch: u64,
+        (kind, failed, started): (RecoveryKind, Vec<usize>, Instant),
     ) -> Result<Communicator> {
         let inner = &self.inner;
         let id = inner.id.clone();
@@ -316,17 +351,37 @@ impl Communicator {
                     source: source.into(),
                 }
             })?;
-        let comm = Communicator::build(
+        let made = Communicator::build(
             rank,
             nranks,
-            namespace,
+            namespace.clone(),
             inner.config(),
             client,
             (&id, inner.store_on_rank0),
             inner.store_host.clone(),
             shared,
-        )?;
+        );
+        let comm = commit(made, &id, &namespace, (rank, nranks), inner.timeout())?;
+        let epoch = inner.lineage.epoch();
         comm.inner.lineage.start_at(epoch);
+        let event = RecoveryEvent {
+            kind,
+            epoch,
+            from: inner.namespace.clone(),
+            from_size: inner.size,
+            to: comm.inner.namespace.clone(),
+            to_size: nranks,
+            failed,
+            error: inner.poisoned().map(|e| e.to_string()),
+            took_ms: started.elapsed().as_millis() as u64,
+            at_us: crate::trace::now_us(),
+        };
+        if rank == 0 {
+            publish_event(&mut lock(&comm.inner.store), &event);
+        }
+        let mut events = inner.lineage.events();
+        events.push(event);
+        *lock(&comm.inner.lineage.events) = events;
         Ok(comm)
     }
 
@@ -354,6 +409,122 @@ impl Communicator {
                 detail: e.to_string(),
             }
         }
+    }
+}
+
+/// How often a member that has made its part of a shrunk or grown communicator looks whether
+/// another member failed to make its own (a death ends the wait at once).
+const COMMIT_POLL: Duration = Duration::from_millis(50);
+
+/// Makes the set-up of a shrunk or grown communicator succeed or fail on every member alike: a
+/// set-up returns on one member while another still waits (only rank 0 waits for all), so a
+/// member dying at the end could leave some with the communicator and others without. Every
+/// member that made its part counts itself out and waits for all the others, a death, or
+/// another member's failure; each proposes the outcome it saw, and the first proposal stored is
+/// everyone's ([`StoreClient::set_if_absent`]). A member with the communicator drops it when the
+/// outcome is a failure. A death after the outcome is the new communicator's failure, seen by
+/// all.
+fn commit(
+    made: Result<Communicator>,
+    id: &UniqueId,
+    namespace: &str,
+    (rank, nranks): (usize, usize),
+    timeout: Duration,
+) -> Result<Communicator> {
+    let boot = |source: TransportError| Error::Bootstrap { rank, source };
+    let outcome_key = format!("{namespace}/commit/outcome");
+    let started = Instant::now();
+    let comm = match made {
+        Ok(comm) => comm,
+        Err(e) => {
+            // Without a store nobody can be told: the others' waits end at their timeout.
+            if let Ok(mut client) = StoreClient::connect(&id.addr, &id.token, timeout) {
+                let _ = propose(&mut client, &outcome_key, &failure_proposal(&e, rank));
+            }
+            return Err(e);
+        }
+    };
+    let mut store = lock(&comm.inner.store);
+    let all_left = format!("{namespace}/commit/all-left");
+    let counted = store
+        .add(&format!("{namespace}/commit/left"), 1)
+        .map_err(|e| boot(e.into()))?;
+    if counted >= nranks as i64 {
+        store.set(&all_left, b"1").map_err(|e| boot(e.into()))?;
+    }
+    let lost_key = setup_lost_key(namespace);
+    let proposal = loop {
+        match store.get_all_unless(std::slice::from_ref(&all_left), &lost_key, COMMIT_POLL) {
+            Ok(_) => break "ok".to_string(),
+            Err(StoreError::Interrupted { value, .. }) => {
+                break format!("lost {}", String::from_utf8_lossy(&value))
+            }
+            Err(StoreError::Timeout { .. }) => {
+                if store.check(&outcome_key).map_err(|e| boot(e.into()))? {
+                    break "failed".to_string();
+                }
+                if started.elapsed() >= timeout {
+                    break format!("timeout {rank}");
+                }
+            }
+            Err(e) => return Err(boot(e.into())),
+        }
+    };
+    let decided = propose(&mut store, &outcome_key, &proposal).map_err(|e| boot(e.into()))?;
+    drop(store);
+    if decided == "ok" {
+        return Ok(comm);
+    }
+    drop(comm);
+    Err(boot(outcome_error(&decided, nranks, started.elapsed())))
+}
+
+/// What a member whose own set-up failed proposes: the death it saw, or its own failure.
+fn failure_proposal(e: &Error, rank: usize) -> String {
+    match e {
+        Error::Bootstrap {
+            source: TransportError::DiedInSetup { peer },
+            ..
+        } => format!("lost {peer}"),
+        _ => format!("failed {rank}"),
+    }
+}
+
+/// Stores `proposal` as the outcome unless one is there; the outcome.
+fn propose(
+    store: &mut StoreClient,
+    key: &str,
+    proposal: &str,
+) -> std::result::Result<String, StoreError> {
+    let decided = store.set_if_absent(key, proposal.as_bytes())?;
+    Ok(String::from_utf8_lossy(&decided).into_owned())
+}
+
+/// The error of a failed outcome: a member's death, or a member that could not make its part.
+fn outcome_error(outcome: &str, nranks: usize, after: Duration) -> TransportError {
+    let member = outcome
+        .split_once(' ')
+        .and_then(|(_, r)| r.trim().parse::<usize>().ok());
+    match (outcome.split(' ').next(), member) {
+        (Some("lost"), Some(peer)) => TransportError::DiedInSetup { peer },
+        (_, Some(r)) => TransportError::NotJoined {
+            missing: vec![r],
+            more: 0,
+            nranks,
+            after,
+        },
+        _ => TransportError::Protocol(format!("unreadable set-up outcome {outcome:?}")),
+    }
+}
+
+/// Leaves `event` in the job's store for `weft status` (best effort: a store that fails here
+/// fails the new communicator's first operation instead).
+fn publish_event(store: &mut StoreClient, event: &RecoveryEvent) {
+    let Ok(json) = serde_json::to_string(event) else {
+        return;
+    };
+    if let Ok(n) = store.add(EVENTS_KEY, 1) {
+        let _ = store.set(&event_key(n), json.as_bytes());
     }
 }
 

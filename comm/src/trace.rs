@@ -358,6 +358,7 @@ mod tests {
             recorded,
             capacity: 8,
             entries: kept.iter().map(TraceEntry::record).collect(),
+            lineage: Vec::new(),
         };
         let path = dump.write_to(&dir).expect("write");
         assert!(path

@@ -104,6 +104,9 @@ pub struct TraceDump {
     pub capacity: usize,
     /// The kept operations, oldest first.
     pub entries: Vec<TraceRecord>,
+    /// How this communicator came from the job's first ones (shrinks and grows, oldest first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lineage: Vec<super::recovery::RecoveryEvent>,
 }
 
 impl TraceDump {

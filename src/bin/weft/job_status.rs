@@ -16,6 +16,7 @@ use std::time::Duration;
 use weftcc::comm::records::identity::RankIdentity;
 use weftcc::comm::records::note::{AbortCause, FailureNote};
 use weftcc::comm::records::progress::{behind, now_ms, Behind, ProgressRecord, SILENT_AFTER};
+use weftcc::comm::records::recovery::{current_namespace, event_key, RecoveryEvent, EVENTS_KEY};
 use weftcc::comm::records::{progress_key, session_prefix, session_rank, ABORT_KEY};
 use weftcc::store::{SessionInfo, StoreClient, StoreError};
 use weftcc::{Error, Result, UniqueId};
@@ -224,6 +225,8 @@ pub struct JobStatus {
     pub ranks: Vec<RankStatus>,
     /// What is wrong, if anything.
     pub verdict: Verdict,
+    /// The shrinks and grows that made this communicator, oldest first.
+    pub lineage: Vec<RecoveryEvent>,
 }
 
 /// Longest the ranks of a collective may wait for the others before [`judge`] calls the job
@@ -280,8 +283,48 @@ impl JobStatus {
             nranks,
             ranks,
             verdict,
+            lineage: Vec::new(),
         })
     }
+
+    /// [`JobStatus::read_namespace`] of the newest communicator descended from `namespace` by
+    /// shrinks and grows (the survivors' after a recovery), with the events that led to it.
+    pub fn read_current(id: &UniqueId, namespace: &str, timeout: Duration) -> Result<JobStatus> {
+        let events = read_events(id, timeout)?;
+        let current = current_namespace(namespace, &events);
+        let mut status = JobStatus::read_namespace(id, &current, timeout)?;
+        // The events of this communicator's line only.
+        let mut line = Vec::new();
+        let mut at = current;
+        while let Some(e) = events.iter().rev().find(|e| e.to == at) {
+            at = e.from.clone();
+            line.push(e.clone());
+        }
+        line.reverse();
+        status.lineage = line;
+        Ok(status)
+    }
+}
+
+/// Every recovery event the job's ranks left in the store, in the order they were left.
+fn read_events(id: &UniqueId, timeout: Duration) -> Result<Vec<RecoveryEvent>> {
+    let boot = |source: StoreError| Error::Bootstrap {
+        rank: 0,
+        source: source.into(),
+    };
+    let mut store = StoreClient::connect(&id.addr, &id.token, timeout).map_err(boot)?;
+    let n = store.add(EVENTS_KEY, 0).map_err(boot)?;
+    let keys: Vec<String> = (1..=n).map(event_key).collect();
+    let values = match store.get_all(&keys, Duration::ZERO) {
+        Ok(v) => v,
+        // Counted, not yet written: read again next time.
+        Err(StoreError::Timeout { .. }) => Vec::new(),
+        Err(e) => return Err(boot(e)),
+    };
+    Ok(values
+        .iter()
+        .filter_map(|v| serde_json::from_slice(v).ok())
+        .collect())
 }
 
 /// Each of `nranks` ranks from its session (named under `namespace`) and progress record.

@@ -19,6 +19,10 @@ pub struct StatusArgs {
     /// Communicator to show (its namespace in the store; the job's own by default).
     #[arg(long, default_value = WORLD_NAMESPACE)]
     pub comm: String,
+    /// Show the job's first communicator itself, not the newest one its recoveries (shrinks
+    /// and grows) made from it.
+    #[arg(long)]
+    pub no_follow: bool,
     /// Seconds to wait for the store.
     #[arg(long, default_value = "5", value_parser = crate::job::seconds)]
     pub timeout: Duration,
@@ -36,7 +40,13 @@ pub fn main(args: StatusArgs) -> i32 {
         }
     };
     let timeout = args.timeout;
-    let status = match JobStatus::read_namespace(&id, &args.comm, timeout) {
+    // The job's own communicator is followed through its recoveries to the survivors' one.
+    let read = if args.comm == WORLD_NAMESPACE && !args.no_follow {
+        JobStatus::read_current(&id, &args.comm, timeout)
+    } else {
+        JobStatus::read_namespace(&id, &args.comm, timeout)
+    };
+    let status = match read {
         Ok(s) => s,
         Err(e) => {
             eprintln!("weft status: {e}");
@@ -110,6 +120,9 @@ fn table(id: &UniqueId, s: &JobStatus) -> String {
         "job {} · communicator {} · {} ranks\n",
         id.addr, s.namespace, s.nranks
     );
+    for e in &s.lineage {
+        out.push_str(&format!("recovered: {}\n", e.describe()));
+    }
     for r in &rows {
         let cells: Vec<String> = r
             .iter()
@@ -163,6 +176,7 @@ fn json(id: &UniqueId, s: &JobStatus) -> serde_json::Value {
         "communicator": s.namespace,
         "nranks": s.nranks,
         "ranks": ranks,
+        "lineage": s.lineage,
         "verdict": s.verdict.word(),
         "detail": s.verdict.to_string(),
     })

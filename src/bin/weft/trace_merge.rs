@@ -496,6 +496,7 @@ mod tests {
             error: None,
             dumped_us: T0 + 10_000_000,
             recorded: entries.len() as u64,
+            lineage: Vec::new(),
             capacity: 100,
             entries,
         }
