@@ -62,7 +62,9 @@ fn resync(comm: &Communicator, step: u64) -> weftcc::Result<u64> {
 fn recover(comm: &Communicator) -> weftcc::Result<(Communicator, Vec<usize>)> {
     let die_in = std::env::var(DIE_IN).unwrap_or_default();
     for _ in 0..5 {
+        let t0 = Instant::now();
         let agreed = comm.agree_on_failures()?;
+        let agree_us = t0.elapsed().as_micros();
         if die_in == "agree" {
             die();
         }
@@ -72,8 +74,15 @@ fn recover(comm: &Communicator) -> weftcc::Result<(Communicator, Vec<usize>)> {
                 die()
             });
         }
+        let t1 = Instant::now();
         match comm.shrink(&agreed.failed) {
-            Ok(c) => return Ok((c, agreed.failed)),
+            Ok(c) => {
+                println!(
+                    "TIMES agree_us={agree_us} shrink_us={}",
+                    t1.elapsed().as_micros()
+                );
+                return Ok((c, agreed.failed));
+            }
             Err(e @ (Error::Bootstrap { .. } | Error::PeerLost { .. } | Error::Timeout { .. })) => {
                 println!("RETRY {e}");
             }
@@ -587,4 +596,46 @@ fn a_newcomer_joins_by_grow_after_a_shrink() {
     assert_eq!(ranks, ["0", "1", "2"]);
     // The newcomer took the last rank.
     assert_eq!(field(done_line(&lines[3]), "rank"), "2");
+}
+
+/// How long recovery takes at a larger size: `WEFT_TEST_RANKS` ranks (default 64), one killed;
+/// prints each survivor's time from its error to its shrunk communicator, and the agreement's
+/// and the shrink's own times (medians and maxima). Run by `benches/recovery.sh`.
+#[test]
+#[ignore = "a benchmark: benches/recovery.sh"]
+fn recovery_time_at_scale() {
+    let n = env_usize("WEFT_TEST_RANKS", 64);
+    let mut job = Job::start(n, |_| Vec::new());
+    let all: Vec<usize> = (0..n).collect();
+    job.wait_ready(&all);
+    let victim = n / 2;
+    job.kill(victim);
+    let survivors: Vec<usize> = all.iter().copied().filter(|&r| r != victim).collect();
+    let lines = job.until_done(&survivors, Duration::from_secs(300));
+    let mut total = Vec::new();
+    let mut agree = Vec::new();
+    let mut shrink = Vec::new();
+    for &s in &survivors {
+        let recovered = lines[s]
+            .iter()
+            .find(|l| l.starts_with("RECOVERED"))
+            .unwrap();
+        total.push(field(recovered, "ms").parse::<f64>().unwrap());
+        let times = lines[s].iter().find(|l| l.starts_with("TIMES")).unwrap();
+        agree.push(field(times, "agree_us").parse::<f64>().unwrap() / 1000.0);
+        shrink.push(field(times, "shrink_us").parse::<f64>().unwrap() / 1000.0);
+        assert_eq!(field(done_line(&lines[s]), "size"), (n - 1).to_string());
+    }
+    let stats = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    let (t_med, t_max) = stats(&mut total);
+    let (a_med, a_max) = stats(&mut agree);
+    let (s_med, s_max) = stats(&mut shrink);
+    eprintln!("survivor {}: {:?}", survivors[0], lines[survivors[0]]);
+    println!(
+        "RESULT ranks={n} killed={victim} error_to_shrunk_ms median={t_med:.1} max={t_max:.1} \
+         agree_ms median={a_med:.2} max={a_max:.2} shrink_ms median={s_med:.1} max={s_max:.1}"
+    );
 }

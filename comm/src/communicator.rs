@@ -629,6 +629,7 @@ impl Drop for Communicator {
         self.inner.dump_trace_if_due();
         self.inner.watcher_stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.watcher.take() {
+            t.thread().unpark();
             join_unless_current(t);
         }
         self.inner.settle_before_the_store_closes();

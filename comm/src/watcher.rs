@@ -95,7 +95,9 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
 /// process from one that failed and is still there) until the communicator goes.
 fn keep_alive(inner: &Inner, client: &mut StoreClient, requests: &mut DumpRequests) {
     while !inner.watcher_stop.load(Ordering::SeqCst) {
-        std::thread::sleep(WATCH_PERIOD);
+        // Unparked by the communicator's drop: a failed communicator replaced by its survivors'
+        // goes at once, not at the next period.
+        std::thread::park_timeout(WATCH_PERIOD);
         requests.poll(inner, client);
         // A request without a server-side wait: a store that is gone costs the client's margin
         // (the communicator's drop joins this thread), not its timeout.
