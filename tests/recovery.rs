@@ -37,6 +37,13 @@ fn die() -> ! {
     std::process::abort()
 }
 
+/// Microseconds since the UNIX epoch (the ranks share this host's clock).
+fn unix_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros())
+}
+
 /// A rank list as one word: `1,2`, or `-` for none.
 fn list(ranks: &[usize]) -> String {
     if ranks.is_empty() {
@@ -141,6 +148,7 @@ fn child_role() {
             return;
         }
         if revoke_at == Some((comm.rank(), step)) && comm.epoch() == 0 {
+            println!("REVOKE at_us={}", unix_us());
             comm.revoke();
         }
         if resync_due {
@@ -218,6 +226,7 @@ fn child_role() {
             Err(e) => {
                 let failed_at = Instant::now();
                 let variant = e.kind_name();
+                println!("ERROR_AT at_us={}", unix_us());
                 println!("ERROR {variant} {e}");
                 let (new, failed) = match recover(&comm) {
                     Ok(r) => r,
@@ -508,6 +517,17 @@ fn two_ranks_killed_at_once() {
 fn revoke_stops_every_rank_and_the_communicator_shrinks_to_everyone() {
     let job = Job::start(3, |_| vec![(REVOKE_AT, "1:40".to_string())]);
     let lines = job.until_done(&[0, 1, 2], Duration::from_secs(60));
+    let at = |l: &[String], word: &str| -> u128 {
+        let line = l.iter().find(|x| x.starts_with(word)).expect(word);
+        field(line, "at_us").parse().unwrap()
+    };
+    let revoked = at(&lines[1], "REVOKE");
+    let learnt: Vec<u128> = [0, 2]
+        .iter()
+        .map(|&r| at(&lines[r], "ERROR_AT").saturating_sub(revoked) / 1000)
+        .collect();
+    eprintln!("revoke: the other ranks' calls failed {learnt:?} ms after it");
+    assert!(learnt.iter().all(|&ms| ms < 1_000), "{learnt:?}");
     for (r, l) in lines.iter().enumerate().take(3) {
         assert!(
             l.iter().any(|x| x.starts_with("ERROR revoked")),

@@ -61,8 +61,8 @@ pub(crate) struct Inner {
     /// Rank 0 serves the store ([`StoreLinks::on_rank0`]).
     pub(crate) store_on_rank0: bool,
     pub(crate) splits: AtomicU64,
-    /// Its epoch, and the agreements, shrinks and grows made from it ([`crate::recovery`]).
-    pub(crate) lineage: crate::recovery::Lineage,
+    /// Its epoch, and the shrinks and grows made from it ([`crate::lineage`]).
+    pub(crate) lineage: crate::lineage::Lineage,
     pub(crate) watcher_stop: AtomicBool,
 }
 

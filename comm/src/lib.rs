@@ -9,7 +9,7 @@
 //! | settings | [`config`], [`env`], `logging` | settings from `WEFT_*` variables; rank, size and rendezvous from the launcher; `WEFT_DEBUG` |
 //! | base | [`error`], [`tuning`], [`bootstrap`], `agreement` | the error type; per-call algorithm choice; unique ids and rank 0's store; the ranks' consistency check at set-up |
 //! | executor | `executor` | runs one prepared schedule over the connections (poll loop, no threads; knows no communicator) |
-//! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread |
+//! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker`, `lineage` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread, the epoch and the shrinks and grows made so far |
 //! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
 //! | threads | `watcher` | the failure watcher: publishes progress, reads the job's failures, answers dump requests |
 //! | API | `communicator`, `group`, `handle`, `local`, `recovery` | construction, the blocking API and split; grouped sends and receives; the asynchronous API; [`run_ranks`] (ranks as threads); revoke, agreement, shrink and grow |
@@ -30,6 +30,7 @@ mod failure;
 mod group;
 mod handle;
 mod inner;
+mod lineage;
 mod local;
 mod logging;
 mod ordering;

@@ -30,8 +30,8 @@ use crate::records::recovery::{
 };
 use crate::records::{session_prefix, session_rank};
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weftcc_collectives::OpKind;
 use weftcc_store::{StoreClient, StoreError};
@@ -52,36 +52,6 @@ pub struct Agreement {
     /// The agreement's epoch: how many agreements the communicator's lineage has made, this
     /// one included (communicators made by shrink or grow start at their parent's).
     pub epoch: u64,
-}
-
-/// A communicator's place in its lineage: the epoch it started at, and the agreements, shrinks
-/// and grows made from it so far (every member counts the same, as they call them together).
-#[derive(Debug, Default)]
-pub(crate) struct Lineage {
-    /// The latest epoch: the one it started at, or its latest agreement's.
-    epoch: AtomicU64,
-    shrinks: AtomicU64,
-    grows: AtomicU64,
-    /// How this communicator came from the job's first ones, oldest first.
-    events: Mutex<Vec<RecoveryEvent>>,
-}
-
-impl Lineage {
-    pub(crate) fn events(&self) -> Vec<RecoveryEvent> {
-        lock(&self.events).clone()
-    }
-
-    pub(crate) fn epoch(&self) -> u64 {
-        self.epoch.load(Ordering::SeqCst)
-    }
-
-    fn start_at(&self, epoch: u64) {
-        self.epoch.store(epoch, Ordering::SeqCst);
-    }
-
-    fn next_epoch(&self) -> u64 {
-        self.epoch.fetch_add(1, Ordering::SeqCst) + 1
-    }
 }
 
 impl Communicator {
