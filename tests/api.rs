@@ -177,6 +177,50 @@ fn a_parent_and_its_split_run_at_once_over_shared_connections() {
     }
 }
 
+/// A healthy shrink of a sharing family keeps its connections: the survivors of 4 (rank 1
+/// excluded, and not calling) compute over the parent's connections, renumbered in order, and
+/// carry the shrink in their lineage; a caller among the excluded is told so. Both wires.
+#[test]
+fn a_healthy_shrink_reuses_the_connections() {
+    for wire in [Wire::Shm, Wire::Tcp] {
+        let n = 4;
+        let mut cfg = common::config(wire);
+        cfg.split_share = true;
+        let results = with_ranks_config(n, cfg, |rank, comm| {
+            let mut out = vec![0u32; 16 * n];
+            comm.all_to_all(&vec![rank as u32; 16 * n], &mut out)
+                .unwrap();
+            assert_eq!(comm.connected_peers(), n - 1, "rank {rank}");
+            if rank == 1 {
+                let refused = comm.shrink(&[1]).unwrap_err();
+                assert!(matches!(
+                    refused,
+                    weftcc::Error::Excluded { rank: 1, epoch: 0 }
+                ));
+                return None;
+            }
+            let shrunk = comm.shrink(&[1]).unwrap();
+            let mut w = vec![rank as u32 + 1; 100_003];
+            shrunk.all_reduce_in_place(&mut w, ReduceOp::Sum).unwrap();
+            assert!(w.iter().all(|&x| x == 1 + 3 + 4), "rank {rank}: {}", w[0]);
+            let lineage = shrunk.lineage();
+            Some((
+                shrunk.rank(),
+                shrunk.size(),
+                // Its family is the parent's: the parent's connections, no new one.
+                shrunk.family_connections(),
+                lineage[0].failed.clone(),
+            ))
+        });
+        let survivors: Vec<_> = results.into_iter().flatten().collect();
+        assert_eq!(
+            survivors,
+            [0, 1, 2].map(|r| (r, 3, n - 1, vec![1])),
+            "{wire:?}: renumbered, no new connection"
+        );
+    }
+}
+
 #[test]
 fn ranks_without_a_color_get_no_communicator() {
     let results = with_ranks(3, Wire::Shm, |rank, comm| {
