@@ -213,7 +213,17 @@ fn child_role() {
             }
             Err(Error::Config(grow)) if grow.starts_with("grow ") => {
                 let joining: usize = grow[5..].parse().unwrap();
-                comm = comm.grow(joining).expect("grow");
+                println!("GROWING {joining}");
+                let started = Instant::now();
+                match comm.grow(joining) {
+                    Ok(grown) => comm = grown,
+                    // A newcomer that died: the set-up ends on every member, which go on as
+                    // they were and admit the next one.
+                    Err(e) => {
+                        println!("GROW_FAILED ms={} {e}", started.elapsed().as_millis());
+                        continue;
+                    }
+                }
                 changes += 1;
                 resync_due = true;
                 println!(
@@ -658,4 +668,51 @@ fn recovery_time_at_scale() {
         "RESULT ranks={n} killed={victim} error_to_shrunk_ms median={t_med:.1} max={t_max:.1} \
          agree_ms median={a_med:.2} max={a_max:.2} shrink_ms median={s_med:.1} max={s_max:.1}"
     );
+}
+
+/// A newcomer killed while the survivors grow: their grow fails on each of them at once (rank 0
+/// watches the sessions of the newcomers it admits), they go on at their size, and admit the
+/// next newcomer.
+#[test]
+fn a_newcomer_killed_during_the_grow() {
+    let n = 3;
+    let env = || vec![(CHANGES, "2".to_string()), (FINAL_SIZE, n.to_string())];
+    let mut job = Job::start(n, |_| env());
+    job.wait_ready(&[0, 1, 2]);
+    job.kill(1);
+    let mut newcomer = env();
+    newcomer.push((ROLE, "newcomer".to_string()));
+    job.spawn(newcomer.clone());
+    // Killed once a survivor starts growing.
+    let mut seen = Vec::new();
+    loop {
+        let (i, line) = job.next(Duration::from_secs(30));
+        assert!(!line.starts_with("FAILED"), "child {i}: {line}");
+        let growing = line.starts_with("GROWING");
+        seen.push((i, line));
+        if growing {
+            break;
+        }
+    }
+    job.kill(3);
+    job.spawn(newcomer);
+    let lines = job.until_done(&[0, 2, 4], Duration::from_secs(60));
+    for s in [0, 2] {
+        let failed = lines[s]
+            .iter()
+            .chain(seen.iter().filter(|(i, _)| *i == s).map(|(_, l)| l))
+            .find(|l| l.starts_with("GROW_FAILED"));
+        let failed =
+            failed.unwrap_or_else(|| panic!("survivor {s}: no failed grow: {:?}", lines[s]));
+        // Ended by the newcomer's death, not the set-up's 20 s timeout.
+        let ms: u64 = field(failed, "ms").parse().unwrap();
+        assert!(ms < 5_000, "{failed}");
+        assert_eq!(
+            field(done_line(&lines[s]), "size"),
+            n.to_string(),
+            "{:?}",
+            lines[s]
+        );
+    }
+    assert_eq!(field(done_line(&lines[4]), "rank"), "2");
 }

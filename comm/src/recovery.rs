@@ -25,8 +25,8 @@ use crate::config::CommConfig;
 use crate::error::{Error, Result, SeenBy};
 use crate::records::identity::RankIdentity;
 use crate::records::recovery::{
-    agreement_key, decode_ranks, encode_ranks, event_key, ticket_key, Place, RecoveryEvent,
-    RecoveryKind, ADMITTED_KEY, EVENTS_KEY, JOINERS_KEY,
+    agreement_key, decode_ranks, encode_ranks, event_key, joiner_session_key, ticket_key, Place,
+    RecoveryEvent, RecoveryKind, ADMITTED_KEY, EVENTS_KEY, JOINERS_KEY, JOINER_SESSION_PREFIX,
 };
 use crate::records::{session_prefix, session_rank};
 use std::collections::BTreeSet;
@@ -183,7 +183,12 @@ impl Communicator {
         };
         let watch = match shared {
             Some(_) => None,
-            None => Some(MemberWatch::start(self, members.clone(), &namespace)?),
+            None => Some(MemberWatch::start(
+                self,
+                members.clone(),
+                Vec::new(),
+                &namespace,
+            )?),
         };
         let made = self.make_relative(
             (new_rank, members.len(), namespace),
@@ -212,6 +217,9 @@ impl Communicator {
         let g = inner.lineage.grows.fetch_add(1, Ordering::SeqCst);
         let namespace = format!("{}/grow{g}", inner.namespace);
         let nranks = inner.size + joining;
+        // Rank 0 hands out the places and watches the newcomers it admits: one that dies before
+        // it joined ends the set-up at once, as a member's death does.
+        let mut newcomers = Vec::new();
         if inner.rank == 0 && joining > 0 {
             let mut store = lock(&inner.store);
             let lost = |e| self.store_lost(OpKind::Barrier, epoch, e);
@@ -223,17 +231,16 @@ impl Communicator {
                     rank: inner.size + i,
                     epoch,
                 };
+                let ticket = admitted + 1 + i as i64;
                 store
-                    .set(
-                        &ticket_key(admitted + 1 + i as i64),
-                        place.encode().as_bytes(),
-                    )
+                    .set(&ticket_key(ticket), place.encode().as_bytes())
                     .map_err(lost)?;
+                newcomers.push((joiner_session_key(ticket), place.rank));
             }
             store.add(ADMITTED_KEY, joining as i64).map_err(lost)?;
         }
         let members: Vec<usize> = (0..inner.size).collect();
-        let watch = MemberWatch::start(self, members, &namespace)?;
+        let watch = MemberWatch::start(self, members, newcomers, &namespace)?;
         let made = self.make_relative(
             (inner.rank, nranks, namespace),
             None,
@@ -270,6 +277,13 @@ impl Communicator {
         let mut client = StoreClient::connect(&id.addr, &id.token, config.timeout)
             .map_err(|e| boot(e.into()))?;
         let ticket = client.add(JOINERS_KEY, 1).map_err(|e| boot(e.into()))?;
+        // The ticket's session: its closing before the newcomer joined ends the grow's set-up.
+        client
+            .name_session(
+                &joiner_session_key(ticket),
+                RankIdentity::this_process(0).encode().as_bytes(),
+            )
+            .map_err(|e| boot(e.into()))?;
         tracing::info!(target: "weftcc::recovery", ticket, "newcomer waits for a place");
         let value = client
             .get(&ticket_key(ticket), config.timeout)
@@ -508,9 +522,15 @@ struct MemberWatch {
 }
 
 impl MemberWatch {
-    /// Watches `members` (ranks of `parent`, in the new communicator's order) for the set-up of
+    /// Watches `members` (ranks of `parent`, in the new communicator's order) and `newcomers`
+    /// (their ticket's session, and their rank in the new communicator) for the set-up of
     /// `namespace`.
-    fn start(parent: &Communicator, members: Vec<usize>, namespace: &str) -> Result<MemberWatch> {
+    fn start(
+        parent: &Communicator,
+        members: Vec<usize>,
+        newcomers: Vec<(String, usize)>,
+        namespace: &str,
+    ) -> Result<MemberWatch> {
         let inner = &parent.inner;
         let boot = |source: TransportError| Error::Bootstrap {
             rank: inner.rank,
@@ -530,12 +550,23 @@ impl MemberWatch {
                     let Ok(sessions) = client.sessions(&prefix) else {
                         return;
                     };
-                    let dead = sessions.iter().find_map(|s| {
+                    let mut dead = sessions.iter().find_map(|s| {
                         let left = RankIdentity::decode(&s.value).is_some_and(|i| i.left);
                         let rank = session_rank(&s.key, &parent_ns)?;
                         let at = members.iter().position(|&m| m == rank)?;
                         (!s.open && !left).then_some(at)
                     });
+                    if dead.is_none() && !newcomers.is_empty() {
+                        let Ok(joiners) = client.sessions(JOINER_SESSION_PREFIX) else {
+                            return;
+                        };
+                        dead = newcomers.iter().find_map(|(key, at)| {
+                            joiners
+                                .iter()
+                                .any(|s| &s.key == key && !s.open)
+                                .then_some(*at)
+                        });
+                    }
                     if let Some(at) = dead {
                         let _ = client.set_if_absent(&lost_key, at.to_string().as_bytes());
                         return;

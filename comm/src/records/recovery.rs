@@ -15,6 +15,14 @@ pub const JOINERS_KEY: &str = "elastic/joiners";
 /// Job-wide counter of tickets given a place.
 pub const ADMITTED_KEY: &str = "elastic/admitted";
 
+/// What the sessions of newcomers waiting for a place are named under.
+pub const JOINER_SESSION_PREFIX: &str = "elastic/joiner/";
+
+/// The store session a newcomer with ticket `ticket` holds while it waits and joins.
+pub fn joiner_session_key(ticket: i64) -> String {
+    format!("{JOINER_SESSION_PREFIX}{ticket}")
+}
+
 /// Store key of ticket `ticket`'s place.
 pub fn ticket_key(ticket: i64) -> String {
     format!("elastic/ticket/{ticket}")
