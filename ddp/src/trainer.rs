@@ -757,7 +757,7 @@ fn run_on(
                 st.recoveries.push(rec);
             }
             if let (Some(dir), true) = (&cfg.checkpoint_dir, cfg.checkpoint_every > 0) {
-                if rank == 0 && st.step % cfg.checkpoint_every == 0 {
+                if rank == 0 && st.step.is_multiple_of(cfg.checkpoint_every) {
                     save_checkpoint(setup, st, dir, world, &reducer)?;
                 }
             }
@@ -767,7 +767,7 @@ fn run_on(
                 break;
             }
             if let Some(el) = elastic {
-                if el.join_check_every > 0 && st.step % el.join_check_every == 0 {
+                if el.join_check_every > 0 && st.step.is_multiple_of(el.join_check_every) {
                     let waiting = comm.joiners_waiting()?;
                     if waiting > 0 {
                         if let Some(b) = bar {
@@ -794,16 +794,16 @@ fn run_on(
 /// Rank 0's line about a recovery: what failed or joined, the new size, and how long from the
 /// error to the first step completed after it.
 fn log_recovery(rec: &Recovery) {
-    let what = if rec.joined > 0 {
-        format!("{} joined", rec.joined)
+    let (what, since) = if rec.joined > 0 {
+        (format!("{} joined", rec.joined), "the grow began")
     } else {
-        format!("lost ranks {:?}", rec.failed)
+        (format!("lost ranks {:?}", rec.failed), "the error")
     };
     let unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     println!(
-        "elastic: {what}: {} -> {} ranks, epoch {}, step {} completed {:.1} ms after the error (unix_ms {unix_ms})",
+        "elastic: {what}: {} -> {} ranks, epoch {}, step {} completed {:.1} ms after {since} (unix_ms {unix_ms})",
         rec.from,
         rec.to,
         rec.epoch,

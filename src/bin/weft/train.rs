@@ -350,6 +350,7 @@ pub fn main(args: TrainArgs) -> i32 {
             _ => {}
         }
     };
+    let started = std::time::Instant::now();
     let result = if args.elastic {
         let elastic = ElasticConfig {
             min_ranks: args.min_ranks,
@@ -361,6 +362,7 @@ pub fn main(args: TrainArgs) -> i32 {
         let mut on_step = |s: u64| hook(Point::Step(s));
         train(&comm, &cfg, &mut on_step).map(|r| (r, comm))
     };
+    let elapsed = started.elapsed();
     let (report, comm) = match result {
         Ok(r) => r,
         Err(e) => {
@@ -385,9 +387,11 @@ pub fn main(args: TrainArgs) -> i32 {
             println!("weft train: resumed from the checkpoint after step {s}");
         }
         println!(
-            "weft train: done after {} steps; {} buckets",
+            "weft train: done after {} steps; {} buckets; {:.3} s training ({:.1} steps/s)",
             report.steps,
-            report.buckets.len()
+            report.buckets.len(),
+            elapsed.as_secs_f64(),
+            report.steps as f64 / elapsed.as_secs_f64().max(1e-9)
         );
         if let Some(path) = &args.json {
             let mut out = String::new();
