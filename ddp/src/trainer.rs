@@ -121,7 +121,7 @@ impl Default for ElasticConfig {
     fn default() -> Self {
         ElasticConfig {
             min_ranks: 1,
-            join_check_every: 1,
+            join_check_every: 10,
             joined: false,
         }
     }
@@ -264,6 +264,8 @@ pub struct TrainReport {
     pub recoveries: Vec<Recovery>,
     /// Ranks at the end.
     pub world: usize,
+    /// Elastic: how many times this rank looked for newcomers, and the time it spent on it.
+    pub join_checks: (u64, Duration),
 }
 
 fn load_data(cfg: &TrainConfig) -> Result<(Dataset, Dataset), TrainError> {
@@ -332,6 +334,7 @@ struct State {
     recoveries: Vec<Recovery>,
     /// A recovery whose first step has not completed yet: its record and when it started.
     recovering: Option<(Recovery, Instant)>,
+    join_checks: (u64, Duration),
 }
 
 /// How a run on one communicator ended.
@@ -405,6 +408,7 @@ impl<'a> Setup<'a> {
             resumed_from: None,
             recoveries: Vec::new(),
             recovering: None,
+            join_checks: (0, Duration::ZERO),
         };
         if !resume {
             return Ok(st);
@@ -548,6 +552,7 @@ fn report(st: State, buckets: Vec<Vec<usize>>, world: usize) -> TrainReport {
         buckets,
         recoveries: st.recoveries,
         world,
+        join_checks: st.join_checks,
     }
 }
 
@@ -768,7 +773,10 @@ fn run_on(
             }
             if let Some(el) = elastic {
                 if el.join_check_every > 0 && st.step.is_multiple_of(el.join_check_every) {
+                    let t = Instant::now();
                     let waiting = comm.joiners_waiting()?;
+                    st.join_checks.0 += 1;
+                    st.join_checks.1 += t.elapsed();
                     if waiting > 0 {
                         if let Some(b) = bar {
                             b.finish_and_clear();
