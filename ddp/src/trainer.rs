@@ -556,6 +556,36 @@ fn report(st: State, buckets: Vec<Vec<usize>>, world: usize) -> TrainReport {
     }
 }
 
+/// Communicators replaced by a shrink or grow, dropped on threads of their own: dropping one
+/// stops its threads and settles with the store (about 80 ms after a failure, measured), which
+/// the survivors need not wait for before their next step. Dropping this joins them all.
+#[derive(Default)]
+struct Retired(Vec<std::thread::JoinHandle<()>>);
+
+impl Retired {
+    fn retire(&mut self, old: Communicator) {
+        let spawned = std::thread::Builder::new()
+            .name("weft-retire".into())
+            .spawn(move || drop(old));
+        match spawned {
+            Ok(t) => self.0.push(t),
+            // No thread to spare: the closure that failed to spawn, `old` in it, was dropped
+            // here already.
+            Err(e) => {
+                tracing::warn!(target: "weftcc::ddp", error = %e, "dropping a replaced communicator in line")
+            }
+        }
+    }
+}
+
+impl Drop for Retired {
+    fn drop(&mut self) {
+        for t in self.0.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 /// How many times one failure's recovery agrees and shrinks again when members keep dying
 /// during it, before giving up.
 const MAX_RECOVERY_ATTEMPTS: usize = 8;
@@ -572,6 +602,7 @@ pub fn train_elastic(
     let setup = Setup::new(cfg)?;
     let mut comm = comm;
     let mut st = setup.initial_state(&comm, cfg.resume && !elastic.joined)?;
+    let mut retired = Retired::default();
     loop {
         let err = match run_on(&comm, &setup, &mut st, Some(elastic), hook) {
             Ok(Ended::Done { buckets }) => {
@@ -593,7 +624,7 @@ pub fn train_elastic(
                             step: st.step + 1,
                         };
                         st.recovering = Some((rec, t0));
-                        comm = grown;
+                        retired.retire(std::mem::replace(&mut comm, grown));
                         continue;
                     }
                     Err(e) => TrainError::Comm(e),
@@ -622,7 +653,7 @@ pub fn train_elastic(
             },
             t0,
         ));
-        comm = shrunk;
+        retired.retire(std::mem::replace(&mut comm, shrunk));
     }
 }
 
