@@ -24,7 +24,7 @@ HEALTHY=(--no-progress --samples 32768 --test-samples 512 --epochs 2 --batch 32 
 
 median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) exit; if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
-echo "# elastic recovery: $(date -u +%FT%TZ), $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +changes)"
+echo "# elastic recovery: $(date -u +%FT%TZ), $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!docs/perf' || echo +changes)"
 echo "# 4 ranks, ${TRAIN[*]}, killed after step 20"
 for victim in 1 0; do
   kill_ms=(); self_ms=()
