@@ -207,3 +207,87 @@ fn below_min_ranks_the_job_stops_with_a_clear_error() {
     }
     assert!(j.out.contains("fewer than --min-ranks 3"), "{}", j.out);
 }
+
+/// The worker of the launcher `launcher` whose environment says `WEFT_RANK=rank`.
+fn worker_pid(launcher: u32, rank: usize) -> Option<i32> {
+    let want = format!("WEFT_RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // pid (comm) state ppid …: the command name may hold spaces, the ppid follows the ')'.
+        let ppid: u32 = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        (ppid == launcher && env.split(|&b| b == 0).any(|v| v == want.as_bytes())).then_some(pid)
+    })
+}
+
+#[test]
+fn a_rank_killed_from_outside_at_any_moment() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    // Long enough (20 epochs) that the kill lands in the middle of training, wherever in a
+    // step it falls: inside the gradient all-reduce some survivors may have finished the step
+    // and others not; the synchronisation after the shrink makes them equal.
+    let epochs = 20;
+    let mut child = Command::new(WEFT)
+        .args([
+            "run",
+            "-n",
+            "4",
+            "--elastic",
+            "--",
+            WEFT,
+            "train",
+            "--elastic",
+        ])
+        .args([
+            "--no-progress",
+            "--samples",
+            "4096",
+            "--test-samples",
+            "256",
+        ])
+        .args(["--epochs", &epochs.to_string(), "--seed", "7"])
+        .env("WEFT_TIMEOUT", "30")
+        .env_remove("WEFT_TRAIN_KILL_AT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start weft run");
+    let stderr = child.stderr.take().expect("stderr");
+    let err = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let mut out = String::new();
+    let mut killed = false;
+    for line in BufReader::new(child.stdout.take().expect("stdout")).lines() {
+        let line = line.expect("stdout line");
+        if !killed && line.contains("]: epoch 1 ") {
+            let pid = worker_pid(child.id(), 2).expect("rank 2's process");
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+                .expect("kill rank 2");
+            killed = true;
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    let status = child.wait().expect("wait for weft run");
+    let j = Job {
+        code: status.code().unwrap_or(-1),
+        out: out + &err.join().unwrap_or_default(),
+    };
+    assert!(killed, "the job ended before epoch 1:\n{}", j.out);
+    let j = ok(j);
+    assert!(
+        j.out.contains("elastic: lost ranks [2]: 4 -> 3"),
+        "{}",
+        j.out
+    );
+    j.identical_on(3);
+    let got: Vec<usize> = j.epochs().iter().map(|e| e.0).collect();
+    assert_eq!(got, (0..epochs).collect::<Vec<_>>(), "{}", j.out);
+}

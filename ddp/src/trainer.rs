@@ -501,6 +501,10 @@ fn synchronise(comm: &Communicator, st: &mut State) -> Result<(), TrainError> {
     if head[1] != st.epoch {
         // This rank had not closed the epoch the others closed: its sums belong to it.
         st.sums = EpochSums::default();
+    } else {
+        // The step this rank failed in completed elsewhere (the dead rank's last messages
+        // reached some survivors, not all): it counts as taken, its loss unseen here.
+        st.sums.steps += head[0].saturating_sub(st.step);
     }
     st.step = head[0];
     st.epoch = head[1];
