@@ -291,3 +291,17 @@ fn a_rank_killed_from_outside_at_any_moment() {
     let got: Vec<usize> = j.epochs().iter().map(|e| e.0).collect();
     assert_eq!(got, (0..epochs).collect::<Vec<_>>(), "{}", j.out);
 }
+
+#[test]
+fn a_replacement_that_comes_after_the_last_check_is_stopped_and_the_job_succeeds() {
+    // Killed after step 94 of 96: the survivors finish without another check for newcomers,
+    // and the launcher stops the replacement still waiting for a place.
+    let j = ok(job(Some("2:94"), &["--max-replacements", "1"], &[]));
+    j.identical_on(3);
+    assert!(
+        j.out
+            .contains("stopping 1 replacement that never joined: replacement 1"),
+        "{}",
+        j.out
+    );
+}
