@@ -834,6 +834,14 @@ fn run_on(
     })
 }
 
+/// Milliseconds since the Unix epoch: the clock the elastic log lines carry, so that events of
+/// several processes on one host can be put in order (a kill, the first step after it).
+pub fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
 /// Rank 0's line about a recovery: what failed or joined, the new size, and how long from the
 /// error to the first step completed after it.
 fn log_recovery(rec: &Recovery) {
@@ -842,9 +850,7 @@ fn log_recovery(rec: &Recovery) {
     } else {
         (format!("lost ranks {:?}", rec.failed), "the error")
     };
-    let unix_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
+    let unix_ms = unix_ms();
     println!(
         "elastic: {what}: {} -> {} ranks, epoch {}, step {} completed {:.1} ms after {since} (unix_ms {unix_ms})",
         rec.from,

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use weftcc::{CommConfig, Communicator, UniqueId};
 use weftcc_ddp::optim::OptimizerKind;
-use weftcc_ddp::trainer::DataSource;
+use weftcc_ddp::trainer::{unix_ms, DataSource};
 use weftcc_ddp::{
     train, train_elastic, CommHook, ElasticConfig, Point, ReducerConfig, TrainConfig,
 };
@@ -245,12 +245,6 @@ fn kill_hook(rank: Option<usize>) -> Vec<KillAt> {
             })
         })
         .collect()
-}
-
-fn unix_ms() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
 }
 
 fn kill_self(rank: usize, what: &str) {
