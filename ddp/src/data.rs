@@ -281,12 +281,29 @@ impl DistributedSampler {
     /// This rank's indices for micro-batch `micro` of step `step` of the current epoch; `None`
     /// past the end of the epoch or before [`Self::set_epoch`].
     pub fn micro_batch(&self, step: usize, micro: usize) -> Option<&[usize]> {
-        if step >= self.steps_per_epoch() || micro >= self.accum || self.rank >= self.world {
+        if step >= self.steps_per_epoch() {
             return None;
         }
-        let start =
-            step * self.global_batch() + (micro * self.world + self.rank) * self.per_rank_batch;
+        self.micro_batch_at(step * self.global_batch(), micro)
+    }
+
+    /// This rank's indices for micro-batch `micro` of the step that starts `offset` samples into
+    /// the current epoch's order; `None` when that step does not fit in the epoch. An elastic
+    /// run whose world size changed mid-epoch continues from the samples its steps so far used:
+    /// the survivors (or the grown set) share the rest of the epoch's order among themselves.
+    pub fn micro_batch_at(&self, offset: usize, micro: usize) -> Option<&[usize]> {
+        if !self.step_fits(offset) || micro >= self.accum || self.rank >= self.world {
+            return None;
+        }
+        let start = offset + (micro * self.world + self.rank) * self.per_rank_batch;
         self.perm.get(start..start + self.per_rank_batch)
+    }
+
+    /// Whether a whole global batch starting `offset` samples into the epoch fits in it.
+    pub fn step_fits(&self, offset: usize) -> bool {
+        offset
+            .checked_add(self.global_batch())
+            .is_some_and(|end| end <= self.len && self.global_batch() > 0)
     }
 }
 
@@ -330,6 +347,38 @@ mod tests {
         assert!(DistributedSampler::new(10, 1, 0, 2, 1, 0)
             .micro_batch(0, 0)
             .is_none());
+    }
+
+    #[test]
+    fn survivors_share_the_rest_of_the_epoch() {
+        // 4 ranks take 2 steps of 4 × 3 samples, then 3 ranks the rest from offset 24.
+        let (len, batch) = (60, 3);
+        let mut seen = Vec::new();
+        for r in 0..4 {
+            let mut s = DistributedSampler::new(len, 4, r, batch, 1, 5);
+            s.set_epoch(0);
+            for step in 0..2 {
+                seen.extend_from_slice(s.micro_batch(step, 0).unwrap());
+            }
+        }
+        let mut offset = 24;
+        let three: Vec<DistributedSampler> = (0..3)
+            .map(|r| {
+                let mut s = DistributedSampler::new(len, 3, r, batch, 1, 5);
+                s.set_epoch(0);
+                s
+            })
+            .collect();
+        while three[0].step_fits(offset) {
+            for s in &three {
+                seen.extend_from_slice(s.micro_batch_at(offset, 0).unwrap());
+            }
+            offset += three[0].global_batch();
+        }
+        assert_eq!(offset, 60);
+        assert!(three[1].micro_batch_at(offset, 0).is_none());
+        seen.sort();
+        assert_eq!(seen, (0..len).collect::<Vec<_>>());
     }
 
     #[test]

@@ -20,4 +20,7 @@ pub mod rng;
 pub mod trainer;
 
 pub use reducer::{CommHook, Reducer, ReducerConfig, ReducerError, StepTimings};
-pub use trainer::{train, EpochStats, TrainConfig, TrainError, TrainReport};
+pub use trainer::{
+    train, train_elastic, ElasticConfig, EpochStats, Point, Recovery, TrainConfig, TrainError,
+    TrainReport,
+};

@@ -178,7 +178,9 @@ settings! {
     UNIQUE_ID = "WEFT_UNIQUE_ID", Text, Own, "unset",
         "A job's unique id in a rank's environment: `weft status --pid` and `weft trace --pid` read it.";
     TRAIN_KILL_AT = "WEFT_TRAIN_KILL_AT", Text, Own, "unset",
-        "`weft train` fault injection: `RANK:STEP` exits that rank at that step (first attempt).";
+        "`weft train` fault injection: `RANK:WHEN[,…]` kills the rank launched as RANK after step WHEN, or before it agrees, shrinks or grows (`agree`, `shrink`, `grow`) in an elastic run (first attempt).";
+    ELASTIC_JOIN = "WEFT_ELASTIC_JOIN", Text, Own, "unset",
+        "`1`: a replacement that `weft run --elastic` started: `weft train --elastic` joins the running job by grow instead of taking a rank.";
 
     // The tests.
     FUZZ_CASES = "WEFT_FUZZ_CASES", Number { min: 1, max: 1 << 31 }, Own, "1000",

@@ -283,6 +283,7 @@ fn self_launch(np: usize) -> i32 {
         master_port: 0,
         prefix: false,
         max_restarts: 0,
+        elastic: None,
         cpu_bind,
         program: exe.into_os_string(),
         args: std::env::args_os().skip(1).collect(),

@@ -4,7 +4,9 @@
 //! (plus weftcc's own `WEFT_*` variables), forwards their output line by line with a `[rank]: `
 //! prefix, and watches them: when one fails, the others are stopped (SIGTERM, then SIGKILL after
 //! a grace period) and the job is either restarted (`--max-restarts`) or ends with the failed
-//! worker's exit code.
+//! worker's exit code. With `--elastic` a worker killed by a signal is a lost rank: the others go
+//! on (they shrink), the job's store stays up, and a replacement is started for it
+//! (`--max-replacements`) that joins the running job by grow.
 //!
 //! Nothing here blocks without a bound: worker exits are polled, every stop escalates to SIGKILL
 //! after a grace period, and output readers are waited for only briefly after the workers exit
@@ -40,6 +42,9 @@ const DRAIN_WAIT: Duration = Duration::from_secs(2);
 const STORE_LINGER: Duration = Duration::from_secs(5);
 /// Interval of the exit-polling loop.
 const POLL: Duration = Duration::from_millis(5);
+/// How long replacements that are still waiting to join may outlive the job's other workers
+/// (once one of those ended well) before they are stopped: a joined one ends with the others.
+const JOINER_LINGER: Duration = Duration::from_secs(3);
 /// The rendezvous port of multi-node jobs that name none (torchrun's).
 pub const DEFAULT_PORT: u16 = 29500;
 
@@ -63,7 +68,15 @@ the same secret value on every node: without it the token is derived from --mast
 
 When a worker exits non-zero or is killed by a signal, the others get SIGTERM, then SIGKILL after
 3 s; the launcher then restarts all workers (up to --max-restarts times) or exits with the failed
-worker's code (128+N for signal N). SIGINT/SIGTERM/SIGHUP to the launcher are forwarded.";
+worker's code (128+N for signal N). SIGINT/SIGTERM/SIGHUP to the launcher are forwarded.
+
+--elastic (with `weft train --elastic` or another program that shrinks and grows its
+communicator): a worker killed by a signal is a lost rank; the others are not stopped, and up to
+--max-replacements replacements are started, each with the others' environment (WEFT_STORE,
+WEFT_JOB_TOKEN, …) but no rank (no RANK, WEFT_RANK, LOCAL_RANK, WEFT_LOCAL_RANK, ROLE_RANK) and
+WEFT_ELASTIC_JOIN=1; their output is prefixed `[+K]: `. A worker that exits non-zero does not
+stop the others either, but makes the job's exit code its own. The job exits 0 when every worker
+not lost exited 0; replacements still waiting to join 3 s after the others ended are stopped.";
 
 /// Command-line arguments of `weft run`.
 #[derive(clap::Args, Debug)]
@@ -92,6 +105,12 @@ pub struct RunArgs {
     /// Restart all workers up to R times when one fails.
     #[arg(long, visible_alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: u32,
+    /// A worker killed by a signal is a lost rank: the others go on (see below).
+    #[arg(long)]
+    pub elastic: bool,
+    /// With --elastic: start at most N replacements for lost ranks in the whole job.
+    #[arg(long = "max-replacements", default_value_t = 0, requires = "elastic")]
+    pub max_replacements: u32,
     /// Where workers run. `share` (the default): each worker gets its own equal block of the
     /// CPUs this launcher may use (one CPU each when there are as many workers as CPUs), so two
     /// ranks never share a CPU while another is idle; more workers than CPUs stay unbound.
@@ -138,6 +157,7 @@ pub fn main(args: RunArgs) -> i32 {
             .unwrap_or(if args.nnodes == 1 { 0 } else { DEFAULT_PORT }),
         prefix: !args.no_prefix,
         max_restarts: args.max_restarts,
+        elastic: args.elastic.then_some(args.max_replacements),
         cpu_bind: args.cpu_bind,
         program,
         args: command.collect(),
@@ -161,6 +181,8 @@ pub struct Launch {
     pub master_port: u16,
     pub prefix: bool,
     pub max_restarts: u32,
+    /// Elastic: how many replacements for lost ranks may be started (none: not elastic).
+    pub elastic: Option<u32>,
     pub cpu_bind: CpuBind,
     pub program: OsString,
     pub args: Vec<OsString>,
@@ -318,10 +340,23 @@ pub fn derived_token(addr: &str, port: u16, attempt: u32) -> String {
 
 /// One started worker.
 struct Worker {
-    rank: usize,
+    /// "rank 3", "replacement 1".
+    name: String,
+    /// A replacement (elastic) that joins by grow.
+    replacement: bool,
+    cpus: Option<Vec<usize>>,
     child: Child,
     status: Option<ExitStatus>,
 }
+
+/// The variables of a worker's environment that give it a rank: a replacement has none.
+const RANK_VARS: [&str; 5] = [
+    "RANK",
+    "LOCAL_RANK",
+    "ROLE_RANK",
+    "WEFT_RANK",
+    "WEFT_LOCAL_RANK",
+];
 
 impl Worker {
     fn pid(&self) -> u32 {
@@ -518,21 +553,18 @@ impl Launch {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Starts worker `rank` (a replacement: `replacement` = its number) with `env`.
     fn spawn(
         &self,
-        local: usize,
-        attempt: u32,
-        port: u16,
-        token: &str,
-        store: &str,
+        rank: usize,
+        replacement: Option<usize>,
+        env: Vec<(String, String)>,
         cpus: Option<&[usize]>,
         done: &mpsc::Sender<()>,
     ) -> io::Result<Worker> {
-        let rank = self.node_rank * self.nproc_per_node + local;
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
-            .envs(self.worker_env(local, attempt, port, token, store))
+            .envs(env)
             .stdin(Stdio::null())
             // Own process group: stopping a worker also stops what it started, and a terminal's
             // Ctrl-C reaches only the launcher, which forwards it once.
@@ -553,7 +585,10 @@ impl Launch {
         launch_as_worker(&mut cmd, cpus)?;
         let mut child = cmd.spawn()?;
         if self.prefix {
-            let prefix = format!("[{rank}]: ");
+            let prefix = match replacement {
+                Some(k) => format!("[+{k}]: "),
+                None => format!("[{rank}]: "),
+            };
             if let Some(out) = child.stdout.take() {
                 let (p, d) = (prefix.clone(), done.clone());
                 std::thread::spawn(move || forward_lines(out, p, false, d));
@@ -564,10 +599,30 @@ impl Launch {
             }
         }
         Ok(Worker {
-            rank,
+            name: match replacement {
+                Some(k) => format!("replacement {k}"),
+                None => format!("rank {rank}"),
+            },
+            replacement: replacement.is_some(),
+            cpus: cpus.map(<[usize]>::to_vec),
             child,
             status: None,
         })
+    }
+
+    /// The environment of replacement `k` (elastic): a worker's without a rank, and
+    /// WEFT_ELASTIC_JOIN=1.
+    fn replacement_env(
+        &self,
+        attempt: u32,
+        port: u16,
+        token: &str,
+        store: &str,
+    ) -> Vec<(String, String)> {
+        let mut env = self.worker_env(0, attempt, port, token, store);
+        env.retain(|(k, _)| !RANK_VARS.contains(&k.as_str()));
+        env.push((weftcc::settings::ELASTIC_JOIN.name.to_string(), "1".into()));
+        env
     }
 
     fn run_attempt(&self, attempt: u32) -> Outcome {
@@ -646,10 +701,11 @@ impl Launch {
         }
         for local in 0..self.nproc_per_node {
             let cpu = cpus.as_ref().and_then(|c| c.get(local)).map(Vec::as_slice);
-            match self.spawn(local, attempt, port, &token, &store_addr, cpu, &done_tx) {
+            let rank = self.node_rank * self.nproc_per_node + local;
+            let env = self.worker_env(local, attempt, port, &token, &store_addr);
+            match self.spawn(rank, None, env, cpu, &done_tx) {
                 Ok(w) => workers.push(w),
                 Err(e) => {
-                    let rank = self.node_rank * self.nproc_per_node + local;
                     eprintln!(
                         "{}: cannot start rank {rank} ({}): {e}",
                         self.label,
@@ -665,9 +721,27 @@ impl Launch {
                 }
             }
         }
+        let outcome = match self.elastic {
+            Some(max) => {
+                let replace = |w: &Worker, k: usize| {
+                    let env = self.replacement_env(attempt, port, &token, &store_addr);
+                    let spawned = self.spawn(
+                        self.world_size() + k,
+                        Some(k),
+                        env,
+                        w.cpus.as_deref(),
+                        &done_tx,
+                    );
+                    // A killed rank's shared memory goes now (segments whose maker exited).
+                    remove_orphan_segments(&token, false);
+                    spawned
+                };
+                self.watch_elastic(&mut workers, max, replace)
+            }
+            None => self.watch(&mut workers),
+        };
         drop(done_tx);
         let readers = if self.prefix { 2 * workers.len() } else { 0 };
-        let outcome = self.watch(&mut workers);
         if let Some(server) = &store {
             // Ranks of other nodes may still be reading the job's end (a failure's cause).
             let linger = Instant::now() + STORE_LINGER;
@@ -703,17 +777,8 @@ impl Launch {
     /// Waits for the workers; on the first failure or a signal to the launcher, stops the rest.
     fn watch(&self, workers: &mut [Worker]) -> Outcome {
         loop {
-            if let Some(sig) = take_pending_signal() {
-                let running = workers.iter().filter(|w| w.status.is_none()).count();
-                eprintln!(
-                    "{}: received {}; forwarding it to {}",
-                    self.label,
-                    signal_name(sig),
-                    plural(running, "running worker")
-                );
-                let fwd = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
-                self.stop_all(workers, fwd);
-                return Outcome::Fatal(128 + sig);
+            if let Some(out) = self.on_signal(workers) {
+                return out;
             }
             let newly = reap(workers, self.label);
             if let Some(i) = newly
@@ -728,9 +793,9 @@ impl Launch {
                     format!("stopping the other {}", plural(running, "worker"))
                 };
                 eprintln!(
-                    "{}: rank {} (pid {}) {} first; {others}",
+                    "{}: {} (pid {}) {} first; {others}",
                     self.label,
-                    workers[i].rank,
+                    workers[i].name,
                     workers[i].pid(),
                     describe(status)
                 );
@@ -739,6 +804,126 @@ impl Launch {
             }
             if workers.iter().all(|w| w.status.is_some()) {
                 return Outcome::Success;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Forwards a signal the launcher received to the running workers and stops them; `None`
+    /// when none came.
+    fn on_signal(&self, workers: &mut [Worker]) -> Option<Outcome> {
+        let sig = take_pending_signal()?;
+        let running = workers.iter().filter(|w| w.status.is_none()).count();
+        eprintln!(
+            "{}: received {}; forwarding it to {}",
+            self.label,
+            signal_name(sig),
+            plural(running, "running worker")
+        );
+        let fwd = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
+        self.stop_all(workers, fwd);
+        Some(Outcome::Fatal(128 + sig))
+    }
+
+    /// Waits for the workers of an elastic job: a worker killed by a signal is a lost rank, the
+    /// others go on and `replace` starts one of at most `max` replacements for it; a non-zero
+    /// exit becomes the job's code. Replacements still running `JOINER_LINGER` after every
+    /// other worker ended (one of them well) never joined and are stopped.
+    fn watch_elastic(
+        &self,
+        workers: &mut Vec<Worker>,
+        max: u32,
+        replace: impl Fn(&Worker, usize) -> io::Result<Worker>,
+    ) -> Outcome {
+        let mut started = 0usize;
+        let mut failed: Option<i32> = None;
+        let mut lost: Option<i32> = None;
+        let mut members_done: Option<Instant> = None;
+        loop {
+            if let Some(out) = self.on_signal(workers) {
+                return out;
+            }
+            for i in reap(workers, self.label) {
+                let status = workers[i].status.unwrap_or(ExitStatus::from_raw(1 << 8));
+                if status.success() {
+                    continue;
+                }
+                let w = &workers[i];
+                if status.signal().is_none() {
+                    eprintln!(
+                        "{}: {} (pid {}) {}; the others go on (--elastic)",
+                        self.label,
+                        w.name,
+                        w.pid(),
+                        describe(status)
+                    );
+                    failed.get_or_insert(exit_code(status));
+                    continue;
+                }
+                lost = Some(exit_code(status));
+                if started >= max as usize {
+                    eprintln!(
+                        "{}: {} (pid {}) {}: lost; the others go on, no replacement left (--max-replacements {max})",
+                        self.label,
+                        w.name,
+                        w.pid(),
+                        describe(status)
+                    );
+                    continue;
+                }
+                started += 1;
+                match replace(w, started) {
+                    Ok(r) => {
+                        eprintln!(
+                            "{}: {} (pid {}) {}: lost; the others go on, replacement {started} (pid {}) joins ({started} of {max})",
+                            self.label,
+                            w.name,
+                            w.pid(),
+                            describe(status),
+                            r.pid()
+                        );
+                        workers.push(r);
+                    }
+                    Err(e) => {
+                        eprintln!("{}: cannot start replacement {started}: {e}", self.label);
+                    }
+                }
+            }
+            let running = |w: &&Worker| w.status.is_none();
+            if workers.iter().all(|w| w.status.is_some()) {
+                let ended_well = workers
+                    .iter()
+                    .any(|w| w.status.is_some_and(|s| s.success()));
+                return match (failed, ended_well, lost) {
+                    (Some(code), _, _) => Outcome::Failed(code),
+                    (None, true, _) => Outcome::Success,
+                    (None, false, code) => Outcome::Failed(code.unwrap_or(1)),
+                };
+            }
+            let only_joiners = workers.iter().filter(running).all(|w| w.replacement);
+            let one_ended_well = workers
+                .iter()
+                .any(|w| w.status.is_some_and(|s| s.success()));
+            if only_joiners && one_ended_well {
+                let since = *members_done.get_or_insert_with(Instant::now);
+                if since.elapsed() >= JOINER_LINGER {
+                    let waiting: Vec<&str> = workers
+                        .iter()
+                        .filter(running)
+                        .map(|w| w.name.as_str())
+                        .collect();
+                    eprintln!(
+                        "{}: the job ended; stopping {} that never joined: {}",
+                        self.label,
+                        plural(waiting.len(), "replacement"),
+                        waiting.join(", ")
+                    );
+                    self.stop_all(workers, Signal::SIGTERM);
+                    return match failed {
+                        Some(code) => Outcome::Failed(code),
+                        None => Outcome::Success,
+                    };
+                }
             }
             std::thread::sleep(POLL);
         }
@@ -798,7 +983,7 @@ fn reap(workers: &mut [Worker], label: &str) -> Vec<usize> {
             }
             Ok(None) => {}
             Err(e) => {
-                eprintln!("{label}: cannot wait for rank {}: {e}", w.rank);
+                eprintln!("{label}: cannot wait for {}: {e}", w.name);
                 w.status = Some(ExitStatus::from_raw(1 << 8));
                 newly.push(i);
             }
@@ -820,6 +1005,7 @@ mod tests {
             master_port: 1234,
             prefix: true,
             max_restarts: 2,
+            elastic: None,
             cpu_bind: CpuBind::None,
             program: "true".into(),
             args: vec![],
@@ -883,6 +1069,19 @@ mod tests {
         assert_eq!(get(&env, "TORCHELASTIC_MAX_RESTARTS"), "2");
         assert_eq!(get(&env, "WEFT_JOB_TOKEN"), "abc");
         assert_eq!(get(&env, "WEFT_STORE"), "10.0.0.1:1234");
+    }
+
+    #[test]
+    fn a_replacement_has_the_job_but_no_rank() {
+        let l = launch(4, 1, 0);
+        let env = l.replacement_env(0, 1234, "abc", "10.0.0.1:1235");
+        for k in RANK_VARS {
+            assert!(env.iter().all(|(key, _)| key != k), "{k} in {env:?}");
+        }
+        assert_eq!(get(&env, "WEFT_ELASTIC_JOIN"), "1");
+        assert_eq!(get(&env, "WEFT_STORE"), "10.0.0.1:1235");
+        assert_eq!(get(&env, "WEFT_JOB_TOKEN"), "abc");
+        assert_eq!(get(&env, "WEFT_WORLD_SIZE"), "4");
     }
 
     #[test]

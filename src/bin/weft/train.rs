@@ -3,15 +3,19 @@
 //! Run alone it trains in one process; under `weft run -n N` (or torchrun, srun, mpirun) each
 //! worker is one rank. With `--checkpoint-dir` rank 0 writes atomic checkpoints every
 //! `--checkpoint-every` steps and `--resume` continues from the newest one, so that
-//! `weft run --max-restarts K -- weft train --resume …` survives worker failures.
+//! `weft run --max-restarts K -- weft train --resume …` survives worker failures. With
+//! `--elastic` (under `weft run --elastic`) the survivors of a lost rank continue without a
+//! restart, and replacements the launcher starts (`WEFT_ELASTIC_JOIN=1`) join by grow.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use weftcc::{CommConfig, Communicator, UniqueId};
 use weftcc_ddp::optim::OptimizerKind;
-use weftcc_ddp::trainer::DataSource;
-use weftcc_ddp::{train, CommHook, ReducerConfig, TrainConfig};
+use weftcc_ddp::trainer::{unix_ms, DataSource};
+use weftcc_ddp::{
+    train, train_elastic, CommHook, ElasticConfig, Point, ReducerConfig, TrainConfig,
+};
 
 const AFTER_HELP: &str = "\
 Examples:
@@ -19,12 +23,22 @@ Examples:
   weft run -n 4 -- weft train --hidden 512,512,512 --bucket-mb 5 --hook bf16
   weft run -n 2 --max-restarts 3 -- weft train --checkpoint-dir ckpt --checkpoint-every 50 --resume
   weft train --data ~/mnist --hidden 256,128 --optimizer adamw --lr 1e-3 --warmup 100
+  weft run -n 4 --elastic --max-replacements 2 -- weft train --elastic --min-ranks 2
 
 Per-epoch log (rank 0): loss, accuracy, test accuracy, step time, time the communicator was busy,
 communication not hidden behind backward, and the hidden fraction.
 
-Testing aid: WEFT_TRAIN_KILL_AT=RANK:STEP makes that rank SIGKILL itself after STEP optimizer
-steps, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0).";
+Elastic runs (--elastic, under `weft run --elastic`; the job's store must outlive every rank, as
+`weft run`'s does): on a lost rank the survivors agree on the failed set, shrink, redo the failed
+step among themselves and share the rest of the epoch; below --min-ranks they stop with an error.
+A process started with WEFT_ELASTIC_JOIN=1 joins the running job by grow and receives the
+parameters, optimizer state and position by broadcast. Rank 0 logs each recovery; every rank
+prints its final parameters' checksum.
+
+Testing aid: WEFT_TRAIN_KILL_AT=RANK:WHEN[,RANK:WHEN…] makes the rank launched as RANK SIGKILL
+itself after WHEN optimizer steps (a number), or right before it agrees on failures (`agree`),
+shrinks (`shrink`) or grows (`grow`) in an elastic run; on the first attempt only
+(TORCHELASTIC_RESTART_COUNT unset or 0).";
 
 /// Command-line arguments of `weft train`.
 #[derive(clap::Args, Debug)]
@@ -113,6 +127,16 @@ pub struct TrainArgs {
     /// byte-identical whatever WEFT_ALGO, the bucket sizes or the ranks' placement on hosts.
     #[arg(long)]
     pub deterministic: bool,
+    /// Survive lost ranks (shrink and continue) and admit replacements (grow).
+    #[arg(long)]
+    pub elastic: bool,
+    /// Elastic: stop with an error when fewer ranks would be left.
+    #[arg(long = "min-ranks", default_value_t = 1, requires = "elastic")]
+    pub min_ranks: usize,
+    /// Elastic: look for replacements waiting to join every N steps (0: never). One look costs
+    /// rank 0 two store reads and every rank an 8-byte broadcast (about 0.1 ms here).
+    #[arg(long = "join-check-every", default_value_t = 10, requires = "elastic")]
+    pub join_check_every: u64,
 }
 
 fn at_least_one_epoch(text: &str) -> Result<u64, String> {
@@ -192,20 +216,96 @@ fn restart_count() -> String {
     weftcc::settings::foreign("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
 }
 
-fn kill_hook() -> Option<(usize, u64)> {
+/// When a WEFT_TRAIN_KILL_AT entry fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KillAt {
+    Step(u64),
+    Point(Point),
+}
+
+/// The WEFT_TRAIN_KILL_AT entries of the rank launched as `rank` (first attempt only).
+fn kill_hook(rank: Option<usize>) -> Vec<KillAt> {
     let first_attempt = restart_count() == "0";
-    let spec = weftcc::settings::TRAIN_KILL_AT.value()?;
-    let (r, s) = spec.split_once(':')?;
-    first_attempt.then_some((r.trim().parse().ok()?, s.trim().parse().ok()?))
+    let (Some(spec), Some(rank), true) =
+        (weftcc::settings::TRAIN_KILL_AT.value(), rank, first_attempt)
+    else {
+        return Vec::new();
+    };
+    spec.split(',')
+        .filter_map(|entry| {
+            let (r, when) = entry.split_once(':')?;
+            if r.trim().parse::<usize>().ok()? != rank {
+                return None;
+            }
+            Some(match when.trim() {
+                "agree" => KillAt::Point(Point::Agreeing),
+                "shrink" => KillAt::Point(Point::Shrinking),
+                "grow" => KillAt::Point(Point::Growing),
+                s => KillAt::Step(s.parse().ok()?),
+            })
+        })
+        .collect()
+}
+
+fn kill_self(rank: usize, what: &str) {
+    eprintln!(
+        "weft train: WEFT_TRAIN_KILL_AT: rank {rank} kills itself {what} (unix_ms {})",
+        unix_ms()
+    );
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::SIGKILL);
+}
+
+/// The communicator of a replacement (WEFT_ELASTIC_JOIN=1): a newcomer of the job at
+/// WEFT_STORE, admitted by the next grow. A member dying during that grow fails it: ask again.
+fn join_as_newcomer(settings: CommConfig) -> weftcc::Result<Communicator> {
+    let env = |k: &str| weftcc::settings::foreign(k).filter(|v| !v.is_empty());
+    let (Some(addr), Some(token)) = (env("WEFT_STORE"), env("WEFT_JOB_TOKEN")) else {
+        return Err(weftcc::Error::Config(
+            "WEFT_ELASTIC_JOIN=1 needs WEFT_STORE and WEFT_JOB_TOKEN (as `weft run --elastic` gives)"
+                .into(),
+        ));
+    };
+    let id = UniqueId { addr, token };
+    let mut tries = 0;
+    loop {
+        match Communicator::join_grown(&id, settings.clone()) {
+            Err(weftcc::Error::Bootstrap { source, .. }) if tries < 3 => {
+                tries += 1;
+                eprintln!("weft train: joining failed ({source}); asking for a place again");
+            }
+            other => return other,
+        }
+    }
+}
+
+/// FNV-1a over the parameters' bits: equal on ranks whose parameters are byte-identical.
+fn checksum(params: &[Vec<f32>]) -> u64 {
+    params
+        .iter()
+        .flatten()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+            x.to_bits().to_le_bytes().iter().fold(h, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+        })
 }
 
 pub fn main(args: TrainArgs) -> i32 {
     let Ok(cfg) = config(&args).map_err(|e| eprintln!("weft train: {e}")) else {
         return 2;
     };
+    let joining = weftcc::settings::ELASTIC_JOIN
+        .value()
+        .is_some_and(|v| v == "1");
+    if joining && !args.elastic {
+        eprintln!("weft train: WEFT_ELASTIC_JOIN=1 (a replacement) needs --elastic");
+        return 2;
+    }
     let comm = CommConfig::from_env().and_then(|mut settings| {
         settings.deterministic |= args.deterministic;
-        if launched() {
+        if joining {
+            join_as_newcomer(settings)
+        } else if launched() {
             Communicator::from_env_with(settings)
         } else {
             UniqueId::new().and_then(|id| Communicator::init_with(0, 1, &id, settings))
@@ -218,8 +318,7 @@ pub fn main(args: TrainArgs) -> i32 {
             return 1;
         }
     };
-    let rank = comm.rank();
-    if rank == 0 {
+    if comm.rank() == 0 {
         println!(
             "weft train: {} ranks, restart {}, hidden {:?}, batch {} x accum {} x {} ranks, bucket {} B (first {} B), hook {:?}",
             comm.size(),
@@ -233,28 +332,68 @@ pub fn main(args: TrainArgs) -> i32 {
             cfg.reducer.hook
         );
     }
-    let kill = kill_hook();
-    let mut on_step = |step: u64| {
-        if kill == Some((rank, step)) {
-            eprintln!("weft train: WEFT_TRAIN_KILL_AT: rank {rank} kills itself after step {step}");
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::SIGKILL);
+    // The rank this process was launched as (none for a replacement): what the kill hook names.
+    let launched_as = (!joining).then(|| comm.rank());
+    let kills = kill_hook(launched_as);
+    let mut hook = |p: Point| {
+        let rank = launched_as.unwrap_or(usize::MAX);
+        match p {
+            Point::Step(step) if kills.contains(&KillAt::Step(step)) => {
+                kill_self(rank, &format!("after step {step}"))
+            }
+            p if kills.contains(&KillAt::Point(p)) => kill_self(rank, &format!("at {p:?}")),
+            _ => {}
         }
     };
-    let report = match train(&comm, &cfg, &mut on_step) {
+    let started = std::time::Instant::now();
+    let result = if args.elastic {
+        let elastic = ElasticConfig {
+            min_ranks: args.min_ranks,
+            join_check_every: args.join_check_every,
+            joined: joining,
+        };
+        train_elastic(comm, &cfg, &elastic, &mut hook)
+    } else {
+        let mut on_step = |s: u64| hook(Point::Step(s));
+        train(&comm, &cfg, &mut on_step).map(|r| (r, comm))
+    };
+    let elapsed = started.elapsed();
+    let (report, comm) = match result {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("weft train: rank {rank}: {e}");
+            let who = launched_as.map_or("a replacement".to_string(), |r| format!("rank {r}"));
+            eprintln!("weft train: {who}: {e}");
             return 1;
         }
     };
+    if args.elastic && comm.rank() == 0 {
+        let (n, t) = report.join_checks;
+        println!(
+            "weft train: {n} checks for newcomers, {:.1} us each",
+            t.as_secs_f64() * 1e6 / n.max(1) as f64
+        );
+    }
+    if args.elastic {
+        println!(
+            "weft train: rank {} of {} params fnv {:016x} after {} steps (unix_ms {})",
+            comm.rank(),
+            comm.size(),
+            checksum(&report.params),
+            report.steps,
+            unix_ms()
+        );
+    }
+    let rank = comm.rank();
     if rank == 0 {
         if let Some(s) = report.resumed_from {
             println!("weft train: resumed from the checkpoint after step {s}");
         }
         println!(
-            "weft train: done after {} steps; {} buckets",
+            "weft train: done after {} steps; {} buckets; {:.3} s training ({:.1} steps/s)",
             report.steps,
-            report.buckets.len()
+            report.buckets.len(),
+            elapsed.as_secs_f64(),
+            report.steps as f64 / elapsed.as_secs_f64().max(1e-9)
         );
         if let Some(path) = &args.json {
             let mut out = String::new();
