@@ -31,6 +31,15 @@
 // The `color` that takes part in [`weftCommSplit`] without joining a new communicator.
 #define WEFT_SPLIT_NOCOLOR -1
 
+// `weftCommShrink` flags: shrink the communicator as it is (it may have failed or been revoked).
+#define WEFT_SHRINK_DEFAULT 0
+
+// `weftCommShrink` flags: revoke the communicator first (ending its operations on every rank).
+#define WEFT_SHRINK_ABORT 1
+
+// `weftCommRevoke` flags: the only value.
+#define WEFT_REVOKE_DEFAULT 0
+
 // A communicator (opaque).
 typedef struct weftComm weftComm;
 
@@ -296,6 +305,60 @@ weftResult_t weftCommUserRank(weftComm_t comm, int *rank);
 // # Safety
 // `comm` is null or a live handle; `result` is null or writable.
 weftResult_t weftCommGetAsyncError(weftComm_t comm, weftResult_t *result);
+
+// Revokes `comm` on every rank: each pending and later operation returns an error
+// (`weftInvalidUsage` here, `weftRemoteError` on the others); the communicator stays for
+// `weftCommAgree` and `weftCommShrink`. `flags` must be `WEFT_REVOKE_DEFAULT`.
+//
+// # Safety
+// `comm` is null or a live handle.
+weftResult_t weftCommRevoke(weftComm_t comm, int flags);
+
+// Agrees with the other survivors of `comm` on its failed ranks: writes them (ascending) to
+// `failed` (room for `capacity`), their number to `*count` and the agreement's epoch to
+// `*epoch` (either may be null). Every survivor that calls it gets the same set. More failed
+// ranks than `capacity`: `weftInvalidArgument`, with `*count` set to the number needed.
+//
+// # Safety
+// `comm` is null or a live handle; `failed` is null (with `capacity` 0) or has room for
+// `capacity` ints; `count` and `epoch` are null or writable.
+weftResult_t weftCommAgree(weftComm_t comm, int *failed, int capacity, int *count, uint64_t *epoch);
+
+// The communicator of every rank of `comm` except the `count` ranks of `exclude`, numbered in
+// order, in `*newcomm`; called by every rank not excluded (an excluded caller gets
+// `weftInvalidUsage`). `flags`: `WEFT_SHRINK_DEFAULT`, or `WEFT_SHRINK_ABORT` to revoke `comm`
+// first. A survivor dying meanwhile fails it on every survivor (`weftSystemError`): agree
+// again and shrink again.
+//
+// # Safety
+// `comm` is null or a live handle; `exclude` is null (with `count` 0) or holds `count` ints;
+// `newcomm` is null or writable.
+weftResult_t weftCommShrink(weftComm_t comm,
+                            const int *exclude,
+                            int count,
+                            weftComm_t *newcomm,
+                            int flags);
+
+// The id a newcomer passes to `weftCommGrow` to join `comm`'s job (its store's address and
+// token).
+//
+// # Safety
+// `comm` is null or a live handle; `id` is null or writable.
+weftResult_t weftCommGetUniqueId(weftComm_t comm, weftUniqueId *id);
+
+// Grows a communicator to `nranks` ranks, NCCL's way: every rank of `comm` calls it with
+// `rank` -1 (`id` ignored) and keeps its rank; each newcomer calls it with `comm` NULL, the id
+// from `weftCommGetUniqueId`, and the rank it expects (or -1 for the next place: newcomers take
+// the ranks after the existing ones in the order they asked). A newcomer whose place is not the
+// rank it passed gets `weftInvalidUsage`.
+//
+// # Safety
+// `comm` is null or a live handle; `id` is null or readable; `newcomm` is null or writable.
+weftResult_t weftCommGrow(weftComm_t comm,
+                          int nranks,
+                          const weftUniqueId *id,
+                          int rank,
+                          weftComm_t *newcomm);
 
 // A static description of a result code.
 const char *weftGetErrorString(weftResult_t result);

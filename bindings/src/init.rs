@@ -30,20 +30,39 @@ pub struct weftUniqueId {
 #[no_mangle]
 pub unsafe extern "C" fn weftGetUniqueId(id: *mut weftUniqueId) -> weftResult_t {
     entry(|| {
-        let uid = UniqueId::new().map_err(|e| lib_fail(&e))?.to_string();
-        if uid.len() >= WEFT_UNIQUE_ID_BYTES {
-            let msg = format!("unique id of {} bytes does not fit", uid.len());
-            return Err(fail(weftInternalError, &msg));
-        }
-        let mut out = weftUniqueId {
-            internal: [0; WEFT_UNIQUE_ID_BYTES],
-        };
-        for (dst, &b) in out.internal.iter_mut().zip(uid.as_bytes()) {
-            *dst = b as c_char;
-        }
+        let out = id_to_c(&UniqueId::new().map_err(|e| lib_fail(&e))?)?;
         // SAFETY: per the contract.
         unsafe { write_out(id, out, "weftGetUniqueId") }
     })
+}
+
+/// A unique id as C carries it (its text, NUL-terminated).
+pub(crate) fn id_to_c(uid: &UniqueId) -> Result<weftUniqueId, weftResult_t> {
+    let uid = uid.to_string();
+    if uid.len() >= WEFT_UNIQUE_ID_BYTES {
+        let msg = format!("unique id of {} bytes does not fit", uid.len());
+        return Err(fail(weftInternalError, &msg));
+    }
+    let mut out = weftUniqueId {
+        internal: [0; WEFT_UNIQUE_ID_BYTES],
+    };
+    for (dst, &b) in out.internal.iter_mut().zip(uid.as_bytes()) {
+        *dst = b as c_char;
+    }
+    Ok(out)
+}
+
+/// The unique id a C caller passed.
+pub(crate) fn id_from_c(id: &weftUniqueId) -> Result<UniqueId, Error> {
+    let bytes: Vec<u8> = id
+        .internal
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    std::str::from_utf8(&bytes)
+        .map_err(|_| Error::Config("unique id is not text".into()))
+        .and_then(UniqueId::from_str)
 }
 
 /// Creates a communicator with `make` and stores it in `*comm` (checked first, so a bad
@@ -51,7 +70,7 @@ pub unsafe extern "C" fn weftGetUniqueId(id: *mut weftUniqueId) -> weftResult_t 
 ///
 /// # Safety
 /// `comm` is null or writable.
-unsafe fn publish(
+pub(crate) unsafe fn publish(
     comm: *mut weftComm_t,
     make: impl FnOnce() -> Result<Communicator, Error>,
     call: &str,
@@ -106,18 +125,7 @@ pub(crate) unsafe fn init_rank(
     if n == 0 || r >= n {
         return Err(bad());
     }
-    let bytes: Vec<u8> = id
-        .internal
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    let make = || {
-        std::str::from_utf8(&bytes)
-            .map_err(|_| Error::Config("unique id is not text".into()))
-            .and_then(UniqueId::from_str)
-            .and_then(|uid| Communicator::init_with(r, n, &uid, config))
-    };
+    let make = || id_from_c(&id).and_then(|uid| Communicator::init_with(r, n, &uid, config));
     // SAFETY: per the contract.
     unsafe { publish(comm, make, call) }
 }

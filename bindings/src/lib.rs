@@ -40,6 +40,8 @@ mod redops;
 
 mod communicators;
 
+mod recovery;
+
 mod errors;
 
 mod collectives;
@@ -61,5 +63,6 @@ pub use errors::*;
 pub use groups::*;
 pub use handle::*;
 pub use init::*;
+pub use recovery::*;
 pub use redops::*;
 pub use version::*;

@@ -71,6 +71,12 @@ impl Communicator {
         tracing::warn!(target: "weftcc::recovery", rank = inner.rank, namespace = %inner.namespace, "communicator revoked");
     }
 
+    /// The id of the job this communicator belongs to (its store's address and token): what a
+    /// newcomer passes to [`Communicator::join_grown`].
+    pub fn unique_id(&self) -> UniqueId {
+        self.inner.id.clone()
+    }
+
     /// The epoch this communicator is at: 0 for a communicator made from scratch, then one more
     /// with each agreement in its lineage.
     pub fn epoch(&self) -> u64 {

@@ -122,7 +122,7 @@ static void reduce_scatter(weftComm_t comm, int n) {
 
 static void all_to_all(weftComm_t comm, int n) {
   const size_t count = 7;
-  uint64_t *a2a = malloc(n * count * sizeof(uint64_t));
+  uint64_t *a2a = calloc(n * count, sizeof(uint64_t));
   uint64_t *got = malloc(n * count * sizeof(uint64_t));
   for (int p = 0; p < n; p++)
     for (size_t i = 0; i < count; i++) a2a[p * count + i] = (uint64_t)(me * 1000 + p * 10 + i);
@@ -183,6 +183,42 @@ static void split(weftComm_t comm, int n) {
     if (r % 2 == me % 2 && !alone(r, n)) want += r;
   CHECK(sum == want, "sum over the split %lld, want %lld", (long long)sum, (long long)want);
   OK(weftCommDestroy(sub));
+}
+
+/* Shrink without the last rank (which does not take part, and is refused if it asks), agree on
+ * a healthy communicator (nobody failed), then revoke the shrunk one: every rank's next call
+ * fails, here as invalid usage, on the others as a remote error. */
+static void shrink_and_revoke(weftComm_t comm, int n) {
+  int last = n - 1;
+  weftComm_t s = NULL;
+  if (me == last) {
+    CHECK(weftCommShrink(comm, &last, 1, &s, WEFT_SHRINK_DEFAULT) == weftInvalidUsage,
+          "an excluded rank was given a place");
+    return;
+  }
+  CHECK(weftCommShrink(comm, &last, 1, &s, 7) == weftInvalidArgument, "bad shrink flags");
+  OK(weftCommShrink(comm, &last, 1, &s, WEFT_SHRINK_DEFAULT));
+  int size = 0, rank = -1;
+  OK(weftCommCount(s, &size));
+  OK(weftCommUserRank(s, &rank));
+  CHECK(size == n - 1 && rank == me, "shrunk: rank %d of %d", rank, size);
+  int64_t one = 1, sum = 0;
+  OK(weftAllReduce(&one, &sum, 1, weftInt64, weftSum, s, NULL));
+  CHECK(sum == n - 1, "sum over the shrunk communicator %lld", (long long)sum);
+  int failed[4] = {-1, -1, -1, -1}, count = -1;
+  uint64_t epoch = 0;
+  OK(weftCommAgree(s, failed, 4, &count, &epoch));
+  CHECK(count == 0 && epoch == 1, "agreement: %d failed, epoch %llu", count,
+        (unsigned long long)epoch);
+  weftUniqueId job;
+  OK(weftCommGetUniqueId(s, &job));
+  CHECK(strncmp(job.internal, "weft1@", 6) == 0, "job id %s", job.internal);
+  if (me == 0) OK(weftCommRevoke(s, WEFT_REVOKE_DEFAULT));
+  weftResult_t r = weftAllReduce(&one, &sum, 1, weftInt64, weftSum, s, NULL);
+  CHECK(r == (me == 0 ? weftInvalidUsage : weftRemoteError), "after revoke -> %d: %s", r,
+        weftGetLastError(s));
+  CHECK(strstr(weftGetLastError(s), "revoked") != NULL, "message: %s", weftGetLastError(s));
+  OK(weftCommDestroy(s));
 }
 
 /* Bad calls return weftInvalidArgument (or InvalidUsage) with a message, and leave the
@@ -367,6 +403,7 @@ int main(int argc, char **argv) {
   split(comm, n);
   errors(comm, n);
   premulsum(comm, n);
+  if (n > 2) shrink_and_revoke(comm, n);
   if (n > 1) abort_last(comm, n);
   OK(weftCommDestroy(comm));
   if (failures == 0) fprintf(stderr, "rank %d: ok\n", me);
