@@ -4,8 +4,8 @@
 use std::ffi::c_int;
 
 use weft::{
-    weftCommAbort, weftCommCount, weftCommGetAsyncError, weftCommSplit, weftCommUserRank,
-    weftComm_t, weftResult_t, weftSuccess,
+    weftCommAbort, weftCommCount, weftCommGetAsyncError, weftCommRevoke, weftCommShrink,
+    weftCommSplit, weftCommUserRank, weftComm_t, weftResult_t, weftSuccess,
 };
 
 use crate::errors::{bad_arg, bad_usage, check, nccl_code, run, DONE};
@@ -62,6 +62,87 @@ pub unsafe extern "C" fn ncclCommSplit(
                 } else {
                     ncclComm::publish(ncclComm::new(State::Ready(Raw(made)), blocking, device))
                 };
+                // SAFETY: writable until the call or its group ended, per the contract.
+                unsafe { (out as *mut ncclComm_t).write(handle) };
+                weftSuccess
+            }),
+        )
+    })
+}
+
+/// Revokes `comm` on every rank (weftcc's `weftCommRevoke`): pending and later operations
+/// fail; the communicator stays for `ncclCommShrink`. `revokeFlags` must be
+/// `NCCL_REVOKE_DEFAULT` (0).
+///
+/// # Safety
+/// `comm` is null or live.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) -> ncclResult_t {
+    run(|| {
+        // SAFETY: per the contract.
+        let c = unsafe { comm_arc(comm, "ncclCommRevoke") }?;
+        // SAFETY: live while `c` holds it.
+        check(unsafe { weftCommRevoke(c.weft("ncclCommRevoke")?, revokeFlags) })
+    })
+}
+
+/// The communicator of every rank of `comm` except `excludeRanksList`, numbered in order
+/// (weftcc's `weftCommShrink`; `NCCL_SHRINK_ABORT` revokes `comm` first). Called by the ranks
+/// that stay. `config` null: the parent's blocking mode.
+///
+/// # Safety
+/// `comm` is null or live; `excludeRanksList` is null (with a count of 0) or holds
+/// `excludeRanksCount` ints; `newcomm` is null or writable until the call (or its group) ends;
+/// `config` is null or a readable `ncclConfig_t`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: ncclComm_t,
+    excludeRanksList: *mut c_int,
+    excludeRanksCount: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+    shrinkFlags: c_int,
+) -> ncclResult_t {
+    let call = "ncclCommShrink";
+    run(|| {
+        // SAFETY: per the contract.
+        let parent = unsafe { comm_arc(comm, call) }?;
+        if newcomm.is_null() {
+            return Err(bad_arg("ncclCommShrink: null output"));
+        }
+        let n = usize::try_from(excludeRanksCount)
+            .map_err(|_| bad_arg("ncclCommShrink: negative exclude count"))?;
+        if excludeRanksList.is_null() && n > 0 {
+            return Err(bad_arg("ncclCommShrink: null exclude list"));
+        }
+        let excluded: Vec<c_int> = if n == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: non-null and holding `excludeRanksCount` ints per the contract.
+            unsafe { std::slice::from_raw_parts(excludeRanksList, n) }.to_vec()
+        };
+        let blocking = if config.is_null() {
+            parent.blocking
+        } else {
+            // SAFETY: per the contract.
+            unsafe { settings_of(config, call) }?.blocking
+        };
+        let (device, out) = (parent.device, newcomm as usize);
+        submit(
+            parent,
+            call,
+            Box::new(move |w: weftComm_t| {
+                let mut made: weftComm_t = std::ptr::null_mut();
+                // SAFETY: `w` is live (held by the job's reference); the list and `made` are
+                // locals.
+                let r = unsafe {
+                    weftCommShrink(w, excluded.as_ptr(), n as c_int, &mut made, shrinkFlags)
+                };
+                if r != weftSuccess {
+                    return r;
+                }
+                let handle =
+                    ncclComm::publish(ncclComm::new(State::Ready(Raw(made)), blocking, device));
                 // SAFETY: writable until the call or its group ended, per the contract.
                 unsafe { (out as *mut ncclComm_t).write(handle) };
                 weftSuccess

@@ -82,11 +82,6 @@ not_implemented! {
     /// NCCL 2.28's scatter.
     fn ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t);
-    /// NCCL 2.27's shrink.
-    fn ncclCommShrink(comm: ncclComm_t, excludeRanksList: *mut c_int, excludeRanksCount: c_int,
-        newcomm: *mut ncclComm_t, config: *mut ncclConfig_t, shrinkFlags: c_int);
-    /// NCCL 2.29's revoke.
-    fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int);
     /// NCCL 2.29's id for growing a communicator.
     fn ncclCommGetUniqueId(comm: ncclComm_t, uniqueId: *mut ncclUniqueId);
     /// NCCL 2.29's grow.

@@ -238,6 +238,25 @@ static int job(const char *dir) {
     OK(ncclCommAbort(half));
   }
 
+  /* Shrink without the last rank (which does not take part), then revoke the shrunk one: the
+   * revoking rank's next call fails as invalid usage, the others' as a remote error. */
+  if (n > 2 && rank != n - 1) {
+    int last = n - 1;
+    ncclComm_t small = NULL;
+    OK(ncclCommShrink(comm, &last, 1, &small, NULL, NCCL_SHRINK_DEFAULT));
+    int sc = -1, sr = -1;
+    OK(ncclCommCount(small, &sc));
+    OK(ncclCommUserRank(small, &sr));
+    CHECK(sc == n - 1 && sr == rank, "shrink: %d of %d", sr, sc);
+    collectives(small, sr, sc);
+    CHECK(ncclCommRevoke(small, 5) == ncclInvalidArgument, "revoke flags 5 accepted");
+    if (rank == 0) OK(ncclCommRevoke(small, NCCL_REVOKE_DEFAULT));
+    float one = 1, sum = 0;
+    ncclResult_t r = ncclAllReduce(&one, &sum, 1, ncclFloat, ncclSum, small, NULL);
+    CHECK(r == (rank == 0 ? ncclInvalidUsage : ncclRemoteError), "after revoke: %d", r);
+    OK(ncclCommAbort(small));
+  }
+
   /* A non-blocking communicator: ncclInProgress (or done at once), then polled. */
   ncclUniqueId id2;
   share_id(dir, "nonblocking", rank, &id2);
