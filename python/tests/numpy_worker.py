@@ -2,6 +2,8 @@
 MASTER_ADDR, MASTER_PORT). Modes: matrix, abort, timeout. Exits 1 after printing every
 mismatch."""
 
+import os
+import signal
 import sys
 import time
 
@@ -185,11 +187,52 @@ def timeout(comm):
             failures.append(f"Timeout facts: rank {e.rank} peer {e.peer} op {e.op} seq {e.seq}")
 
 
+def survive(comm):
+    """The last rank dies (SIGKILL): the others' next call raises RemoteError naming it; they
+    agree on it, shrink, all-reduce over the survivors; then rank 0 revokes the shrunk
+    communicator and every survivor's next call raises, saying "revoked"."""
+    n, r = comm.size, comm.rank
+    comm.barrier()
+    x = np.ones(4, np.float32)
+    if r == n - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(x)
+        failures.append("all_reduce with a dead rank succeeded")
+    except weftcc.RemoteError as e:
+        if e.peer != n - 1:
+            failures.append(f"RemoteError names rank {e.peer}: {e}")
+    failed, epoch = comm.agree_on_failures()
+    if (failed, epoch) != ([n - 1], 1):
+        failures.append(f"agreement {failed} at epoch {epoch}")
+    small = comm.shrink(failed)
+    try:
+        if (small.rank, small.size) != (r, n - 1):
+            failures.append(f"shrunk: rank {small.rank} of {small.size}")
+        y = np.ones(4, np.float32)
+        small.all_reduce(y)
+        if not (y == n - 1).all():
+            failures.append(f"sum over the survivors {y}")
+        if not small.job_id().startswith("weft1@"):
+            failures.append(f"job id {small.job_id()}")
+        if r == 0:
+            small.revoke()
+        try:
+            small.all_reduce(y)
+            failures.append("all_reduce after revoke succeeded")
+        except (weftcc.InvalidUsage, weftcc.RemoteError) as e:
+            want = weftcc.InvalidUsage if r == 0 else weftcc.RemoteError
+            if not isinstance(e, want) or "revoked" not in str(e):
+                failures.append(f"after revoke: {type(e).__name__}: {e}")
+    finally:
+        small.close()
+
+
 def main():
     mode = sys.argv[1]
     comm = weftcc.Communicator.from_env()
     try:
-        {"matrix": matrix, "abort": abort, "timeout": timeout}[mode](comm)
+        {"matrix": matrix, "abort": abort, "timeout": timeout, "survive": survive}[mode](comm)
     finally:
         comm.close()
     exit_with(failures, f"rank {comm.rank}: ", mode)

@@ -20,3 +20,9 @@ def test_abort_raises_on_every_rank(n):
 def test_timeout_names_the_rank_behind():
     results = run_ranks("numpy_worker.py", 2, ["timeout"], timeout=60, env={"WEFT_TIMEOUT": "2"})
     assert_ok(results, "timeout")
+
+
+def test_survivors_agree_shrink_and_revoke():
+    results = run_ranks("numpy_worker.py", 3, ["survive"], timeout=60)
+    assert results[2].returncode == -9, results[2].stdout
+    assert_ok(results[:2], "survivors")

@@ -7,7 +7,7 @@ import contextlib
 import ctypes
 import enum
 import threading
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -201,6 +201,72 @@ class Communicator:
             raise errors.InvalidArgument(f"split color {color} is negative")
         self._call(lib.weftCommSplit, c, int(key), ctypes.byref(handle), stream=False)
         return Communicator(handle) if handle.value else None
+
+    # --- recovery: docs/failures.md ---------------------------------------------------------
+
+    def revoke(self) -> None:
+        """Revokes the communicator on every rank: pending and later calls raise (`InvalidUsage`
+        here, `RemoteError` on the others, both saying "revoked"); it stays for
+        `agree_on_failures` and `shrink`."""
+        self._call(lib.weftCommRevoke, 0, stream=False)
+
+    def agree_on_failures(self) -> Tuple[List[int], int]:
+        """Collective over the survivors: the failed ranks (the same list on every survivor)
+        and the agreement's epoch."""
+        room = self.size
+        failed = (ctypes.c_int * room)()
+        count = ctypes.c_int(0)
+        epoch = ctypes.c_uint64(0)
+        self._call(
+            lib.weftCommAgree,
+            failed,
+            room,
+            ctypes.byref(count),
+            ctypes.byref(epoch),
+            stream=False,
+        )
+        return [failed[i] for i in range(count.value)], epoch.value
+
+    def shrink(self, exclude: Sequence[int] = ()) -> "Communicator":
+        """Collective over the ranks not in `exclude`: their communicator, renumbered in order
+        (an excluded caller gets `InvalidUsage`)."""
+        ranks = (ctypes.c_int * max(len(exclude), 1))(*[int(r) for r in exclude])
+        handle = ctypes.c_void_p()
+        self._call(
+            lib.weftCommShrink, ranks, len(exclude), ctypes.byref(handle), 0, stream=False
+        )
+        return Communicator(handle)
+
+    def job_id(self) -> str:
+        """The job's id (its store's address and token), which a newcomer passes to
+        `Communicator.join_grown`."""
+        uid = UniqueIdStruct()
+        self._call(lib.weftCommGetUniqueId, ctypes.byref(uid), stream=False)
+        return uid.internal.decode()
+
+    def grow(self, joining: int) -> "Communicator":
+        """Collective over this communicator: admits `joining` newcomers (`join_grown`), which
+        take the ranks after the existing ones."""
+        handle = ctypes.c_void_p()
+        self._call(
+            lib.weftCommGrow,
+            self.size + int(joining),
+            None,
+            -1,
+            ctypes.byref(handle),
+            stream=False,
+        )
+        return Communicator(handle)
+
+    @classmethod
+    def join_grown(cls, job_id: Union[str, bytes], size: int, rank: int = -1) -> "Communicator":
+        """A newcomer: waits for a place in a communicator of the job `job_id` growing to
+        `size` ranks (`rank`: the rank it expects, or -1 for the next place)."""
+        raw = job_id.encode() if isinstance(job_id, str) else bytes(job_id)
+        uid = UniqueIdStruct(raw)
+        handle = ctypes.c_void_p()
+        check(lib.weftCommGrow(None, int(size), ctypes.byref(uid), int(rank), ctypes.byref(handle)))
+        return cls(handle)
 
     def abort(self) -> None:
         """Aborts: calls blocked in this communicator (any thread) and later ones raise
