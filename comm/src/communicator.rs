@@ -15,7 +15,7 @@ use crate::records::note::AbortCause;
 use crate::records::session_key;
 use crate::trace::TraceEntry;
 use crate::tuning::Tuner;
-use crate::watcher::{watch, SetupScan};
+use crate::watcher::{setup_scan, watch};
 use crate::worker::{join_unless_current, Worker};
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -202,7 +202,7 @@ impl Communicator {
         let mesh = match split_mesh {
             Some(m) => m,
             None => {
-                let _scan = SetupScan::start(&watch_client, id, &namespace, config.timeout);
+                let _scan = setup_scan(&watch_client, id, &namespace, config.timeout);
                 // Ranks that must agree and do not fail here, before they can hang together.
                 let agreed = crate::agreement::this_rank(&config).and_then(|mine| {
                     crate::agreement::agree(
@@ -597,13 +597,7 @@ impl Communicator {
                 reason: "this rank is missing from its own split group".into(),
             })?;
         let id = inner.id.clone();
-        let client =
-            StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
-                Error::Bootstrap {
-                    rank: inner.rank,
-                    source: source.into(),
-                }
-            })?;
+        let client = inner.connect_store()?;
         let config = inner.config();
         Communicator::build(
             new_rank,

@@ -176,6 +176,17 @@ impl Inner {
         }
     }
 
+    /// A new connection to the job's store, for a communicator made from this one or a helper
+    /// thread of it.
+    pub(crate) fn connect_store(&self) -> Result<StoreClient> {
+        StoreClient::connect(&self.id.addr, &self.id.token, self.timeout()).map_err(|source| {
+            Error::Bootstrap {
+                rank: self.rank,
+                source: source.into(),
+            }
+        })
+    }
+
     /// Whether floating-point reductions fold in rank order.
     pub(crate) fn deterministic(&self) -> bool {
         self.settings.deterministic

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | records | [`records`] | store key names and record formats (progress, failure notes, identities, trace dumps): pure, shared with the readers in `weft status` / `weft trace` |
 //! | settings | [`config`], [`env`], `logging` | settings from `WEFT_*` variables; rank, size and rendezvous from the launcher; `WEFT_DEBUG` |
-//! | base | [`error`], [`tuning`], [`bootstrap`], `agreement` | the error type; per-call algorithm choice; unique ids and rank 0's store; the ranks' consistency check at set-up |
+//! | base | [`error`], [`tuning`], [`bootstrap`], `agreement`, `background` | the error type; per-call algorithm choice; unique ids and rank 0's store; the ranks' consistency check at set-up; helper threads stopped by their owner's drop |
 //! | executor | `executor` | runs one prepared schedule over the connections (poll loop, no threads; knows no communicator) |
 //! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker`, `lineage` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread, the epoch and the shrinks and grows made so far |
 //! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
@@ -19,6 +19,7 @@
 #![deny(unsafe_code)]
 
 mod agreement;
+mod background;
 pub mod bootstrap;
 mod cache;
 mod communicator;

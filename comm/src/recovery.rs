@@ -19,6 +19,7 @@
 //!   growing communicator's rank 0 writes each admitted ticket's place (namespace, size, rank,
 //!   epoch); existing ranks keep their numbers, newcomers follow in ticket order.
 
+use crate::background::Background;
 use crate::bootstrap::UniqueId;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
@@ -30,8 +31,7 @@ use crate::records::recovery::{
 };
 use crate::records::{session_prefix, session_rank};
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weftcc_collectives::OpKind;
 use weftcc_store::{StoreClient, StoreError};
@@ -189,12 +189,7 @@ impl Communicator {
         };
         let watch = match shared {
             Some(_) => None,
-            None => Some(MemberWatch::start(
-                self,
-                members.clone(),
-                Vec::new(),
-                &namespace,
-            )?),
+            None => Some(member_watch(self, members.clone(), Vec::new(), &namespace)?),
         };
         let made = self.make_relative(
             (new_rank, members.len(), namespace),
@@ -246,7 +241,7 @@ impl Communicator {
             store.add(ADMITTED_KEY, joining as i64).map_err(lost)?;
         }
         let members: Vec<usize> = (0..inner.size).collect();
-        let watch = MemberWatch::start(self, members, newcomers, &namespace)?;
+        let watch = member_watch(self, members, newcomers, &namespace)?;
         let made = self.make_relative(
             (inner.rank, nranks, namespace),
             None,
@@ -334,13 +329,7 @@ impl Communicator {
     ) -> Result<Communicator> {
         let inner = &self.inner;
         let id = inner.id.clone();
-        let client =
-            StoreClient::connect(&id.addr, &id.token, inner.timeout()).map_err(|source| {
-                Error::Bootstrap {
-                    rank: inner.rank,
-                    source: source.into(),
-                }
-            })?;
+        let client = inner.connect_store()?;
         let made = Communicator::build(
             rank,
             nranks,
@@ -521,78 +510,54 @@ fn publish_event(store: &mut StoreClient, event: &RecoveryEvent) {
 /// While a communicator made from another one sets up, watches the parent's sessions of its
 /// members: a member that died before joining (its parent session closed without leaving) is
 /// published as the new namespace's set-up death, which ends every member's set-up waits
-/// naming it (the store's own hook sees only sessions of the new namespace). Stops when dropped.
-struct MemberWatch {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl MemberWatch {
-    /// Watches `members` (ranks of `parent`, in the new communicator's order) and `newcomers`
-    /// (their ticket's session, and their rank in the new communicator) for the set-up of
-    /// `namespace`.
-    fn start(
-        parent: &Communicator,
-        members: Vec<usize>,
-        newcomers: Vec<(String, usize)>,
-        namespace: &str,
-    ) -> Result<MemberWatch> {
-        let inner = &parent.inner;
-        let boot = |source: TransportError| Error::Bootstrap {
-            rank: inner.rank,
-            source,
-        };
-        let mut client = StoreClient::connect(&inner.id.addr, &inner.id.token, inner.timeout())
-            .map_err(|e| boot(e.into()))?;
-        let prefix = session_prefix(&inner.namespace);
-        let parent_ns = inner.namespace.clone();
-        let lost_key = setup_lost_key(namespace);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name(format!("weft-members-{}", inner.rank))
-            .spawn(move || {
-                while !stopped.load(Ordering::SeqCst) {
-                    let Ok(sessions) = client.sessions(&prefix) else {
-                        return;
-                    };
-                    let mut dead = sessions.iter().find_map(|s| {
-                        let left = RankIdentity::decode(&s.value).is_some_and(|i| i.left);
-                        let rank = session_rank(&s.key, &parent_ns)?;
-                        let at = members.iter().position(|&m| m == rank)?;
-                        (!s.open && !left).then_some(at)
-                    });
-                    if dead.is_none() && !newcomers.is_empty() {
-                        let Ok(joiners) = client.sessions(JOINER_SESSION_PREFIX) else {
-                            return;
-                        };
-                        dead = newcomers.iter().find_map(|(key, at)| {
-                            joiners
-                                .iter()
-                                .any(|s| &s.key == key && !s.open)
-                                .then_some(*at)
-                        });
-                    }
-                    if let Some(at) = dead {
-                        let _ = client.set_if_absent(&lost_key, at.to_string().as_bytes());
-                        return;
-                    }
-                    std::thread::sleep(MEMBER_WATCH_PERIOD);
-                }
-            })
-            .map_err(|e| boot(TransportError::io("spawning the member watch", e)))?;
-        Ok(MemberWatch {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for MemberWatch {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+/// naming it (the store's own hook sees only sessions of the new namespace); so is a newcomer
+/// whose ticket's session closed. `members` are ranks of `parent` in the new communicator's
+/// order; `newcomers` their ticket's session and their rank in the new communicator. Stops when
+/// dropped.
+fn member_watch(
+    parent: &Communicator,
+    members: Vec<usize>,
+    newcomers: Vec<(String, usize)>,
+    namespace: &str,
+) -> Result<Background> {
+    let inner = &parent.inner;
+    let boot = |source: TransportError| Error::Bootstrap {
+        rank: inner.rank,
+        source,
+    };
+    let mut client = inner.connect_store()?;
+    let prefix = session_prefix(&inner.namespace);
+    let parent_ns = inner.namespace.clone();
+    let lost_key = setup_lost_key(namespace);
+    let watch = Background::spawn(format!("weft-members-{}", inner.rank), move |stop| {
+        while !stop.load(Ordering::SeqCst) {
+            let Ok(sessions) = client.sessions(&prefix) else {
+                return;
+            };
+            let mut dead = sessions.iter().find_map(|s| {
+                let left = RankIdentity::decode(&s.value).is_some_and(|i| i.left);
+                let rank = session_rank(&s.key, &parent_ns)?;
+                let at = members.iter().position(|&m| m == rank)?;
+                (!s.open && !left).then_some(at)
+            });
+            if dead.is_none() && !newcomers.is_empty() {
+                let Ok(joiners) = client.sessions(JOINER_SESSION_PREFIX) else {
+                    return;
+                };
+                dead = newcomers.iter().find_map(|(key, at)| {
+                    joiners
+                        .iter()
+                        .any(|s| &s.key == key && !s.open)
+                        .then_some(*at)
+                });
+            }
+            if let Some(at) = dead {
+                let _ = client.set_if_absent(&lost_key, at.to_string().as_bytes());
+                return;
+            }
+            std::thread::sleep(MEMBER_WATCH_PERIOD);
         }
-    }
+    })
+    .map_err(|e| boot(TransportError::io("spawning the member watch", e)))?;
+    Ok(watch)
 }

@@ -5,6 +5,7 @@
 //! runs no session-closed hook (etcd), it also publishes the death of a peer whose session
 //! closed.
 
+use crate::background::Background;
 use crate::bootstrap::UniqueId;
 use crate::error::{Error, SeenBy};
 use crate::failure::WATCH_PERIOD;
@@ -13,7 +14,7 @@ use crate::records::identity::RankIdentity;
 use crate::records::{progress_key, session_key, session_prefix, ABORT_KEY, SETTLED_ALL_KEY};
 use crate::trace::{read_request, requests_made};
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use weftcc_store::{StoreClient, StoreError};
@@ -191,51 +192,27 @@ impl ClosedSessions {
 
 /// Where the store runs no session hook (etcd), [`ClosedSessions`] on a thread of its own while
 /// this rank sets up (its watcher starts only after): a rank that dies during set-up then ends
-/// the others' set-up waits, naming it, as the built-in store's hook makes it. Stops when dropped.
-pub(crate) struct SetupScan {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl SetupScan {
-    /// `None` where the store runs the hook itself (or no client or thread could be had: set-up
-    /// then ends at its timeout instead).
-    pub(crate) fn start(
-        store: &StoreClient,
-        id: &UniqueId,
-        namespace: &str,
-        timeout: Duration,
-    ) -> Option<SetupScan> {
-        if store.runs_session_hooks() {
-            return None;
-        }
-        let mut client = StoreClient::connect(&id.addr, &id.token, timeout).ok()?;
-        let mut closed = ClosedSessions::new(&client, namespace);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("weft-setup-scan".into())
-            .spawn(move || {
-                while !stopped.load(Ordering::SeqCst) {
-                    std::thread::sleep(WATCH_PERIOD);
-                    closed.poll(&mut client);
-                }
-            })
-            .ok()?;
-        Some(SetupScan {
-            stop,
-            thread: Some(thread),
-        })
+/// the others' set-up waits, naming it, as the built-in store's hook makes it. Stops when
+/// dropped; `None` where the store runs the hook itself (or no client or thread could be had:
+/// set-up then ends at its timeout instead).
+pub(crate) fn setup_scan(
+    store: &StoreClient,
+    id: &UniqueId,
+    namespace: &str,
+    timeout: Duration,
+) -> Option<Background> {
+    if store.runs_session_hooks() {
+        return None;
     }
-}
-
-impl Drop for SetupScan {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+    let mut client = StoreClient::connect(&id.addr, &id.token, timeout).ok()?;
+    let mut closed = ClosedSessions::new(&client, namespace);
+    Background::spawn("weft-setup-scan".into(), move |stop| {
+        while !stop.load(Ordering::SeqCst) {
+            std::thread::sleep(WATCH_PERIOD);
+            closed.poll(&mut client);
         }
-    }
+    })
+    .ok()
 }
 
 /// Marks this rank's session as left (its communicator was destroyed), so that its closing
