@@ -176,6 +176,30 @@ impl Inner {
         }
     }
 
+    /// The error of a store that cannot be reached during `op` #`seq`: rank 0's loss where rank
+    /// 0 serves it, else the store's own ([`Error::StoreLost`]).
+    pub(crate) fn store_lost(&self, op: OpKind, seq: u64, e: impl std::fmt::Display) -> Error {
+        let store = self.id.addr.clone();
+        if self.store_on_rank0 {
+            Error::PeerLost {
+                rank: self.rank,
+                peer: 0,
+                op,
+                seq,
+                seen_by: crate::error::SeenBy::Watcher,
+                detail: format!("the bootstrap store on rank 0 ({store}) is unreachable ({e})"),
+            }
+        } else {
+            Error::StoreLost {
+                rank: self.rank,
+                store,
+                op,
+                seq,
+                detail: e.to_string(),
+            }
+        }
+    }
+
     /// A new connection to the job's store, for a communicator made from this one or a helper
     /// thread of it.
     pub(crate) fn connect_store(&self) -> Result<StoreClient> {

@@ -23,7 +23,7 @@ use crate::background::Background;
 use crate::bootstrap::UniqueId;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
-use crate::error::{Error, Result, SeenBy};
+use crate::error::{Error, Result};
 use crate::records::identity::RankIdentity;
 use crate::records::recovery::{
     agreement_key, decode_ranks, encode_ranks, event_key, joiner_session_key, ticket_key, Place,
@@ -103,7 +103,7 @@ impl Communicator {
         let proposal = self.suspects(&mut store)?;
         let decided = store
             .set_if_absent(&key, encode_ranks(&proposal).as_bytes())
-            .map_err(|e| self.store_lost(OpKind::Barrier, epoch, e))?;
+            .map_err(|e| self.inner.store_lost(OpKind::Barrier, epoch, e))?;
         let failed = decode_ranks(&decided).ok_or_else(|| Error::Internal {
             rank: inner.rank,
             op: OpKind::Barrier,
@@ -127,7 +127,10 @@ impl Communicator {
         }
         let sessions = store
             .sessions(&session_prefix(&inner.namespace))
-            .map_err(|e| self.store_lost(OpKind::Barrier, inner.lineage.epoch(), e))?;
+            .map_err(|e| {
+                self.inner
+                    .store_lost(OpKind::Barrier, inner.lineage.epoch(), e)
+            })?;
         for s in sessions.iter().filter(|s| !s.open) {
             let left = RankIdentity::decode(&s.value).is_some_and(|i| i.left);
             if let (false, Some(rank)) = (left, session_rank(&s.key, &inner.namespace)) {
@@ -223,7 +226,7 @@ impl Communicator {
         let mut newcomers = Vec::new();
         if inner.rank == 0 && joining > 0 {
             let mut store = lock(&inner.store);
-            let lost = |e| self.store_lost(OpKind::Barrier, epoch, e);
+            let lost = |e| self.inner.store_lost(OpKind::Barrier, epoch, e);
             let admitted = store.add(ADMITTED_KEY, 0).map_err(lost)?;
             for i in 0..joining {
                 let place = Place {
@@ -260,7 +263,7 @@ impl Communicator {
         let mut waiting = [0u64];
         if inner.rank == 0 {
             let mut store = lock(&inner.store);
-            let lost = |e| self.store_lost(OpKind::Broadcast, 0, e);
+            let lost = |e| self.inner.store_lost(OpKind::Broadcast, 0, e);
             let asked = store.add(JOINERS_KEY, 0).map_err(lost)?;
             let admitted = store.add(ADMITTED_KEY, 0).map_err(lost)?;
             waiting[0] = asked.saturating_sub(admitted).max(0) as u64;
@@ -362,32 +365,6 @@ impl Communicator {
         events.push(event);
         *lock(&comm.inner.lineage.events) = events;
         Ok(comm)
-    }
-
-    /// The store could not be reached during recovery step `op` #`seq`.
-    fn store_lost(&self, op: OpKind, seq: u64, e: StoreError) -> Error {
-        let inner = &self.inner;
-        if inner.store_on_rank0 {
-            Error::PeerLost {
-                rank: inner.rank,
-                peer: 0,
-                op,
-                seq,
-                seen_by: SeenBy::Watcher,
-                detail: format!(
-                    "the bootstrap store on rank 0 ({}) is unreachable ({e})",
-                    inner.id.addr
-                ),
-            }
-        } else {
-            Error::StoreLost {
-                rank: inner.rank,
-                store: inner.id.addr.clone(),
-                op,
-                seq,
-                detail: e.to_string(),
-            }
-        }
     }
 }
 

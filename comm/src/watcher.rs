@@ -7,7 +7,6 @@
 
 use crate::background::Background;
 use crate::bootstrap::UniqueId;
-use crate::error::{Error, SeenBy};
 use crate::failure::WATCH_PERIOD;
 use crate::inner::Inner;
 use crate::records::identity::RankIdentity;
@@ -62,27 +61,7 @@ pub(crate) fn watch(inner: Arc<Inner>, mut client: StoreClient) {
                     return;
                 }
                 let (op, seq) = inner.current.get();
-                let store = inner.id.addr.clone();
-                inner.fail(if inner.store_on_rank0 {
-                    Error::PeerLost {
-                        rank: inner.rank,
-                        peer: 0,
-                        op,
-                        seq,
-                        seen_by: SeenBy::Watcher,
-                        detail: format!(
-                            "the bootstrap store on rank 0 ({store}) is unreachable ({e})"
-                        ),
-                    }
-                } else {
-                    Error::StoreLost {
-                        rank: inner.rank,
-                        store,
-                        op,
-                        seq,
-                        detail: e.to_string(),
-                    }
-                });
+                inner.fail(inner.store_lost(op, seq, e));
                 inner.dump_trace_if_due();
                 return;
             }
