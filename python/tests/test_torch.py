@@ -137,7 +137,10 @@ def test_torchrun_restarts_after_a_lost_worker(tmp_path):
         "--standalone",
         "--nproc-per-node=2",
         "--max-restarts=1",
-        "--monitor-interval=0.5",
+        # Long enough for the survivor to report the loss before torchrun's SIGTERM reaches it
+        # (it waits up to 0.75 s for the lost peer's own cause first; CI once saw the SIGTERM
+        # win at 0.5 s).
+        "--monitor-interval=2",
         DDP_SCRIPT,
         "--backend",
         "weft",
