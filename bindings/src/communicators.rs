@@ -35,13 +35,7 @@ pub unsafe extern "C" fn weftCommSplit(
             c => Some(u32::try_from(c).map_err(|_| bad_arg(format!("weftCommSplit: color {c}")))?),
         };
         let made = c.split(color, i64::from(key)).map_err(|e| lib_fail(&e))?;
-        let handle = made.map_or(std::ptr::null_mut(), |c| {
-            Box::into_raw(Box::new(weftComm {
-                comm: c,
-                premul: Default::default(),
-                device: Default::default(),
-            }))
-        });
+        let handle = made.map_or(std::ptr::null_mut(), weftComm::into_handle);
         // SAFETY: per the contract.
         unsafe { write_out(newcomm, handle, "weftCommSplit") }
     })

@@ -18,3 +18,14 @@ pub struct weftComm {
 
 /// Handle to a communicator.
 pub type weftComm_t = *mut weftComm;
+
+impl weftComm {
+    /// A new handle owning `comm`, with nothing kept beside it yet; `weftCommDestroy` frees it.
+    pub(crate) fn into_handle(comm: Communicator) -> weftComm_t {
+        Box::into_raw(Box::new(weftComm {
+            comm,
+            premul: Default::default(),
+            device: Default::default(),
+        }))
+    }
+}

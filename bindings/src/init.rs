@@ -78,12 +78,7 @@ pub(crate) unsafe fn publish(
     if comm.is_null() {
         return Err(bad_arg(format!("{call}: null communicator pointer")));
     }
-    let c = make().map_err(|e| lib_fail(&e))?;
-    let handle = Box::into_raw(Box::new(weftComm {
-        comm: c,
-        premul: Default::default(),
-        device: Default::default(),
-    }));
+    let handle = weftComm::into_handle(make().map_err(|e| lib_fail(&e))?);
     // SAFETY: per the contract.
     unsafe { write_out(comm, handle, call) }
 }

@@ -208,12 +208,7 @@ pub unsafe extern "C" fn weftCommGrow(
             );
             return Err(fail(weftInvalidUsage, &msg));
         }
-        let handle = Box::into_raw(Box::new(weftComm {
-            comm: made,
-            premul: Default::default(),
-            device: Default::default(),
-        }));
         // SAFETY: per the contract.
-        unsafe { write_out(newcomm, handle, "weftCommGrow") }
+        unsafe { write_out(newcomm, weftComm::into_handle(made), "weftCommGrow") }
     })
 }
