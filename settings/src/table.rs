@@ -189,6 +189,8 @@ settings! {
         "Cases per target of the fuzz tests (`transports/tests/fuzz.rs`, `topology/tests/fuzz.rs`).";
     TEST_VERSION = "WEFT_TEST_VERSION", Text, Own, "this build's",
         "The library version this rank announces when a communicator is made (the consistency tests fake an older build with it).";
+    TEST_BUILD_ID = "WEFT_TEST_BUILD_ID", Text, Own, "this build's",
+        "The library build id this rank announces when a communicator is made (the consistency tests fake another build with it).";
 }
 
 /// NCCL's variables that mean what a `WEFT_*` one means, in the same grammar: honoured, the
