@@ -1124,3 +1124,57 @@ fn train_refuses_zero_epochs() {
         out.stderr
     );
 }
+
+/// `weft run`'s arguments for `n` ranks of `weft perf`'s smallest all-reduce (one call).
+fn tiny_perf_job(n: &str) -> Vec<&str> {
+    ["-n", n, "--", WEFT, "perf", "all-reduce"]
+        .into_iter()
+        .chain("-b 8 -e 8 -n 1 -w 0".split_whitespace())
+        .collect()
+}
+
+/// `WEFT_RUN_DIAGNOSTICS=1` under `weft run -n 3` of `weft perf`: rank 0 prints the doctor's
+/// verdict (3 pairs) on stderr while the communicator is made, and the job runs as without it.
+#[test]
+fn run_diagnostics_prints_the_verdict_at_init() {
+    let args = tiny_perf_job("3");
+    let out = weft_env(&args, &[("WEFT_RUN_DIAGNOSTICS", "1")]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let verdicts: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("weft diagnostics: 3 ranks, 3 pairs in "))
+        .collect();
+    assert_eq!(verdicts.len(), 1, "{}", out.stderr);
+    assert!(verdicts[0].starts_with("[0]: "), "{}", verdicts[0]);
+    assert!(out.stdout.contains("Avg bus bandwidth"), "{}", out.stdout);
+    // Off by default: no measurement, no verdict.
+    let out = weft_env(&args, &[]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(!out.stderr.contains("weft diagnostics"), "{}", out.stderr);
+}
+
+/// `WEFT_RUN_DIAGNOSTICS=FAIL` fails init when a pair is below `WEFT_DIAGNOSTICS_BELOW` % of the
+/// typical pair: at 1000 % every pair is, so the communicator is not made and the job exits
+/// non-zero naming the slowest pair; at the default (50 %) the same job runs.
+#[test]
+fn run_diagnostics_fail_stops_init_below_the_threshold() {
+    let args = tiny_perf_job("2");
+    let fail = [
+        ("WEFT_RUN_DIAGNOSTICS", "fail"),
+        ("WEFT_DIAGNOSTICS_BELOW", "1000"),
+    ];
+    let out = weft_env(&args, &fail);
+    assert_ne!(out.code, Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "diagnostics at set-up: rank 0 ↔ rank 1 at 100 % of the typical pair (below 1000 %)"
+        ),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stdout.contains("Avg bus bandwidth"), "{}", out.stdout);
+    let out = weft_env(&args, &[("WEFT_RUN_DIAGNOSTICS", "fail")]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("healthy"), "{}", out.stderr);
+}

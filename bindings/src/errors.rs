@@ -106,9 +106,10 @@ pub(crate) fn code_of(e: &Error) -> weftResult_t {
         | Error::Aborted { .. }
         | Error::PeerLost { .. }
         | Error::Mismatch { .. } => weftRemoteError,
-        Error::Transport { .. } | Error::Bootstrap { .. } | Error::StoreLost { .. } => {
-            weftSystemError
-        }
+        Error::Transport { .. }
+        | Error::Bootstrap { .. }
+        | Error::StoreLost { .. }
+        | Error::Diagnostics { .. } => weftSystemError,
         Error::Internal { .. } => weftInternalError,
         Error::Inconsistent { .. } => weftInvalidUsage,
         // An operation on a communicator this rank revoked, or a shrink that excludes the caller.

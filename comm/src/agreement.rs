@@ -1,5 +1,5 @@
 //! The consistency check when a communicator is made: every rank announces its library
-//! version, the settings that are not its own ([`weftcc_settings::Agreement`]), its CPU and its
+//! version and build id (the git commit it was built from), the settings that are not its own ([`weftcc_settings::Agreement`]), its CPU and its
 //! GPUs; rank 0 compares them ([`crate::records::agreement::compare`]) and publishes its
 //! verdict, which every rank reads. A disagreement that would hang or corrupt results fails
 //! `init` on every rank alike ([`Error::Inconsistent`]); a harmless one is logged by rank 0.
@@ -8,7 +8,7 @@ use crate::config::CommConfig;
 use crate::error::{Error, Result};
 use crate::records::agreement::{announcement_key, verdict_key, Announcement, Disagreement};
 use std::time::{Duration, Instant};
-use weftcc_settings::{Agreement, ALL, DETERMINISTIC, TEST_VERSION};
+use weftcc_settings::{Agreement, ALL, DETERMINISTIC, TEST_BUILD_ID, TEST_VERSION};
 use weftcc_store::StoreClient;
 use weftcc_transports::mesh::{count_out, name_the_missing, setup_get_all};
 use weftcc_transports::TransportError;
@@ -21,6 +21,12 @@ pub(crate) fn this_rank(config: &CommConfig) -> Result<Announcement> {
         .value()
         .unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_string());
     a.set("library version", version, Agreement::Must);
+    // Another build of the same version (a commit between releases, a local change) mostly
+    // works with this one: a warning. `unknown` where it was built without git.
+    let build = TEST_BUILD_ID
+        .value()
+        .unwrap_or_else(|| env!("WEFTCC_BUILD_ID").to_string());
+    a.set("library build id", build, Agreement::Should);
     for setting in ALL.iter().filter(|s| s.agreement != Agreement::Own) {
         a.set(setting.name, setting.compared_value()?, setting.agreement);
     }

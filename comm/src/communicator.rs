@@ -284,11 +284,13 @@ impl Communicator {
             deterministic,
             "communicator ready"
         );
-        Ok(Communicator {
+        let comm = Communicator {
             inner,
             worker: Mutex::new(None),
             watcher,
-        })
+        };
+        crate::doctor::at_init(&comm)?;
+        Ok(comm)
     }
 
     /// This rank's index, `0..size()`.

@@ -131,6 +131,18 @@ pub enum Error {
         /// Each setting or property that differs, with every value and its ranks.
         disagreements: Vec<Disagreement>,
     },
+    /// `WEFT_RUN_DIAGNOSTICS=FAIL`: a pair of ranks measured at set-up was below
+    /// `WEFT_DIAGNOSTICS_BELOW` % of the job's typical pair of its kind (every rank fails alike).
+    #[error("rank {rank}: diagnostics at set-up: rank {a} ↔ rank {b} at {percent:.0} % of the typical pair (below {below} %): {verdict}")]
+    Diagnostics {
+        rank: usize,
+        /// The slowest pair.
+        a: usize,
+        b: usize,
+        percent: f64,
+        below: f64,
+        verdict: String,
+    },
     /// The environment or configuration is incomplete or invalid.
     #[error("configuration: {0}")]
     Config(String),
@@ -201,6 +213,7 @@ impl Error {
             Error::Transport { .. } => "transport",
             Error::Bootstrap { .. } => "bootstrap",
             Error::Inconsistent { .. } => "inconsistent",
+            Error::Diagnostics { .. } => "diagnostics",
             Error::Config(_) | Error::Setting(_) => "config",
             Error::Internal { .. } => "internal",
         }
@@ -279,6 +292,11 @@ impl Error {
                 peer: disagreements
                     .first()
                     .and_then(|d| d.odd_ranks().first().copied()),
+                ..ErrorFacts::default()
+            },
+            Error::Diagnostics { rank, a, b, .. } => ErrorFacts {
+                rank: Some(*rank),
+                peer: Some(if a == rank { *b } else { *a }),
                 ..ErrorFacts::default()
             },
             Error::Config(_) | Error::Setting(_) => ErrorFacts::default(),

@@ -13,6 +13,7 @@
 //! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
 //! | threads | `watcher` | the failure watcher: publishes progress, reads the job's failures, answers dump requests |
 //! | API | `communicator`, `group`, `handle`, `local`, `recovery` | construction, the blocking API and split; grouped sends and receives; the asynchronous API; [`run_ranks`] (ranks as threads); revoke, agreement, shrink and grow |
+//! | over the API | [`doctor`] | every pair of ranks measured against its prediction and limits, with a verdict (`weft doctor`; `WEFT_RUN_DIAGNOSTICS` at set-up) |
 
 // One exception, in `executor`: a pinned receive lends the caller's buffer to the transport (a
 // network peer may write it directly), which `Inner::execute` ends before the buffer goes back.
@@ -24,6 +25,7 @@ pub mod bootstrap;
 mod cache;
 mod communicator;
 pub mod config;
+pub mod doctor;
 pub mod env;
 pub mod error;
 mod executor;

@@ -52,6 +52,10 @@ settings! {
         "Operations the flight recorder keeps per communicator (0: none).";
     TRACE_DUMP_DIR = "WEFT_TRACE_DUMP_DIR", Path, Own, "unset",
         "Directory the flight recorder is written to when a communicator fails.";
+    RUN_DIAGNOSTICS = "WEFT_RUN_DIAGNOSTICS", Choice(&["0", "1", "FAIL"]), Must, "0",
+        "`1`: a new communicator measures every pair of ranks as `weft doctor` does, and rank 0 logs the verdict; `FAIL`: init also fails when a pair is below `WEFT_DIAGNOSTICS_BELOW`.";
+    DIAGNOSTICS_BELOW = "WEFT_DIAGNOSTICS_BELOW", Number { min: 1, max: 1000 }, Must, "50",
+        "Percentage of the job's typical pair of its kind below which `WEFT_RUN_DIAGNOSTICS` calls a pair slow.";
     DEBUG = "WEFT_DEBUG", Choice(&["WARN", "INFO", "DEBUG", "TRACE", "OFF", "NONE", "VERSION"]), Own, "off",
         "Log level on stderr: WARN, INFO, DEBUG or TRACE (OFF, NONE or NCCL's VERSION: no log).";
     DEBUG_SUBSYS = "WEFT_DEBUG_SUBSYS", Text, Own, "all",
@@ -187,6 +191,8 @@ settings! {
         "Cases per target of the fuzz tests (`transports/tests/fuzz.rs`, `topology/tests/fuzz.rs`).";
     TEST_VERSION = "WEFT_TEST_VERSION", Text, Own, "this build's",
         "The library version this rank announces when a communicator is made (the consistency tests fake an older build with it).";
+    TEST_BUILD_ID = "WEFT_TEST_BUILD_ID", Text, Own, "this build's",
+        "The library build id this rank announces when a communicator is made (the consistency tests fake another build with it).";
 }
 
 /// NCCL's variables that mean what a `WEFT_*` one means, in the same grammar: honoured, the

@@ -364,9 +364,9 @@ impl Limits {
         let one_host = hosts.windows(2).all(|w| w[0] == w[1]);
         let shm = !weftcc::settings::SHM_DISABLE.flag().unwrap_or(false);
         let (path, mine) = if one_host && shm {
-            ("memory", crate::doctor::memcpy_gbps())
+            ("memory", weftcc::comm::doctor::memcpy_gbps())
         } else {
-            ("link", crate::doctor::link_gbps(one_host))
+            ("link", weftcc::comm::doctor::link_gbps(one_host))
         };
         let mut gbps = [mine];
         comm.all_reduce_in_place(&mut gbps, ReduceOp::Min)?;
