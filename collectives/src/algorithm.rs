@@ -25,6 +25,11 @@ pub enum Algorithm {
     /// ([`crate::schedule::ordered`]). Not one of the tuner's choices ([`Algorithm::ALL`]) nor a
     /// `WEFT_ALGO` value: `WEFT_DETERMINISTIC=1` selects it for floating-point reductions.
     Ordered,
+    /// Small collectives among ranks that all share memory: each rank posts its contribution
+    /// once and reads the others' in place (no schedule; the runtime's `one_shot`). Reductions
+    /// fold in rank order, as `Ordered` does. Not a tuner choice nor a `WEFT_ALGO` value:
+    /// `WEFT_SHM_ONESHOT_MAX` bounds it, and any `WEFT_ALGO` turns it off.
+    OneShot,
 }
 
 impl Algorithm {
@@ -44,6 +49,7 @@ impl Algorithm {
             Algorithm::Rd => "rd",
             Algorithm::Hier => "hier",
             Algorithm::Ordered => "ordered",
+            Algorithm::OneShot => "one_shot",
         }
     }
 }

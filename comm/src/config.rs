@@ -67,6 +67,11 @@ pub struct CommConfig {
     /// Measured link figures for the tuner (`WEFT_CALIBRATION=FILE`, as saved by
     /// `weft topo --save-calibration`); built-in figures otherwise.
     pub calibration: Option<Calibration>,
+    /// Most bytes a rank reads of the others' contributions in a collective run one-shot
+    /// through the ranks' outboxes when every rank shares memory with every other
+    /// (`WEFT_SHM_ONESHOT_MAX`, default 1 KiB; unused when [`CommConfig::algo`] restricts the
+    /// algorithms).
+    pub one_shot_max: usize,
     /// Deterministic reductions (`WEFT_DETERMINISTIC=1`): floating-point all-reduce, reduce and
     /// reduce-scatter fold every element in rank order (`Algorithm::Ordered`), so results are
     /// bitwise identical whatever the algorithm `WEFT_ALGO` or the tuner would pick, the slice
@@ -110,6 +115,9 @@ impl CommConfig {
             buffsize: s::BUFFSIZE.size()?,
             split_share: s::SPLIT_SHARE.flag()?,
             deterministic: s::DETERMINISTIC.flag()?,
+            one_shot_max: s::SHM_ONESHOT_MAX
+                .size()?
+                .unwrap_or(crate::one_shot::DEFAULT_MAX_BYTES),
             net: weftcc_transports::net::NetChoice::from_env().map_err(config_error)?,
             stripes: weftcc_transports::tcp_stripes::StripePlan::from_env()
                 .map_err(config_error)?,

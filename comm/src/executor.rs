@@ -32,6 +32,169 @@ const CLOCK_EVERY_POLLS: u32 = 16;
 /// How often peers we wait on are checked for liveness while idle.
 const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
 
+/// The idle policy of a rank waiting on its peers, from the last progress on: spin (reading the
+/// clock and the poison only every [`CLOCK_EVERY_POLLS`] polls), then yield the CPU, then sleep
+/// in the transport's waiter, checking liveness every [`LIVENESS_PERIOD`], until the deadline.
+/// Shared by the schedule engine and one-shot collectives.
+pub(crate) struct Idle {
+    policy: Backoff,
+    timeout: Duration,
+    quiet_polls: u32,
+    idle_since: Option<Instant>,
+    deadline: Option<Instant>,
+    last_liveness: Option<Instant>,
+}
+
+/// What an idle rank does next ([`Idle::next`]) when it has not stopped: nothing more (it has
+/// spun or yielded), or check its peers' liveness and sleep.
+pub(crate) struct IdleStep {
+    pub check_liveness: bool,
+    pub sleep: Option<Duration>,
+}
+
+/// Why waiting stops.
+pub(crate) enum Stop {
+    Aborted,
+    Poisoned(Error),
+    TimedOut,
+}
+
+impl Stop {
+    /// The error of operation `desc` on `rank` stopped while waiting on `waiting_on`.
+    pub(crate) fn into_error(
+        self,
+        rank: usize,
+        desc: &OpDesc,
+        mut waiting_on: Vec<usize>,
+        timeout: Duration,
+    ) -> Error {
+        match self {
+            Stop::Aborted => aborted_error(rank, desc),
+            Stop::Poisoned(e) => e,
+            Stop::TimedOut => {
+                waiting_on.sort_unstable();
+                waiting_on.dedup();
+                Error::Timeout {
+                    rank,
+                    op: desc.kind,
+                    seq: desc.seq,
+                    waiting_on,
+                    after: timeout,
+                    seen_by: crate::error::SeenBy::ThisRank,
+                    behind: Vec::new(),
+                }
+            }
+        }
+    }
+}
+
+impl Idle {
+    pub(crate) fn new(policy: Backoff, timeout: Duration) -> Idle {
+        Idle {
+            policy,
+            timeout,
+            quiet_polls: 0,
+            idle_since: None,
+            deadline: None,
+            last_liveness: None,
+        }
+    }
+
+    /// Something moved: the next wait starts from spinning again, with a new deadline.
+    pub(crate) fn progressed(&mut self) {
+        self.idle_since = None;
+        self.deadline = None;
+        self.quiet_polls = 0;
+    }
+
+    /// One more poll without progress: checks why the wait might stop, then backs off.
+    #[inline]
+    pub(crate) fn next(
+        &mut self,
+        abort: &AtomicBool,
+        poisoned: &dyn Fn() -> Option<Error>,
+    ) -> std::result::Result<IdleStep, Stop> {
+        const SPUN: IdleStep = IdleStep {
+            check_liveness: false,
+            sleep: None,
+        };
+        if abort.load(Ordering::Relaxed) {
+            return Err(Stop::Aborted);
+        }
+        // While spinning, most polls skip the clock and the poison check: each costs as much
+        // as a poll, and a peer on another core answers within a few polls.
+        self.quiet_polls = self.quiet_polls.wrapping_add(1);
+        if !self.policy.spin.is_zero() && !self.quiet_polls.is_multiple_of(CLOCK_EVERY_POLLS) {
+            std::hint::spin_loop();
+            return Ok(SPUN);
+        }
+        if let Some(e) = poisoned() {
+            return Err(Stop::Poisoned(e));
+        }
+        let now = Instant::now();
+        let deadline = *self.deadline.get_or_insert(now + self.timeout);
+        if now >= deadline {
+            return Err(Stop::TimedOut);
+        }
+        let idle = now.duration_since(*self.idle_since.get_or_insert(now));
+        if idle < self.policy.spin {
+            std::hint::spin_loop();
+            return Ok(SPUN);
+        }
+        if idle < self.policy.spin + self.policy.yield_for {
+            std::thread::yield_now();
+            return Ok(SPUN);
+        }
+        let check_liveness =
+            now.duration_since(*self.last_liveness.get_or_insert(now)) >= LIVENESS_PERIOD;
+        if check_liveness {
+            self.last_liveness = Some(now);
+        }
+        Ok(IdleStep {
+            check_liveness,
+            sleep: Some(deadline.saturating_duration_since(now).min(MAX_SLEEP)),
+        })
+    }
+}
+
+/// A transport error of operation `desc` on `rank` with `peer` as the communicator's error.
+pub(crate) fn transport_error(rank: usize, desc: &OpDesc, peer: usize, e: TransportError) -> Error {
+    let lost = |detail: String| Error::PeerLost {
+        rank,
+        peer,
+        op: desc.kind,
+        seq: desc.seq,
+        seen_by: SeenBy::ThisRank,
+        detail,
+    };
+    match e {
+        TransportError::PeerLost { detail, .. } => lost(detail),
+        // The store's host went while this rank asked it for peers' addresses.
+        TransportError::Store(StoreError::Lost { detail }) => {
+            lost(format!("bootstrap store: {detail}"))
+        }
+        TransportError::Aborted => aborted_error(rank, desc),
+        source => Error::Transport {
+            rank,
+            peer,
+            op: desc.kind,
+            seq: desc.seq,
+            source,
+        },
+    }
+}
+
+/// `abort()` stopped operation `desc` on `rank`.
+pub(crate) fn aborted_error(rank: usize, desc: &OpDesc) -> Error {
+    Error::Aborted {
+        rank,
+        by: None,
+        reason: format!("abort() called during {} #{}", desc.kind, desc.seq),
+        cause: crate::records::note::AbortCause::AbortCalled,
+        during: Some((desc.kind, desc.seq)),
+    }
+}
+
 /// One contiguous piece of memory the operation reads or writes.
 pub enum Area<'a> {
     ReadOnly(&'a [u8]),
@@ -93,17 +256,6 @@ impl Context<'_> {
         self.desc.kind
     }
 
-    fn lost(&self, peer: usize, detail: String) -> Error {
-        Error::PeerLost {
-            rank: self.rank,
-            peer,
-            op: self.kind(),
-            seq: self.desc.seq,
-            seen_by: SeenBy::ThisRank,
-            detail,
-        }
-    }
-
     fn internal(&self, reason: String) -> Error {
         Error::Internal {
             rank: self.rank,
@@ -114,31 +266,7 @@ impl Context<'_> {
     }
 
     pub(crate) fn transport(&self, peer: usize, e: TransportError) -> Error {
-        match e {
-            TransportError::PeerLost { detail, .. } => self.lost(peer, detail),
-            // The store's host went while this rank asked it for peers' addresses.
-            TransportError::Store(StoreError::Lost { detail }) => {
-                self.lost(peer, format!("bootstrap store: {detail}"))
-            }
-            TransportError::Aborted => self.aborted(),
-            source => Error::Transport {
-                rank: self.rank,
-                peer,
-                op: self.kind(),
-                seq: self.desc.seq,
-                source,
-            },
-        }
-    }
-
-    fn aborted(&self) -> Error {
-        Error::Aborted {
-            rank: self.rank,
-            by: None,
-            reason: format!("abort() called during {} #{}", self.kind(), self.desc.seq),
-            cause: crate::records::note::AbortCause::AbortCalled,
-            during: Some((self.kind(), self.desc.seq)),
-        }
+        transport_error(self.rank, &self.desc, peer, e)
     }
 }
 
@@ -460,10 +588,7 @@ pub fn execute_prepared(
     done.resize(steps.len(), false);
     let copies = &prepared.copies;
     let mut copies_left = copies.len();
-    let mut idle_since: Option<Instant> = None;
-    let mut deadline: Option<Instant> = None;
-    let mut last_liveness: Option<Instant> = None;
-    let mut quiet_polls: u32 = 0;
+    let mut idle = Idle::new(ctx.backoff, ctx.timeout);
 
     // Small local copies that are ready at the start run before any transfer: a send that waits
     // on one (in-place all-to-all stages its outgoing block) then leaves in the same write as
@@ -503,58 +628,25 @@ pub fn execute_prepared(
             return Ok(());
         }
         if progressed {
-            idle_since = None;
-            deadline = None;
-            quiet_polls = 0;
+            idle.progressed();
             continue;
         }
 
         // Nothing moved: check why we might stop, then back off.
-        if ctx.abort.load(Ordering::Relaxed) {
-            return Err(ctx.aborted());
-        }
-        // While spinning, most polls skip the clock and the poison check: each costs as much
-        // as a poll, and a peer on another core answers within a few polls.
-        quiet_polls = quiet_polls.wrapping_add(1);
-        if !ctx.backoff.spin.is_zero() && !quiet_polls.is_multiple_of(CLOCK_EVERY_POLLS) {
-            std::hint::spin_loop();
-            continue;
-        }
-        if let Some(e) = (ctx.poisoned)() {
-            return Err(e);
-        }
-        let now = Instant::now();
-        let deadline = *deadline.get_or_insert(now + ctx.timeout);
-        if now >= deadline {
-            let mut waiting_on: Vec<usize> = prepared
+        let step = idle.next(ctx.abort, ctx.poisoned).map_err(|stop| {
+            let waiting_on: Vec<usize> = prepared
                 .lanes
                 .iter()
                 .zip(cursors.iter())
                 .filter(|(_, [s, r])| s.pending() || r.pending())
                 .map(|(lane, _)| lane.peer)
                 .collect();
-            waiting_on.sort_unstable();
-            return Err(Error::Timeout {
-                rank: ctx.rank,
-                op: ctx.kind(),
-                seq: ctx.desc.seq,
-                waiting_on,
-                after: ctx.timeout,
-                seen_by: crate::error::SeenBy::ThisRank,
-                behind: Vec::new(),
-            });
-        }
-        let idle = now.duration_since(*idle_since.get_or_insert(now));
-        if idle < ctx.backoff.spin {
-            std::hint::spin_loop();
+            stop.into_error(ctx.rank, &ctx.desc, waiting_on, ctx.timeout)
+        })?;
+        let Some(sleep) = step.sleep else {
             continue;
-        }
-        if idle < ctx.backoff.spin + ctx.backoff.yield_for {
-            std::thread::yield_now();
-            continue;
-        }
-        if now.duration_since(*last_liveness.get_or_insert(now)) >= LIVENESS_PERIOD {
-            last_liveness = Some(now);
+        };
+        if step.check_liveness {
             for (lane, [s, r]) in prepared.lanes.iter().zip(cursors.iter()) {
                 if let (true, Some(Some(conn))) =
                     (s.pending() || r.pending(), conns.get_mut(lane.peer))
@@ -562,7 +654,15 @@ pub fn execute_prepared(
                     conn.check_peer().map_err(|e| ctx.transport(lane.peer, e))?;
                 }
             }
-            stray_header(ctx, prepared, conns)?;
+            let reads_header_from =
+                |peer: usize| prepared.lanes.iter().any(|l| l.peer == peer && l.header_in);
+            stray_header(
+                ctx.rank,
+                &ctx.desc,
+                ctx.collective_seq,
+                &reads_header_from,
+                conns,
+            )?;
         }
         interest.clear();
         interest.extend(
@@ -580,7 +680,6 @@ pub fn execute_prepared(
                     })
                 }),
         );
-        let sleep = deadline.saturating_duration_since(now).min(MAX_SLEEP);
         waiter
             .wait(interest, sleep)
             .map_err(|e| ctx.transport(ctx.rank, e))?;
@@ -917,17 +1016,20 @@ fn pump_recvs(io: &mut Io<'_, '_>, cur: &mut Cursor, areas: &mut [Area<'_>]) -> 
 /// Looks at the connections this operation does not read from: a collective's header waiting
 /// there with a sequence number up to this collective's was sent where this rank expected
 /// nothing, so the ranks disagree about an operation. (A later collective's header, or a
-/// point-to-point message, may legitimately be waiting: a peer can run ahead.) Called only
-/// while the operation is idle, so it costs nothing on the fast path.
-fn stray_header(
-    ctx: &Context<'_>,
-    prepared: &Prepared,
+/// point-to-point message, may legitimately be waiting: a peer can run ahead.) `ours` is the
+/// operation on `rank`, `current` its collective sequence number, and `reads_header_from` names
+/// the peers whose header it reads itself. Called only while the operation is idle, so it costs
+/// nothing on the fast path.
+pub(crate) fn stray_header(
+    rank: usize,
+    ours: &OpDesc,
+    current: u64,
+    reads_header_from: &dyn Fn(usize) -> bool,
     conns: &mut [Option<Box<dyn Connection>>],
 ) -> Result<()> {
-    let current = ctx.collective_seq;
     for (peer, conn) in conns.iter_mut().enumerate() {
         let Some(conn) = conn.as_mut() else { continue };
-        if peer == ctx.rank || prepared.lanes.iter().any(|l| l.peer == peer && l.header_in) {
+        if peer == rank || reads_header_from(peer) {
             continue;
         }
         let mut seen: Option<[u8; HEADER_LEN]> = None;
@@ -948,9 +1050,9 @@ fn stray_header(
         };
         if theirs.kind != OpKind::SendRecv && theirs.seq <= current {
             return Err(Error::Mismatch {
-                rank: ctx.rank,
+                rank,
                 peer,
-                ours: ctx.desc,
+                ours: *ours,
                 theirs,
             });
         }

@@ -9,6 +9,7 @@ use crate::config::{sends_pinned, CommConfig};
 use crate::error::{Error, Result};
 use crate::executor::{self, Area, Context, Layout, Prepared, Workspace};
 use crate::failure::{FailureHook, Failures, Surroundings};
+use crate::one_shot::{self, Contribution, OneShot};
 use crate::ordering::{CurrentOp, Turns, TICKET};
 use crate::progress::Progress;
 use crate::records::identity::RankIdentity;
@@ -376,6 +377,46 @@ impl Inner {
         let mut entry = TraceEntry::started_at(call.kind, seq, call.dtype, count as u64, start_us);
         entry.redop = call.has_reduction().then_some(call.op);
         entry.root = call.has_root().then_some(call.root);
+        // A restriction of the algorithms asks for schedules: one-shot is none of them.
+        let fits = one_shot::fits(call, n, self.settings.one_shot_max)
+            && self.settings.algo.is_unrestricted();
+        if fits && st.mesh.one_shot_parts().is_none() && st.mesh.one_shot_possible() {
+            // Every peer's outbox is needed: they come with the shared-memory connections.
+            let all: Vec<usize> = (0..n).collect();
+            self.connect_peers(&mut st.mesh, &all, &OpDesc::of_call(call, seq))?;
+        }
+        if fits && st.mesh.one_shot_parts().is_some() {
+            self.trace.start(TraceEntry {
+                algorithm: Some(weftcc_collectives::Algorithm::OneShot),
+                ..entry.with_peers((0..n).filter(|&p| p != r))
+            });
+            let scaled = self.scaled_input(call, plan, send, recv, seq)?;
+            let input = match (scaled.as_ref(), send) {
+                (Some(tmp), _) => {
+                    Contribution::Buffer(&bytemuck::cast_slice(tmp.as_slice())[..plan.input_len])
+                }
+                (None, Some(s)) => Contribution::Buffer(s),
+                (None, None) => {
+                    Contribution::InRecv(plan.input_offset..plan.input_offset + plan.input_len)
+                }
+            };
+            let op = OneShot {
+                rank: r,
+                nranks: n,
+                call,
+                plan,
+                seq,
+                timeout: self.timeout(),
+                abort: &self.abort,
+                idle: self.settings.backoff,
+                poisoned: &|| self.poisoned(),
+            };
+            let Some((boxes, conns, waiter)) = st.mesh.one_shot_parts() else {
+                return Err(self.internal(call.kind, seq, "one-shot outboxes went".into()));
+            };
+            op.run(boxes, conns, waiter, input, recv)?;
+            return self.divide_average(call, plan, recv, seq);
+        }
         let shape = CallShape::of(call, plan.in_place, self.settings.deterministic);
         let State {
             mesh,
@@ -409,32 +450,7 @@ impl Inner {
             }
         };
         let desc = OpDesc::of_call(call, seq);
-        let internal = |reason: String| Error::Internal {
-            rank: r,
-            op: call.kind,
-            seq,
-            reason,
-        };
-
-        // PreMulSum: scale this rank's input once; the algorithm then sums.
-        let scaled: Option<Vec<u64>> = match call.op {
-            ReduceOp::PreMulSum(factor) if call.has_reduction() => {
-                let src: &[u8] = match send {
-                    Some(s) => s,
-                    None => &recv[plan.input_offset..plan.input_offset + plan.input_len],
-                };
-                let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
-                reduce::scale_into(
-                    call.dtype,
-                    &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
-                    src,
-                    factor,
-                )
-                .map_err(|e| internal(e.to_string()))?;
-                Some(tmp)
-            }
-            _ => None,
-        };
+        let scaled = self.scaled_input(call, plan, send, recv, seq)?;
 
         let scratch_bytes = prepared.schedule().scratch_elems * call.dtype.size();
         if scratch.len() * 8 < scratch_bytes {
@@ -472,23 +488,80 @@ impl Inner {
         };
         self.execute(mesh, workspace, &run, &mut areas)?;
 
-        // Avg: divide the reduced result once, where a result was written.
-        let es = call.dtype.size();
-        let result = match call.kind {
-            OpKind::Reduce if r != call.root => None,
-            _ => Some(plan.output_offset..plan.output_offset + count * es),
+        self.divide_average(call, plan, recv, seq)
+    }
+
+    fn internal(&self, op: OpKind, seq: u64, reason: String) -> Error {
+        Error::Internal {
+            rank: self.rank,
+            op,
+            seq,
+            reason,
+        }
+    }
+
+    /// PreMulSum: this rank's input scaled once (the algorithm then sums); `None` for other
+    /// reductions.
+    fn scaled_input(
+        &self,
+        call: &RawOp,
+        plan: &Plan,
+        send: Option<&[u8]>,
+        recv: &[u8],
+        seq: u64,
+    ) -> Result<Option<Vec<u64>>> {
+        let ReduceOp::PreMulSum(factor) = call.op else {
+            return Ok(None);
         };
-        if let (ReduceOp::Avg, true, true, Some(range), Area::ReadWrite(out)) = (
-            call.op,
-            call.has_reduction(),
-            n > 1,
-            result,
-            &mut areas[CallArea::Recv as usize],
-        ) {
-            let out = out
-                .get_mut(range)
-                .ok_or_else(|| internal("average range".into()))?;
-            reduce::divide_in_place(call.dtype, out, n).map_err(|e| internal(e.to_string()))?;
+        if !call.has_reduction() {
+            return Ok(None);
+        }
+        let src: &[u8] = match send {
+            Some(s) => s,
+            None => recv
+                .get(plan.input_offset..plan.input_offset + plan.input_len)
+                .ok_or_else(|| self.internal(call.kind, seq, "in-place input range".into()))?,
+        };
+        let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
+        reduce::scale_into(
+            call.dtype,
+            &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
+            src,
+            factor,
+        )
+        .map_err(|e| self.internal(call.kind, seq, e.to_string()))?;
+        Ok(Some(tmp))
+    }
+
+    /// Avg: divides the reduced result once, where a result was written.
+    fn divide_average(&self, call: &RawOp, plan: &Plan, recv: &mut [u8], seq: u64) -> Result<()> {
+        let (r, n) = (self.rank, self.size);
+        let range = match call.kind {
+            OpKind::Reduce if r != call.root => return Ok(()),
+            _ => plan.output_offset..plan.output_offset + call.count * call.dtype.size(),
+        };
+        if call.op != ReduceOp::Avg || !call.has_reduction() || n <= 1 {
+            return Ok(());
+        }
+        let out = recv
+            .get_mut(range)
+            .ok_or_else(|| self.internal(call.kind, seq, "average range".into()))?;
+        reduce::divide_in_place(call.dtype, out, n)
+            .map_err(|e| self.internal(call.kind, seq, e.to_string()))
+    }
+
+    /// Connects every peer in `peers` not connected yet (for operation `desc`).
+    fn connect_peers(&self, mesh: &mut Mesh, peers: &[usize], desc: &OpDesc) -> Result<()> {
+        if mesh.all_connected(peers) {
+            return Ok(());
+        }
+        let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
+        let mut store = lock(&self.store);
+        if let Err(e) = mesh.connect(peers, &mut store, self.timeout(), &cancel) {
+            if let Some(poison) = self.poisoned() {
+                return Err(poison);
+            }
+            return Err(executor::transport_error(self.rank, desc, e.peer, e.source));
         }
         Ok(())
     }
@@ -519,16 +592,7 @@ impl Inner {
             collective_seq: run.collective_seq,
         };
         let prepared = run.prepared;
-        if !mesh.all_connected(prepared.peers()) {
-            let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
-            let mut store = lock(&self.store);
-            if let Err(e) = mesh.connect(prepared.peers(), &mut store, ctx.timeout, &cancel) {
-                if let Some(poison) = self.poisoned() {
-                    return Err(poison);
-                }
-                return Err(ctx.transport(e.peer, e.source));
-            }
-        }
+        self.connect_peers(mesh, prepared.peers(), &run.desc)?;
         let (conns, waiter) = mesh.parts();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             executor::execute_prepared(&ctx, areas, conns, waiter, workspace)

@@ -8,7 +8,7 @@
 //! | records | [`records`] | store key names and record formats (progress, failure notes, identities, trace dumps): pure, shared with the readers in `weft status` / `weft trace` |
 //! | settings | [`config`], [`env`], `logging` | settings from `WEFT_*` variables; rank, size and rendezvous from the launcher; `WEFT_DEBUG` |
 //! | base | [`error`], [`tuning`], [`bootstrap`], `agreement`, `background` | the error type; per-call algorithm choice; unique ids and rank 0's store; the ranks' consistency check at set-up; helper threads stopped by their owner's drop |
-//! | executor | `executor` | runs one prepared schedule over the connections (poll loop, no threads; knows no communicator) |
+//! | executor | `executor`, `one_shot` | runs one prepared schedule over the connections (poll loop, no threads; knows no communicator); runs a small collective among ranks that share memory through their outboxes |
 //! | concerns | `ordering`, `cache`, `failure`, `progress`, [`trace`], `worker`, `lineage` | each owns its state: issue order (tickets), prepared schedules, the failure protocol, this rank's progress, the flight recorder, the async worker thread, the epoch and the shrinks and grows made so far |
 //! | composition | `inner` | what a communicator shares with its threads, and one call's path through the concerns |
 //! | threads | `watcher` | the failure watcher: publishes progress, reads the job's failures, answers dump requests |
@@ -36,6 +36,7 @@ mod inner;
 mod lineage;
 mod local;
 mod logging;
+mod one_shot;
 mod ordering;
 mod progress;
 pub mod records;

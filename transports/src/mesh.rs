@@ -39,7 +39,7 @@ use crate::host_table;
 use crate::mem::{self, Doorbell, MemWaiter};
 use crate::mux::{self, ChannelId, Mux, Signal};
 use crate::net::{self, NetChoice, NetConnection, Provider};
-use crate::shm::{self, ShmEndpoint, ShmWaiter};
+use crate::shm::{self, Outboxes, ShmEndpoint, ShmWaiter};
 use crate::tcp::{self, Family, TcpEndpoint, TcpPollHandle, TcpWaiter};
 use crate::tcp_stripes::StripePlan;
 use crate::util::{lock, Deadline};
@@ -426,6 +426,23 @@ struct Linked {
     poll: Option<TcpPollHandle>,
 }
 
+/// A new connection: the connection, its transport's name, the socket a TCP one is polled on,
+/// and a shared-memory peer's one-shot outbox.
+type Opened = (
+    Box<dyn Connection>,
+    &'static str,
+    Option<TcpPollHandle>,
+    Option<shm::Outbox>,
+);
+
+/// What a one-shot collective works with ([`Mesh::one_shot_parts`]): the outboxes, the
+/// connections (for liveness and stray headers) and the idle waiter.
+pub type OneShotParts<'a> = (
+    &'a mut Outboxes,
+    &'a mut [Option<Box<dyn Connection>>],
+    &'a mut dyn IdleWaiter,
+);
+
 /// What the communicators of one family share in this process (see the module docs). Ranks
 /// here are ranks of the family's first communicator.
 struct Shared {
@@ -479,6 +496,10 @@ pub struct Mesh {
     signal: Signal,
     /// Makes and keeps connections; `None` for in-memory meshes (connected from the start).
     family: Option<Arc<Shared>>,
+    /// One-shot outboxes ([`shm::Outbox`]) of this rank and of each peer connected over shared
+    /// memory; `None` where connections are shared by a family (its communicators would share
+    /// the outbox too) or there is no shared memory.
+    outboxes: Option<Outboxes>,
 }
 
 impl Drop for Mesh {
@@ -587,6 +608,11 @@ impl Mesh {
             family_live: Some(Arc::clone(&live)),
         };
         let host_ids = hosts.iter().map(|h| h.host_id.clone()).collect();
+        let outboxes = shm_endpoint
+            .as_ref()
+            .and_then(ShmEndpoint::outbox)
+            .filter(|_| !cfg.share_splits)
+            .map(|mine| Outboxes::new(mine, n));
         let unix = unix.filter(|_| shm_endpoint.is_some());
         let connector = Connector::start(
             rank,
@@ -623,6 +649,7 @@ impl Mesh {
             channel: mux::channel_id(ns),
             signal,
             family: Some(Arc::new(family)),
+            outboxes,
         };
         if cfg.connect == ConnectMode::Eager {
             let all: Vec<usize> = (0..n).collect();
@@ -677,6 +704,7 @@ impl Mesh {
             channel: mux::channel_id(namespace),
             signal,
             family: Some(Arc::clone(family)),
+            outboxes: None,
         })
     }
 
@@ -772,7 +800,7 @@ impl Mesh {
             let addr = links.addrs.get(&f).copied();
             let (conn, kind, poll) = if family.share {
                 if links.by_rank[f].is_none() {
-                    let (conn, kind, poll) = self
+                    let (conn, kind, poll, _) = self
                         .open(&family, p, addr, &deadline, cancel)
                         .map_err(|source| ConnectError { peer: p, source })?;
                     links.by_rank[f] = Some(Linked {
@@ -791,8 +819,13 @@ impl Mesh {
                 let conn: Box<dyn Connection> = Box::new(channel);
                 (conn, linked.kind, linked.poll.clone())
             } else {
-                self.open(&family, p, addr, &deadline, cancel)
-                    .map_err(|source| ConnectError { peer: p, source })?
+                let (conn, kind, poll, outbox) = self
+                    .open(&family, p, addr, &deadline, cancel)
+                    .map_err(|source| ConnectError { peer: p, source })?;
+                if let (Some(boxes), Some(outbox)) = (self.outboxes.as_mut(), outbox) {
+                    boxes.peers[p] = Some(outbox);
+                }
+                (conn, kind, poll)
             };
             match (&poll, kind) {
                 (Some(h), _) => self.waiter.tcp.add(h.for_peer(p)),
@@ -805,8 +838,8 @@ impl Mesh {
         Ok(())
     }
 
-    /// A new connection to peer `p` (TCP address `addr`), its transport's name and, over TCP,
-    /// the socket its waiter polls.
+    /// A new connection to peer `p` (TCP address `addr`), its transport's name, over TCP the
+    /// socket its waiter polls, and over shared memory the peer's one-shot outbox.
     fn open(
         &self,
         family: &Shared,
@@ -814,14 +847,15 @@ impl Mesh {
         addr: Option<SocketAddr>,
         deadline: &Deadline,
         cancel: &dyn Fn() -> bool,
-    ) -> Result<(Box<dyn Connection>, &'static str, Option<TcpPollHandle>)> {
+    ) -> Result<Opened> {
         let made = family
             .connector
             .connect(self.members[p], addr, deadline, cancel)?;
-        let opened: (Box<dyn Connection>, &'static str, Option<TcpPollHandle>) = match made {
+        let opened: Opened = match made {
             Made::Shm(mut c) => {
                 c.set_low_latency_max(family.shm_ll_max);
-                (c, "shm", None)
+                let outbox = c.peer_outbox();
+                (c, "shm", None, outbox)
             }
             Made::Tcp(c) => {
                 let f = self.members[p];
@@ -835,11 +869,11 @@ impl Mesh {
                             deadline,
                         )?;
                         tracing::info!(target: "weftcc::net", rank = self.rank, peer = p, "via NET/{}", provider.name());
-                        (Box::new(conn), "net", None)
+                        (Box::new(conn), "net", None, None)
                     }
                     _ => {
                         let poll = Some(c.poll_handle());
-                        (Box::new(c), "tcp", poll)
+                        (Box::new(c), "tcp", poll, None)
                     }
                 }
             }
@@ -908,6 +942,7 @@ impl Mesh {
                 channel: 0,
                 signal: Arc::new(AtomicU64::new(0)),
                 family: None,
+                outboxes: None,
             })
             .collect()
     }
@@ -976,5 +1011,21 @@ impl Mesh {
     /// the engine can poll and wait.
     pub fn parts(&mut self) -> (&mut [Option<Box<dyn Connection>>], &mut dyn IdleWaiter) {
         (&mut self.conns, &mut self.waiter)
+    }
+    /// The one-shot outboxes with the connections and the waiter, when every peer of this
+    /// communicator is connected over shared memory with an outbox (see [`shm::Outbox`]).
+    pub fn one_shot_parts(&mut self) -> Option<OneShotParts<'_>> {
+        let boxes = self.outboxes.as_mut().filter(|b| b.complete(self.rank))?;
+        Some((boxes, &mut self.conns, &mut self.waiter))
+    }
+
+    /// Whether one-shot collectives can run here once every peer is connected: this rank has
+    /// an outbox and shares memory with every other rank.
+    pub fn one_shot_possible(&self) -> bool {
+        self.outboxes.is_some()
+            && self.family.as_ref().is_some_and(|f| {
+                (0..self.nranks)
+                    .all(|p| p == self.rank || f.connector.kind(self.members[p]) == Kind::Shm)
+            })
     }
 }

@@ -73,7 +73,8 @@ pub fn select(
             }
             _ => ring_all_reduce(p),
         },
-        (OpKind::AllReduce, Algorithm::Ring) => ring_all_reduce(p),
+        // One-shot runs without a schedule; asked for one, it gets the ring.
+        (OpKind::AllReduce, Algorithm::Ring | Algorithm::OneShot) => ring_all_reduce(p),
         (OpKind::Reduce, Algorithm::Tree) => tree_reduce(p, root),
         (OpKind::Reduce, _) => chain_reduce(p, root),
         (OpKind::Broadcast, Algorithm::Tree) => tree_broadcast(p, root),

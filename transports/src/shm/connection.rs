@@ -64,6 +64,11 @@ pub struct ShmConnection {
 }
 
 impl ShmConnection {
+    /// The peer's one-shot outbox (in its doorbell object, mapped already).
+    pub fn peer_outbox(&self) -> Option<super::Outbox> {
+        super::Outbox::of(&self.peer_bell)
+    }
+
     /// Attaches to the peer: `own` is the ring it writes into (here), `remote` the ring this side
     /// writes into (the peer's), `peer_bell` the peer's doorbell.
     pub(super) fn attach(

@@ -184,6 +184,11 @@ impl ShmEndpoint {
         self.connect(incoming, bell, ring)
     }
 
+    /// This rank's one-shot outbox (in its doorbell object).
+    pub fn outbox(&self) -> Option<super::Outbox> {
+        super::Outbox::of(&self.bell)
+    }
+
     /// The idle waiter of this rank: sleeps on its doorbell.
     pub fn waiter(&self) -> ShmWaiter {
         let last = self.bell.doorbell().load(Ordering::SeqCst);

@@ -4,7 +4,7 @@
 use crate::conn::FAREWELL_MAX;
 
 pub(super) const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
-pub(super) const VERSION: u32 = 4;
+pub(super) const VERSION: u32 = 5;
 pub(super) const MAX_SLOTS: usize = 1 << 16;
 
 // Header offsets.
@@ -82,6 +82,8 @@ pub(super) struct Layout {
     pub(super) header_size: usize,
     /// Each ring's control page(s) before its data.
     pub(super) ctrl_size: usize,
+    /// A doorbell's one-shot outbox after its header ([`super::outbox`]; 0 in ring objects).
+    pub(super) outbox_size: usize,
     /// The whole segment.
     pub(super) total: usize,
 }
@@ -92,12 +94,20 @@ impl Layout {
         let header_size = round_up(H_SLOTS + 4 * nslots, page)?;
         let ctrl_size = round_up(CTRL_BYTES, page)?;
         let per = ctrl_size.checked_add(capacity)?;
-        let total = header_size.checked_add(per.checked_mul(nslots)?)?;
+        let outbox_size = if nslots == 0 {
+            round_up(super::outbox::OUTBOX_BYTES, page)?
+        } else {
+            0
+        };
+        let total = header_size
+            .checked_add(per.checked_mul(nslots)?)?
+            .checked_add(outbox_size)?;
         Some(Layout {
             nslots,
             capacity,
             header_size,
             ctrl_size,
+            outbox_size,
             total,
         })
     }

@@ -94,6 +94,7 @@ mod doorbell;
 mod endpoint;
 mod layout;
 mod low_latency;
+mod outbox;
 mod segment;
 mod space;
 #[cfg(test)]
@@ -105,6 +106,7 @@ pub use doorbell::ShmWaiter;
 pub use endpoint::{local_pair, IncomingRing, ShmEndpoint};
 pub use layout::{page_size, segment_size, LL_MAX};
 pub use low_latency::ll_max_bytes;
+pub use outbox::{Outbox, Outboxes, OUTBOX_HEADER_MAX, OUTBOX_SLOTS, OUTBOX_SLOT_BYTES};
 pub use segment::{remove_orphan_segments, ORPHAN_GRACE};
 pub use space::{
     auto_capacity, check_host_shm, check_shm_space, host_shm_limits, ring_bytes, ring_capacity,

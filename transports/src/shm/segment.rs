@@ -140,6 +140,7 @@ impl Mapping {
                 capacity: 0,
                 header_size: 4096,
                 ctrl_size: 4096,
+                outbox_size: 0,
                 total: 4096,
             },
         };
