@@ -1,20 +1,21 @@
-//! One-shot collectives among ranks that all share memory: each rank that contributes posts its
-//! input once in its outbox ([`weftcc_transports::shm::Outbox`]) and every rank that needs them
-//! reads the others' contributions in place, then finishes. A small collective then costs the
-//! cache lines its data fills plus one flag per rank, not a schedule's messages (OpenMPI's
-//! shared-memory collectives and MPICH's release/gather do the same).
+//! One-shot collectives among ranks that all share memory: every rank posts its contribution
+//! once in its outbox ([`weftcc_transports::shm::Outbox`]) and every rank that needs them reads
+//! the others' contributions in place, then finishes. A small collective then costs the cache
+//! lines its data fills plus one flag per rank, not a schedule's messages (OpenMPI's and MPICH's
+//! shared-memory collectives do the same).
 //!
-//! Who posts and who reads ([`Roles`]): all-reduce, all-gather and reduce-scatter: every rank
-//! posts and reads every slot; broadcast: the root posts, the others read it; reduce: every rank
-//! posts, the root reads. Reductions fold the contributions in rank order, `((x0 ⊕ x1) ⊕ x2) …`,
-//! the order of deterministic mode's `Ordered` schedules: every rank gets the same bits, and the
-//! same bits as `WEFT_DETERMINISTIC=1`.
+//! Who reads what ([`Roles`]): all-reduce, all-gather and reduce-scatter: every rank reads every
+//! post; broadcast: the others read the root's; reduce: the root reads every post. Every rank
+//! also checks the header posted with at least one peer's post against its own call (a
+//! disagreement is [`Error::Mismatch`]). Reductions fold the contributions in rank order,
+//! `((x0 ⊕ x1) ⊕ x2) …`, the order of deterministic mode's `Ordered` schedules: every rank gets
+//! the same bits, and the same bits as `WEFT_DETERMINISTIC=1`.
 //!
 //! A slot is written again only once every rank finished the collective that last used it
-//! (`done`), so a rank runs at most [`OUTBOX_SLOTS`] collectives ahead of the slowest; a reader
-//! checks the header posted with the data against its own call (a disagreement is
-//! [`Error::Mismatch`]). Waiting follows the executor's idle policy and checks: abort, poison,
-//! timeout, the peer's liveness, and a schedule's header sent where this rank runs one-shot.
+//! (`done`), so a rank runs at most [`OUTBOX_SLOTS`](weftcc_transports::shm::OUTBOX_SLOTS) collectives ahead of the slowest. Waiting
+//! follows the executor's idle policy and checks: abort, poison, timeout, the peer's liveness,
+//! and a schedule's header sent where this rank runs one-shot. A post wakes the ranks that
+//! check it; a finish wakes the ranks that said they wait for the others to finish.
 
 use crate::config::Backoff;
 use crate::error::{Error, Result};
@@ -63,50 +64,54 @@ pub(crate) fn fits(call: &RawOp, n: usize, max_read: usize) -> bool {
             .is_some_and(|(posted, read)| posted <= OUTBOX_SLOT_BYTES && read <= max_read)
 }
 
-/// What one rank does in a one-shot collective.
+/// What one rank does in a one-shot collective. Every rank posts (its contribution, or only the
+/// operation's header) and checks, besides the posts it reads, the header of its successor
+/// (rank + 1 mod n): the pairs checked then connect every rank whatever root each believes in,
+/// so ranks that disagree about the call cannot all finish; some rank meets a mismatch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Roles {
-    /// This rank posts its input.
-    pub posts: bool,
-    /// Ranks whose posts this rank reads: all, the root only, or none.
+    /// This rank's post carries its input (else only the header: a broadcast's receivers).
+    pub contributes: bool,
     pub reads: Reads,
+    /// The successor whose header this rank checks.
+    pub next: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reads {
+    /// Every rank's post, this rank's own included.
     All,
-    Root,
+    /// One rank's post.
+    One(usize),
+    /// No post but the successor's header.
     Nothing,
 }
 
 impl Roles {
-    pub(crate) fn of(kind: OpKind, rank: usize, root: usize) -> Roles {
-        let (posts, reads) = match kind {
+    pub(crate) fn of(kind: OpKind, rank: usize, root: usize, n: usize) -> Roles {
+        let (contributes, reads) = match kind {
             OpKind::Broadcast if rank == root => (true, Reads::Nothing),
-            OpKind::Broadcast => (false, Reads::Root),
+            OpKind::Broadcast => (false, Reads::One(root)),
             OpKind::Reduce if rank == root => (true, Reads::All),
             OpKind::Reduce => (true, Reads::Nothing),
             _ => (true, Reads::All),
         };
-        Roles { posts, reads }
-    }
-
-    /// Whether this rank reads the post of `peer`.
-    fn reads_from(&self, peer: usize, root: usize) -> bool {
-        match self.reads {
-            Reads::All => true,
-            Reads::Root => peer == root,
-            Reads::Nothing => false,
+        Roles {
+            contributes,
+            reads,
+            next: (rank + 1) % n,
         }
     }
-}
 
-/// The peers that must be woken when this rank finishes: those that posted and read nothing
-/// (a broadcast's root, a reduce's other ranks), for whom nothing else rings once this rank's
-/// `done` lets them write their slot again.
-fn wakes_on_finish(kind: OpKind, rank: usize, root: usize, peer: usize) -> bool {
-    let theirs = Roles::of(kind, peer, root);
-    peer != rank && theirs.posts && theirs.reads == Reads::Nothing
+    /// Whether this rank waits for the post of `peer` (another rank) and checks its header.
+    fn checks(&self, peer: usize) -> bool {
+        peer == self.next
+            || match self.reads {
+                Reads::All => true,
+                Reads::One(p) => p == peer,
+                Reads::Nothing => false,
+            }
+    }
 }
 
 /// Where this rank's contribution is: a buffer of its own, or (in place) a range of the receive
@@ -155,93 +160,93 @@ impl OneShot<'_> {
         recv: &mut [u8],
     ) -> Result<()> {
         let (r, n, call, seq) = (self.rank, self.nranks, self.call, self.seq);
-        let roles = Roles::of(call.kind, r, call.root);
+        let roles = Roles::of(call.kind, r, call.root, n);
         let k = Outbox::slot_of(seq);
         let desc = self.desc();
         let encoded = desc.encode(r as u32);
 
-        if roles.posts {
-            // Every rank must have finished the collective that last used this slot.
-            let last = boxes.written[k];
-            if boxes
-                .seen_done
-                .iter()
-                .enumerate()
-                .any(|(p, &d)| p != r && d < last)
-            {
-                let peers = &boxes.peers;
-                let not_done = |p: usize| peers[p].as_ref().is_some_and(|o| o.done() < last);
-                self.wait_for(conns, waiter, &roles, &not_done)?;
-                for (seen, peer) in boxes.seen_done.iter_mut().zip(&boxes.peers) {
-                    if let Some(o) = peer {
-                        *seen = o.done();
-                    }
+        // Every rank must have finished the collective that last used this slot.
+        let last = boxes.written[k];
+        if boxes
+            .seen_done
+            .iter()
+            .enumerate()
+            .any(|(p, &d)| p != r && d < last)
+        {
+            let peers = &boxes.peers;
+            let not_done = |p: usize| peers[p].as_ref().is_some_and(|o| o.done() < last);
+            // The others ring this rank when they finish while it says it waits.
+            boxes.mine.set_waiting(true);
+            let waited = self.wait_for(conns, waiter, &not_done);
+            boxes.mine.set_waiting(false);
+            waited?;
+            for (seen, peer) in boxes.seen_done.iter_mut().zip(&boxes.peers) {
+                if let Some(o) = peer {
+                    *seen = o.done();
                 }
             }
-            let bytes = match &input {
-                Contribution::Buffer(b) => Some(*b),
-                Contribution::InRecv(range) => recv.get(range.clone()),
-            }
-            .ok_or_else(|| self.internal("in-place input outside the receive buffer".into()))?;
-            boxes
-                .mine
-                .post(k, seq, &encoded, bytes)
-                .map_err(|e| self.internal(e.to_string()))?;
-            boxes.written[k] = seq;
-            for (p, peer) in boxes.peers.iter().enumerate() {
-                if let Some(o) = peer {
-                    if Roles::of(call.kind, p, call.root).reads_from(r, call.root) {
-                        o.ring();
-                    }
+        }
+        let data = match (&input, roles.contributes) {
+            (_, false) => Some(&[][..]),
+            (Contribution::Buffer(b), true) => Some(*b),
+            (Contribution::InRecv(range), true) => recv.get(range.clone()),
+        }
+        .ok_or_else(|| self.internal("in-place input outside the receive buffer".into()))?;
+        boxes
+            .mine
+            .post(k, seq, &encoded, data)
+            .map_err(|e| self.internal(e.to_string()))?;
+        boxes.written[k] = seq;
+        for (p, peer) in boxes.peers.iter().enumerate() {
+            if let Some(o) = peer {
+                if Roles::of(call.kind, p, call.root, n).checks(r) {
+                    o.ring();
                 }
             }
         }
 
-        if roles.reads != Reads::Nothing {
-            let sources = |p: usize| roles.reads_from(p, call.root);
-            let boxes_ref = &*boxes;
-            let outbox = |p: usize| -> Option<&Outbox> {
-                if p == r {
-                    Some(&boxes_ref.mine)
-                } else {
-                    boxes_ref.peers[p].as_ref()
-                }
-            };
-            let not_posted =
-                |p: usize| p != r && sources(p) && outbox(p).is_some_and(|o| o.posted(k) != seq);
-            self.wait_for(conns, waiter, &roles, &not_posted)?;
-            for p in (0..n).filter(|&p| sources(p)) {
-                let o = outbox(p).ok_or_else(|| self.internal(format!("no outbox of rank {p}")))?;
-                let posted = o.posted(k);
-                if posted != seq {
-                    return Err(self.internal(format!(
-                        "rank {p}'s slot holds collective #{posted}, expected #{seq}"
-                    )));
-                }
-                let header = o.header(k);
-                let mut theirs = [0u8; HEADER_LEN];
-                theirs.copy_from_slice(&header[..HEADER_LEN]);
-                if !desc.is_encoded_in(p as u32, &theirs) {
-                    return Err(match OpDesc::decode(&theirs) {
-                        Ok((theirs, _)) => Error::Mismatch {
-                            rank: r,
-                            peer: p,
-                            ours: desc,
-                            theirs,
-                        },
-                        Err(e) => self.internal(format!("rank {p} posted a bad header: {e}")),
-                    });
-                }
+        let boxes_ref = &*boxes;
+        let outbox = |p: usize| -> Option<&Outbox> {
+            if p == r {
+                Some(&boxes_ref.mine)
+            } else {
+                boxes_ref.peers[p].as_ref()
             }
+        };
+        let not_posted =
+            |p: usize| p != r && roles.checks(p) && outbox(p).is_some_and(|o| o.posted(k) != seq);
+        self.wait_for(conns, waiter, &not_posted)?;
+        for p in (0..n).filter(|&p| p != r && roles.checks(p)) {
+            let o = outbox(p).ok_or_else(|| self.internal(format!("no outbox of rank {p}")))?;
+            let posted = o.posted(k);
+            if posted != seq {
+                return Err(self.internal(format!(
+                    "rank {p}'s slot holds collective #{posted}, expected #{seq}"
+                )));
+            }
+            let header = o.header(k);
+            let mut theirs = [0u8; HEADER_LEN];
+            theirs.copy_from_slice(&header[..HEADER_LEN]);
+            if !desc.is_encoded_in(p as u32, &theirs) {
+                return Err(match OpDesc::decode(&theirs) {
+                    Ok((theirs, _)) => Error::Mismatch {
+                        rank: r,
+                        peer: p,
+                        ours: desc,
+                        theirs,
+                    },
+                    Err(e) => self.internal(format!("rank {p} posted a bad header: {e}")),
+                });
+            }
+        }
+        if roles.reads != Reads::Nothing {
             self.combine(&outbox, recv)?;
         }
 
         boxes.mine.finish(seq);
-        for (p, peer) in boxes.peers.iter().enumerate() {
-            if let Some(o) = peer {
-                if wakes_on_finish(call.kind, r, call.root, p) {
-                    o.ring();
-                }
+        for peer in boxes.peers.iter().flatten() {
+            if peer.waiting() {
+                peer.ring();
             }
         }
         // An out-of-place broadcast root copies its own input.
@@ -316,7 +321,6 @@ impl OneShot<'_> {
         &self,
         conns: &mut [Option<Box<dyn Connection>>],
         waiter: &mut dyn IdleWaiter,
-        roles: &Roles,
         pending: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
         let n = self.nranks;
@@ -339,7 +343,6 @@ impl OneShot<'_> {
                 }
                 // Every peer's schedule header up to this collective is a disagreement: one-shot
                 // reads none.
-                let _ = roles;
                 executor::stray_header(self.rank, &desc, self.seq, &|_| false, conns)?;
             }
             if let Some(sleep) = step.sleep {
@@ -372,55 +375,62 @@ mod tests {
     fn roles_post_and_read_as_documented() {
         use OpKind::*;
         for n in 2..=4 {
+            let root = 1;
             for r in 0..n {
+                let next = (r + 1) % n;
+                let roles = |contributes, reads| Roles {
+                    contributes,
+                    reads,
+                    next,
+                };
                 for kind in [AllReduce, AllGather, ReduceScatter] {
-                    assert_eq!(
-                        Roles::of(kind, r, 1),
-                        Roles {
-                            posts: true,
-                            reads: Reads::All
-                        }
-                    );
+                    assert_eq!(Roles::of(kind, r, root, n), roles(true, Reads::All));
                 }
-                let root = 1;
-                let b = Roles::of(Broadcast, r, root);
-                assert_eq!(b.posts, r == root);
-                assert_eq!(
-                    b.reads,
-                    if r == root {
-                        Reads::Nothing
-                    } else {
-                        Reads::Root
-                    }
-                );
-                let red = Roles::of(Reduce, r, root);
-                assert!(red.posts);
-                assert_eq!(
-                    red.reads,
-                    if r == root {
-                        Reads::All
-                    } else {
-                        Reads::Nothing
-                    }
-                );
+                let b = Roles::of(Broadcast, r, root, n);
+                if r == root {
+                    assert_eq!(b, roles(true, Reads::Nothing));
+                } else {
+                    assert_eq!(b, roles(false, Reads::One(root)));
+                }
+                let red = Roles::of(Reduce, r, root, n);
+                if r == root {
+                    assert_eq!(red, roles(true, Reads::All));
+                } else {
+                    assert_eq!(red, roles(true, Reads::Nothing));
+                }
             }
         }
     }
 
-    /// Every rank that posts and reads nothing is woken by someone when the others finish.
+    /// Whatever root each rank believes in, the header checks connect every rank: ranks that
+    /// disagree about the call cannot all finish without one of them checking the other's.
     #[test]
-    fn writers_that_read_nothing_are_woken_on_finish() {
+    fn header_checks_connect_every_rank_whatever_roots_they_believe() {
         use OpKind::*;
+        fn find(parent: &[usize], mut x: usize) -> usize {
+            while parent[x] != x {
+                x = parent[x];
+            }
+            x
+        }
         for kind in [AllReduce, AllGather, ReduceScatter, Broadcast, Reduce] {
-            for n in 2..=4 {
-                let root = n - 1;
-                for p in 0..n {
-                    let theirs = Roles::of(kind, p, root);
-                    if theirs.posts && theirs.reads == Reads::Nothing {
-                        assert!((0..n)
-                            .filter(|&q| q != p)
-                            .all(|q| wakes_on_finish(kind, q, root, p)));
+            for n in 2..=4usize {
+                // Every assignment of believed roots to ranks.
+                for code in 0..n.pow(n as u32) {
+                    let roots: Vec<usize> = (0..n).map(|r| code / n.pow(r as u32) % n).collect();
+                    let mut parent: Vec<usize> = (0..n).collect();
+                    for (r, &root) in roots.iter().enumerate() {
+                        let roles = Roles::of(kind, r, root, n);
+                        for q in (0..n).filter(|&q| q != r && roles.checks(q)) {
+                            let (a, b) = (find(&parent, r), find(&parent, q));
+                            parent[a] = b;
+                        }
                     }
+                    let first = find(&parent, 0);
+                    assert!(
+                        (0..n).all(|r| find(&parent, r) == first),
+                        "{kind} on {n} ranks with roots {roots:?}"
+                    );
                 }
             }
         }

@@ -12,7 +12,8 @@
 //! ```text
 //! outbox (after the doorbell header, page aligned):
 //!   @0    done u64: the sequence number of the last one-shot collective this rank finished
-//!   @64   slot k (k < OUTBOX_SLOTS), each SLOT_STRIDE bytes (whole cache lines):
+//!   @64   waiting u64: non-zero while the owner waits for the others' `done` (they wake it)
+//!   @128  slot k (k < OUTBOX_SLOTS), each SLOT_STRIDE bytes (whole cache lines):
 //!           @0 posted u64 (sequence number, stored last with Release) |
 //!           @8 the operation's header (OUTBOX_HEADER_MAX bytes, as 8-byte words) | @48 data
 //! ```
@@ -37,7 +38,8 @@ pub const OUTBOX_SLOT_BYTES: usize = 4096;
 
 const LINE: usize = 64;
 const O_DONE: usize = 0;
-const O_SLOTS: usize = LINE;
+const O_WAITING: usize = LINE;
+const O_SLOTS: usize = 2 * LINE;
 const S_POSTED: usize = 0;
 const S_DESC: usize = 8;
 /// Longest operation header a slot carries.
@@ -84,14 +86,30 @@ impl Outbox {
 
     /// The sequence number of the last one-shot collective the owner finished.
     pub fn done(&self) -> u64 {
-        self.map.u64_at(self.base + O_DONE).load(Ordering::Acquire)
+        self.map.u64_at(self.base + O_DONE).load(Ordering::SeqCst)
     }
 
     /// Marks collective `seq` finished here: its slots may be written again.
     pub fn finish(&self, seq: u64) {
         self.map
             .u64_at(self.base + O_DONE)
-            .store(seq, Ordering::Release);
+            .store(seq, Ordering::SeqCst);
+    }
+
+    /// Says whether the owner waits for the others' `done` (they ring it when they finish).
+    pub fn set_waiting(&self, waiting: bool) {
+        self.map
+            .u64_at(self.base + O_WAITING)
+            .store(u64::from(waiting), Ordering::SeqCst);
+    }
+
+    /// Whether the owner waits for the others' `done`. Read after storing `done` (both SeqCst):
+    /// either the owner sees the new `done` or this sees it waiting.
+    pub fn waiting(&self) -> bool {
+        self.map
+            .u64_at(self.base + O_WAITING)
+            .load(Ordering::SeqCst)
+            != 0
     }
 
     /// The sequence number slot `k` was last posted with (0: never).
