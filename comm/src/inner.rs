@@ -411,10 +411,10 @@ impl Inner {
                 idle: self.settings.backoff,
                 poisoned: &|| self.poisoned(),
             };
-            let Some((boxes, conns, waiter)) = st.mesh.one_shot_parts() else {
+            let Some((boxes, conns)) = st.mesh.one_shot_parts() else {
                 return Err(self.internal(call.kind, seq, "one-shot outboxes went".into()));
             };
-            op.run(boxes, conns, waiter, input, recv)?;
+            op.run(boxes, conns, input, recv)?;
             return self.divide_average(call, plan, recv, seq);
         }
         let shape = CallShape::of(call, plan.in_place, self.settings.deterministic);

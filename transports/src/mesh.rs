@@ -435,13 +435,9 @@ type Opened = (
     Option<shm::Outbox>,
 );
 
-/// What a one-shot collective works with ([`Mesh::one_shot_parts`]): the outboxes, the
-/// connections (for liveness and stray headers) and the idle waiter.
-pub type OneShotParts<'a> = (
-    &'a mut Outboxes,
-    &'a mut [Option<Box<dyn Connection>>],
-    &'a mut dyn IdleWaiter,
-);
+/// What a one-shot collective works with ([`Mesh::one_shot_parts`]): the outboxes, and the
+/// connections (for liveness and stray headers).
+pub type OneShotParts<'a> = (&'a Outboxes, &'a mut [Option<Box<dyn Connection>>]);
 
 /// What the communicators of one family share in this process (see the module docs). Ranks
 /// here are ranks of the family's first communicator.
@@ -1012,11 +1008,11 @@ impl Mesh {
     pub fn parts(&mut self) -> (&mut [Option<Box<dyn Connection>>], &mut dyn IdleWaiter) {
         (&mut self.conns, &mut self.waiter)
     }
-    /// The one-shot outboxes with the connections and the waiter, when every peer of this
+    /// The one-shot outboxes with the connections, when every peer of this
     /// communicator is connected over shared memory with an outbox (see [`shm::Outbox`]).
     pub fn one_shot_parts(&mut self) -> Option<OneShotParts<'_>> {
-        let boxes = self.outboxes.as_mut().filter(|b| b.complete(self.rank))?;
-        Some((boxes, &mut self.conns, &mut self.waiter))
+        let boxes = self.outboxes.as_ref().filter(|b| b.complete(self.rank))?;
+        Some((boxes, &mut self.conns))
     }
 
     /// Whether one-shot collectives can run here once every peer is connected: this rank has

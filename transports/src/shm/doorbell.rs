@@ -19,6 +19,33 @@ impl Mapping {
         self.u32_at(H_SLEEPING)
     }
 
+    /// Rings only when the owner sleeps, or is about to ([`Outbox::sleep_unless`]): call after
+    /// storing what the owner waits for. Either this sees the owner's sleeping count, or the
+    /// owner (which raises the count before it checks its condition) sees the store. Costs a
+    /// read of a line that stays in this core's cache while nobody sleeps, where a ring is a
+    /// locked write to the owner's line.
+    ///
+    /// [`Outbox::sleep_unless`]: super::Outbox::sleep_unless
+    pub(super) fn wake_if_sleeping(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping().load(Ordering::SeqCst) != 0 {
+            self.ring_doorbell();
+        }
+    }
+
+    /// Sleeps on this segment's doorbell (its owner's) for at most `max` unless `ready()`, which
+    /// is checked after the sleeping count is raised (see [`Mapping::wake_if_sleeping`]).
+    pub(super) fn sleep_unless(&self, max: Duration, ready: &dyn Fn() -> bool) {
+        let bell = self.doorbell();
+        let sleeping = self.sleeping();
+        sleeping.fetch_add(1, Ordering::SeqCst);
+        let cur = bell.load(Ordering::SeqCst);
+        if !ready() {
+            futex_wait(bell, cur, max);
+        }
+        sleeping.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// Signals the owner of this segment: new data or freed space.
     pub(super) fn ring_doorbell(&self) {
         self.doorbell().fetch_add(1, Ordering::SeqCst);

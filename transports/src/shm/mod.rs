@@ -1,7 +1,7 @@
 //! Same-host transport: byte rings in POSIX shared memory with futex doorbells.
 //!
-//! Each rank has a doorbell object (a header only) and makes one *incoming* ring object per
-//! connected local peer ([`ShmEndpoint`]). Objects are created under a unique name in /dev/shm and
+//! Each rank has a doorbell object (a header, then the rank's one-shot [`Outbox`]) and makes one
+//! *incoming* ring object per connected local peer ([`ShmEndpoint`]). Objects are created under a unique name in /dev/shm and
 //! unlinked at once; the peer maps them from descriptors passed over a Unix socket. A sender
 //! writes into the ring the receiver made; the receiver reads from its own ring and lends the
 //! bytes in place (zero copy). Layout of an object (doorbell: 0 slots; ring: 1 slot; all offsets

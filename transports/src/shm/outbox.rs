@@ -11,35 +11,32 @@
 //!
 //! ```text
 //! outbox (after the doorbell header, page aligned):
-//!   @0    done u64: the sequence number of the last one-shot collective this rank finished
-//!   @64   waiting u64: non-zero while the owner waits for the others' `done` (they wake it)
-//!   @128  slot k (k < OUTBOX_SLOTS), each SLOT_STRIDE bytes (whole cache lines):
-//!           @0 posted u64 (sequence number, stored last with Release) |
-//!           @8 the operation's header (OUTBOX_HEADER_MAX bytes, as 8-byte words) | @48 data
+//!   slot k (k < OUTBOX_SLOTS), each SLOT_STRIDE bytes (whole cache lines):
+//!     @0 posted u64 (sequence number, stored last with Release) |
+//!     @8 the operation's header (OUTBOX_HEADER_MAX bytes, as 8-byte words) | @48 data
 //! ```
 //!
 //! The flag, the header and the first 16 bytes of data share a cache line: a reader of an 8-byte
 //! contribution waits for one line and finds everything in it. The length is not posted: a
-//! reader knows it from its own call, whose header it checks first.
+//! reader knows it from its own call, whose header it checks first. When a slot may be written
+//! again (no rank reads it any more) is the runtime's rule.
 //!
-//! A slot is written only after every rank has finished the collective that last used it (its
-//! `done` is at least that sequence number), and read only while its `posted` equals the
-//! reader's sequence number: the bytes lent to a reader do not change while it reads them.
+//! Waking: a rank that waits on outboxes sleeps on its own doorbell, saying so first; a rank that
+//! posts wakes the others only when they say they sleep, so a post writes no other rank's cache
+//! lines.
 
 use super::segment::Mapping;
 use crate::error::{Result, TransportError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Slots per outbox: how many one-shot collectives a rank may run ahead of the slowest reader.
-pub const OUTBOX_SLOTS: usize = 8;
+/// Slots per outbox, used in turn by consecutive one-shot collectives.
+pub const OUTBOX_SLOTS: usize = 2;
 /// Largest contribution one slot holds.
 pub const OUTBOX_SLOT_BYTES: usize = 4096;
 
 const LINE: usize = 64;
-const O_DONE: usize = 0;
-const O_WAITING: usize = LINE;
-const O_SLOTS: usize = 2 * LINE;
+const O_SLOTS: usize = 0;
 const S_POSTED: usize = 0;
 const S_DESC: usize = 8;
 /// Longest operation header a slot carries.
@@ -82,34 +79,6 @@ impl Outbox {
     /// The slot a collective with sequence number `seq` uses.
     pub fn slot_of(seq: u64) -> usize {
         (seq % OUTBOX_SLOTS as u64) as usize
-    }
-
-    /// The sequence number of the last one-shot collective the owner finished.
-    pub fn done(&self) -> u64 {
-        self.map.u64_at(self.base + O_DONE).load(Ordering::SeqCst)
-    }
-
-    /// Marks collective `seq` finished here: its slots may be written again.
-    pub fn finish(&self, seq: u64) {
-        self.map
-            .u64_at(self.base + O_DONE)
-            .store(seq, Ordering::SeqCst);
-    }
-
-    /// Says whether the owner waits for the others' `done` (they ring it when they finish).
-    pub fn set_waiting(&self, waiting: bool) {
-        self.map
-            .u64_at(self.base + O_WAITING)
-            .store(u64::from(waiting), Ordering::SeqCst);
-    }
-
-    /// Whether the owner waits for the others' `done`. Read after storing `done` (both SeqCst):
-    /// either the owner sees the new `done` or this sees it waiting.
-    pub fn waiting(&self) -> bool {
-        self.map
-            .u64_at(self.base + O_WAITING)
-            .load(Ordering::SeqCst)
-            != 0
     }
 
     /// The sequence number slot `k` was last posted with (0: never).
@@ -171,39 +140,42 @@ impl Outbox {
     }
 
     /// Lends the first `len` bytes posted in slot `k` to `read` (at most a slot's). Call after
-    /// [`Outbox::posted`] returned the sequence number expected, and before this rank marks that
-    /// collective finished.
+    /// [`Outbox::posted`] returned the sequence number expected, while the owner does not write
+    /// the slot again (the runtime's rule).
     pub fn read<R>(&self, k: usize, len: usize, read: impl FnOnce(&[u8]) -> R) -> R {
         let at = self.base + Self::slot(k);
         let len = len.min(OUTBOX_SLOT_BYTES);
         debug_assert!(at + S_DATA + len <= self.map.raw.len());
         // SAFETY: the range lies inside the mapping (length clamped to the slot). Its owner wrote
         // it before the Release store of `posted` that the caller's Acquire load saw, and does
-        // not write the slot again until this rank's `done` reaches that sequence number, which
-        // this rank stores only after `read` returns: the bytes do not change while lent, and
-        // the slice does not outlive this call.
+        // not write the slot again while this rank may read it (the caller's precondition: the
+        // owner posts the slot's next collective only after reading this rank's post of a later
+        // one, which this rank makes after `read` returns): the bytes do not change while lent,
+        // and the slice does not outlive this call.
         #[allow(unsafe_code)]
         let bytes =
             unsafe { std::slice::from_raw_parts(self.map.raw.as_ptr().add(at + S_DATA), len) };
         read(bytes)
     }
 
-    /// Wakes the owner if it sleeps on its doorbell.
-    pub fn ring(&self) {
-        self.map.ring_doorbell();
+    /// Wakes the owner if it sleeps, or is about to, in [`Outbox::sleep_unless`]: call after
+    /// posting.
+    pub fn wake(&self) {
+        self.map.wake_if_sleeping();
+    }
+
+    /// For the owner: sleeps for at most `max` unless `ready()`, checked after the owner said it
+    /// sleeps, so a post followed by [`Outbox::wake`] is never missed.
+    pub fn sleep_unless(&self, max: std::time::Duration, ready: &dyn Fn() -> bool) {
+        self.map.sleep_unless(max, ready);
     }
 }
 
-/// This rank's outbox and, once connected over shared memory, each peer's; `written[k]` is the
-/// sequence number this rank last posted in slot `k`, `seen_done[p]` the latest `done` it read
-/// from peer `p` (read again only when a slot needs a later one: the line moves on every
-/// collective).
+/// This rank's outbox and, once connected over shared memory, each peer's.
 #[derive(Debug)]
 pub struct Outboxes {
     pub mine: Outbox,
     pub peers: Vec<Option<Outbox>>,
-    pub written: [u64; OUTBOX_SLOTS],
-    pub seen_done: Vec<u64>,
 }
 
 impl Outboxes {
@@ -212,8 +184,6 @@ impl Outboxes {
         Outboxes {
             mine,
             peers: vec![None; nranks],
-            written: [0; OUTBOX_SLOTS],
-            seen_done: vec![0; nranks],
         }
     }
 
