@@ -501,15 +501,9 @@ pub fn link_gbps(one_host: bool) -> f64 {
 /// The rate of the interface TCP uses (`WEFT_SOCKET_IFNAME`'s choice), from sysfs, GB/s.
 fn nic_gbps() -> Option<f64> {
     let ifname = weftcc_settings::SOCKET_IFNAME.value();
-    let ip = weftcc_transports::tcp::select_interface(ifname.as_deref(), None).ok()?;
-    let name = nix::ifaddrs::getifaddrs().ok()?.find_map(|a| {
-        let addr = a.address?;
-        let matches = match ip {
-            std::net::IpAddr::V4(v4) => addr.as_sockaddr_in().map(|s| s.ip()) == Some(v4),
-            std::net::IpAddr::V6(v6) => addr.as_sockaddr_in6().map(|s| s.ip()) == Some(v6),
-        };
-        matches.then_some(a.interface_name)
-    })?;
+    let name = weftcc_transports::tcp::select_interface(ifname.as_deref(), None)
+        .ok()?
+        .name;
     let mbit: f64 = std::fs::read_to_string(format!("/sys/class/net/{name}/speed"))
         .ok()?
         .trim()
