@@ -10,8 +10,9 @@ use crate::tuning::model_input;
 use crate::{Communicator, Error, Result};
 use serde::Serialize;
 use std::time::{Duration, Instant};
+use weftcc_collectives::reduce::reduce_in_place;
 use weftcc_collectives::schedule::hierarchical::HostLayout;
-use weftcc_collectives::ReduceOp;
+use weftcc_collectives::{DataType, ReduceOp};
 
 /// What to measure and what counts as slow.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -456,6 +457,26 @@ pub fn memcpy_gbps() -> f64 {
             LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
+}
+
+/// This host's reduction kernel, the one the executor reduces received data with
+/// (`weftcc_collectives::reduce::reduce_in_place`) on `dtype` with `op`: the best of a few
+/// reductions of 32 MiB into 32 MiB (two reads and a write per element), GB/s of the destination
+/// reduced. NaN where the kernel refuses (it takes any type the library has).
+pub fn reduce_gbps(dtype: DataType, op: ReduceOp) -> f64 {
+    let src = vec![0u8; LIMIT_BYTES];
+    let mut dst = vec![0u8; LIMIT_BYTES];
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let done = reduce_in_place(dtype, op.combiner(), &mut dst, std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            match done {
+                Ok(()) => LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9,
+                Err(_) => f64::NAN,
+            }
+        })
+        .fold(f64::NAN, f64::max)
 }
 
 /// TCP over this host's loopback: 32 MiB through one connection, GB/s.
