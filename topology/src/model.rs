@@ -460,6 +460,97 @@ impl Topology {
     pub fn graph(&self, speeds: &LinkSpeeds) -> Graph {
         crate::graph::derive(self, speeds)
     }
+
+    /// The path the device communicator's data takes between GPUs `i` and `j` of this host
+    /// (indices into `gpus`) and what the model gives it. The device communicator chooses for
+    /// the whole host: CUDA IPC peer copies when every pair of its GPUs has peer access (then
+    /// over the pair's own path class), else staged through pinned host memory (a copy out of
+    /// one GPU and into the other, each over a GPU's PCIe link).
+    pub fn gpu_pair_path(&self, i: usize, j: usize, speeds: &LinkSpeeds) -> GpuPairPath {
+        let class = self.gpu_path(i, j);
+        let ipc = self.p2p_missing.is_empty() && class != PathClass::Na;
+        let (transport, gbps, latency_us) = if ipc {
+            (
+                GpuTransport::CudaIpc,
+                speeds.bandwidth(class),
+                speeds.latency(class),
+            )
+        } else {
+            let pcie = PathClass::Pix;
+            let lat = 2.0 * speeds.latency(pcie);
+            (GpuTransport::Staged, speeds.bandwidth(pcie), lat)
+        };
+        GpuPairPath {
+            a: i,
+            b: j,
+            transport,
+            class,
+            gbps,
+            latency_us,
+        }
+    }
+
+    /// [`Topology::gpu_pair_path`] of every pair of this host's GPUs.
+    pub fn gpu_pair_paths(&self, speeds: &LinkSpeeds) -> Vec<GpuPairPath> {
+        let n = self.gpus.len();
+        (0..n)
+            .flat_map(|i| (i + 1..n).map(move |j| (i, j)))
+            .map(|(i, j)| self.gpu_pair_path(i, j, speeds))
+            .collect()
+    }
+}
+
+/// How the device communicator moves data between two GPUs of one host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuTransport {
+    /// Peer copies between the GPUs' memories (CUDA IPC).
+    CudaIpc,
+    /// Through pinned host memory.
+    Staged,
+}
+
+impl GpuTransport {
+    /// `cuda-ipc` or `staged`, as `weft doctor` names the transport.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuTransport::CudaIpc => "cuda-ipc",
+            GpuTransport::Staged => "staged",
+        }
+    }
+}
+
+/// A pair of GPUs of one host, the device communicator's path between them and the model's
+/// figures for it (a prediction: `weft doctor --device cuda` measures it).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GpuPairPath {
+    /// The lower GPU (index into `gpus`).
+    pub a: usize,
+    /// The higher GPU.
+    pub b: usize,
+    /// What carries the pair's data.
+    pub transport: GpuTransport,
+    /// The pair's path class (what CUDA IPC runs over).
+    pub class: PathClass,
+    /// The model's bandwidth of the path, GB/s per direction.
+    pub gbps: f64,
+    /// The model's latency of the path, µs.
+    pub latency_us: f64,
+}
+
+impl GpuPairPath {
+    /// `CUDA IPC over NV12, 240 GB/s, 0.6 us`, or the staged path's.
+    pub fn describe(&self) -> String {
+        let how = match self.transport {
+            GpuTransport::CudaIpc => format!("CUDA IPC over {}", self.class.label()),
+            GpuTransport::Staged => {
+                "staged through pinned host memory (not every pair of the host's GPUs has peer \
+                 access)"
+                    .to_string()
+            }
+        };
+        format!("{how}, {:.0} GB/s, {:.1} us", self.gbps, self.latency_us)
+    }
 }
 
 /// Sort key of a class: lower is better.
