@@ -174,6 +174,13 @@ impl LinkSpeeds {
         }
     }
 
+    /// A GPU's data staged through pinned host memory: the GPU's PCIe link to its host (copied
+    /// out on one side, in on the other), GB/s and µs.
+    pub fn staged(&self) -> (f64, f64) {
+        let pcie = PathClass::Pix;
+        (self.bandwidth(pcie), 2.0 * self.latency(pcie))
+    }
+
     /// Latency of a path of this class, µs.
     pub fn latency(&self, c: PathClass) -> f64 {
         match c {
@@ -476,9 +483,8 @@ impl Topology {
                 speeds.latency(class),
             )
         } else {
-            let pcie = PathClass::Pix;
-            let lat = 2.0 * speeds.latency(pcie);
-            (GpuTransport::Staged, speeds.bandwidth(pcie), lat)
+            let (gbps, lat) = speeds.staged();
+            (GpuTransport::Staged, gbps, lat)
         };
         GpuPairPath {
             a: i,

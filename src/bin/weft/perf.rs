@@ -17,7 +17,7 @@ pub mod baseline;
 pub mod plot;
 pub mod spec;
 
-mod cuda;
+pub(crate) mod cuda;
 
 use spec::{Collective, Measured, Pattern};
 
