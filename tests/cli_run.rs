@@ -474,7 +474,8 @@ fn perf_launches_its_own_ranks_and_checks_results() {
 /// a memcpy measured in the same run and the ratio computed from it, unless the host's
 /// reduction kernel (float sum, measured in the same run) allows less, which names the CPU; the
 /// 8-byte row is bound by synchronisation; a collective that does not reduce has no reduction
-/// figure. Presence and sanity of the figures, not a speed.
+/// figure; an average's CPU time counts its division too. Presence and sanity of the figures,
+/// not a speed.
 #[test]
 fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
     let json = std::env::temp_dir().join(format!("weft-explain-{}.json", std::process::id()));
@@ -542,6 +543,29 @@ fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
         "{text}"
     );
     assert_ne!(row["bound"], "CPU", "{text}");
+    // An average also divides its result: the division kernel's time is in the CPU's.
+    let out = perf(
+        "all-reduce -b 16M -e 16M -n 1 -w 1 -c 0 --np 2 -d int8 -o avg --explain --json",
+        &[json.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let e = &v.as_array().unwrap()[0]["explain"];
+    let (reduce, divide) = (f(&e["reduce_gbps"]), f(&e["divide_gbps"]));
+    assert!(divide.is_finite() && divide > 0.0, "{text}");
+    let bytes = (16u64 << 20) as f64;
+    let cpu_us = bytes / 2.0 / (reduce * 1e3) + bytes / (divide * 1e3);
+    assert!(
+        (f(&e["reduce_us"]) - cpu_us).abs() < 1e-6 * cpu_us,
+        "{text}"
+    );
+    let memory_us = bytes / (f(&e["limit_gbps"]) * 1e3);
+    let bound = if memory_us >= cpu_us { "memory" } else { "CPU" };
+    assert_eq!(e["bound"], bound, "{text}");
+    eprintln!("16 MiB int8 avg on 2 ranks: memory {memory_us:.0} us, CPU {cpu_us:.0} us: {bound}");
 }
 
 #[test]

@@ -347,6 +347,9 @@ struct Limits {
     /// collectives only), GB/s of the destination reduced.
     /// (The first operation of the run with each combination: `avg` reduces as `sum`.)
     reduce: Vec<(DataType, ReduceOp, f64)>,
+    /// The slowest rank's division kernel per type, where the run has `avg` (its last step
+    /// divides the result), GB/s divided.
+    divide: Vec<(DataType, f64)>,
 }
 
 /// One row explained (out-of-place time).
@@ -359,8 +362,11 @@ struct Explained {
     /// The reduction kernel on the row's type and operation (slowest rank), GB/s of the
     /// destination reduced; null for collectives that do not reduce.
     reduce_gbps: Option<f64>,
-    /// The least reduction time of this size: each rank reduces at least (n-1)/n of the buffer
-    /// (the ring's share; a tree or a chain reduces more), at `reduce_gbps`, µs.
+    /// `avg` rows: the division kernel on the row's type (slowest rank), GB/s divided.
+    divide_gbps: Option<f64>,
+    /// The least CPU time of this size: each rank reduces at least (n-1)/n of the buffer (the
+    /// ring's share; a tree or a chain reduces more) at `reduce_gbps`, and an `avg` divides its
+    /// result at `divide_gbps`, µs.
     reduce_us: Option<f64>,
     /// The time the limits allow for this size, the longest of: the floor, bytes × bus factor /
     /// path limit, and the reduction time, µs.
@@ -397,17 +403,29 @@ impl Limits {
                 }
             }
         }
+        let averages = opts.collective.reduces() && opts.ops.contains(&Some(ReduceOp::Avg));
+        let divided: &[DataType] = if averages { &opts.dtypes } else { &[] };
         let mut gbps = vec![mine];
         gbps.extend(
             kinds
                 .iter()
                 .map(|&(dtype, op)| weftcc::comm::doctor::reduce_gbps(dtype, op)),
         );
+        gbps.extend(
+            divided
+                .iter()
+                .map(|&dtype| weftcc::comm::doctor::divide_gbps(dtype)),
+        );
         comm.all_reduce_in_place(&mut gbps, ReduceOp::Min)?;
         let reduce = kinds
             .iter()
             .zip(&gbps[1..])
             .map(|(&(dtype, op), &g)| (dtype, op, g))
+            .collect();
+        let divide = divided
+            .iter()
+            .copied()
+            .zip(gbps[1 + kinds.len()..].iter().copied())
             .collect();
         let mut barriers: Vec<f64> = (0..21)
             .map(|_| {
@@ -424,6 +442,7 @@ impl Limits {
             path,
             floor_us: floor[0],
             reduce,
+            divide,
         })
     }
 
@@ -437,7 +456,19 @@ impl Limits {
                 .find(|(d, o, _)| *d == row.dtype && o.combiner() == op.combiner())
                 .map(|(_, _, g)| *g)
         });
-        let reduce_us = reduce_gbps.map(|g| row.size as f64 * (n - 1.0) / n / (g * 1e3));
+        let divide_gbps = (row.op == Some(ReduceOp::Avg))
+            .then(|| self.divide.iter().find(|(d, _)| *d == row.dtype))
+            .flatten()
+            .map(|(_, g)| *g);
+        // An `avg` divides its whole result: a reduce-scatter's is one rank's block.
+        let divided = match coll {
+            Collective::ReduceScatter => row.size as f64 / n,
+            _ => row.size as f64,
+        };
+        let reduce_us = reduce_gbps.map(|g| {
+            row.size as f64 * (n - 1.0) / n / (g * 1e3)
+                + divide_gbps.map_or(0.0, |d| divided / (d * 1e3))
+        });
         // The longest time is the lowest limit; on a tie the path, then the CPU, names it.
         let (limit_us, bound) = [
             (transfer_us, self.path),
@@ -459,6 +490,7 @@ impl Limits {
             limit_gbps: self.path_gbps,
             floor_us: self.floor_us,
             reduce_gbps,
+            divide_gbps,
             reduce_us,
             limit_us,
             achieved: limit_us / row.oop.time_us,
@@ -706,21 +738,23 @@ fn finish(
     if let Some(limits) = &outputs.limits {
         let reduces = opts.collective.reduces();
         let reduce_note = if reduces {
-            "; reduce: the reduction kernel on the row's type and operation, GB/s"
+            "; reduce: the reduction kernel on the row's type and operation, divide: avg's division, GB/s"
         } else {
             ""
         };
         let _ = writeln!(
             out,
-            "# explain (out-of-place; limits measured in this run: {} {:.2} GB/s, barrier {:.1} us{reduce_note})\n#{:>11} {:>8} {:>6} {:>11} {:>11} {:>9} {:>7}  bound",
-            limits.path, limits.path_gbps, limits.floor_us, "size", "type", "redop", "time(us)", "limit(us)", "achieved", "reduce"
+            "# explain (out-of-place; limits measured in this run: {} {:.2} GB/s, barrier {:.1} us{reduce_note})\n#{:>11} {:>8} {:>6} {:>11} {:>11} {:>9} {:>7} {:>7}  bound",
+            limits.path, limits.path_gbps, limits.floor_us, "size", "type", "redop", "time(us)", "limit(us)", "achieved", "reduce", "divide"
         );
+        let figure = |g: Option<f64>| g.map_or("-".to_string(), |g| format!("{g:.2}"));
         for r in rows {
             let e = limits.explain(r, opts.collective);
-            let reduce = e.reduce_gbps.map_or("-".to_string(), |g| format!("{g:.2}"));
+            let reduce = figure(e.reduce_gbps);
+            let divide = figure(e.divide_gbps);
             let _ = writeln!(
                 out,
-                "#{:>11} {:>8} {:>6} {:>11.1} {:>11.1} {:>8.0}% {:>7}  {}",
+                "#{:>11} {:>8} {:>6} {:>11.1} {:>11.1} {:>8.0}% {:>7} {:>7}  {}",
                 r.size,
                 r.dtype.name(),
                 r.op.map_or("none", |o| o.name()),
@@ -728,6 +762,7 @@ fn finish(
                 e.limit_us,
                 100.0 * e.achieved,
                 reduce,
+                divide,
                 e.bound
             );
         }
