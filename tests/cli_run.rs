@@ -478,20 +478,9 @@ fn perf_launches_its_own_ranks_and_checks_results() {
 /// not a speed.
 #[test]
 fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
-    let json = std::env::temp_dir().join(format!("weft-explain-{}.json", std::process::id()));
-    let out = perf(
-        "all-reduce -b 8 -e 128M -f 16777216 -n 1 -w 1 -c 0 --np 2 --explain --json",
-        &[json.to_str().unwrap()],
-        None,
-    );
-    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
-    assert!(out
-        .stdout
-        .contains("# explain (out-of-place; limits measured in this run: memory"));
-    let text = std::fs::read_to_string(&json).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let rows = v.as_array().unwrap();
+    let (stdout, text, rows) =
+        explained("all-reduce -b 8 -e 128M -f 16777216 -n 1 -w 1 -c 0 --np 2");
+    assert!(stdout.contains("# explain (out-of-place; limits measured in this run: memory"));
     assert_eq!(rows.len(), 2, "{text}");
     let (small, big) = (&rows[0]["explain"], &rows[1]["explain"]);
     assert_eq!(rows[1]["size"], 128 << 20);
@@ -528,32 +517,17 @@ fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
     );
     assert!(achieved > 0.0 && achieved.is_finite());
     assert!(f(&small["floor_us"]) > 0.0 && f(&small["limit_us"]) == f(&small["floor_us"]));
-    let out = perf(
-        "all-gather -b 1M -e 1M -n 1 -w 1 -c 0 --np 2 --explain --json",
-        &[json.to_str().unwrap()],
-        None,
-    );
-    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
-    let text = std::fs::read_to_string(&json).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let row = &v.as_array().unwrap()[0]["explain"];
+    let (_, text, rows) = explained("all-gather -b 1M -e 1M -n 1 -w 1 -c 0 --np 2");
+    let row = &rows[0]["explain"];
     assert!(
         row["reduce_gbps"].is_null() && row["reduce_us"].is_null(),
         "{text}"
     );
     assert_ne!(row["bound"], "CPU", "{text}");
     // An average also divides its result: the division kernel's time is in the CPU's.
-    let out = perf(
-        "all-reduce -b 16M -e 16M -n 1 -w 1 -c 0 --np 2 -d int8 -o avg --explain --json",
-        &[json.to_str().unwrap()],
-        None,
-    );
-    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
-    let text = std::fs::read_to_string(&json).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let e = &v.as_array().unwrap()[0]["explain"];
+    let (_, text, rows) =
+        explained("all-reduce -b 16M -e 16M -n 1 -w 1 -c 0 --np 2 -d int8 -o avg");
+    let e = &rows[0]["explain"];
     let (reduce, divide) = (f(&e["reduce_gbps"]), f(&e["divide_gbps"]));
     assert!(divide.is_finite() && divide > 0.0, "{text}");
     let bytes = (16u64 << 20) as f64;
@@ -566,6 +540,22 @@ fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
     let bound = if memory_us >= cpu_us { "memory" } else { "CPU" };
     assert_eq!(e["bound"], bound, "{text}");
     eprintln!("16 MiB int8 avg on 2 ranks: memory {memory_us:.0} us, CPU {cpu_us:.0} us: {bound}");
+}
+
+/// `weft perf LINE --explain --json FILE`: its stdout, the JSON text and its rows.
+fn explained(line: &str) -> (String, String, Vec<serde_json::Value>) {
+    let json = std::env::temp_dir().join(format!("weft-explain-{}.json", std::process::id()));
+    let out = perf(
+        &format!("{line} --explain --json"),
+        &[json.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = v.as_array().unwrap().clone();
+    (out.stdout, text, rows)
 }
 
 #[test]
