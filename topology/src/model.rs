@@ -468,6 +468,22 @@ impl Topology {
         crate::graph::derive(self, speeds)
     }
 
+    /// The GPU (index into `gpus`) with PCI bus id `bus` as the CUDA driver writes it; bus ids
+    /// differ in their domain's width and case (`00000000:3B:00.0`, `0000:3b:00.0`), so the
+    /// bus, device and function are compared.
+    pub fn gpu_by_bus_id(&self, bus: &str) -> Option<usize> {
+        let tail = |s: &str| {
+            s.rsplit_once(':').map(|(a, b)| {
+                let bus = a.rsplit(':').next().unwrap_or(a);
+                format!("{}:{}", bus.to_ascii_lowercase(), b.to_ascii_lowercase())
+            })
+        };
+        let me = tail(bus)?;
+        self.gpus
+            .iter()
+            .position(|g| g.bus_id.as_deref().and_then(tail).as_ref() == Some(&me))
+    }
+
     /// The path the device communicator's data takes between GPUs `i` and `j` of this host
     /// (indices into `gpus`) and what the model gives it. The device communicator chooses for
     /// the whole host: CUDA IPC peer copies when every pair of its GPUs has peer access (then

@@ -210,3 +210,16 @@ fn gpu_paths_are_the_device_communicators() {
     assert!(build(&topology("single_gpu.txt"), &o).gpu_paths.is_empty());
     assert!(!render_text(&build(&topology("single_gpu.txt"), &o)).contains("GPU paths"));
 }
+
+/// The CUDA driver's bus id finds the topology's GPU whatever the domain's width and case.
+#[test]
+fn gpus_are_found_by_the_drivers_bus_id() {
+    let mut t = topology("pcie4_pxb.txt");
+    for (g, bus) in t.gpus.iter_mut().zip(["0000:3b:00.0", "0000:5e:00.0"]) {
+        g.bus_id = Some(bus.to_string());
+    }
+    assert_eq!(t.gpu_by_bus_id("00000000:5E:00.0"), Some(1));
+    assert_eq!(t.gpu_by_bus_id("0000:3b:00.0"), Some(0));
+    assert_eq!(t.gpu_by_bus_id("0000:3b:00.1"), None);
+    assert_eq!(t.gpu_by_bus_id("garbage"), None);
+}

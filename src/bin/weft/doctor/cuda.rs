@@ -1,7 +1,7 @@
 //! `weft doctor --device cuda`: every pair measured over the device communicator
 //! (`weftcc_cuda::DeviceComm`: CUDA IPC between the GPUs of a host, staged through pinned host
 //! memory otherwise) with device buffers, each rank on GPU `local rank mod device count` as in
-//! `weft perf --device cuda`. Each pair is compared with the topology's rate for its path
+//! `weft perf --device cuda` (found in the topology by its PCI bus id). Each pair is compared with the topology's rate for its path
 //! ([`weftcc_topology::Topology::gpu_pair_path`]: the pair's NVLink or PCIe class over CUDA IPC,
 //! a GPU's PCIe link when staged, and the host's own limits on the way).
 
@@ -22,13 +22,16 @@ pub(super) fn diagnose(comm: Communicator, options: &Options) -> Result<Report, 
     let stream = ctx.stream()?;
     let host = dcomm.host();
     let n = host.size();
-    // Every rank's GPU and host (hashed id), for the paths to it.
+    // Every rank's GPU, as the topology numbers it (found by PCI bus id: the driver's ordinals
+    // follow CUDA_VISIBLE_DEVICES; u64::MAX where not found), and host (hashed id).
+    let topology = weftcc_topology::discover::discover().topology;
+    let bus = weftcc_cuda::device_info(device)?.pci_bus_id;
+    let mine = topology.gpu_by_bus_id(&bus).map_or(u64::MAX, |g| g as u64);
     let mut devs = vec![0u64; n];
-    host.all_gather(&[device as u64][..], &mut devs[..])?;
+    host.all_gather(&[mine][..], &mut devs[..])?;
     let mut hosts = vec![0u64; n];
     host.all_gather(&[host_hash()][..], &mut hosts[..])?;
     let me = host.rank();
-    let topology = weftcc_topology::discover::discover().topology;
     let speeds = LinkSpeeds::default();
     let models: Vec<(&'static str, PathModel)> = (0..n)
         .map(|peer| {
@@ -38,14 +41,13 @@ pub(super) fn diagnose(comm: Communicator, options: &Options) -> Result<Report, 
                 Transport::Hierarchical => local,
                 Transport::Staged => false,
             };
-            let theirs = devs[peer] as usize;
-            let known = |d: usize| d < topology.gpus.len();
-            if ipc && (theirs == device || !known(device) || !known(theirs)) {
+            let (ours, theirs) = (devs[me], devs[peer]);
+            if ipc && (theirs == ours || ours == u64::MAX || theirs == u64::MAX) {
                 // One GPU shared by both ranks, or a GPU the topology does not list: no
                 // topology figure to compare with.
                 ("cuda-ipc", model(f64::NAN, f64::NAN))
             } else if ipc {
-                let p = topology.gpu_pair_path(device, theirs, &speeds);
+                let p = topology.gpu_pair_path(ours as usize, theirs as usize, &speeds);
                 ("cuda-ipc", model(p.gbps, p.latency_us))
             } else {
                 let (gbps, lat) = speeds.staged();
