@@ -471,36 +471,45 @@ fn perf_launches_its_own_ranks_and_checks_results() {
 }
 
 /// `weft perf --explain` on 2 ranks: the 128 MiB row names memory as its bound, with the limit
-/// a memcpy measured in the same run and the ratio computed from it; the 8-byte row is bound by
-/// synchronisation. Presence and sanity of the figures, not a speed.
+/// a memcpy measured in the same run and the ratio computed from it, unless the host's
+/// reduction kernel (float sum, measured in the same run) allows less, which names the CPU; the
+/// 8-byte row is bound by synchronisation; a collective that does not reduce has no reduction
+/// figure; an average's CPU time counts its division too. Presence and sanity of the figures,
+/// not a speed.
 #[test]
 fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
-    let json = std::env::temp_dir().join(format!("weft-explain-{}.json", std::process::id()));
-    let out = perf(
-        "all-reduce -b 8 -e 128M -f 16777216 -n 1 -w 1 -c 0 --np 2 --explain --json",
-        &[json.to_str().unwrap()],
-        None,
-    );
-    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
-    assert!(out
-        .stdout
-        .contains("# explain (out-of-place; limits measured in this run: memory"));
-    let text = std::fs::read_to_string(&json).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let rows = v.as_array().unwrap();
+    let (stdout, text, rows) =
+        explained("all-reduce -b 8 -e 128M -f 16777216 -n 1 -w 1 -c 0 --np 2");
+    assert!(stdout.contains("# explain (out-of-place; limits measured in this run: memory"));
     assert_eq!(rows.len(), 2, "{text}");
     let (small, big) = (&rows[0]["explain"], &rows[1]["explain"]);
     assert_eq!(rows[1]["size"], 128 << 20);
-    assert_eq!(big["bound"], "memory", "{text}");
     assert_eq!(small["bound"], "synchronisation", "{text}");
     let f = |v: &serde_json::Value| v.as_f64().expect("a number");
     let memcpy = f(&big["limit_gbps"]);
     assert!(memcpy.is_finite() && memcpy > 0.0, "{text}");
     assert_eq!(f(&small["limit_gbps"]), memcpy, "one memcpy per run");
-    // All-reduce on 2 ranks: bus factor 1; the limit is the bytes at the memcpy's rate.
+    let reduce = f(&big["reduce_gbps"]);
+    assert!(reduce.is_finite() && reduce > 0.0, "{text}");
+    assert_eq!(
+        f(&small["reduce_gbps"]),
+        reduce,
+        "one reduction measured per type and op"
+    );
+    // All-reduce on 2 ranks: bus factor 1, so the memory allows the bytes at the memcpy's
+    // rate; each rank reduces at least half of them, at the kernel's rate. The longer of the
+    // two is the limit and names the bound.
+    let bytes = (128u64 << 20) as f64;
+    let (memory_us, cpu_us) = (bytes / (memcpy * 1e3), bytes / 2.0 / (reduce * 1e3));
+    let reduce_us = f(&big["reduce_us"]);
+    assert!((reduce_us - cpu_us).abs() < 1e-6 * cpu_us, "{text}");
     let limit_us = f(&big["limit_us"]);
-    assert!((limit_us - (128u64 << 20) as f64 / (memcpy * 1e3)).abs() < 1e-6 * limit_us);
+    assert!((limit_us - memory_us.max(cpu_us)).abs() < 1e-6 * limit_us);
+    let bound = if memory_us >= cpu_us { "memory" } else { "CPU" };
+    assert_eq!(big["bound"], bound, "{text}");
+    eprintln!(
+        "128 MiB float sum on 2 ranks: memory {memory_us:.0} us, CPU {cpu_us:.0} us: {bound}"
+    );
     let achieved = f(&big["achieved"]);
     assert!(
         (achieved - limit_us / f(&rows[1]["oop"]["time_us"])).abs() < 1e-9,
@@ -508,6 +517,45 @@ fn perf_explain_names_memory_as_the_bound_of_a_large_row() {
     );
     assert!(achieved > 0.0 && achieved.is_finite());
     assert!(f(&small["floor_us"]) > 0.0 && f(&small["limit_us"]) == f(&small["floor_us"]));
+    let (_, text, rows) = explained("all-gather -b 1M -e 1M -n 1 -w 1 -c 0 --np 2");
+    let row = &rows[0]["explain"];
+    assert!(
+        row["reduce_gbps"].is_null() && row["reduce_us"].is_null(),
+        "{text}"
+    );
+    assert_ne!(row["bound"], "CPU", "{text}");
+    // An average also divides its result: the division kernel's time is in the CPU's.
+    let (_, text, rows) =
+        explained("all-reduce -b 16M -e 16M -n 1 -w 1 -c 0 --np 2 -d int8 -o avg");
+    let e = &rows[0]["explain"];
+    let (reduce, divide) = (f(&e["reduce_gbps"]), f(&e["divide_gbps"]));
+    assert!(divide.is_finite() && divide > 0.0, "{text}");
+    let bytes = (16u64 << 20) as f64;
+    let cpu_us = bytes / 2.0 / (reduce * 1e3) + bytes / (divide * 1e3);
+    assert!(
+        (f(&e["reduce_us"]) - cpu_us).abs() < 1e-6 * cpu_us,
+        "{text}"
+    );
+    let memory_us = bytes / (f(&e["limit_gbps"]) * 1e3);
+    let bound = if memory_us >= cpu_us { "memory" } else { "CPU" };
+    assert_eq!(e["bound"], bound, "{text}");
+    eprintln!("16 MiB int8 avg on 2 ranks: memory {memory_us:.0} us, CPU {cpu_us:.0} us: {bound}");
+}
+
+/// `weft perf LINE --explain --json FILE`: its stdout, the JSON text and its rows.
+fn explained(line: &str) -> (String, String, Vec<serde_json::Value>) {
+    let json = std::env::temp_dir().join(format!("weft-explain-{}.json", std::process::id()));
+    let out = perf(
+        &format!("{line} --explain --json"),
+        &[json.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = v.as_array().unwrap().clone();
+    (out.stdout, text, rows)
 }
 
 #[test]

@@ -514,7 +514,10 @@ fn sigkill_during_set_up_is_an_error_naming_the_rank_everywhere() {
 /// Ranks started with a setting (or library version) that must agree and does not: `init`
 /// fails on every rank, before any rank can hang, naming the setting and the odd rank, and
 /// leaves nothing behind; a difference that is harmless (`WEFT_TIMEOUT`, another build id of
-/// the same version) does not fail.
+/// the same version, another network provider: its pairs take TCP) does not fail. What the
+/// network settings resolved to is compared too: a rank listening on loopback (here
+/// `WEFT_SOCKET_IFNAME=lo` where the others find an external interface) could not be reached
+/// from another host.
 #[test]
 fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming_it() {
     let n = 4;
@@ -525,7 +528,13 @@ fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming
         (3, "WEFT_TEST_VERSION", "0.0.9"),
         (0, "WEFT_TIMEOUT", "31"),
         (2, "WEFT_TEST_BUILD_ID", "000000000000"),
+        (3, "WEFT_TEST_NET_PROVIDER", "ib:roce"),
+        (1, "WEFT_SOCKET_IFNAME", "lo"),
     ] {
+        if var == "WEFT_SOCKET_IFNAME" && default_interface_is_loopback() {
+            eprintln!("SKIPPED {var}={value}: this machine has no interface but loopback, so every rank resolves loopback");
+            continue;
+        }
         let port = free_port().to_string();
         let job = start_ranks(n, "allreduce-loop", &port, |rank| {
             let mut env = vec![("WEFT_TIMEOUT".to_string(), "30".to_string())];
@@ -535,7 +544,13 @@ fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming
             env
         });
         // Harmless differences (`Should`): a warning, and the job runs.
-        if var == "WEFT_TIMEOUT" || var == "WEFT_TEST_BUILD_ID" {
+        if [
+            "WEFT_TIMEOUT",
+            "WEFT_TEST_BUILD_ID",
+            "WEFT_TEST_NET_PROVIDER",
+        ]
+        .contains(&var)
+        {
             wait_ready(&job, n);
             continue;
         }
@@ -547,10 +562,10 @@ fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming
             let found: Vec<weftcc::comm::Disagreement> =
                 serde_json::from_str(json).expect("disagreements");
             assert_eq!(found.len(), 1, "{var}: rank {rank}: {found:?}");
-            let what = if var == "WEFT_TEST_VERSION" {
-                "library version"
-            } else {
-                var
+            let what = match var {
+                "WEFT_TEST_VERSION" => "library version",
+                "WEFT_SOCKET_IFNAME" => "network interface",
+                _ => var,
             };
             assert_eq!(found[0].what, what, "rank {rank}");
             assert_eq!(found[0].odd_ranks(), [odd], "{var}: rank {rank}");
@@ -558,6 +573,11 @@ fn a_rank_started_with_a_setting_that_must_agree_fails_init_on_every_rank_naming
         }
         assert_survivors_clean(&job, &all, &format!("process-failures-{port}"));
     }
+}
+
+/// The interface a rank without `WEFT_SOCKET_IFNAME` listens on is a loopback one.
+fn default_interface_is_loopback() -> bool {
+    weftcc::transports::tcp::select_interface(None, None).map_or(true, |i| i.loopback)
 }
 
 #[test]

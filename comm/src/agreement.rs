@@ -1,6 +1,7 @@
 //! The consistency check when a communicator is made: every rank announces its library
-//! version and build id (the git commit it was built from), the settings that are not its own ([`weftcc_settings::Agreement`]), its CPU and its
-//! GPUs; rank 0 compares them ([`crate::records::agreement::compare`]) and publishes its
+//! version and build id (the git commit it was built from), the settings that are not its own
+//! ([`weftcc_settings::Agreement`]), what its network settings resolved to (the kind of interface
+//! TCP listens on, the network provider), its CPU and its GPUs; rank 0 compares them ([`crate::records::agreement::compare`]) and publishes its
 //! verdict, which every rank reads. A disagreement that would hang or corrupt results fails
 //! `init` on every rank alike ([`Error::Inconsistent`]); a harmless one is logged by rank 0.
 
@@ -8,14 +9,16 @@ use crate::config::CommConfig;
 use crate::error::{Error, Result};
 use crate::records::agreement::{announcement_key, verdict_key, Announcement, Disagreement};
 use std::time::{Duration, Instant};
-use weftcc_settings::{Agreement, ALL, DETERMINISTIC, TEST_BUILD_ID, TEST_VERSION};
+use weftcc_settings::{
+    Agreement, ALL, DETERMINISTIC, TEST_BUILD_ID, TEST_NET_PROVIDER, TEST_VERSION,
+};
 use weftcc_store::StoreClient;
-use weftcc_transports::mesh::{count_out, name_the_missing, setup_get_all};
+use weftcc_transports::mesh::{count_out, name_the_missing, setup_get_all, Network};
 use weftcc_transports::TransportError;
 
 /// What this rank announces: with `config`'s deterministic mode (which a program may set
 /// without the environment).
-pub(crate) fn this_rank(config: &CommConfig) -> Result<Announcement> {
+pub(crate) fn this_rank(rank: usize, config: &CommConfig) -> Result<Announcement> {
     let mut a = Announcement::default();
     let version = TEST_VERSION
         .value()
@@ -32,6 +35,17 @@ pub(crate) fn this_rank(config: &CommConfig) -> Result<Announcement> {
     }
     let on_off = if config.deterministic { "on" } else { "off" };
     a.set(DETERMINISTIC.name, on_off, DETERMINISTIC.agreement);
+    // What the network settings resolved to here (the mesh then uses the same). A rank that
+    // listens on a loopback address cannot be reached from another host, one on IPv6 only
+    // from an IPv4 host: ranks that differ would fail or hang connecting. A pair whose
+    // providers differ connects over TCP instead (`weftcc_transports::net::select`): slower,
+    // not broken.
+    let network = Network::resolve(config.socket_ifname.as_deref(), &config.net)
+        .map_err(|source| Error::Bootstrap { rank, source })?;
+    let (interface, provider) = network.announced();
+    a.set("network interface", interface, Agreement::Must);
+    let provider = TEST_NET_PROVIDER.value().unwrap_or(provider);
+    a.set("network provider", provider, Agreement::Should);
     let unknown = || "unknown".to_string();
     let cpu = weftcc_topology::discover::cpu_model().unwrap_or_else(unknown);
     a.set("CPU model", cpu, Agreement::Should);

@@ -31,7 +31,8 @@ impl UniqueId {
             weftcc_settings::SOCKET_IFNAME.value().as_deref(),
             None,
         )
-        .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
+        .map_err(|e| Error::Bootstrap { rank: 0, source: e })?
+        .addr;
         let token = weftcc_transports::random_token()
             .map_err(|e| Error::Bootstrap { rank: 0, source: e })?;
         let server = start_store(std::net::SocketAddr::new(ip, 0), &token).map_err(|e| {

@@ -204,7 +204,7 @@ impl Communicator {
             None => {
                 let _scan = setup_scan(&watch_client, id, &namespace, config.timeout);
                 // Ranks that must agree and do not fail here, before they can hang together.
-                let agreed = crate::agreement::this_rank(&config).and_then(|mine| {
+                let agreed = crate::agreement::this_rank(rank, &config).and_then(|mine| {
                     crate::agreement::agree(
                         &mut client,
                         &namespace,

@@ -10,8 +10,9 @@ use crate::tuning::model_input;
 use crate::{Communicator, Error, Result};
 use serde::Serialize;
 use std::time::{Duration, Instant};
+use weftcc_collectives::reduce::{divide_in_place, reduce_in_place};
 use weftcc_collectives::schedule::hierarchical::HostLayout;
-use weftcc_collectives::ReduceOp;
+use weftcc_collectives::{DataType, ReduceOp};
 
 /// What to measure and what counts as slow.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -161,13 +162,97 @@ impl Pair {
 
 /// Host labels travel in fixed-size slots.
 const LABEL: usize = 64;
-/// Per peer: latency µs, bandwidth to it, bandwidth from it (GB/s), transport code.
-const PER_PEER: usize = 4;
-const TRANSPORTS: [&str; 4] = ["self", "shm", "tcp", "net"];
+/// Per peer: latency µs, bandwidth to it, bandwidth from it (GB/s), transport code, the host
+/// communicator's transport code, and the path's own limit, predicted GB/s and µs (NaN: none).
+const PER_PEER: usize = 8;
+/// The transports a report names: the host communicator's, then the device communicator's.
+const TRANSPORTS: [&str; 6] = ["self", "shm", "tcp", "net", "cuda-ipc", "staged"];
 
-/// Measures every pair of `comm`'s ranks; collective (every rank calls it, and every rank
-/// returns the same report).
+/// A path's own figures for a pair, as one rank sees its side (the topology's rate for a GPU
+/// path). Where a path has none, the host's limits and the communicator's model apply.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PathModel {
+    /// The physical limit of the path, GB/s.
+    pub limit_gbps: f64,
+    /// The model's bandwidth and latency for it, GB/s and µs.
+    pub predicted_gbps: f64,
+    pub predicted_latency_us: f64,
+}
+
+/// What the doctor measures pairs over: the messages of one pair, each complete when the call
+/// returns. [`diagnose`] uses the host communicator's own path ([`HostPath`]); `weft doctor
+/// --device cuda` the device communicator's, with device buffers. The protocol (round trips,
+/// timed messages each way, acknowledgements) is [`diagnose_over`]'s.
+pub trait PairPath {
+    type Error: From<Error>;
+    /// The transport to `peer`, one of `shm`, `tcp`, `net`, `cuda-ipc`, `staged`.
+    fn transport(&self, peer: usize) -> Option<&'static str>;
+    /// Sends the small (8 bytes) or the big message to `peer`.
+    fn send(&mut self, peer: usize, big: bool) -> std::result::Result<(), Self::Error>;
+    /// Receives the small or the big message from `peer`.
+    fn recv(&mut self, peer: usize, big: bool) -> std::result::Result<(), Self::Error>;
+    /// Bytes of the big message.
+    fn big_bytes(&self) -> usize;
+    /// The path's own figures to `peer`, where it has them.
+    fn model(&self, peer: usize) -> Option<PathModel>;
+}
+
+/// The host communicator's path: its own transports, host buffers.
+pub struct HostPath<'a> {
+    comm: &'a Communicator,
+    small: [u8; 8],
+    big: Vec<u8>,
+    sink: Vec<u8>,
+}
+
+impl<'a> HostPath<'a> {
+    pub fn new(comm: &'a Communicator, bytes: usize) -> HostPath<'a> {
+        HostPath {
+            comm,
+            small: [0; 8],
+            big: vec![1; bytes.max(1)],
+            sink: vec![0; bytes.max(1)],
+        }
+    }
+}
+
+impl PairPath for HostPath<'_> {
+    type Error = Error;
+    fn transport(&self, peer: usize) -> Option<&'static str> {
+        self.comm.transport_to(peer)
+    }
+    fn send(&mut self, peer: usize, big: bool) -> Result<()> {
+        let buf = if big { &self.big[..] } else { &self.small[..] };
+        self.comm.send(buf, peer)
+    }
+    fn recv(&mut self, peer: usize, big: bool) -> Result<()> {
+        let buf = if big {
+            &mut self.sink[..]
+        } else {
+            &mut self.small[..]
+        };
+        self.comm.recv(buf, peer)
+    }
+    fn big_bytes(&self) -> usize {
+        self.big.len()
+    }
+    fn model(&self, _: usize) -> Option<PathModel> {
+        None
+    }
+}
+
+/// Measures every pair of `comm`'s ranks over its own transports; collective (every rank calls
+/// it, and every rank returns the same report).
 pub fn diagnose(comm: &Communicator, options: &Options) -> Result<Report> {
+    diagnose_over(comm, options, &mut HostPath::new(comm, options.bytes))
+}
+
+/// [`diagnose`] over `path` (`comm` gathers the figures and paces the rounds).
+pub fn diagnose_over<P: PairPath>(
+    comm: &Communicator,
+    options: &Options,
+    path: &mut P,
+) -> std::result::Result<Report, P::Error> {
     let start = Instant::now();
     let (rank, n) = (comm.rank(), comm.size());
 
@@ -207,23 +292,27 @@ pub fn diagnose(comm: &Communicator, options: &Options) -> Result<Report> {
     // tournament: n - 1 rounds for n even).
     let mut row = vec![0f64; PER_PEER * n];
     let slots = n + n % 2;
-    let big = vec![1u8; options.bytes.max(1)];
-    let mut sink = vec![0u8; options.bytes.max(1)];
+    let code = |t: Option<&str>| {
+        t.and_then(|t| TRANSPORTS.iter().position(|&x| x == t))
+            .unwrap_or(0) as f64
+    };
     for round in 0..slots.saturating_sub(1) {
         let Some(peer) = partner(rank, round, slots).filter(|&p| p < n) else {
             comm.barrier()?;
             continue;
         };
-        let figures = measure_pair(comm, peer, options.pings, &big, &mut sink)?;
-        let code = comm
-            .transport_to(peer)
-            .and_then(|t| TRANSPORTS.iter().position(|&x| x == t))
-            .unwrap_or(0);
+        let figures = measure_pair(comm, path, peer, options.pings)?;
+        let model = path.model(peer);
+        let own = |f: fn(&PathModel) -> f64| model.as_ref().map_or(f64::NAN, f);
         row[PER_PEER * peer..PER_PEER * peer + PER_PEER].copy_from_slice(&[
             figures.0,
             figures.1,
             figures.2,
-            code as f64,
+            code(path.transport(peer)),
+            code(comm.transport_to(peer)),
+            own(|m| m.limit_gbps),
+            own(|m| m.predicted_gbps),
+            own(|m| m.predicted_latency_us),
         ]);
         // Pairs of one round share the hosts' CPUs and links; the next round starts together.
         comm.barrier()?;
@@ -235,21 +324,29 @@ pub fn diagnose(comm: &Communicator, options: &Options) -> Result<Report> {
     comm.all_reduce_in_place(&mut done, ReduceOp::Sum)?;
 
     let layout = HostLayout::from_labels(&hosts);
-    let shm = !weftcc_settings::SHM_DISABLE.flag()?;
+    let shm = !weftcc_settings::SHM_DISABLE.flag().map_err(Error::from)?;
     let model = model_input(&layout, shm, None);
     let mut pairs = Vec::new();
     for a in 0..n {
         for b in a + 1..n {
             let at = |r: usize, p: usize, k: usize| matrix[PER_PEER * (r * n + p) + k];
             let same_host = hosts[a] == hosts[b];
-            let transport = TRANSPORTS[at(a, b, 3) as usize % TRANSPORTS.len()].to_string();
-            let (predicted_gbps, predicted_latency_us) = if same_host {
+            let name = |k: usize| TRANSPORTS[at(a, b, k) as usize % TRANSPORTS.len()];
+            let (transport, host_transport) = (name(3).to_string(), name(4));
+            let (host_gbps, host_latency_us) = if same_host {
                 (model.intra_gbps, model.intra_lat_us)
             } else {
                 (model.net_gbps, model.net_lat_us)
             };
+            // The path's own figures: the lower of its two sides' (NaN where it has none).
+            let own = |k: usize| {
+                [at(a, b, k), at(b, a, k)]
+                    .into_iter()
+                    .filter(|x| x.is_finite())
+                    .fold(f64::NAN, f64::min)
+            };
             let (la, lb) = (limits[a], limits[b]);
-            let limit_gbps = match (transport.as_str(), same_host) {
+            let host_limit = match (host_transport, same_host) {
                 ("shm", _) => la.memcpy_gbps.min(lb.memcpy_gbps),
                 (_, true) => la.tcp_loopback_gbps.min(lb.tcp_loopback_gbps),
                 (_, false) => [
@@ -261,6 +358,17 @@ pub fn diagnose(comm: &Communicator, options: &Options) -> Result<Report> {
                 .into_iter()
                 .filter(|x| x.is_finite())
                 .fold(f64::INFINITY, f64::min),
+            };
+            // CUDA IPC runs on the GPUs' own link; any other path (staged included) also goes
+            // through the host's.
+            let (limit_gbps, predicted_gbps, predicted_latency_us) = if transport == "cuda-ipc" {
+                (own(5), own(6), own(7))
+            } else {
+                (
+                    own(5).min(host_limit),
+                    own(6).min(host_gbps),
+                    own(7).max(host_latency_us),
+                )
             };
             pairs.push(Pair {
                 a,
@@ -325,50 +433,51 @@ fn partner(rank: usize, round: usize, slots: usize) -> Option<usize> {
 /// Large messages each way per pair; the fastest counts.
 const BANDWIDTH_TRIES: usize = 3;
 
-/// (one-way latency µs, GB/s from the lower rank to the higher, GB/s back).
-fn measure_pair(
+/// (one-way latency µs, GB/s from the lower rank to the higher, GB/s back), over `path`; the
+/// two ranks swap their figures through `comm`.
+fn measure_pair<P: PairPath>(
     comm: &Communicator,
+    path: &mut P,
     peer: usize,
     pings: u64,
-    big: &[u8],
-    sink: &mut [u8],
-) -> Result<(f64, f64, f64)> {
+) -> std::result::Result<(f64, f64, f64), P::Error> {
     let first = comm.rank() < peer;
-    let mut small = [0u8; 8];
-    let mut trip = || -> Result<f64> {
+    let trip = |path: &mut P| -> std::result::Result<f64, P::Error> {
         let t = Instant::now();
         if first {
-            comm.send(&small, peer)?;
-            comm.recv(&mut small, peer)?;
+            path.send(peer, false)?;
+            path.recv(peer, false)?;
         } else {
-            comm.recv(&mut small, peer)?;
-            comm.send(&small, peer)?;
+            path.recv(peer, false)?;
+            path.send(peer, false)?;
         }
         Ok(t.elapsed().as_secs_f64() * 1e6)
     };
-    trip()?; // connects
-    let mut trips = (0..pings).map(|_| trip()).collect::<Result<Vec<f64>>>()?;
+    trip(path)?; // connects
+    let mut trips = (0..pings)
+        .map(|_| trip(path))
+        .collect::<std::result::Result<Vec<f64>, P::Error>>()?;
     trips.sort_by(f64::total_cmp);
     let latency_us = trips[trips.len() / 2] / 2.0;
     // One large message each way, timed by its sender until the receiver's acknowledgement.
-    let mut one_way = |sending: bool| -> Result<f64> {
-        let mut ack = [0u8; 1];
+    let bytes = path.big_bytes() as f64;
+    let one_way = |path: &mut P, sending: bool| -> std::result::Result<f64, P::Error> {
         if sending {
             let t = Instant::now();
-            comm.send(big, peer)?;
-            comm.recv(&mut ack, peer)?;
-            Ok(big.len() as f64 / t.elapsed().as_secs_f64() / 1e9)
+            path.send(peer, true)?;
+            path.recv(peer, false)?;
+            Ok(bytes / t.elapsed().as_secs_f64() / 1e9)
         } else {
-            comm.recv(sink, peer)?;
-            comm.send(&ack, peer)?;
+            path.recv(peer, true)?;
+            path.send(peer, false)?;
             Ok(0.0)
         }
     };
     // The best of a few: the pair's path, not a moment's contention from another pair.
     let (mut forward, mut back) = (0f64, 0f64);
     for _ in 0..BANDWIDTH_TRIES {
-        forward = forward.max(one_way(first)?);
-        back = back.max(one_way(!first)?);
+        forward = forward.max(one_way(path, first)?);
+        back = back.max(one_way(path, !first)?);
     }
     // Each side knows its own direction: swap so both know both.
     let mine = [forward.max(back)];
@@ -458,6 +567,43 @@ pub fn memcpy_gbps() -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// This host's reduction kernel, the one the executor reduces received data with
+/// (`weftcc_collectives::reduce::reduce_in_place`) on `dtype` with `op`: the best of a few
+/// reductions of 32 MiB into 32 MiB (two reads and a write per element), GB/s of the destination
+/// reduced. NaN where the kernel refuses (it takes any type the library has).
+pub fn reduce_gbps(dtype: DataType, op: ReduceOp) -> f64 {
+    let src = vec![0u8; LIMIT_BYTES];
+    let mut dst = vec![0u8; LIMIT_BYTES];
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let done = reduce_in_place(dtype, op.combiner(), &mut dst, std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            match done {
+                Ok(()) => LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9,
+                Err(_) => f64::NAN,
+            }
+        })
+        .fold(f64::NAN, f64::max)
+}
+
+/// This host's division kernel, the last step of `Avg` (`weftcc_collectives::reduce::
+/// divide_in_place`) on `dtype`: the best of a few divisions of 32 MiB in place, GB/s divided.
+pub fn divide_gbps(dtype: DataType) -> f64 {
+    let mut buf = vec![0u8; LIMIT_BYTES];
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let done = divide_in_place(dtype, std::hint::black_box(&mut buf), 3);
+            std::hint::black_box(&buf);
+            match done {
+                Ok(()) => LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9,
+                Err(_) => f64::NAN,
+            }
+        })
+        .fold(f64::NAN, f64::max)
+}
+
 /// TCP over this host's loopback: 32 MiB through one connection, GB/s.
 fn tcp_loopback_gbps() -> Option<f64> {
     use std::io::{Read, Write};
@@ -501,15 +647,9 @@ pub fn link_gbps(one_host: bool) -> f64 {
 /// The rate of the interface TCP uses (`WEFT_SOCKET_IFNAME`'s choice), from sysfs, GB/s.
 fn nic_gbps() -> Option<f64> {
     let ifname = weftcc_settings::SOCKET_IFNAME.value();
-    let ip = weftcc_transports::tcp::select_interface(ifname.as_deref(), None).ok()?;
-    let name = nix::ifaddrs::getifaddrs().ok()?.find_map(|a| {
-        let addr = a.address?;
-        let matches = match ip {
-            std::net::IpAddr::V4(v4) => addr.as_sockaddr_in().map(|s| s.ip()) == Some(v4),
-            std::net::IpAddr::V6(v6) => addr.as_sockaddr_in6().map(|s| s.ip()) == Some(v6),
-        };
-        matches.then_some(a.interface_name)
-    })?;
+    let name = weftcc_transports::tcp::select_interface(ifname.as_deref(), None)
+        .ok()?
+        .name;
     let mbit: f64 = std::fs::read_to_string(format!("/sys/class/net/{name}/speed"))
         .ok()?
         .trim()
@@ -520,6 +660,77 @@ fn nic_gbps() -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CommConfig;
+
+    /// The host path under another name with figures of its own, as the CUDA path reports
+    /// them: rank 2's pairs `staged`, the others `cuda-ipc`, each side a different limit.
+    struct Renamed<'a>(HostPath<'a>, usize);
+
+    impl PairPath for Renamed<'_> {
+        type Error = Error;
+        fn transport(&self, peer: usize) -> Option<&'static str> {
+            Some(if self.1 == 2 || peer == 2 {
+                "staged"
+            } else {
+                "cuda-ipc"
+            })
+        }
+        fn send(&mut self, peer: usize, big: bool) -> Result<()> {
+            self.0.send(peer, big)
+        }
+        fn recv(&mut self, peer: usize, big: bool) -> Result<()> {
+            self.0.recv(peer, big)
+        }
+        fn big_bytes(&self) -> usize {
+            self.0.big_bytes()
+        }
+        fn model(&self, _: usize) -> Option<PathModel> {
+            Some(PathModel {
+                limit_gbps: 1000.0 + self.1 as f64,
+                predicted_gbps: 500.0 + self.1 as f64,
+                predicted_latency_us: 0.5,
+            })
+        }
+    }
+
+    /// A path with figures of its own (a GPU path's topology rates): CUDA IPC pairs are held to
+    /// the path's figures alone, the lower side's; a staged pair to the lower of the path's and
+    /// the host path's, which it also crosses.
+    #[test]
+    fn a_gpu_paths_own_figures_are_its_limit_and_prediction() {
+        let config = |_| CommConfig::from_env().expect("config");
+        let options = Options {
+            bytes: 64 << 10,
+            pings: 3,
+            outlier_below: 50.0,
+        };
+        let reports = crate::local::run_ranks(3, config, |rank, comm| {
+            let mut path = Renamed(HostPath::new(&comm, options.bytes), rank);
+            diagnose_over(&comm, &options, &mut path).expect("diagnosed")
+        })
+        .expect("ranks");
+        let r = &reports[0];
+        assert_eq!(r.pairs.len(), 3);
+        let ipc = &r.pairs[0];
+        assert_eq!((ipc.a, ipc.b, ipc.transport.as_str()), (0, 1, "cuda-ipc"));
+        assert_eq!(ipc.limit_gbps, 1000.0);
+        assert_eq!((ipc.predicted_gbps, ipc.predicted_latency_us), (500.0, 0.5));
+        assert!(ipc.gbps > 0.0, "{ipc:?}");
+        for staged in &r.pairs[1..] {
+            assert_eq!(staged.transport, "staged", "{staged:?}");
+            // The host path's limit: the memcpy over shared memory, the loopback over TCP.
+            let (a, b) = (r.limits[staged.a], r.limits[staged.b]);
+            let host = [
+                a.memcpy_gbps.min(b.memcpy_gbps),
+                a.tcp_loopback_gbps.min(b.tcp_loopback_gbps),
+            ];
+            assert!(host.contains(&staged.limit_gbps), "{staged:?} {host:?}");
+            let model = model_input(&HostLayout::from_labels(&r.hosts), true, None);
+            assert_eq!(staged.predicted_gbps, model.intra_gbps.min(500.0));
+        }
+        // Every rank computes the same report.
+        assert_eq!(reports[1].pairs, r.pairs);
+    }
 
     #[test]
     fn every_pair_meets_once_in_the_round_robin() {

@@ -195,6 +195,8 @@ settings! {
         "The library version this rank announces when a communicator is made (the consistency tests fake an older build with it).";
     TEST_BUILD_ID = "WEFT_TEST_BUILD_ID", Text, Own, "this build's",
         "The library build id this rank announces when a communicator is made (the consistency tests fake another build with it).";
+    TEST_NET_PROVIDER = "WEFT_TEST_NET_PROVIDER", Text, Own, "the resolved one",
+        "The network provider this rank announces when a communicator is made (the consistency tests fake another host's choice with it).";
 }
 
 /// NCCL's variables that mean what a `WEFT_*` one means, in the same grammar: honoured, the

@@ -33,6 +33,6 @@ pub mod xml;
 pub use discover::host_id;
 pub use error::{Result, TopoError};
 pub use model::{
-    class_rank, CpuNode, Gpu, Graph, GraphLink, GraphNode, HostInfo, LinkKind, LinkSpeeds, Nic,
-    NicKind, NodeKind, PathClass, RdmaPort, Topology,
+    class_rank, CpuNode, Gpu, GpuPairPath, GpuTransport, Graph, GraphLink, GraphNode, HostInfo,
+    LinkKind, LinkSpeeds, Nic, NicKind, NodeKind, PathClass, RdmaPort, Topology,
 };

@@ -174,6 +174,13 @@ impl LinkSpeeds {
         }
     }
 
+    /// A GPU's data staged through pinned host memory: the GPU's PCIe link to its host (copied
+    /// out on one side, in on the other), GB/s and µs.
+    pub fn staged(&self) -> (f64, f64) {
+        let pcie = PathClass::Pix;
+        (self.bandwidth(pcie), 2.0 * self.latency(pcie))
+    }
+
     /// Latency of a path of this class, µs.
     pub fn latency(&self, c: PathClass) -> f64 {
         match c {
@@ -459,6 +466,112 @@ impl Topology {
     /// derived from the path matrix.
     pub fn graph(&self, speeds: &LinkSpeeds) -> Graph {
         crate::graph::derive(self, speeds)
+    }
+
+    /// The GPU (index into `gpus`) with PCI bus id `bus` as the CUDA driver writes it; bus ids
+    /// differ in their domain's width and case (`00000000:3B:00.0`, `0000:3b:00.0`), so the
+    /// bus, device and function are compared.
+    pub fn gpu_by_bus_id(&self, bus: &str) -> Option<usize> {
+        let tail = |s: &str| {
+            s.rsplit_once(':').map(|(a, b)| {
+                let bus = a.rsplit(':').next().unwrap_or(a);
+                format!("{}:{}", bus.to_ascii_lowercase(), b.to_ascii_lowercase())
+            })
+        };
+        let me = tail(bus)?;
+        self.gpus
+            .iter()
+            .position(|g| g.bus_id.as_deref().and_then(tail).as_ref() == Some(&me))
+    }
+
+    /// The path the device communicator's data takes between GPUs `i` and `j` of this host
+    /// (indices into `gpus`) and what the model gives it. The device communicator chooses for
+    /// the whole host: CUDA IPC peer copies when every pair of its GPUs has peer access (then
+    /// over the pair's own path class), else staged through pinned host memory (a copy out of
+    /// one GPU and into the other, each over a GPU's PCIe link).
+    pub fn gpu_pair_path(&self, i: usize, j: usize, speeds: &LinkSpeeds) -> GpuPairPath {
+        let class = self.gpu_path(i, j);
+        let ipc = self.p2p_missing.is_empty() && class != PathClass::Na;
+        let (transport, gbps, latency_us) = if ipc {
+            (
+                GpuTransport::CudaIpc,
+                speeds.bandwidth(class),
+                speeds.latency(class),
+            )
+        } else {
+            let (gbps, lat) = speeds.staged();
+            (GpuTransport::Staged, gbps, lat)
+        };
+        GpuPairPath {
+            a: i,
+            b: j,
+            transport,
+            class,
+            gbps,
+            latency_us,
+        }
+    }
+
+    /// [`Topology::gpu_pair_path`] of every pair of this host's GPUs.
+    pub fn gpu_pair_paths(&self, speeds: &LinkSpeeds) -> Vec<GpuPairPath> {
+        let n = self.gpus.len();
+        (0..n)
+            .flat_map(|i| (i + 1..n).map(move |j| (i, j)))
+            .map(|(i, j)| self.gpu_pair_path(i, j, speeds))
+            .collect()
+    }
+}
+
+/// How the device communicator moves data between two GPUs of one host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuTransport {
+    /// Peer copies between the GPUs' memories (CUDA IPC).
+    CudaIpc,
+    /// Through pinned host memory.
+    Staged,
+}
+
+impl GpuTransport {
+    /// `cuda-ipc` or `staged`, as `weft doctor` names the transport.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuTransport::CudaIpc => "cuda-ipc",
+            GpuTransport::Staged => "staged",
+        }
+    }
+}
+
+/// A pair of GPUs of one host, the device communicator's path between them and the model's
+/// figures for it (a prediction: `weft doctor --device cuda` measures it).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GpuPairPath {
+    /// The lower GPU (index into `gpus`).
+    pub a: usize,
+    /// The higher GPU.
+    pub b: usize,
+    /// What carries the pair's data.
+    pub transport: GpuTransport,
+    /// The pair's path class (what CUDA IPC runs over).
+    pub class: PathClass,
+    /// The model's bandwidth of the path, GB/s per direction.
+    pub gbps: f64,
+    /// The model's latency of the path, µs.
+    pub latency_us: f64,
+}
+
+impl GpuPairPath {
+    /// `CUDA IPC over NV12, 240 GB/s, 0.6 us`, or the staged path's.
+    pub fn describe(&self) -> String {
+        let how = match self.transport {
+            GpuTransport::CudaIpc => format!("CUDA IPC over {}", self.class.label()),
+            GpuTransport::Staged => {
+                "staged through pinned host memory (not every pair of the host's GPUs has peer \
+                 access)"
+                    .to_string()
+            }
+        };
+        format!("{how}, {:.0} GB/s, {:.1} us", self.gbps, self.latency_us)
     }
 }
 

@@ -109,6 +109,10 @@ pub struct Report {
     /// The GPUDirect RDMA distance limit the pairs were judged with.
     #[serde(default = "default_gdr_level")]
     pub gdr_level: PathClass,
+    /// The device communicator's path between each pair of the host's GPUs
+    /// ([`Topology::gpu_pair_paths`]).
+    #[serde(default)]
+    pub gpu_paths: Vec<crate::model::GpuPairPath>,
 }
 
 fn default_gdr_level() -> PathClass {
@@ -302,6 +306,7 @@ pub fn build(topo: &Topology, opts: &ReportOptions) -> Report {
         warnings: warnings(topo, opts, rph),
         nic_pairs: nic_pairs(topo, opts.gdr_level),
         gdr_level: opts.gdr_level,
+        gpu_paths: topo.gpu_pair_paths(&opts.speeds),
     }
 }
 
@@ -434,6 +439,23 @@ pub fn render_text(r: &Report) -> String {
              RDMA ring where every rank's NIC takes its GPU memory, and stages the rest through \
              pinned host memory; WEFT_DEBUG=INFO says GDRDMA per peer)"
         );
+    }
+    if !r.gpu_paths.is_empty() {
+        let _ = writeln!(
+            o,
+            "\nGPU paths of the device communicator (predicted by the model, not measured; \
+             `weft doctor --device cuda` measures them):"
+        );
+        for p in &r.gpu_paths {
+            let label = |g: usize| t.gpus.get(g).map_or(g as u32, |x| x.index);
+            let _ = writeln!(
+                o,
+                "  GPU{} <-> GPU{}: {}",
+                label(p.a),
+                label(p.b),
+                p.describe()
+            );
+        }
     }
     let nd = t.ndevices();
     if nd > 0 {

@@ -5,7 +5,7 @@ use common::topology;
 use weftcc_topology::report::{
     build, render_dot, render_json, render_svg, render_text, ReportOptions,
 };
-use weftcc_topology::{PathClass, Topology};
+use weftcc_topology::{GpuTransport, PathClass, Topology};
 
 fn codes(t: &Topology, opts: &ReportOptions) -> Vec<String> {
     build(t, opts)
@@ -170,4 +170,56 @@ fn renderings() {
     assert!(render_text(&r).contains("rings: none"));
     let _ = render_svg(&r);
     let _ = render_dot(&r);
+}
+
+/// The device communicator's GPU paths: CUDA IPC over each pair's own class where every pair of
+/// the host's GPUs has peer access, else every pair staged at a GPU's PCIe rate; in the text.
+#[test]
+fn gpu_paths_are_the_device_communicators() {
+    let o = ReportOptions::default();
+    let t = topology("dgx1_v100.txt");
+    let r = build(&t, &o);
+    assert_eq!(r.gpu_paths.len(), 8 * 7 / 2);
+    for p in &r.gpu_paths {
+        assert_eq!(p.transport, GpuTransport::CudaIpc, "{p:?}");
+        assert_eq!(p.class, t.gpu_path(p.a, p.b));
+        assert_eq!(p.gbps, o.speeds.bandwidth(p.class));
+    }
+    // GPU0–GPU1 are NVLink-joined on a DGX-1, GPU0–GPU5 not: their rates differ.
+    let rate = |a, b| {
+        r.gpu_paths
+            .iter()
+            .find(|p| (p.a, p.b) == (a, b))
+            .unwrap()
+            .gbps
+    };
+    assert!(rate(0, 1) > rate(0, 5), "{} {}", rate(0, 1), rate(0, 5));
+    let text = render_text(&r);
+    assert!(
+        text.contains(&format!("GPU0 <-> GPU1: {}", r.gpu_paths[0].describe())),
+        "{text}"
+    );
+    let mut t = t;
+    t.p2p_missing = vec![(0, 5)];
+    let r = build(&t, &o);
+    assert!(r
+        .gpu_paths
+        .iter()
+        .all(|p| p.transport == GpuTransport::Staged && p.gbps == o.speeds.pcie_gbps));
+    assert!(render_text(&r).contains("GPU0 <-> GPU1: staged through pinned host memory"));
+    assert!(build(&topology("single_gpu.txt"), &o).gpu_paths.is_empty());
+    assert!(!render_text(&build(&topology("single_gpu.txt"), &o)).contains("GPU paths"));
+}
+
+/// The CUDA driver's bus id finds the topology's GPU whatever the domain's width and case.
+#[test]
+fn gpus_are_found_by_the_drivers_bus_id() {
+    let mut t = topology("pcie4_pxb.txt");
+    for (g, bus) in t.gpus.iter_mut().zip(["0000:3b:00.0", "0000:5e:00.0"]) {
+        g.bus_id = Some(bus.to_string());
+    }
+    assert_eq!(t.gpu_by_bus_id("00000000:5E:00.0"), Some(1));
+    assert_eq!(t.gpu_by_bus_id("0000:3b:00.0"), Some(0));
+    assert_eq!(t.gpu_by_bus_id("0000:3b:00.1"), None);
+    assert_eq!(t.gpu_by_bus_id("garbage"), None);
 }

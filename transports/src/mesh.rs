@@ -117,6 +117,54 @@ pub struct MeshConfig {
     pub stripes: StripePlan,
 }
 
+/// What this rank's network settings resolve to on this machine: the interface and address
+/// TCP listens on and the network provider the pairs across hosts may use. [`Mesh::establish`]
+/// uses exactly this; the consistency check at set-up announces it ([`Network::announced`]).
+pub struct Network {
+    /// [`tcp::select_interface`] with `WEFT_SOCKET_IFNAME` and `WEFT_SOCKET_FAMILY`.
+    pub interface: tcp::Interface,
+    /// [`net::select::open`]: `None` for TCP only.
+    pub provider: Option<Arc<dyn net::Provider>>,
+}
+
+impl Network {
+    /// Resolves `socket_ifname` and `net` (the provider is opened once per process and cached,
+    /// so resolving again costs a look-up).
+    pub fn resolve(socket_ifname: Option<&str>, net: &NetChoice) -> Result<Network> {
+        let interface = tcp::select_interface(socket_ifname, Family::from_env()?)?;
+        let provider = net::select::open(net)?;
+        Ok(Network {
+            interface,
+            provider,
+        })
+    }
+
+    /// What a peer must match for a pair to work, as announced at set-up: the interface's kind
+    /// (`IPv4`, `IPv6`, `loopback IPv4`, …; its name and address differ from host to host) and
+    /// the provider's class (`tcp`, `ib:roce`, `ofi:verbs;ofi_rxm`, `loopback`; the in-memory
+    /// loopback's id names its process, which differs from rank to rank by design).
+    pub fn announced(&self) -> (String, String) {
+        let i = &self.interface;
+        let family = match i.addr {
+            std::net::IpAddr::V4(_) => "IPv4",
+            std::net::IpAddr::V6(_) => "IPv6",
+        };
+        let kind = if i.loopback {
+            format!("loopback {family}")
+        } else {
+            family.to_string()
+        };
+        let provider = self.provider.as_ref().map_or("tcp".to_string(), |p| {
+            let id = p.id();
+            match id.split_once(':') {
+                Some((class, _)) if class == net::loopback::PROVIDER => class.to_string(),
+                _ => id,
+            }
+        });
+        (kind, provider)
+    }
+}
+
 /// A peer [`Mesh::connect`] could not connect, and why.
 #[derive(Debug, thiserror::Error)]
 #[error("connecting to rank {peer}: {source}")]
@@ -527,8 +575,8 @@ impl Mesh {
         let (rank, n, ns) = (cfg.rank, cfg.nranks, cfg.namespace.as_str());
 
         // 1. Listen and publish.
-        let family = Family::from_env()?;
-        let ip = tcp::select_interface(cfg.socket_ifname.as_deref(), family)?;
+        let network = Network::resolve(cfg.socket_ifname.as_deref(), &cfg.net)?;
+        let ip = network.interface.addr;
         let endpoint = TcpEndpoint::bind(ip, rank, &cfg.token, ns)?;
         tracing::info!(target: "weftcc::net", rank, addr = %endpoint.local_addr(), "peers dial this rank at this address");
         let unix = if cfg.shm_disable {
@@ -542,7 +590,7 @@ impl Mesh {
         )?;
 
         // 2. The host table.
-        let provider = net::select::open(&cfg.net)?;
+        let provider = network.provider;
         let mut me = PeerHost::this_process(&cfg.host_id, !cfg.shm_disable);
         if let Some(p) = &provider {
             me.net = p.id();

@@ -208,14 +208,14 @@ pub fn list_interfaces() -> Result<Vec<Interface>> {
     Ok(out)
 }
 
-/// Chooses the local address to listen on: `spec` has the syntax of `WEFT_SOCKET_IFNAME`,
-/// `family` restricts the address family (see the module docs).
-pub fn select_interface(spec: Option<&str>, family: Option<Family>) -> Result<IpAddr> {
+/// Chooses the interface and address to listen on: `spec` has the syntax of
+/// `WEFT_SOCKET_IFNAME`, `family` restricts the address family (see the module docs).
+pub fn select_interface(spec: Option<&str>, family: Option<Family>) -> Result<Interface> {
     let ifaces = list_interfaces()?;
     match choose_interface(spec, family, &ifaces) {
         Some(i) => {
             tracing::info!(target: "weftcc::net", interface = %i.name, addr = %i.addr, "selected network interface");
-            Ok(i.addr)
+            Ok(i)
         }
         None => {
             let have: Vec<String> = ifaces

@@ -214,13 +214,17 @@ pub(crate) fn send_fds(
     let raw: Vec<std::os::fd::RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
     let iov = [std::io::IoSlice::new(frame)];
     let cmsg = [ControlMessage::ScmRights(&raw)];
-    let sent = sendmsg::<()>(
-        stream.as_raw_fd(),
-        &iov,
-        &cmsg,
-        MsgFlags::MSG_NOSIGNAL,
-        None,
-    )?;
+    // A signal that arrives while the call waits interrupts it whatever SA_RESTART says: the
+    // stream has a timeout (signal(7)). Nothing was sent then; send again.
+    let sent = retry_interrupted(|| {
+        sendmsg::<()>(
+            stream.as_raw_fd(),
+            &iov,
+            &cmsg,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+    })?;
     if sent != frame.len() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::WriteZero,
@@ -230,9 +234,34 @@ pub(crate) fn send_fds(
     Ok(())
 }
 
+/// Runs `call` again while it fails with `EINTR`: a signal delivered while it waited, nothing
+/// done (socket calls with a timeout report it whatever `SA_RESTART` says, signal(7)).
+pub(crate) fn retry_interrupted<T>(mut call: impl FnMut() -> nix::Result<T>) -> nix::Result<T> {
+    loop {
+        match call() {
+            Err(nix::errno::Errno::EINTR) => continue,
+            done => return done,
+        }
+    }
+}
+
 /// Receives one frame of exactly `frame.len()` bytes sent by [`send_fds`], and its descriptors
-/// (at most `max_fds`; extra ones are closed). The stream's read timeout bounds the wait.
+/// (at most `max_fds`; extra ones are closed). The stream's read timeout bounds the wait; a
+/// signal that interrupts it is no error (the call is made again).
 pub(crate) fn recv_fds(
+    stream: &std::os::unix::net::UnixStream,
+    frame: &mut [u8],
+    max_fds: usize,
+) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
+    loop {
+        match recv_fds_once(stream, frame, max_fds) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            done => return done,
+        }
+    }
+}
+
+fn recv_fds_once(
     stream: &std::os::unix::net::UnixStream,
     frame: &mut [u8],
     max_fds: usize,
@@ -280,6 +309,48 @@ pub(crate) fn recv_fds(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    extern "C" fn ignore(_: libc::c_int) {}
+
+    /// A signal delivered to a thread waiting for a descriptor frame (a handler installed
+    /// without `SA_RESTART`, as a profiler or a runtime may) does not fail the exchange: the
+    /// waiting call is made again. Before this, `recv_fds` returned `EINTR` as an error
+    /// ("receiving shared memory from rank N: Interrupted system call").
+    #[test]
+    fn a_signal_during_a_descriptor_exchange_is_no_error() {
+        use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+        use std::os::fd::AsFd;
+        let action = SigAction::new(
+            SigHandler::Handler(ignore),
+            SaFlags::empty(),
+            SigSet::empty(),
+        );
+        // SAFETY: the handler does nothing (async-signal-safe); SIGURG is otherwise ignored by
+        // default, so no other test of this process depends on its disposition.
+        unsafe { sigaction(Signal::SIGURG, &action) }.expect("sigaction");
+        let (a, b) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+        b.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let receiver = std::thread::spawn(move || {
+            // SAFETY: pthread_self has no preconditions.
+            tid_tx.send(unsafe { libc::pthread_self() }).expect("tid");
+            let mut frame = [0u8; 4];
+            let got = recv_fds(&b, &mut frame, 1);
+            (got.map(|fds| fds.len()), frame)
+        });
+        let tid = tid_rx.recv().expect("tid");
+        for _ in 0..5 {
+            std::thread::sleep(Duration::from_millis(40));
+            // SAFETY: `tid` is the receiver thread, alive until joined below.
+            assert_eq!(unsafe { libc::pthread_kill(tid, libc::SIGURG) }, 0);
+        }
+        let file = std::fs::File::open("/dev/null").expect("/dev/null");
+        send_fds(&a, b"weft", &[file.as_fd()]).expect("send");
+        let (got, frame) = receiver.join().expect("receiver");
+        assert_eq!(got.expect("no EINTR error"), 1);
+        assert_eq!(&frame, b"weft");
+    }
 
     #[test]
     fn aligned() {

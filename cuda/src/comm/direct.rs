@@ -139,16 +139,9 @@ pub(super) fn gdr_ring(
 /// (topology discovery), `N/A` where it is not found (GDR then stays off, logged).
 fn gpu_nic_class(bus: &str, level: weftcc_topology::PathClass) -> weftcc_topology::PathClass {
     let topo = weftcc_topology::discover::discover().topology;
-    // Bus ids differ in their domain's width ("00000000:3B:00.0", "0000:3b:00.0").
-    let tail = |s: &str| {
-        s.rsplit_once(':').map(|(a, b)| {
-            let bus = a.rsplit(':').next().unwrap_or(a);
-            format!("{}:{}", bus.to_ascii_lowercase(), b.to_ascii_lowercase())
-        })
-    };
-    let me = tail(bus);
+    let me = topo.gpu_by_bus_id(bus);
     weftcc_topology::netpath::nic_pairs(&topo, level)
         .into_iter()
-        .find(|p| topo.gpus[p.gpu].bus_id.as_deref().and_then(tail) == me && me.is_some())
+        .find(|p| Some(p.gpu) == me)
         .map_or(weftcc_topology::PathClass::Na, |p| p.class)
 }

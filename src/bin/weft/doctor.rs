@@ -3,10 +3,13 @@
 //! runs at set-up) and prints the report (`--json`, `--svg` heat map). Every rank computes the
 //! same verdict from the same gathered figures, so every rank exits alike (`--fail-below`).
 
+use crate::perf::DeviceKind;
 use clap::Args;
 use std::path::PathBuf;
 use weftcc::comm::doctor::{diagnose, Options, Report};
 use weftcc::Communicator;
+
+mod cuda;
 
 #[derive(Args, Debug)]
 pub struct DoctorArgs {
@@ -28,6 +31,11 @@ pub struct DoctorArgs {
     /// Write a rank×rank heat map of the bandwidth (% of the typical pair) to this SVG file.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// The buffers the pairs are measured with: `host` memory over the host transports, or
+    /// `cuda` device memory over the device communicator (CUDA IPC or staged; one GPU per local
+    /// rank), compared with the topology's NVLink/PCIe rates.
+    #[arg(long, value_enum, default_value = "host")]
+    device: DeviceKind,
 }
 
 pub fn main(args: DoctorArgs) -> i32 {
@@ -36,10 +44,25 @@ pub fn main(args: DoctorArgs) -> i32 {
         pings: args.pings,
         outlier_below: args.outlier_below,
     };
-    let report = Communicator::from_env().and_then(|comm| {
-        let report = diagnose(&comm, &options)?;
-        Ok((comm.rank() == 0, report))
-    });
+    if args.device == DeviceKind::Cuda {
+        // Every rank fails alike before any communicator is made.
+        if let Err(e) = weftcc_cuda::ensure_driver() {
+            eprintln!("weft doctor: --device cuda: {e}");
+            return 2;
+        }
+    }
+    let report = Communicator::from_env()
+        .map_err(|e| e.to_string())
+        .and_then(|comm| {
+            let rank0 = comm.rank() == 0;
+            let report = match args.device {
+                DeviceKind::Host => diagnose(&comm, &options).map_err(|e| e.to_string()),
+                DeviceKind::Cuda => {
+                    cuda::diagnose(comm, &options).map_err(|e| format!("--device cuda: {e}"))
+                }
+            }?;
+            Ok((rank0, report))
+        });
     match report {
         Ok((rank0, report)) => {
             if rank0 {

@@ -17,7 +17,7 @@ pub mod baseline;
 pub mod plot;
 pub mod spec;
 
-mod cuda;
+pub(crate) mod cuda;
 
 use spec::{Collective, Measured, Pattern};
 
@@ -92,9 +92,11 @@ pub struct PerfArgs {
     /// Where the buffers live: `host` memory, or `cuda` device memory (one GPU per local rank).
     #[arg(long = "device", value_enum, default_value = "host")]
     pub device: DeviceKind,
-    /// Per row, the limit measured in this run for that size (the latency floor, or the
-    /// bandwidth of the path: memcpy on one host, the link across hosts), achieved/limit and
-    /// the bounding resource; also in `--json` (host buffers only).
+    /// Per row, the limit measured in this run for that size (the latency floor, the
+    /// bandwidth of the path: memcpy on one host, the link across hosts, and for reductions the
+    /// host's reduction kernel on the row's type and operation), achieved/limit and the
+    /// bounding resource (synchronisation, memory, link or CPU); also in `--json` (host buffers
+    /// only).
     #[arg(long)]
     pub explain: bool,
 }
@@ -333,7 +335,7 @@ struct JsonRow<'a> {
 
 /// What bounds a row (`--explain`): the limits measured in the same run, and which one the
 /// row's size meets first.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Limits {
     /// The slowest rank's memcpy (shared memory) or the path's link rate, GB/s.
     path_gbps: f64,
@@ -341,6 +343,13 @@ struct Limits {
     path: &'static str,
     /// Median barrier time: the synchronisation floor of any collective, µs.
     floor_us: f64,
+    /// The slowest rank's reduction kernel per type and operation of the run (reduction
+    /// collectives only), GB/s of the destination reduced.
+    /// (The first operation of the run with each combination: `avg` reduces as `sum`.)
+    reduce: Vec<(DataType, ReduceOp, f64)>,
+    /// The slowest rank's division kernel per type, where the run has `avg` (its last step
+    /// divides the result), GB/s divided.
+    divide: Vec<(DataType, f64)>,
 }
 
 /// One row explained (out-of-place time).
@@ -350,17 +359,28 @@ struct Explained {
     limit_gbps: f64,
     /// The latency floor, µs.
     floor_us: f64,
-    /// The time the limits allow for this size: the floor or bytes × bus factor / limit, µs.
+    /// The reduction kernel on the row's type and operation (slowest rank), GB/s of the
+    /// destination reduced; null for collectives that do not reduce.
+    reduce_gbps: Option<f64>,
+    /// `avg` rows: the division kernel on the row's type (slowest rank), GB/s divided.
+    divide_gbps: Option<f64>,
+    /// The least CPU time of this size: each rank reduces at least (n-1)/n of the buffer (the
+    /// ring's share; a tree or a chain reduces more) at `reduce_gbps`, and an `avg` divides its
+    /// result at `divide_gbps`, µs.
+    reduce_us: Option<f64>,
+    /// The time the limits allow for this size, the longest of: the floor, bytes × bus factor /
+    /// path limit, and the reduction time, µs.
     limit_us: f64,
     /// limit_us / measured time (1: at the limit).
     achieved: f64,
-    /// `memory`, `link` or `synchronisation`.
+    /// The limit that allows the least: `memory`, `link`, `CPU` (the reduction) or
+    /// `synchronisation`.
     bound: &'static str,
 }
 
 impl Limits {
     /// Measured on every rank at once (as the collective runs): the slowest rank's figures.
-    fn measure(comm: &Communicator, hosts: &[&str]) -> Result<Limits, Error> {
+    fn measure(comm: &Communicator, hosts: &[&str], opts: &Options) -> Result<Limits, Error> {
         let one_host = hosts.windows(2).all(|w| w[0] == w[1]);
         let shm = !weftcc::settings::SHM_DISABLE.flag().unwrap_or(false);
         let (path, mine) = if one_host && shm {
@@ -368,8 +388,45 @@ impl Limits {
         } else {
             ("link", weftcc::comm::doctor::link_gbps(one_host))
         };
-        let mut gbps = [mine];
+        // The reduction kernel on every type and operation of the run, measured after the
+        // path so that the two do not share the memory bus on this rank.
+        let mut kinds: Vec<(DataType, ReduceOp)> = Vec::new();
+        if opts.collective.reduces() {
+            for &dtype in &opts.dtypes {
+                for &op in opts.ops.iter().flatten() {
+                    let known = |&(d, o): &(DataType, ReduceOp)| {
+                        d == dtype && o.combiner() == op.combiner()
+                    };
+                    if !kinds.iter().any(known) {
+                        kinds.push((dtype, op));
+                    }
+                }
+            }
+        }
+        let averages = opts.collective.reduces() && opts.ops.contains(&Some(ReduceOp::Avg));
+        let divided: &[DataType] = if averages { &opts.dtypes } else { &[] };
+        let mut gbps = vec![mine];
+        gbps.extend(
+            kinds
+                .iter()
+                .map(|&(dtype, op)| weftcc::comm::doctor::reduce_gbps(dtype, op)),
+        );
+        gbps.extend(
+            divided
+                .iter()
+                .map(|&dtype| weftcc::comm::doctor::divide_gbps(dtype)),
+        );
         comm.all_reduce_in_place(&mut gbps, ReduceOp::Min)?;
+        let reduce = kinds
+            .iter()
+            .zip(&gbps[1..])
+            .map(|(&(dtype, op), &g)| (dtype, op, g))
+            .collect();
+        let divide = divided
+            .iter()
+            .copied()
+            .zip(gbps[1 + kinds.len()..].iter().copied())
+            .collect();
         let mut barriers: Vec<f64> = (0..21)
             .map(|_| {
                 let t = std::time::Instant::now();
@@ -384,20 +441,57 @@ impl Limits {
             path_gbps: gbps[0],
             path,
             floor_us: floor[0],
+            reduce,
+            divide,
         })
     }
 
     fn explain(&self, row: &Row, coll: Collective) -> Explained {
+        let n = row.nranks as f64;
         let bus = row.size as f64 * coll.bus_factor(row.nranks as u64);
         let transfer_us = bus / (self.path_gbps * 1e3);
-        let (limit_us, bound) = if transfer_us >= self.floor_us {
-            (transfer_us, self.path)
-        } else {
-            (self.floor_us, "synchronisation")
+        let reduce_gbps = row.op.and_then(|op| {
+            self.reduce
+                .iter()
+                .find(|(d, o, _)| *d == row.dtype && o.combiner() == op.combiner())
+                .map(|(_, _, g)| *g)
+        });
+        let divide_gbps = (row.op == Some(ReduceOp::Avg))
+            .then(|| self.divide.iter().find(|(d, _)| *d == row.dtype))
+            .flatten()
+            .map(|(_, g)| *g);
+        // An `avg` divides its whole result: a reduce-scatter's is one rank's block.
+        let divided = match coll {
+            Collective::ReduceScatter => row.size as f64 / n,
+            _ => row.size as f64,
         };
+        let reduce_us = reduce_gbps.map(|g| {
+            row.size as f64 * (n - 1.0) / n / (g * 1e3)
+                + divide_gbps.map_or(0.0, |d| divided / (d * 1e3))
+        });
+        // The longest time is the lowest limit; on a tie the path, then the CPU, names it.
+        let (limit_us, bound) = [
+            (transfer_us, self.path),
+            (reduce_us.unwrap_or(0.0), "CPU"),
+            (self.floor_us, "synchronisation"),
+        ]
+        .into_iter()
+        .fold(
+            (0.0, self.path),
+            |best, (t, what)| {
+                if t > best.0 {
+                    (t, what)
+                } else {
+                    best
+                }
+            },
+        );
         Explained {
             limit_gbps: self.path_gbps,
             floor_us: self.floor_us,
+            reduce_gbps,
+            divide_gbps,
+            reduce_us,
             limit_us,
             achieved: limit_us / row.oop.time_us,
             bound,
@@ -501,7 +595,7 @@ fn gather_ranks(comm: &Communicator) -> Result<Vec<(u64, u64, String)>, Error> {
 }
 
 /// Files rank 0 writes after the sweep.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Outputs<'a> {
     json: Option<&'a std::path::Path>,
     plot: Option<&'a std::path::Path>,
@@ -642,20 +736,33 @@ fn finish(
     let wrong = opts.check.then(|| wrong_values(rows));
     let _ = write!(out, "{}", spec::footer(wrong, avg));
     if let Some(limits) = &outputs.limits {
+        let reduces = opts.collective.reduces();
+        let reduce_note = if reduces {
+            "; reduce: the reduction kernel on the row's type and operation, divide: avg's division, GB/s"
+        } else {
+            ""
+        };
         let _ = writeln!(
             out,
-            "# explain (out-of-place; limits measured in this run: {} {:.2} GB/s, barrier {:.1} us)\n#{:>11} {:>11} {:>11} {:>9}  bound",
-            limits.path, limits.path_gbps, limits.floor_us, "size", "time(us)", "limit(us)", "achieved"
+            "# explain (out-of-place; limits measured in this run: {} {:.2} GB/s, barrier {:.1} us{reduce_note})\n#{:>11} {:>8} {:>6} {:>11} {:>11} {:>9} {:>7} {:>7}  bound",
+            limits.path, limits.path_gbps, limits.floor_us, "size", "type", "redop", "time(us)", "limit(us)", "achieved", "reduce", "divide"
         );
+        let figure = |g: Option<f64>| g.map_or("-".to_string(), |g| format!("{g:.2}"));
         for r in rows {
             let e = limits.explain(r, opts.collective);
+            let reduce = figure(e.reduce_gbps);
+            let divide = figure(e.divide_gbps);
             let _ = writeln!(
                 out,
-                "#{:>11} {:>11.1} {:>11.1} {:>8.0}%  {}",
+                "#{:>11} {:>8} {:>6} {:>11.1} {:>11.1} {:>8.0}% {:>7} {:>7}  {}",
                 r.size,
+                r.dtype.name(),
+                r.op.map_or("none", |o| o.name()),
                 r.oop.time_us,
                 e.limit_us,
                 100.0 * e.achieved,
+                reduce,
+                divide,
                 e.bound
             );
         }
@@ -698,11 +805,11 @@ fn bench(comm: &Communicator, opts: &Options, outputs: &Outputs<'_>) -> Result<b
     let hosts: Vec<&str> = ranks.iter().map(|(_, _, h)| h.as_str()).collect();
     let outputs = &Outputs {
         limits: if opts.explain {
-            Some(Limits::measure(comm, &hosts)?)
+            Some(Limits::measure(comm, &hosts, opts)?)
         } else {
             None
         },
-        ..*outputs
+        ..outputs.clone()
     };
     let rows = sweep(opts, me, &mut out, |dtype, op, size| {
         with_element!(dtype, |T| bench_size::<_, T>(comm, opts, op, size))

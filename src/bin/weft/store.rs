@@ -110,7 +110,7 @@ fn serve(args: ServeArgs) -> i32 {
             weftcc::settings::SOCKET_IFNAME.value().as_deref(),
             None,
         )
-        .unwrap_or(args.listen.ip())
+        .map_or(args.listen.ip(), |i| i.addr)
     } else {
         args.listen.ip()
     };

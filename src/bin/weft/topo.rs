@@ -70,6 +70,9 @@ struct RankHost {
     gpus: usize,
     nics: Vec<String>,
     shm_bytes: Option<u64>,
+    /// The device communicator's path between each pair of the host's GPUs (the model's).
+    #[serde(default)]
+    gpu_paths: Vec<weftcc_topology::GpuPairPath>,
 }
 
 /// `weft topo --job`: gathers every rank's host description on rank 0 and prints the job's
@@ -98,6 +101,9 @@ fn job_report(args: &TopoArgs) -> Result<String, String> {
             })
             .collect(),
         shm_bytes: d.topology.shm_bytes,
+        gpu_paths: d
+            .topology
+            .gpu_pair_paths(&weftcc_topology::LinkSpeeds::default()),
     };
     let mine = serde_json::to_vec(&me).map_err(|e| e.to_string())?;
     // Lengths first, then every description padded to the longest.
@@ -142,6 +148,18 @@ fn job_report(args: &TopoArgs) -> Result<String, String> {
                 .shm_bytes
                 .map_or("unknown".to_string(), |b| format!("{} MiB", b >> 20))
         );
+        // The GPUs this host's ranks use with `--device cuda` (local rank mod GPUs) and the
+        // device communicator's path between them.
+        let used = members.len().min(first.gpus);
+        for p in first.gpu_paths.iter().filter(|p| p.b < used) {
+            let _ = writeln!(
+                out,
+                "host {h}: GPU{} <-> GPU{}: {} (predicted by the model)",
+                p.a,
+                p.b,
+                p.describe()
+            );
+        }
     }
     let ring: Vec<String> = (0..layout.hosts())
         .flat_map(|h| layout.members(h).iter().map(|r| r.to_string()))

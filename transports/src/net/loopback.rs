@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-const PROVIDER: &str = "loopback";
+pub(crate) const PROVIDER: &str = "loopback";
 
 /// Faults a [`Loopback`] fabric injects.
 #[derive(Debug, Clone, Default)]

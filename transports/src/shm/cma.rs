@@ -30,11 +30,13 @@ pub(super) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Resu
         base: addr as usize,
         len,
     }];
-    process_vm_readv(
-        nix::unistd::Pid::from_raw(pid),
-        &mut [IoSliceMut::new(dst)],
-        &remote,
-    )
+    crate::util::retry_interrupted(|| {
+        process_vm_readv(
+            nix::unistd::Pid::from_raw(pid),
+            &mut [IoSliceMut::new(&mut *dst)],
+            &remote,
+        )
+    })
 }
 /// A write being sent by reference.
 #[derive(Debug, Clone, Copy)]

@@ -50,8 +50,9 @@ pub(super) fn main(args: &PerfArgs, opts: &Options, outputs: &Outputs<'_>) -> i3
     }
 }
 
-/// This rank's index on its host, as its launcher says (a job of one: its rank).
-fn local_rank(comm: &Communicator) -> usize {
+/// This rank's index on its host, as its launcher says (a job of one: its rank); its GPU is
+/// `local rank mod device count` (here and in `weft doctor --device cuda`).
+pub(crate) fn local_rank(comm: &Communicator) -> usize {
     weftcc::LaunchInfo::from_env().map_or(comm.rank(), |i| i.local_rank)
 }
 
