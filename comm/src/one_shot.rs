@@ -323,7 +323,7 @@ mod tests {
             |rank, comm| {
                 let mut got = Vec::new();
                 for i in 0..rounds {
-                    if (i as usize + rank) % 5 == 0 {
+                    if (i as usize + rank).is_multiple_of(5) {
                         std::thread::sleep(Duration::from_millis(2));
                     }
                     let mut v = [i + rank as u64; 3];
