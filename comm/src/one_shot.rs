@@ -9,11 +9,14 @@
 //! `((x0 ⊕ x1) ⊕ x2) …`, the order of deterministic mode's `Ordered` schedules: every rank gets
 //! the same bits, and the same bits as `WEFT_DETERMINISTIC=1`.
 //!
-//! Slots alternate ([`OUTBOX_SLOTS`] = 2 is enough): a rank posts collective `s` only after
-//! reading every post of `s - 1`, which each rank made after reading every post of `s - 2`, so
-//! nobody still reads the slot `s` overwrites. Broadcast and reduce keep their schedules: their
-//! calls need not wait for one another there (a broadcast root sends and goes on), which one-shot
-//! could only match by giving up the check of every call's header before it returns.
+//! Slots alternate ([`OUTBOX_SLOTS`](weftcc_transports::shm::OUTBOX_SLOTS)), and a rank writes a slot again only once every other
+//! rank's `done` has reached the collective that last used it. Between one-shot collectives
+//! alone that always holds already (a rank posts `s` after reading every post of `s - 1`, each
+//! made after reading every post of `s - 2`), but a schedule in between may let a rank run
+//! ahead: a broadcast's root sends and goes on, and its next one-shot post would overwrite the
+//! one a slower rank still reads. Broadcast and reduce keep their schedules: their calls need not
+//! wait for one another there, which one-shot could only match by giving up the check of every
+//! call's header before it returns.
 //!
 //! Waiting follows the executor's idle policy and checks: abort, poison, timeout, the peers'
 //! liveness, and a schedule's header sent where this rank runs one-shot. A waiting rank sleeps on
@@ -28,9 +31,7 @@ use weftcc_collectives::call::{Plan, RawOp};
 use weftcc_collectives::header::{OpDesc, HEADER_LEN};
 use weftcc_collectives::op::{Combiner, OpKind};
 use weftcc_collectives::reduce;
-use weftcc_transports::shm::{
-    Outbox, Outboxes, OUTBOX_HEADER_MAX, OUTBOX_SLOTS, OUTBOX_SLOT_BYTES,
-};
+use weftcc_transports::shm::{Outbox, Outboxes, OUTBOX_HEADER_MAX, OUTBOX_SLOT_BYTES};
 use weftcc_transports::Connection;
 
 /// Most ranks a one-shot collective runs on: every rank reads every contribution, so its cost
@@ -44,7 +45,6 @@ pub(crate) const MAX_RANKS: usize = 8;
 pub(crate) const DEFAULT_MAX_BYTES: usize = 1024;
 
 const _: () = assert!(HEADER_LEN <= OUTBOX_HEADER_MAX);
-const _: () = assert!(OUTBOX_SLOTS >= 2);
 
 /// Bytes each rank contributes to `call` on `n` ranks, and the bytes it reads of the others'
 /// contributions; `None` when `call` is not a collective one-shot runs.
@@ -111,7 +111,7 @@ impl OneShot<'_> {
     /// `plan.output_offset`. `Avg`'s division is the caller's, as for a schedule.
     pub(crate) fn run(
         &self,
-        boxes: &Outboxes,
+        boxes: &mut Outboxes,
         conns: &mut [Option<Box<dyn Connection>>],
         input: Contribution<'_>,
         recv: &mut [u8],
@@ -119,6 +119,23 @@ impl OneShot<'_> {
         let (r, n, seq) = (self.rank, self.nranks, self.seq);
         let k = Outbox::slot_of(seq);
         let desc = self.desc();
+        // Every other rank must have finished the collective that last used this slot.
+        let last = boxes.written[k];
+        if boxes
+            .seen_done
+            .iter()
+            .enumerate()
+            .any(|(p, &d)| p != r && d < last)
+        {
+            let peers = &boxes.peers;
+            let not_done = |p: usize| peers[p].as_ref().is_some_and(|o| o.done() < last);
+            self.wait_for(conns, &boxes.mine, &not_done)?;
+            for (seen, peer) in boxes.seen_done.iter_mut().zip(&boxes.peers) {
+                if let Some(o) = peer {
+                    *seen = o.done();
+                }
+            }
+        }
         let data = match &input {
             Contribution::Buffer(b) => Some(*b),
             Contribution::InRecv(range) => recv.get(range.clone()),
@@ -128,9 +145,11 @@ impl OneShot<'_> {
             .mine
             .post(k, seq, &desc.encode(r as u32), data)
             .map_err(|e| self.internal(e.to_string()))?;
+        boxes.written[k] = seq;
         for peer in boxes.peers.iter().flatten() {
             peer.wake();
         }
+        let boxes = &*boxes;
 
         let outbox = |p: usize| -> Option<&Outbox> {
             if p == r {
@@ -158,7 +177,13 @@ impl OneShot<'_> {
                 });
             }
         }
-        self.combine(&outbox, recv)
+        self.combine(&outbox, recv)?;
+        boxes.mine.finish(seq);
+        // A rank waiting to write a slot again may wait for this one.
+        for peer in boxes.peers.iter().flatten() {
+            peer.wake();
+        }
+        Ok(())
     }
 
     fn output<'b>(&self, recv: &'b mut [u8], len: usize) -> Result<&'b mut [u8]> {
@@ -343,6 +368,40 @@ mod tests {
         let want: Vec<u64> = (0..rounds)
             .flat_map(|i| [3 * i + 3, 2 * (30 * i + 3)])
             .collect();
+        for (rank, got) in results.iter().enumerate() {
+            assert_eq!(got, &want, "rank {rank}");
+        }
+    }
+
+    /// A broadcast's root sends and goes on, so between one-shot collectives it runs ahead of a
+    /// slow rank: its next post waits until that rank has read the slot's previous post (without
+    /// the wait the slow rank found its slot overwritten and waited until the timeout).
+    #[test]
+    fn a_rank_ahead_by_broadcasts_waits_before_writing_a_slot_again() {
+        let rounds = 30u64;
+        let results = run_ranks(
+            3,
+            |_| config(),
+            |rank, comm| {
+                comm.set_timeout(Duration::from_secs(10));
+                let mut got = Vec::new();
+                for i in 0..rounds {
+                    let mut v = [i + rank as u64; 2];
+                    comm.all_reduce_in_place(&mut v, ReduceOp::Sum)
+                        .expect("all-reduce");
+                    got.push(v[1]);
+                    if rank == 2 {
+                        std::thread::sleep(Duration::from_millis(3));
+                    }
+                    let mut b = [if rank == 0 { i } else { 0 }; 1];
+                    comm.broadcast_in_place(&mut b, 0).expect("broadcast");
+                    got.push(b[0]);
+                }
+                got
+            },
+        )
+        .expect("ranks");
+        let want: Vec<u64> = (0..rounds).flat_map(|i| [3 * i + 3, i]).collect();
         for (rank, got) in results.iter().enumerate() {
             assert_eq!(got, &want, "rank {rank}");
         }

@@ -485,7 +485,7 @@ type Opened = (
 
 /// What a one-shot collective works with ([`Mesh::one_shot_parts`]): the outboxes, and the
 /// connections (for liveness and stray headers).
-pub type OneShotParts<'a> = (&'a Outboxes, &'a mut [Option<Box<dyn Connection>>]);
+pub type OneShotParts<'a> = (&'a mut Outboxes, &'a mut [Option<Box<dyn Connection>>]);
 
 /// What the communicators of one family share in this process (see the module docs). Ranks
 /// here are ranks of the family's first communicator.
@@ -1059,7 +1059,7 @@ impl Mesh {
     /// The one-shot outboxes with the connections, when every peer of this
     /// communicator is connected over shared memory with an outbox (see [`shm::Outbox`]).
     pub fn one_shot_parts(&mut self) -> Option<OneShotParts<'_>> {
-        let boxes = self.outboxes.as_ref().filter(|b| b.complete(self.rank))?;
+        let boxes = self.outboxes.as_mut().filter(|b| b.complete(self.rank))?;
         Some((boxes, &mut self.conns))
     }
 

@@ -11,19 +11,20 @@
 //!
 //! ```text
 //! outbox (after the doorbell header, page aligned):
-//!   slot k (k < OUTBOX_SLOTS), each SLOT_STRIDE bytes (whole cache lines):
-//!     @0 posted u64 (sequence number, stored last with Release) |
-//!     @8 the operation's header (OUTBOX_HEADER_MAX bytes, as 8-byte words) | @48 data
+//!   @0    done u64: the sequence number of the last one-shot collective the owner finished
+//!   @64   slot k (k < OUTBOX_SLOTS), each SLOT_STRIDE bytes (whole cache lines):
+//!           @0 posted u64 (sequence number, stored last with Release) |
+//!           @8 the operation's header (OUTBOX_HEADER_MAX bytes, as 8-byte words) | @48 data
 //! ```
 //!
 //! The flag, the header and the first 16 bytes of data share a cache line: a reader of an 8-byte
 //! contribution waits for one line and finds everything in it. The length is not posted: a
-//! reader knows it from its own call, whose header it checks first. When a slot may be written
-//! again (no rank reads it any more) is the runtime's rule.
+//! reader knows it from its own call, whose header it checks first. A slot is written again only
+//! once every other rank's `done` has reached the collective that last used it.
 //!
 //! Waking: a rank that waits on outboxes sleeps on its own doorbell, saying so first; a rank that
-//! posts wakes the others only when they say they sleep, so a post writes no other rank's cache
-//! lines.
+//! posts or finishes wakes the others only when they say they sleep, so neither writes another
+//! rank's cache lines.
 
 use super::segment::Mapping;
 use crate::error::{Result, TransportError};
@@ -36,7 +37,8 @@ pub const OUTBOX_SLOTS: usize = 2;
 pub const OUTBOX_SLOT_BYTES: usize = 4096;
 
 const LINE: usize = 64;
-const O_SLOTS: usize = 0;
+const O_DONE: usize = 0;
+const O_SLOTS: usize = LINE;
 const S_POSTED: usize = 0;
 const S_DESC: usize = 8;
 /// Longest operation header a slot carries.
@@ -79,6 +81,19 @@ impl Outbox {
     /// The slot a collective with sequence number `seq` uses.
     pub fn slot_of(seq: u64) -> usize {
         (seq % OUTBOX_SLOTS as u64) as usize
+    }
+
+    /// The sequence number of the last one-shot collective the owner finished.
+    pub fn done(&self) -> u64 {
+        self.map.u64_at(self.base + O_DONE).load(Ordering::SeqCst)
+    }
+
+    /// For the owner: marks collective `seq` finished (its slot may be written again as far as
+    /// this rank is concerned); then [`Outbox::wake`] the others.
+    pub fn finish(&self, seq: u64) {
+        self.map
+            .u64_at(self.base + O_DONE)
+            .store(seq, Ordering::SeqCst);
     }
 
     /// The sequence number slot `k` was last posted with (0: never).
@@ -140,18 +155,17 @@ impl Outbox {
     }
 
     /// Lends the first `len` bytes posted in slot `k` to `read` (at most a slot's). Call after
-    /// [`Outbox::posted`] returned the sequence number expected, while the owner does not write
-    /// the slot again (the runtime's rule).
+    /// [`Outbox::posted`] returned the sequence number expected, and before this rank marks that
+    /// collective finished.
     pub fn read<R>(&self, k: usize, len: usize, read: impl FnOnce(&[u8]) -> R) -> R {
         let at = self.base + Self::slot(k);
         let len = len.min(OUTBOX_SLOT_BYTES);
         debug_assert!(at + S_DATA + len <= self.map.raw.len());
         // SAFETY: the range lies inside the mapping (length clamped to the slot). Its owner wrote
         // it before the Release store of `posted` that the caller's Acquire load saw, and does
-        // not write the slot again while this rank may read it (the caller's precondition: the
-        // owner posts the slot's next collective only after reading this rank's post of a later
-        // one, which this rank makes after `read` returns): the bytes do not change while lent,
-        // and the slice does not outlive this call.
+        // not write the slot again until this rank's `done` reaches that sequence number, which
+        // this rank stores only after `read` returns: the bytes do not change while lent, and
+        // the slice does not outlive this call.
         #[allow(unsafe_code)]
         let bytes =
             unsafe { std::slice::from_raw_parts(self.map.raw.as_ptr().add(at + S_DATA), len) };
@@ -159,23 +173,27 @@ impl Outbox {
     }
 
     /// Wakes the owner if it sleeps, or is about to, in [`Outbox::sleep_unless`]: call after
-    /// posting.
+    /// posting or finishing.
     pub fn wake(&self) {
         self.map.wake_if_sleeping();
     }
 
     /// For the owner: sleeps for at most `max` unless `ready()`, checked after the owner said it
-    /// sleeps, so a post followed by [`Outbox::wake`] is never missed.
+    /// sleeps, so a post or finish followed by [`Outbox::wake`] is never missed.
     pub fn sleep_unless(&self, max: std::time::Duration, ready: &dyn Fn() -> bool) {
         self.map.sleep_unless(max, ready);
     }
 }
 
-/// This rank's outbox and, once connected over shared memory, each peer's.
+/// This rank's outbox and, once connected over shared memory, each peer's; `written[k]` is the
+/// sequence number this rank last posted in slot `k`, `seen_done[p]` the latest `done` read from
+/// peer `p` (read again only when a slot needs a later one: the line moves on every collective).
 #[derive(Debug)]
 pub struct Outboxes {
     pub mine: Outbox,
     pub peers: Vec<Option<Outbox>>,
+    pub written: [u64; OUTBOX_SLOTS],
+    pub seen_done: Vec<u64>,
 }
 
 impl Outboxes {
@@ -184,6 +202,8 @@ impl Outboxes {
         Outboxes {
             mine,
             peers: vec![None; nranks],
+            written: [0; OUTBOX_SLOTS],
+            seen_done: vec![0; nranks],
         }
     }
 
