@@ -117,7 +117,7 @@ impl CommConfig {
             deterministic: s::DETERMINISTIC.flag()?,
             one_shot_max: s::SHM_ONESHOT_MAX
                 .size()?
-                .unwrap_or(crate::one_shot::DEFAULT_MAX_BYTES),
+                .unwrap_or(DEFAULT_ONE_SHOT_MAX_BYTES),
             net: weftcc_transports::net::NetChoice::from_env().map_err(config_error)?,
             stripes: weftcc_transports::tcp_stripes::StripePlan::from_env()
                 .map_err(config_error)?,
@@ -203,6 +203,12 @@ impl Default for Backoff {
         }
     }
 }
+
+/// Default of `WEFT_SHM_ONESHOT_MAX` ([`CommConfig::one_shot_max`]): the most bytes a rank
+/// reads of the others' contributions in a collective run one-shot. Reading another core's lines
+/// is slower than a pipelined schedule once they are many (2-core VM, 2 ranks, alternating
+/// rounds: one-shot faster up to 1 KiB of all-reduce, slower from 2 KiB on).
+pub const DEFAULT_ONE_SHOT_MAX_BYTES: usize = 1024;
 
 /// Broadcast's bound on single copy when [`CommConfig::pinned_max_bytes`] is `None`.
 pub const DEFAULT_PINNED_MAX_BYTES: usize = 1 << 20;

@@ -38,12 +38,6 @@ use weftcc_transports::Connection;
 /// grows with the ranks where a schedule's grows with their logarithm or not at all.
 pub(crate) const MAX_RANKS: usize = 8;
 
-/// Default of `WEFT_SHM_ONESHOT_MAX`: the most bytes a rank reads from the others' outboxes in
-/// a collective run one-shot. Reading another core's lines is slower than a pipelined schedule
-/// once they are many (2-core VM, 2 ranks, alternating rounds: one-shot faster up to 1 KiB of
-/// all-reduce, slower from 2 KiB on).
-pub(crate) const DEFAULT_MAX_BYTES: usize = 1024;
-
 const _: () = assert!(HEADER_LEN <= OUTBOX_HEADER_MAX);
 
 /// Bytes each rank contributes to `call` on `n` ranks, and the bytes it reads of the others'
@@ -290,7 +284,7 @@ fn copy_exact(dst: &mut [u8], src: &[u8]) -> std::result::Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::CommConfig;
+    use crate::config::{CommConfig, DEFAULT_ONE_SHOT_MAX_BYTES};
     use crate::local::run_ranks;
     use weftcc_collectives::{DataType, ReduceOp};
 
@@ -326,7 +320,7 @@ mod tests {
 
     fn config() -> CommConfig {
         let mut c = CommConfig::from_env().expect("config");
-        c.one_shot_max = DEFAULT_MAX_BYTES;
+        c.one_shot_max = DEFAULT_ONE_SHOT_MAX_BYTES;
         c.algo = Default::default();
         c.timeout = Duration::from_secs(20);
         c
@@ -442,7 +436,7 @@ mod tests {
     /// A restriction of the algorithms (`WEFT_ALGO`) and `WEFT_SHM_ONESHOT_MAX=0` keep schedules.
     #[test]
     fn restrictions_and_zero_keep_schedules() {
-        for (max, algo) in [(0, None), (DEFAULT_MAX_BYTES, Some("ring"))] {
+        for (max, algo) in [(0, None), (DEFAULT_ONE_SHOT_MAX_BYTES, Some("ring"))] {
             let cfg = move |_| {
                 let mut c = config();
                 c.one_shot_max = max;
