@@ -553,18 +553,30 @@ fn measure_limits() -> HostLimits {
 
 const LIMIT_BYTES: usize = 32 << 20;
 
+/// The best of three timed passes over `LIMIT_BYTES`, GB/s; a pass returns false where its
+/// kernel refuses, and NaN comes back when every pass did.
+fn best_of_three_gbps(mut pass: impl FnMut() -> bool) -> f64 {
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            if pass() {
+                LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9
+            } else {
+                f64::NAN
+            }
+        })
+        .fold(f64::NAN, f64::max)
+}
+
 /// Host memory: the best of a few copies of 32 MiB (read + write), GB/s copied.
 pub fn memcpy_gbps() -> f64 {
     let src = vec![1u8; LIMIT_BYTES];
     let mut dst = vec![0u8; LIMIT_BYTES];
-    (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&dst);
-            LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9
-        })
-        .fold(0.0, f64::max)
+    best_of_three_gbps(|| {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        true
+    })
 }
 
 /// This host's reduction kernel, the one the executor reduces received data with
@@ -574,34 +586,22 @@ pub fn memcpy_gbps() -> f64 {
 pub fn reduce_gbps(dtype: DataType, op: ReduceOp) -> f64 {
     let src = vec![0u8; LIMIT_BYTES];
     let mut dst = vec![0u8; LIMIT_BYTES];
-    (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            let done = reduce_in_place(dtype, op.combiner(), &mut dst, std::hint::black_box(&src));
-            std::hint::black_box(&dst);
-            match done {
-                Ok(()) => LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9,
-                Err(_) => f64::NAN,
-            }
-        })
-        .fold(f64::NAN, f64::max)
+    best_of_three_gbps(|| {
+        let done = reduce_in_place(dtype, op.combiner(), &mut dst, std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        done.is_ok()
+    })
 }
 
 /// This host's division kernel, the last step of `Avg` (`weftcc_collectives::reduce::
 /// divide_in_place`) on `dtype`: the best of a few divisions of 32 MiB in place, GB/s divided.
 pub fn divide_gbps(dtype: DataType) -> f64 {
     let mut buf = vec![0u8; LIMIT_BYTES];
-    (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            let done = divide_in_place(dtype, std::hint::black_box(&mut buf), 3);
-            std::hint::black_box(&buf);
-            match done {
-                Ok(()) => LIMIT_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9,
-                Err(_) => f64::NAN,
-            }
-        })
-        .fold(f64::NAN, f64::max)
+    best_of_three_gbps(|| {
+        let done = divide_in_place(dtype, std::hint::black_box(&mut buf), 3);
+        std::hint::black_box(&buf);
+        done.is_ok()
+    })
 }
 
 /// TCP over this host's loopback: 32 MiB through one connection, GB/s.

@@ -38,7 +38,7 @@ use weftcc_transports::Connection;
 /// grows with the ranks where a schedule's grows with their logarithm or not at all.
 pub(crate) const MAX_RANKS: usize = 8;
 
-const _: () = assert!(HEADER_LEN <= OUTBOX_HEADER_MAX);
+const _: () = assert!(HEADER_LEN == OUTBOX_HEADER_MAX);
 
 /// Bytes each rank contributes to `call` on `n` ranks, and the bytes it reads of the others'
 /// contributions; `None` when `call` is not a collective one-shot runs.
@@ -156,9 +156,7 @@ impl OneShot<'_> {
         self.wait_for(conns, &boxes.mine, &not_posted)?;
         for p in (0..n).filter(|&p| p != r) {
             let o = outbox(p).ok_or_else(|| self.internal(format!("no outbox of rank {p}")))?;
-            let header = o.header(k);
-            let mut theirs = [0u8; HEADER_LEN];
-            theirs.copy_from_slice(&header[..HEADER_LEN]);
+            let theirs: [u8; HEADER_LEN] = o.header(k);
             if !desc.is_encoded_in(p as u32, &theirs) {
                 return Err(match OpDesc::decode(&theirs) {
                     Ok((theirs, _)) => Error::Mismatch {
