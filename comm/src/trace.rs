@@ -9,7 +9,6 @@
 //! so that dumps from different hosts line up.
 
 use crate::error::Error;
-use crate::records::progress::since_epoch;
 use crate::records::trace::{DumpRequest, TraceRecord, TraceState, REQUESTS_KEY};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -229,10 +228,7 @@ impl FlightRecorder {
     }
 }
 
-/// Microseconds since the UNIX epoch.
-pub fn now_us() -> u64 {
-    since_epoch().as_micros() as u64
-}
+pub use crate::records::progress::now_us;
 
 /// How many job-wide dump requests were made (0 when the store cannot be read: the watcher's
 /// own poll notices a lost store). No server-side wait: a lost store costs the client's margin,
