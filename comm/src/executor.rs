@@ -593,7 +593,9 @@ pub fn execute_prepared(
     // Small local copies that are ready at the start run before any transfer: a send that waits
     // on one (in-place all-to-all stages its outgoing block) then leaves in the same write as
     // its header, instead of the header going alone and the data a pass later.
-    copies_left -= run_ready_copies(ctx, steps, copies, places, done, areas, COALESCE_MAX)?;
+    if copies_left > 0 {
+        copies_left -= run_ready_copies(ctx, steps, copies, places, done, areas, COALESCE_MAX)?;
+    }
 
     loop {
         let mut progressed = false;

@@ -241,6 +241,7 @@ impl Inner {
     }
 
     /// Fails at once when the communicator is poisoned.
+    #[inline]
     pub(crate) fn check(&self) -> Result<()> {
         self.failures.check()
     }
@@ -502,6 +503,7 @@ impl Inner {
 
     /// PreMulSum: this rank's input scaled once (the algorithm then sums); `None` for other
     /// reductions.
+    #[inline]
     fn scaled_input(
         &self,
         call: &RawOp,
@@ -510,12 +512,23 @@ impl Inner {
         recv: &[u8],
         seq: u64,
     ) -> Result<Option<Vec<u64>>> {
-        let ReduceOp::PreMulSum(factor) = call.op else {
-            return Ok(None);
-        };
-        if !call.has_reduction() {
-            return Ok(None);
+        match call.op {
+            ReduceOp::PreMulSum(factor) if call.has_reduction() => {
+                self.scale_input(call, plan, send, recv, seq, factor)
+            }
+            _ => Ok(None),
         }
+    }
+
+    fn scale_input(
+        &self,
+        call: &RawOp,
+        plan: &Plan,
+        send: Option<&[u8]>,
+        recv: &[u8],
+        seq: u64,
+        factor: f64,
+    ) -> Result<Option<Vec<u64>>> {
         let src: &[u8] = match send {
             Some(s) => s,
             None => recv
@@ -534,7 +547,15 @@ impl Inner {
     }
 
     /// Avg: divides the reduced result once, where a result was written.
+    #[inline]
     fn divide_average(&self, call: &RawOp, plan: &Plan, recv: &mut [u8], seq: u64) -> Result<()> {
+        if call.op != ReduceOp::Avg {
+            return Ok(());
+        }
+        self.divide(call, plan, recv, seq)
+    }
+
+    fn divide(&self, call: &RawOp, plan: &Plan, recv: &mut [u8], seq: u64) -> Result<()> {
         let (r, n) = (self.rank, self.size);
         let range = match call.kind {
             OpKind::Reduce if r != call.root => return Ok(()),
@@ -551,10 +572,15 @@ impl Inner {
     }
 
     /// Connects every peer in `peers` not connected yet (for operation `desc`).
+    #[inline]
     fn connect_peers(&self, mesh: &mut Mesh, peers: &[usize], desc: &OpDesc) -> Result<()> {
         if mesh.all_connected(peers) {
             return Ok(());
         }
+        self.connect(mesh, peers, desc)
+    }
+
+    fn connect(&self, mesh: &mut Mesh, peers: &[usize], desc: &OpDesc) -> Result<()> {
         let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
         let mut store = lock(&self.store);
         if let Err(e) = mesh.connect(peers, &mut store, self.timeout(), &cancel) {

@@ -927,6 +927,7 @@ impl Mesh {
     }
 
     /// Whether every peer in `peers` other than this rank is connected.
+    #[inline]
     pub fn all_connected(&self, peers: &[usize]) -> bool {
         peers
             .iter()

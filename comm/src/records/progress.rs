@@ -140,9 +140,7 @@ pub fn now_ms() -> u64 {
 pub fn now_us() -> u64 {
     use nix::time::{clock_gettime, ClockId};
     match clock_gettime(ClockId::CLOCK_REALTIME) {
-        Ok(t) if t.tv_sec() >= 0 => {
-            (t.tv_sec() as u64) * 1_000_000 + (t.tv_nsec() as u64) / 1_000
-        }
+        Ok(t) if t.tv_sec() >= 0 => (t.tv_sec() as u64) * 1_000_000 + (t.tv_nsec() as u64) / 1_000,
         _ => 0,
     }
 }
