@@ -14,9 +14,9 @@
 //! alone that always holds already (a rank posts `s` after reading every post of `s - 1`, each
 //! made after reading every post of `s - 2`), but a schedule in between may let a rank run
 //! ahead: a broadcast's root sends and goes on, and its next one-shot post would overwrite the
-//! one a slower rank still reads. Broadcast and reduce keep their schedules: their calls need not
-//! wait for one another there, which one-shot could only match by giving up the check of every
-//! call's header before it returns.
+//! one a slower rank still reads. Broadcast and reduce keep their schedules: one-shot versions in
+//! which the root goes on and headers are compared a call later were no faster back to back at
+//! 2 ranks and slower at 4 (`docs/performance.md`, "What limits small messages").
 //!
 //! Waiting follows the executor's idle policy and checks: abort, poison, timeout, the peers'
 //! liveness, and a schedule's header sent where this rank runs one-shot. A waiting rank sleeps on
