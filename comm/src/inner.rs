@@ -503,7 +503,7 @@ impl Inner {
 
     /// PreMulSum: this rank's input scaled once (the algorithm then sums); `None` for other
     /// reductions.
-    #[inline]
+    #[inline(always)]
     fn scaled_input(
         &self,
         call: &RawOp,
@@ -520,6 +520,7 @@ impl Inner {
         }
     }
 
+    #[inline(never)]
     fn scale_input(
         &self,
         call: &RawOp,
@@ -547,7 +548,7 @@ impl Inner {
     }
 
     /// Avg: divides the reduced result once, where a result was written.
-    #[inline]
+    #[inline(always)]
     fn divide_average(&self, call: &RawOp, plan: &Plan, recv: &mut [u8], seq: u64) -> Result<()> {
         if call.op != ReduceOp::Avg {
             return Ok(());
@@ -555,6 +556,7 @@ impl Inner {
         self.divide(call, plan, recv, seq)
     }
 
+    #[inline(never)]
     fn divide(&self, call: &RawOp, plan: &Plan, recv: &mut [u8], seq: u64) -> Result<()> {
         let (r, n) = (self.rank, self.size);
         let range = match call.kind {
@@ -572,7 +574,7 @@ impl Inner {
     }
 
     /// Connects every peer in `peers` not connected yet (for operation `desc`).
-    #[inline]
+    #[inline(always)]
     fn connect_peers(&self, mesh: &mut Mesh, peers: &[usize], desc: &OpDesc) -> Result<()> {
         if mesh.all_connected(peers) {
             return Ok(());
@@ -580,6 +582,7 @@ impl Inner {
         self.connect(mesh, peers, desc)
     }
 
+    #[cold]
     fn connect(&self, mesh: &mut Mesh, peers: &[usize], desc: &OpDesc) -> Result<()> {
         let cancel = || self.abort.load(Ordering::Acquire) || self.poisoned().is_some();
         let mut store = lock(&self.store);

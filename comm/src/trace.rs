@@ -10,7 +10,6 @@
 
 use crate::error::Error;
 use crate::records::trace::{DumpRequest, TraceRecord, TraceState, REQUESTS_KEY};
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -130,10 +129,40 @@ pub struct FlightRecorder {
     ended: AtomicU64,
 }
 
+/// The entries in a vector that, once full, is overwritten from its oldest entry on (`oldest`):
+/// a start then costs one copy of the entry, where a `VecDeque` also popped the front.
 #[derive(Debug, Default)]
 struct Ring {
-    entries: VecDeque<TraceEntry>,
+    entries: Vec<TraceEntry>,
+    oldest: usize,
     recorded: u64,
+}
+
+impl Ring {
+    fn push(&mut self, entry: TraceEntry, capacity: usize) {
+        if self.entries.len() < capacity {
+            self.entries.push(entry);
+        } else if let Some(slot) = self.entries.get_mut(self.oldest) {
+            *slot = entry;
+            self.oldest += 1;
+            if self.oldest == self.entries.len() {
+                self.oldest = 0;
+            }
+        }
+        self.recorded += 1;
+    }
+
+    fn newest_mut(&mut self) -> Option<&mut TraceEntry> {
+        let n = self.entries.len();
+        let at = (self.oldest + n).checked_sub(1)? % n;
+        self.entries.get_mut(at)
+    }
+
+    /// Oldest first.
+    fn in_order(&self) -> impl Iterator<Item = &TraceEntry> {
+        let (newer, older) = self.entries.split_at(self.oldest);
+        older.iter().chain(newer)
+    }
 }
 
 impl FlightRecorder {
@@ -152,7 +181,7 @@ impl FlightRecorder {
         if end_us == 0 {
             return;
         }
-        if let Some(last) = ring.entries.back_mut() {
+        if let Some(last) = ring.newest_mut() {
             if last.state == TraceState::Running {
                 last.end_us = Some(end_us);
                 last.state = TraceState::Completed;
@@ -171,11 +200,7 @@ impl FlightRecorder {
         }
         let mut ring = lock(&self.ring);
         self.settle(&mut ring);
-        if ring.entries.len() == self.capacity {
-            ring.entries.pop_front();
-        }
-        ring.entries.push_back(entry);
-        ring.recorded += 1;
+        ring.push(entry, self.capacity);
     }
 
     /// Changes the running operation's entry (what is known only once it is prepared).
@@ -184,7 +209,7 @@ impl FlightRecorder {
             return;
         }
         let mut ring = lock(&self.ring);
-        if let Some(last) = ring.entries.back_mut() {
+        if let Some(last) = ring.newest_mut() {
             if last.state == TraceState::Running {
                 change(last);
             }
@@ -207,7 +232,7 @@ impl FlightRecorder {
         }
         let mut ring = lock(&self.ring);
         self.settle(&mut ring);
-        if let Some(last) = ring.entries.back_mut() {
+        if let Some(last) = ring.newest_mut() {
             if last.state == TraceState::Running {
                 last.end_us = Some(end_us);
                 last.state = if error.is_some() {
@@ -224,7 +249,7 @@ impl FlightRecorder {
     pub fn snapshot(&self) -> (Vec<TraceEntry>, u64) {
         let mut ring = lock(&self.ring);
         self.settle(&mut ring);
-        (ring.entries.iter().copied().collect(), ring.recorded)
+        (ring.in_order().copied().collect(), ring.recorded)
     }
 }
 
@@ -268,6 +293,19 @@ mod tests {
         assert!(kept
             .iter()
             .all(|e| e.end_us.is_some_and(|t| t >= e.start_us)));
+        // Around the ring more than once, the newest still running.
+        for seq in 6..=10 {
+            r.start(entry(seq));
+            if seq < 10 {
+                r.end(None, now_us());
+            }
+        }
+        let (kept, recorded) = r.snapshot();
+        assert_eq!(recorded, 10);
+        assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), [8, 9, 10]);
+        assert_eq!(kept[2].state, TraceState::Running);
+        r.end(None, now_us());
+        assert_eq!(r.snapshot().0[2].state, TraceState::Completed);
     }
 
     #[test]
