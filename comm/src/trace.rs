@@ -4,8 +4,8 @@
 //! job-wide request arrives through the bootstrap store (`weft trace dump`), or when asked
 //! ([`crate::Communicator::dump_trace`]). `weft trace merge` lines the dumps of a job up.
 //!
-//! Recording costs a lock and a copy of a few words per operation, twice (start and end); the
-//! ring never grows past its capacity. Times are microseconds of the system clock (UNIX epoch)
+//! Recording costs a lock and one copy of the entry when an operation starts, and an atomic
+//! store when it ends without error; the ring never grows past its capacity. Times are microseconds of the system clock (UNIX epoch)
 //! so that dumps from different hosts line up.
 
 use crate::error::Error;
