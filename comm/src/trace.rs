@@ -5,8 +5,8 @@
 //! ([`crate::Communicator::dump_trace`]). `weft trace merge` lines the dumps of a job up.
 //!
 //! Recording costs a lock and one copy of the entry when an operation starts, and an atomic
-//! store when it ends without error; the ring never grows past its capacity. Times are microseconds of the system clock (UNIX epoch)
-//! so that dumps from different hosts line up.
+//! store when it ends without error; the ring never grows past its capacity. Times are
+//! microseconds of the system clock (UNIX epoch) so that dumps from different hosts line up.
 
 use crate::error::Error;
 use crate::records::trace::{DumpRequest, TraceRecord, TraceState, REQUESTS_KEY};
