@@ -512,39 +512,34 @@ impl Inner {
         recv: &[u8],
         seq: u64,
     ) -> Result<Option<Vec<u64>>> {
-        match call.op {
-            ReduceOp::PreMulSum(factor) if call.has_reduction() => {
-                self.scale_input(call, plan, send, recv, seq, factor)
-            }
-            _ => Ok(None),
+        let ReduceOp::PreMulSum(factor) = call.op else {
+            return Ok(None);
+        };
+        if !call.has_reduction() {
+            return Ok(None);
         }
+        let input = plan.input_offset..plan.input_offset + plan.input_len;
+        let src = match send {
+            Some(s) => Some(s),
+            None => recv.get(input),
+        };
+        self.scale(call, src, factor, seq).map(Some)
     }
 
+    /// [`Inner::scaled_input`]'s work, out of line: `src` is the input (`None`: out of range).
     #[inline(never)]
-    fn scale_input(
-        &self,
-        call: &RawOp,
-        plan: &Plan,
-        send: Option<&[u8]>,
-        recv: &[u8],
-        seq: u64,
-        factor: f64,
-    ) -> Result<Option<Vec<u64>>> {
-        let src: &[u8] = match send {
-            Some(s) => s,
-            None => recv
-                .get(plan.input_offset..plan.input_offset + plan.input_len)
-                .ok_or_else(|| self.internal(call.kind, seq, "in-place input range".into()))?,
-        };
-        let mut tmp = vec![0u64; plan.input_len.div_ceil(8)];
+    fn scale(&self, call: &RawOp, src: Option<&[u8]>, factor: f64, seq: u64) -> Result<Vec<u64>> {
+        let src =
+            src.ok_or_else(|| self.internal(call.kind, seq, "in-place input range".into()))?;
+        let mut tmp = vec![0u64; src.len().div_ceil(8)];
         reduce::scale_into(
             call.dtype,
-            &mut bytemuck::cast_slice_mut(&mut tmp)[..plan.input_len],
+            &mut bytemuck::cast_slice_mut(&mut tmp)[..src.len()],
             src,
             factor,
         )
         .map_err(|e| self.internal(call.kind, seq, e.to_string()))?;
-        Ok(Some(tmp))
+        Ok(tmp)
     }
 
     /// Avg: divides the reduced result once, where a result was written.
