@@ -134,9 +134,9 @@ pub fn now_ms() -> u64 {
 }
 
 /// Microseconds since the UNIX epoch on the system clock (zero for a clock set before it): what
-/// ranks on different hosts can compare. Read
-/// straight from `clock_gettime`: through `SystemTime`, the checked `Duration` arithmetic cost
-/// more instructions than the (vDSO) clock reading itself, twice on every call.
+/// ranks on different hosts can compare. Read straight from `clock_gettime`: through
+/// `SystemTime`, the checked `Duration` arithmetic cost more instructions than the (vDSO) clock
+/// reading itself, twice on every call.
 pub fn now_us() -> u64 {
     use nix::time::{clock_gettime, ClockId};
     match clock_gettime(ClockId::CLOCK_REALTIME) {
