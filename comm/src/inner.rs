@@ -386,7 +386,7 @@ impl Inner {
             let all: Vec<usize> = (0..n).collect();
             self.connect_peers(&mut st.mesh, &all, &OpDesc::of_call(call, seq))?;
         }
-        if fits && st.mesh.one_shot_parts().is_some() {
+        if let Some((boxes, conns)) = fits.then(|| st.mesh.one_shot_parts()).flatten() {
             self.trace.start(TraceEntry {
                 algorithm: Some(weftcc_collectives::Algorithm::OneShot),
                 ..entry.with_peers((0..n).filter(|&p| p != r))
@@ -411,9 +411,6 @@ impl Inner {
                 abort: &self.abort,
                 idle: self.settings.backoff,
                 poisoned: &|| self.poisoned(),
-            };
-            let Some((boxes, conns)) = st.mesh.one_shot_parts() else {
-                return Err(self.internal(call.kind, seq, "one-shot outboxes went".into()));
             };
             op.run(boxes, conns, input, recv)?;
             return self.divide_average(call, plan, recv, seq);
@@ -558,7 +555,7 @@ impl Inner {
             OpKind::Reduce if r != call.root => return Ok(()),
             _ => plan.output_offset..plan.output_offset + call.count * call.dtype.size(),
         };
-        if call.op != ReduceOp::Avg || !call.has_reduction() || n <= 1 {
+        if !call.has_reduction() || n <= 1 {
             return Ok(());
         }
         let out = recv
