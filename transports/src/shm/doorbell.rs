@@ -38,6 +38,7 @@ impl Mapping {
     pub(super) fn sleep_unless(&self, max: Duration, ready: &dyn Fn() -> bool) {
         let bell = self.doorbell();
         let sleeping = self.sleeping();
+        // A count rather than a flag, so that several waiters on one segment stay correct.
         sleeping.fetch_add(1, Ordering::SeqCst);
         let cur = bell.load(Ordering::SeqCst);
         if !ready() {
@@ -66,14 +67,9 @@ impl ShmWaiter {
     /// whether it was (a ring during this call counts).
     pub fn wait_doorbell(&mut self, max: Duration) -> bool {
         let bell = self.map.doorbell();
-        let sleeping = self.map.sleeping();
-        // A count rather than a flag, so that several waiters on one segment stay correct.
-        sleeping.fetch_add(1, Ordering::SeqCst);
-        let cur = bell.load(Ordering::SeqCst);
-        if cur == self.last {
-            futex_wait(bell, cur, max);
-        }
-        sleeping.fetch_sub(1, Ordering::SeqCst);
+        let last = self.last;
+        self.map
+            .sleep_unless(max, &|| bell.load(Ordering::SeqCst) != last);
         let now = bell.load(Ordering::SeqCst);
         let rung = now != self.last;
         self.last = now;
