@@ -1,5 +1,7 @@
 //! Transport limits, measured through the same `Connection` trait the engine uses:
 //! * shared-memory ping-pong latency (8 B and 4 KiB round trips between two spinning threads),
+//! * shared-memory small messages one way, back to back (8, 64 and 256 B, 1000 per sample):
+//!   the floor per call of a pipelined small collective such as a broadcast,
 //! * one-way stream rate over shared memory and over loopback TCP (64 MiB pushed in 1 MiB writes,
 //!   the receiver acknowledging the end), to compare with `iperf3` and `memcpy` from
 //!   `benches/baseline.sh`.
@@ -129,5 +131,42 @@ fn streams(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, round_trips, streams);
+/// Small messages one way, back to back, as a broadcast's root sends them: the rate the
+/// transport allows a pipelined small collective (its floor per call).
+fn small_streams(c: &mut Criterion) {
+    const MESSAGES: usize = 1000;
+    let mut g = c.benchmark_group("shm_one_way_1000");
+    for size in [8usize, 64, 256] {
+        let sink = move |mut b: Box<dyn Connection>, stop: mpsc::Receiver<()>| {
+            let mut left = MESSAGES * size;
+            while stop.try_recv().is_err() {
+                let n = b
+                    .try_recv(left, &mut |s: &[u8]| s.len())
+                    .unwrap_or(usize::MAX);
+                if n == usize::MAX {
+                    return;
+                }
+                left -= n;
+                if left == 0 {
+                    send_all(b.as_mut(), &[1; 8]);
+                    left = MESSAGES * size;
+                }
+            }
+        };
+        with_peer(shm_pair(), sink, |a| {
+            let msg = vec![5u8; size];
+            g.bench_function(BenchmarkId::from_parameter(size), |bench| {
+                bench.iter(|| {
+                    for _ in 0..MESSAGES {
+                        send_all(a, &msg);
+                    }
+                    recv_exact(a, 8);
+                })
+            });
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, round_trips, streams, small_streams);
 criterion_main!(benches);
