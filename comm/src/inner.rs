@@ -29,7 +29,7 @@ use weftcc_collectives::schedule::layout::Placement;
 use weftcc_collectives::{reduce, DataType, OpKind, ReduceOp};
 use weftcc_store::StoreClient;
 use weftcc_transports::lock;
-use weftcc_transports::mesh::Mesh;
+use weftcc_transports::mesh::{Mesh, OneShotParts};
 
 pub(crate) struct Inner {
     pub(crate) rank: usize,
@@ -379,41 +379,26 @@ impl Inner {
         entry.redop = call.has_reduction().then_some(call.op);
         entry.root = call.has_root().then_some(call.root);
         // A restriction of the algorithms asks for schedules: one-shot is none of them.
-        let fits = one_shot::fits(call, n, self.settings.one_shot_max)
-            && self.settings.algo.is_unrestricted();
-        if fits && st.mesh.one_shot_parts().is_none() && st.mesh.one_shot_possible() {
-            // Every peer's outbox is needed: they come with the shared-memory connections.
-            let all: Vec<usize> = (0..n).collect();
-            self.connect_peers(&mut st.mesh, &all, &OpDesc::of_call(call, seq))?;
-        }
-        if let Some((boxes, conns)) = fits.then(|| st.mesh.one_shot_parts()).flatten() {
-            self.trace.start(TraceEntry {
-                algorithm: Some(weftcc_collectives::Algorithm::OneShot),
-                ..entry.with_peers((0..n).filter(|&p| p != r))
-            });
-            let scaled = self.scaled_input(call, plan, send, recv, seq)?;
-            let input = match (scaled.as_ref(), send) {
-                (Some(tmp), _) => {
-                    Contribution::Buffer(&bytemuck::cast_slice(tmp.as_slice())[..plan.input_len])
-                }
-                (None, Some(s)) => Contribution::Buffer(s),
-                (None, None) => {
-                    Contribution::InRecv(plan.input_offset..plan.input_offset + plan.input_len)
-                }
-            };
-            let op = OneShot {
-                rank: r,
-                nranks: n,
+        if one_shot::fits(call, n, self.settings.one_shot_max)
+            && self.settings.algo.is_unrestricted()
+        {
+            let one_shot = OneShotCall {
                 call,
                 plan,
                 seq,
-                timeout: self.timeout(),
-                abort: &self.abort,
-                idle: self.settings.backoff,
-                poisoned: &|| self.poisoned(),
+                entry,
             };
-            op.run(boxes, conns, input, recv)?;
-            return self.divide_average(call, plan, recv, seq);
+            if let Some(parts) = st.mesh.one_shot_parts() {
+                return self.run_one_shot(parts, &one_shot, send, recv);
+            }
+            if st.mesh.one_shot_possible() {
+                // Every peer's outbox is needed: they come with the shared-memory connections.
+                let all: Vec<usize> = (0..n).collect();
+                self.connect_peers(&mut st.mesh, &all, &OpDesc::of_call(call, seq))?;
+                if let Some(parts) = st.mesh.one_shot_parts() {
+                    return self.run_one_shot(parts, &one_shot, send, recv);
+                }
+            }
         }
         let shape = CallShape::of(call, plan.in_place, self.settings.deterministic);
         let State {
@@ -486,6 +471,52 @@ impl Inner {
         };
         self.execute(mesh, workspace, &run, &mut areas)?;
 
+        self.divide_average(call, plan, recv, seq)
+    }
+
+    /// Runs a call that fits one-shot over every peer's outbox ([`OneShot`]). Inlined: the
+    /// common path of the smallest calls.
+    #[inline(always)]
+    fn run_one_shot(
+        &self,
+        (boxes, conns): OneShotParts<'_>,
+        one_shot: &OneShotCall<'_>,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let OneShotCall {
+            call,
+            plan,
+            seq,
+            entry,
+        } = *one_shot;
+        let (r, n) = (self.rank, self.size);
+        self.trace.start(TraceEntry {
+            algorithm: Some(weftcc_collectives::Algorithm::OneShot),
+            ..entry.with_peers((0..n).filter(|&p| p != r))
+        });
+        let scaled = self.scaled_input(call, plan, send, recv, seq)?;
+        let input = match (scaled.as_ref(), send) {
+            (Some(tmp), _) => {
+                Contribution::Buffer(&bytemuck::cast_slice(tmp.as_slice())[..plan.input_len])
+            }
+            (None, Some(s)) => Contribution::Buffer(s),
+            (None, None) => {
+                Contribution::InRecv(plan.input_offset..plan.input_offset + plan.input_len)
+            }
+        };
+        let op = OneShot {
+            rank: r,
+            nranks: n,
+            call,
+            plan,
+            seq,
+            timeout: self.timeout(),
+            abort: &self.abort,
+            idle: self.settings.backoff,
+            poisoned: &|| self.poisoned(),
+        };
+        op.run(boxes, conns, input, recv)?;
         self.divide_average(call, plan, recv, seq)
     }
 
@@ -727,4 +758,14 @@ impl Surroundings for Inner {
 /// A duration in whole milliseconds, saturated.
 fn millis(d: Duration) -> u64 {
     d.as_millis().min(u64::MAX as u128) as u64
+}
+
+/// A call that runs one-shot, as [`Inner::run_one_shot`] takes it.
+#[derive(Clone, Copy)]
+struct OneShotCall<'c> {
+    call: &'c RawOp,
+    plan: &'c Plan,
+    seq: u64,
+    /// Its flight recorder entry, before the algorithm and peers are known.
+    entry: TraceEntry,
 }
