@@ -153,8 +153,11 @@ impl Ring {
     }
 
     fn newest_mut(&mut self) -> Option<&mut TraceEntry> {
-        let n = self.entries.len();
-        let at = (self.oldest + n).checked_sub(1)? % n;
+        // The entry before the oldest, around the ring (no division: this runs every call).
+        let at = self
+            .oldest
+            .checked_sub(1)
+            .or(self.entries.len().checked_sub(1))?;
         self.entries.get_mut(at)
     }
 
@@ -176,11 +179,16 @@ impl FlightRecorder {
     }
 
     /// Applies a successful end stored in `ended` to the newest entry, if that one still runs.
+    ///
+    /// A load and a store rather than a swap (no locked instruction per call): callers hold the
+    /// ring's lock, so no other settle runs, and [`FlightRecorder::end`] stores only while
+    /// `ended` is 0, so nothing changes it between the two.
     fn settle(&self, ring: &mut Ring) {
-        let end_us = self.ended.swap(0, Ordering::Acquire);
+        let end_us = self.ended.load(Ordering::Acquire);
         if end_us == 0 {
             return;
         }
+        self.ended.store(0, Ordering::Relaxed);
         if let Some(last) = ring.newest_mut() {
             if last.state == TraceState::Running {
                 last.end_us = Some(end_us);
