@@ -405,6 +405,26 @@ fn mismatched_reduction() {
     });
 }
 
+/// The sender's one small message is already there, whole, when the receiver calls with
+/// another count: the receiver takes it in one piece (the engine's path for an operation of one
+/// message) and must still compare its header. A broadcast's root and a reduce's sender may
+/// return Ok; the receiver reports the mismatch.
+#[test]
+fn mismatched_count_of_a_message_that_arrived_whole() {
+    expect_mismatch_allowing("broadcast count", &[0], |rank, comm| {
+        if rank == 1 {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        comm.broadcast_in_place(&mut vec![1u32; 8 + 8 * rank], 0)
+    });
+    expect_mismatch_allowing("reduce count", &[1], |rank, comm| {
+        if rank == 0 {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        comm.reduce_in_place(&mut vec![1u32; 8 + 8 * rank], ReduceOp::Sum, 0)
+    });
+}
+
 /// Both ranks believe they are the broadcast root. Headers travel only where data does, so both
 /// only send, and with small buffers both calls may return Ok (nobody reads what the other
 /// sent); the next call finds the other rank's broadcast header where it expected its own

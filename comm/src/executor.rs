@@ -284,6 +284,8 @@ pub struct Prepared {
     copies: Vec<usize>,
     /// Every lane's peer.
     peers: Vec<usize>,
+    /// The schedule's one transfer, when it has only one and nothing waits ([`OneMessage`]).
+    one_message: Option<OneMessage>,
     /// The algorithm the schedule was built by (for the flight recorder); `None` for
     /// point-to-point groups.
     algorithm: Option<weftcc_collectives::Algorithm>,
@@ -348,6 +350,7 @@ impl Prepared {
                 header_in: schedule.recv_peers.contains(&peer),
             });
         }
+        let one_message = OneMessage::of(&schedule, &lanes, &order);
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Prepared {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -356,6 +359,7 @@ impl Prepared {
             lanes,
             copies,
             peers,
+            one_message,
             algorithm: None,
         }
     }
@@ -379,6 +383,38 @@ impl Prepared {
     /// The schedule this was prepared from.
     pub fn schedule(&self) -> &Schedule {
         &self.schedule
+    }
+}
+
+/// A schedule that is one message to or from one peer, with nothing that waits on anything (a
+/// broadcast or a reduce between 2 ranks, a tree's leaf): the operation is then tried as that
+/// one message, whole, before the general pass ([`try_one_message`]).
+#[derive(Debug, Clone, Copy)]
+struct OneMessage {
+    /// The step (of the schedule's only lane), and whether it sends.
+    step: usize,
+    send: bool,
+}
+
+impl OneMessage {
+    fn of(schedule: &Schedule, lanes: &[Lane], order: &[usize]) -> Option<OneMessage> {
+        let [lane] = lanes else { return None };
+        let (send, range) = match (lane.send.len(), lane.recv.len()) {
+            (1, 0) => (true, &lane.send),
+            (0, 1) => (false, &lane.recv),
+            _ => return None,
+        };
+        // The header travels with the message, and only that way.
+        if (lane.header_out, lane.header_in) != (send, !send) {
+            return None;
+        }
+        if schedule.steps.iter().any(|s| !s.deps.is_empty()) {
+            return None;
+        }
+        Some(OneMessage {
+            step: order[range.start],
+            send,
+        })
     }
 }
 
@@ -531,7 +567,7 @@ pub fn execute_prepared(
     waiter: &mut dyn IdleWaiter,
     ws: &mut Workspace,
 ) -> Result<()> {
-    let (prepared, layout, headers) = (ctx.prepared, ctx.layout, ctx.headers);
+    let (prepared, layout) = (ctx.prepared, ctx.layout);
     let esize = ctx.dtype.size();
     let steps = &prepared.schedule.steps;
     let order = &prepared.order;
@@ -551,6 +587,11 @@ pub fn execute_prepared(
         *places_for = None;
         resolve_places(ctx, steps, layout, areas, esize, places)?;
         *places_for = key;
+    }
+    if let Some(one) = prepared.one_message {
+        if try_one_message(ctx, one, areas, conns, places, stage)? {
+            return Ok(());
+        }
     }
 
     // Headers flow where data flows (to `send_peers`, from `recv_peers`), so a broadcast root
@@ -572,11 +613,7 @@ pub fn execute_prepared(
         if lane.peer == ctx.rank || conns.get(lane.peer).is_none_or(|c| c.is_none()) {
             return Err(ctx.internal(format!("no connection to rank {}", lane.peer)));
         }
-        let (out, expect) = headers
-            .iter()
-            .find(|h| h.0 == lane.peer)
-            .map(|h| (h.1, h.2))
-            .unwrap_or((ctx.desc, ctx.desc));
+        let (out, expect) = header_descs(ctx, lane.peer);
         send.reset(&lane.send, lane.header_out, out);
         recv.reset(&lane.recv, lane.header_in, expect);
         if lane.header_out {
@@ -686,6 +723,98 @@ pub fn execute_prepared(
             .wait(interest, sleep)
             .map_err(|e| ctx.transport(ctx.rank, e))?;
     }
+}
+
+/// The header this rank sends to `peer` and the one it expects from it: the operation's own,
+/// unless the context names per-peer headers (point-to-point groups).
+fn header_descs(ctx: &Context<'_>, peer: usize) -> (OpDesc, OpDesc) {
+    ctx.headers
+        .iter()
+        .find(|h| h.0 == peer)
+        .map(|h| (h.1, h.2))
+        .unwrap_or((ctx.desc, ctx.desc))
+}
+
+/// Runs a [`OneMessage`] schedule when its message can move whole now: sent with its header in
+/// one write the transport takes whole, or received complete with its header in one piece.
+/// Returns false, having moved nothing, otherwise (the general pass then runs the schedule from
+/// its start); true once the transfer and the local copies are done.
+fn try_one_message(
+    ctx: &Context<'_>,
+    one: OneMessage,
+    areas: &mut [Area<'_>],
+    conns: &mut [Option<Box<dyn Connection>>],
+    places: &[[(usize, usize, usize); 2]],
+    stage: &mut Vec<u8>,
+) -> Result<bool> {
+    let prepared = ctx.prepared;
+    let Some(lane) = prepared.lanes.first() else {
+        return Ok(false);
+    };
+    let place = places[one.step];
+    let (area, off, len) = place[0];
+    let total = padded(len);
+    if HEADER_LEN + total > COALESCE_MAX {
+        return Ok(false);
+    }
+    let conn = match conns.get_mut(lane.peer).and_then(|c| c.as_mut()) {
+        Some(c) if lane.peer != ctx.rank => c,
+        _ => return Err(ctx.internal(format!("no connection to rank {}", lane.peer))),
+    };
+    let (out, expect) = header_descs(ctx, lane.peer);
+    if one.send {
+        stage.clear();
+        stage.extend_from_slice(&out.encode(ctx.rank as u32));
+        stage.extend_from_slice(&areas[area].bytes()[off..off + len]);
+        stage.resize(HEADER_LEN + total, 0);
+        let sent = conn
+            .try_send_whole(stage)
+            .map_err(|e| ctx.transport(lane.peer, e))?;
+        if !sent {
+            return Ok(false);
+        }
+    } else {
+        let step = &prepared.schedule.steps[one.step];
+        let mut failure: Option<Error> = None;
+        let mut take = |src: &[u8]| -> usize {
+            if src.len() < HEADER_LEN + total {
+                return 0; // not whole yet: the general pass takes it from here
+            }
+            let mut header = [0u8; HEADER_LEN];
+            header.copy_from_slice(&src[..HEADER_LEN]);
+            if let Err(e) = check_header(ctx, lane.peer, &header, &expect) {
+                failure = Some(e);
+                return HEADER_LEN;
+            }
+            if let Err(e) = deliver(
+                ctx,
+                step,
+                place,
+                areas,
+                0,
+                &src[HEADER_LEN..HEADER_LEN + len],
+            ) {
+                failure = Some(ctx.internal(e));
+                return HEADER_LEN;
+            }
+            HEADER_LEN + total
+        };
+        let n = conn
+            .try_recv(HEADER_LEN + total, &mut take)
+            .map_err(|e| ctx.transport(lane.peer, e))?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+    }
+    // Nothing in the schedule waits on anything: its copies are independent of the message.
+    for &i in &prepared.copies {
+        let [(da, doff, len), (sa, soff, _)] = places[i];
+        copy_region(areas, (sa, soff), (da, doff), len).map_err(|e| ctx.internal(e))?;
+    }
+    Ok(true)
 }
 
 /// Every step's regions as `(area, byte offset, bytes)`, checked to lie inside their areas:

@@ -44,6 +44,14 @@ pub trait Connection: Send {
         self.try_send(data)
     }
 
+    /// Accepts all of `data` or none of it; returns whether it did. For a caller that can go on
+    /// only with a whole message (the engine's path for an operation of one small message);
+    /// a transport that cannot tell beforehand whether everything fits keeps this default,
+    /// which accepts nothing (the caller then writes through [`Connection::try_send`]).
+    fn try_send_whole(&mut self, _data: &[u8]) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Lends up to `max` received bytes as one contiguous slice to `consume`, which returns how
     /// many of them it used (a prefix, at most the slice's length). Returns that number; 0 when
     /// nothing is available (or `max` is 0).

@@ -573,6 +573,48 @@ fn aligned_lending(make: fn() -> Option<(End, End)>, pinned: bool) {
 }
 
 /// Both ends send and receive at the same time, more than any buffer holds.
+/// `try_send_whole` takes all of a message or none of it: small messages written whole while
+/// nobody reads, until the transport refuses one (at once where it keeps the default), then the
+/// refused message through `try_send`, arrive in order with nothing of the refusal between them.
+fn whole_writes(make: fn() -> Option<(End, End)>) {
+    const MSG: usize = 48;
+    let Some((mut a, mut b)) = make() else { return };
+    let seed = 5;
+    let start = Instant::now();
+    let mut msg = [0u8; MSG];
+    let mut off = 0usize;
+    loop {
+        fill(seed, off as u64, &mut msg);
+        if off >= 8 << 20 || !a.0.try_send_whole(&msg).expect("try_send_whole") {
+            break;
+        }
+        off += MSG;
+    }
+    let total = off + MSG;
+    std::thread::scope(|s| {
+        let _sender = s.spawn(move || {
+            send_all(&mut a, &msg, start, false);
+            a
+        });
+        let mut got = 0usize;
+        while got < total {
+            let base = got;
+            let n =
+                b.0.try_recv(total - got, &mut |sl: &[u8]| {
+                    assert_pattern(seed, base, sl);
+                    sl.len()
+                })
+                .expect("try_recv");
+            got += n;
+            if n == 0 {
+                wait_for_data(&mut b, start, || {
+                    format!("receive stalled at {got}/{total}")
+                });
+            }
+        }
+    });
+}
+
 fn bidirectional(make: fn() -> Option<(End, End)>) {
     let Some((a, b)) = make() else { return };
     const BYTES: usize = 12 << 20;
@@ -855,6 +897,10 @@ macro_rules! suites {
             #[test]
             fn element_wise_reader_never_stalls_pinned() {
                 element_wise_reader($make, true);
+            }
+            #[test]
+            fn whole_writes_are_all_or_nothing() {
+                whole_writes($make);
             }
             #[test]
             fn small_writes_between_large_ones() {

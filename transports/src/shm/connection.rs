@@ -482,12 +482,10 @@ fn words_as_bytes(words: &[u64]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) }
 }
 
-impl Connection for ShmConnection {
-    fn peer(&self) -> usize {
-        self.peer
-    }
-
-    fn try_send(&mut self, data: &[u8]) -> Result<usize> {
+impl ShmConnection {
+    /// Writes a prefix of `data` (as a low-latency message, or into the ring); with `whole`,
+    /// all of it or nothing.
+    fn send_bytes(&mut self, data: &[u8], whole: bool) -> Result<usize> {
         let r = &*self.remote;
         if self.peer_dead {
             return Err(self.lost("peer process exited"));
@@ -517,7 +515,7 @@ impl Connection for ShmConnection {
         let Ok((n, off)) = self.send.writable(data.len(), cap) else {
             return Err(self.corrupt("tail ahead of head"));
         };
-        if n == 0 {
+        if n == 0 || (whole && n < data.len()) {
             return Ok(0);
         }
         let first = n.min(cap - off);
@@ -535,6 +533,20 @@ impl Connection for ShmConnection {
         r.u64_at(self.tx + R_HEAD).store(head, Ordering::Release);
         self.peer_bell.ring_doorbell();
         Ok(n)
+    }
+}
+
+impl Connection for ShmConnection {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn try_send(&mut self, data: &[u8]) -> Result<usize> {
+        self.send_bytes(data, false)
+    }
+
+    fn try_send_whole(&mut self, data: &[u8]) -> Result<bool> {
+        Ok(self.send_bytes(data, true)? == data.len())
     }
 
     fn try_send_pinned(&mut self, data: &[u8]) -> Result<usize> {
