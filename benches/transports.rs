@@ -65,6 +65,23 @@ fn with_peer(
     let _ = peer.join();
 }
 
+/// A peer that consumes `total` bytes at a time and answers each `total` with one byte.
+fn sink(total: usize) -> impl FnOnce(Box<dyn Connection>, mpsc::Receiver<()>) + Send + 'static {
+    move |mut b, stop| {
+        let mut left = total;
+        while stop.try_recv().is_err() {
+            let Ok(n) = b.try_recv(left, &mut |s: &[u8]| s.len()) else {
+                return;
+            };
+            left -= n;
+            if left == 0 {
+                send_all(b.as_mut(), &[1]);
+                left = total;
+            }
+        }
+    }
+}
+
 fn round_trips(c: &mut Criterion) {
     let mut g = c.benchmark_group("shm_round_trip");
     for size in [8usize, 4096] {
@@ -99,24 +116,7 @@ fn streams(c: &mut Criterion) {
         .sample_size(10)
         .measurement_time(Duration::from_secs(4));
     for (name, make) in [("shm", shm_pair as fn() -> Pair), ("tcp", tcp_pair)] {
-        // The sink consumes TOTAL bytes, then answers one byte.
-        let sink = |mut b: Box<dyn Connection>, stop: mpsc::Receiver<()>| {
-            let mut left = TOTAL;
-            while stop.try_recv().is_err() {
-                let n = b
-                    .try_recv(left, &mut |s: &[u8]| s.len())
-                    .unwrap_or(usize::MAX);
-                if n == usize::MAX {
-                    return;
-                }
-                left -= n;
-                if left == 0 {
-                    send_all(b.as_mut(), &[1]);
-                    left = TOTAL;
-                }
-            }
-        };
-        with_peer(make(), sink, |a| {
+        with_peer(make(), sink(TOTAL), |a| {
             let chunk = vec![3u8; WRITE];
             g.bench_function(name, |bench| {
                 bench.iter(|| {
@@ -137,30 +137,14 @@ fn small_streams(c: &mut Criterion) {
     const MESSAGES: usize = 1000;
     let mut g = c.benchmark_group("shm_one_way_1000");
     for size in [8usize, 64, 256] {
-        let sink = move |mut b: Box<dyn Connection>, stop: mpsc::Receiver<()>| {
-            let mut left = MESSAGES * size;
-            while stop.try_recv().is_err() {
-                let n = b
-                    .try_recv(left, &mut |s: &[u8]| s.len())
-                    .unwrap_or(usize::MAX);
-                if n == usize::MAX {
-                    return;
-                }
-                left -= n;
-                if left == 0 {
-                    send_all(b.as_mut(), &[1; 8]);
-                    left = MESSAGES * size;
-                }
-            }
-        };
-        with_peer(shm_pair(), sink, |a| {
+        with_peer(shm_pair(), sink(MESSAGES * size), |a| {
             let msg = vec![5u8; size];
             g.bench_function(BenchmarkId::from_parameter(size), |bench| {
                 bench.iter(|| {
                     for _ in 0..MESSAGES {
                         send_all(a, &msg);
                     }
-                    recv_exact(a, 8);
+                    recv_exact(a, 1);
                 })
             });
         });
