@@ -232,7 +232,23 @@ impl OneShot<'_> {
 
     /// Waits until no rank `p` has `pending(p)`, with the executor's idle policy, sleeping on
     /// this rank's doorbell (`mine`).
+    #[inline(always)]
     fn wait_for(
+        &self,
+        conns: &mut [Option<Box<dyn Connection>>],
+        mine: &Outbox,
+        pending: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        // Usually nothing is pending: no idle policy, no description for errors.
+        if !(0..self.nranks).any(pending) {
+            return Ok(());
+        }
+        self.wait_while(conns, mine, pending)
+    }
+
+    /// [`OneShot::wait_for`] once something is pending.
+    #[inline(never)]
+    fn wait_while(
         &self,
         conns: &mut [Option<Box<dyn Connection>>],
         mine: &Outbox,
