@@ -735,6 +735,14 @@ fn header_descs(ctx: &Context<'_>, peer: usize) -> (OpDesc, OpDesc) {
         .unwrap_or((ctx.desc, ctx.desc))
 }
 
+/// `header` and a first message's `data` as one write in `stage`, the data padded to whole words.
+fn coalesce(stage: &mut Vec<u8>, header: &[u8; HEADER_LEN], data: &[u8]) {
+    stage.clear();
+    stage.extend_from_slice(header);
+    stage.extend_from_slice(data);
+    stage.resize(HEADER_LEN + padded(data.len()), 0);
+}
+
 /// Runs a [`OneMessage`] schedule when its message can move whole now: sent with its header in
 /// one write the transport takes whole, or received complete with its header in one piece.
 /// Returns false, having moved nothing, otherwise (the general pass then runs the schedule from
@@ -763,10 +771,11 @@ fn try_one_message(
     };
     let (out, expect) = header_descs(ctx, lane.peer);
     if one.send {
-        stage.clear();
-        stage.extend_from_slice(&out.encode(ctx.rank as u32));
-        stage.extend_from_slice(&areas[area].bytes()[off..off + len]);
-        stage.resize(HEADER_LEN + total, 0);
+        coalesce(
+            stage,
+            &out.encode(ctx.rank as u32),
+            &areas[area].bytes()[off..off + len],
+        );
         let sent = conn
             .try_send_whole(stage)
             .map_err(|e| ctx.transport(lane.peer, e))?;
@@ -894,10 +903,7 @@ fn pump_sends(
             .filter(|&i| cur.header_moved == 0 && io.ready(i));
         match first.map(|i| (i, io.places[i][0])) {
             Some((_, (area, off, len))) if padded(len) <= COALESCE_MAX => {
-                stage.clear();
-                stage.extend_from_slice(&cur.header);
-                stage.extend_from_slice(&areas[area].bytes()[off..off + len]);
-                stage.resize(HEADER_LEN + padded(len), 0);
+                coalesce(stage, &cur.header, &areas[area].bytes()[off..off + len]);
                 let n = io
                     .conn
                     .try_send(stage)

@@ -382,21 +382,15 @@ impl Inner {
         if one_shot::fits(call, n, self.settings.one_shot_max)
             && self.settings.algo.is_unrestricted()
         {
-            let one_shot = OneShotCall {
-                call,
-                plan,
-                seq,
-                entry,
-            };
             if let Some(parts) = st.mesh.one_shot_parts() {
-                return self.run_one_shot(parts, &one_shot, send, recv);
+                return self.run_one_shot(parts, call, plan, entry, send, recv);
             }
             if st.mesh.one_shot_possible() {
                 // Every peer's outbox is needed: they come with the shared-memory connections.
                 let all: Vec<usize> = (0..n).collect();
                 self.connect_peers(&mut st.mesh, &all, &OpDesc::of_call(call, seq))?;
                 if let Some(parts) = st.mesh.one_shot_parts() {
-                    return self.run_one_shot(parts, &one_shot, send, recv);
+                    return self.run_one_shot(parts, call, plan, entry, send, recv);
                 }
             }
         }
@@ -474,22 +468,20 @@ impl Inner {
         self.divide_average(call, plan, recv, seq)
     }
 
-    /// Runs a call that fits one-shot over every peer's outbox ([`OneShot`]). Inlined: the
-    /// common path of the smallest calls.
+    /// Runs a call that fits one-shot over every peer's outbox ([`OneShot`]); `entry` is its
+    /// flight recorder entry before the algorithm and peers are known (and gives its sequence
+    /// number). Inlined: the common path of the smallest calls.
     #[inline(always)]
     fn run_one_shot(
         &self,
         (boxes, conns): OneShotParts<'_>,
-        one_shot: &OneShotCall<'_>,
+        call: &RawOp,
+        plan: &Plan,
+        entry: TraceEntry,
         send: Option<&[u8]>,
         recv: &mut [u8],
     ) -> Result<()> {
-        let OneShotCall {
-            call,
-            plan,
-            seq,
-            entry,
-        } = *one_shot;
+        let seq = entry.seq;
         let (r, n) = (self.rank, self.size);
         self.trace.start(TraceEntry {
             algorithm: Some(weftcc_collectives::Algorithm::OneShot),
@@ -758,14 +750,4 @@ impl Surroundings for Inner {
 /// A duration in whole milliseconds, saturated.
 fn millis(d: Duration) -> u64 {
     d.as_millis().min(u64::MAX as u128) as u64
-}
-
-/// A call that runs one-shot, as [`Inner::run_one_shot`] takes it.
-#[derive(Clone, Copy)]
-struct OneShotCall<'c> {
-    call: &'c RawOp,
-    plan: &'c Plan,
-    seq: u64,
-    /// Its flight recorder entry, before the algorithm and peers are known.
-    entry: TraceEntry,
 }
