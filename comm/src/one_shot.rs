@@ -1,6 +1,6 @@
 //! One-shot collectives among ranks that all share memory: every rank posts its contribution
 //! once in its outbox ([`weftcc_transports::shm::Outbox`]) and reads every other rank's in
-//! place. A small all-reduce, all-gather or reduce-scatter then costs the cache lines its data
+//! place. A small all-reduce, all-gather, reduce-scatter or all-to-all then costs the cache lines its data
 //! fills plus one flag per rank, not a schedule's messages (OpenMPI's and MPICH's shared-memory
 //! collectives do the same).
 //!
@@ -47,12 +47,9 @@ pub(crate) fn volume(call: &RawOp, n: usize) -> Option<(usize, usize)> {
     let others = block.checked_mul(n.checked_sub(1)?)?;
     match call.kind {
         OpKind::AllReduce | OpKind::AllGather => Some((block, others)),
-        OpKind::ReduceScatter => Some((block.checked_mul(n)?, others)),
-        OpKind::Broadcast
-        | OpKind::Reduce
-        | OpKind::AllToAll
-        | OpKind::Barrier
-        | OpKind::SendRecv => None,
+        // Both post their whole input, and each rank reads its block of the others'.
+        OpKind::ReduceScatter | OpKind::AllToAll => Some((block.checked_mul(n)?, others)),
+        OpKind::Broadcast | OpKind::Reduce | OpKind::Barrier | OpKind::SendRecv => None,
     }
 }
 
@@ -206,6 +203,19 @@ impl OneShot<'_> {
                 }
                 Ok(())
             }
+            OpKind::AllToAll => {
+                // Block `p` of the output is block `r` of rank `p`'s contribution (this rank's
+                // own too: in place, its input was copied into the outbox before the output
+                // overwrites it).
+                let out = self.output(recv, block * n)?;
+                let mine = r * block..(r + 1) * block;
+                for (p, part) in out.chunks_exact_mut(block).enumerate() {
+                    src(p)?
+                        .read(k, mine.end, |b| copy_exact(part, &b[mine.clone()]))
+                        .map_err(|e| self.internal(e))?;
+                }
+                Ok(())
+            }
             OpKind::AllReduce | OpKind::ReduceScatter => {
                 let comb: Combiner = call.op.combiner();
                 // Reduce-scatter: this rank's block of every contribution.
@@ -322,12 +332,12 @@ mod tests {
         assert!(fits(&call(OpKind::ReduceScatter, 256), 2, 1024));
         // Never more than a slot holds.
         assert!(!fits(&call(OpKind::AllReduce, 1025), 2, 1 << 20));
-        for kind in [
-            OpKind::Broadcast,
-            OpKind::Reduce,
-            OpKind::AllToAll,
-            OpKind::Barrier,
-        ] {
+        // All-to-all too: each rank reads its block of the others' whole inputs.
+        assert!(fits(&call(OpKind::AllToAll, 256), 4, 1 << 20));
+        assert!(!fits(&call(OpKind::AllToAll, 257), 4, 1 << 20));
+        assert!(fits(&call(OpKind::AllToAll, 85), 4, 1024));
+        assert!(!fits(&call(OpKind::AllToAll, 86), 4, 1024));
+        for kind in [OpKind::Broadcast, OpKind::Reduce, OpKind::Barrier] {
             assert!(!fits(&call(kind, 2), 2, 1024), "{kind}");
         }
     }
@@ -378,6 +388,46 @@ mod tests {
             .collect();
         for (rank, got) in results.iter().enumerate() {
             assert_eq!(got, &want, "rank {rank}");
+        }
+    }
+
+    /// All-to-all one-shot, out of place and in place: block `p` of each rank's output is
+    /// block `rank` of rank `p`'s input (its own included), call after call through both slots.
+    #[test]
+    fn all_to_all_one_shot_delivers_each_block_to_its_rank() {
+        let (n, count) = (3usize, 2usize);
+        let value = |round: u32, from: usize, to: usize, i: usize| {
+            round * 1000 + (from * 100 + to * 10 + i) as u32
+        };
+        let results = run_ranks(
+            n,
+            |_| config(),
+            |rank, comm| {
+                let mut wrong = Vec::new();
+                for round in 0..6u32 {
+                    let input: Vec<u32> = (0..n * count)
+                        .map(|j| value(round, rank, j / count, j % count))
+                        .collect();
+                    let want: Vec<u32> = (0..n * count)
+                        .map(|j| value(round, j / count, rank, j % count))
+                        .collect();
+                    let mut out = vec![0u32; n * count];
+                    comm.all_to_all(&input, &mut out).expect("all-to-all");
+                    assert_eq!(last_algorithm(&comm).as_deref(), Some("one_shot"));
+                    let mut buf = input.clone();
+                    comm.all_to_all_in_place(&mut buf)
+                        .expect("all-to-all in place");
+                    assert_eq!(last_algorithm(&comm).as_deref(), Some("one_shot"));
+                    if out != want || buf != want {
+                        wrong.push((round, out, buf, want));
+                    }
+                }
+                wrong
+            },
+        )
+        .expect("ranks");
+        for (rank, wrong) in results.iter().enumerate() {
+            assert!(wrong.is_empty(), "rank {rank}: {wrong:?}");
         }
     }
 

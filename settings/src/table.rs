@@ -79,7 +79,7 @@ settings! {
     SHM_LL_MAX = "WEFT_SHM_LL_MAX", Size { min: 0 }, Must, "440",
         "Largest write sent as a low-latency message (0: none).";
     SHM_ONESHOT_MAX = "WEFT_SHM_ONESHOT_MAX", Size { min: 0 }, Must, "1K",
-        "Small all-reduce, all-gather and reduce-scatter among 2 to 8 ranks that all share memory run one-shot (each rank posts its contribution, at most 4 KiB, once and reads the others' in place) when no rank reads more than this many bytes of the others' (0: never; unused when `WEFT_ALGO` is set).";
+        "Small all-reduce, all-gather, reduce-scatter and all-to-all among 2 to 8 ranks that all share memory run one-shot (each rank posts its contribution, at most 4 KiB, once and reads the others' in place) when no rank reads more than this many bytes of the others' (0: never; unused when `WEFT_ALGO` is set).";
 
     // TCP.
     SOCKET_IFNAME = "WEFT_SOCKET_IFNAME", Text, Should, "all but lo, docker*",
