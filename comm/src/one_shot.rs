@@ -1,8 +1,8 @@
 //! One-shot collectives among ranks that all share memory: every rank posts its contribution
 //! once in its outbox ([`weftcc_transports::shm::Outbox`]) and reads every other rank's in
-//! place. A small all-reduce, all-gather, reduce-scatter or all-to-all then costs the cache lines its data
-//! fills plus one flag per rank, not a schedule's messages (OpenMPI's and MPICH's shared-memory
-//! collectives do the same).
+//! place. A small all-reduce, all-gather, reduce-scatter or all-to-all then costs the cache
+//! lines its data fills plus one flag per rank, not a schedule's messages (OpenMPI's and MPICH's
+//! shared-memory collectives do the same).
 //!
 //! Every rank checks the header posted with each contribution against its own call (a
 //! disagreement is [`Error::Mismatch`]). Reductions fold the contributions in rank order,
