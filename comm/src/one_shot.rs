@@ -194,24 +194,19 @@ impl OneShot<'_> {
         let src =
             |p: usize| outbox(p).ok_or_else(|| self.internal(format!("no outbox of rank {p}")));
         match call.kind {
-            OpKind::AllGather => {
+            OpKind::AllGather | OpKind::AllToAll => {
+                // Block `p` of the output is rank `p`'s contribution, or (all-to-all) block `r`
+                // of it; this rank's own too: in place, its input was copied into the outbox
+                // before the output overwrites it.
+                let part = if call.kind == OpKind::AllToAll {
+                    r * block..(r + 1) * block
+                } else {
+                    0..block
+                };
                 let out = self.output(recv, block * n)?;
-                for (p, part) in out.chunks_exact_mut(block).enumerate() {
+                for (p, out_block) in out.chunks_exact_mut(block).enumerate() {
                     src(p)?
-                        .read(k, block, |b| copy_exact(part, b))
-                        .map_err(|e| self.internal(e))?;
-                }
-                Ok(())
-            }
-            OpKind::AllToAll => {
-                // Block `p` of the output is block `r` of rank `p`'s contribution (this rank's
-                // own too: in place, its input was copied into the outbox before the output
-                // overwrites it).
-                let out = self.output(recv, block * n)?;
-                let mine = r * block..(r + 1) * block;
-                for (p, part) in out.chunks_exact_mut(block).enumerate() {
-                    src(p)?
-                        .read(k, mine.end, |b| copy_exact(part, &b[mine.clone()]))
+                        .read(k, part.end, |b| copy_exact(out_block, &b[part.clone()]))
                         .map_err(|e| self.internal(e))?;
                 }
                 Ok(())
